@@ -1,0 +1,159 @@
+"""ClickHouse connections (clickhouse-connect over HTTP), the server version check, and migrations.
+
+Migrations are the numbered ``.sql`` files in ``infra/migrations``; each is applied once per
+database and recorded in ``schema_migrations``. Statements are written to be idempotent
+(``IF NOT EXISTS``), so two processes migrating at once, or a crash halfway, is harmless.
+"""
+
+from __future__ import annotations
+
+import hashlib
+import re
+import time
+from dataclasses import dataclass
+from importlib import resources
+from urllib.parse import urlsplit
+
+import clickhouse_connect
+from clickhouse_connect.driver.client import Client
+
+from infra.config import ClickHouseConfig
+
+MINIMUM_VERSION = (24, 3)
+PRODUCT_TABLES = ("spans", "rollouts", "transitions", "checkpoints", "train_steps")
+MIGRATION_FILE = re.compile(r"^(\d{4})_([a-z0-9_]+)\.sql$")
+
+
+class ClickHouseError(RuntimeError):
+    """ClickHouse is unreachable, too old, or refused a migration."""
+
+
+class UnsupportedClickHouse(ClickHouseError):
+    """The server's version is older than the SQL agentstream runs needs."""
+
+
+@dataclass(frozen=True)
+class Migration:
+    version: int
+    name: str
+    sql: str
+
+    @property
+    def checksum(self) -> str:
+        return hashlib.sha256(self.sql.encode()).hexdigest()[:16]
+
+    def statements(self, database: str) -> list[str]:
+        body = "\n".join(line for line in self.sql.splitlines() if not line.lstrip().startswith("--"))
+        return [s.strip().replace("{database}", database) for s in body.split(";") if s.strip()]
+
+
+def connect(config: ClickHouseConfig, url: str, *, database: str | None = None, readonly: bool = False,
+            timeout_s: float = 30.0) -> Client:
+    """A clickhouse-connect client for ``url``; raises ClickHouseError if the server is unreachable or too old."""
+    parts = urlsplit(url)
+    settings = {"readonly": 1} if readonly else {}
+    try:
+        client = clickhouse_connect.get_client(
+            host=parts.hostname or "127.0.0.1",
+            port=parts.port or (8443 if parts.scheme == "https" else 8123),
+            secure=parts.scheme == "https",
+            verify=config.verify_tls,
+            username=config.username,
+            password=config.password.reveal() if config.password else "",
+            database=database or "",
+            connect_timeout=min(timeout_s, 10),
+            send_receive_timeout=max(timeout_s, 30),
+            settings=settings,
+        )
+    except Exception as error:  # clickhouse-connect raises several types for "cannot reach"
+        raise ClickHouseError(f"cannot reach ClickHouse at {url}: {_first_line(error)}") from None
+    check_version(client.server_version, url)
+    return client
+
+
+def check_version(version: str, url: str) -> None:
+    numbers = tuple(int(part) for part in re.findall(r"\d+", version)[:2])
+    if numbers < MINIMUM_VERSION:
+        wanted = ".".join(map(str, MINIMUM_VERSION))
+        raise UnsupportedClickHouse(
+            f"ClickHouse {version} at {url} is too old: agentstream's tables and queries need {wanted} or newer"
+        )
+
+
+def wait_for_clickhouse(config: ClickHouseConfig, url: str, timeout_s: float) -> Client:
+    deadline = time.monotonic() + timeout_s
+    while True:
+        try:
+            return connect(config, url)
+        except UnsupportedClickHouse:
+            raise
+        except ClickHouseError:
+            if time.monotonic() > deadline:
+                raise
+            time.sleep(0.2)
+
+
+def load_migrations() -> list[Migration]:
+    folder = resources.files("infra") / "migrations"
+    found = []
+    for entry in folder.iterdir():
+        match = MIGRATION_FILE.match(entry.name)
+        if match:
+            found.append(Migration(int(match.group(1)), match.group(2), entry.read_text()))
+    return sorted(found, key=lambda m: m.version)
+
+
+def migrate(client: Client, database: str) -> list[Migration]:
+    """Apply the migrations ``database`` has not seen yet; returns those applied now."""
+    if not re.fullmatch(r"[A-Za-z_][A-Za-z0-9_]*", database):
+        raise ClickHouseError(f"database name {database!r} must be a plain identifier")
+    client.command(f"CREATE DATABASE IF NOT EXISTS {database}")
+    client.command(
+        f"CREATE TABLE IF NOT EXISTS {database}.schema_migrations "
+        "(version UInt32, name String, checksum String, applied_at DateTime64(3, 'UTC') DEFAULT now64(3)) "
+        "ENGINE = ReplacingMergeTree ORDER BY version"
+    )
+    applied = {row[0] for row in client.query(f"SELECT version FROM {database}.schema_migrations FINAL").result_rows}
+    done = []
+    for migration in load_migrations():
+        if migration.version in applied:
+            continue
+        for statement in migration.statements(database):
+            try:
+                client.command(statement)
+            except Exception as error:
+                raise ClickHouseError(f"migration {migration.version:04d}_{migration.name} failed: {_first_line(error)}") from None
+        client.insert(f"{database}.schema_migrations", [[migration.version, migration.name, migration.checksum]],
+                      column_names=["version", "name", "checksum"])
+        done.append(migration)
+    return done
+
+
+def table_counts(client: Client, database: str) -> dict[str, int]:
+    """Rows per product table as a query sees them (FINAL, so replayed duplicates count once)."""
+    counts = {}
+    for table in PRODUCT_TABLES:
+        try:
+            counts[table] = int(client.query(f"SELECT count() FROM {database}.{table} FINAL").result_rows[0][0])
+        except Exception:
+            counts[table] = -1
+    return counts
+
+
+def server_message(error: Exception) -> str:
+    """ClickHouse's own error text from a clickhouse-connect exception, without the client's wrapping."""
+    text = str(error).strip()
+    marker = "server response: "
+    if marker in text:
+        text = text[text.index(marker) + len(marker):]
+    return re.sub(r"\s*\(for url [^)]*\)\s*$", "", text)
+
+
+def _first_line(error: Exception) -> str:
+    text = str(error)
+    if "Connection refused" in text or "Failed to establish a new connection" in text:
+        return "connection refused"
+    if "timed out" in text.lower():
+        return "timed out"
+    lines = server_message(error).splitlines()
+    return lines[0] if lines else type(error).__name__

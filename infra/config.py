@@ -1,0 +1,241 @@
+"""Typed configuration for every agentstream component: one TOML file plus environment variables.
+
+Precedence, lowest first: built-in defaults, the TOML file (``agentstream.toml`` in the
+working directory, or the path in ``AGENTSTREAM_CONFIG``), then environment variables.
+Secrets are wrapped in :class:`Secret` so they never show up in a repr, a log line or a
+status print.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import os
+import tomllib
+from collections.abc import Mapping
+from dataclasses import dataclass, field, fields, replace
+from pathlib import Path
+from typing import Any, get_type_hints
+from urllib.parse import unquote, urlsplit, urlunsplit
+
+
+class ConfigError(ValueError):
+    """The configuration file or an environment variable holds a value we cannot use."""
+
+
+class Secret:
+    """A string that hides itself from repr/str so it cannot leak into logs."""
+
+    __slots__ = ("_value",)
+
+    def __init__(self, value: str) -> None:
+        self._value = value
+
+    def reveal(self) -> str:
+        return self._value
+
+    def __repr__(self) -> str:
+        return "Secret('***')"
+
+    __str__ = __repr__
+
+    def __eq__(self, other: object) -> bool:
+        return isinstance(other, Secret) and other._value == self._value
+
+    def __hash__(self) -> int:
+        return hash(self._value)
+
+
+@dataclass(frozen=True)
+class KafkaConfig:
+    """Where the Kafka cluster is and how to authenticate; None bootstrap means the embedded broker."""
+
+    bootstrap_servers: str | None = None
+    security_protocol: str = "PLAINTEXT"
+    sasl_mechanism: str | None = None
+    sasl_username: str | None = None
+    sasl_password: Secret | None = None
+    ssl_cafile: str | None = None
+    ssl_certfile: str | None = None
+    ssl_keyfile: str | None = None
+    client_id: str = "agentstream"
+
+    @property
+    def external(self) -> bool:
+        return self.bootstrap_servers is not None
+
+
+@dataclass(frozen=True)
+class TopicsConfig:
+    """Names and layout of the product topics (all share one prefix)."""
+
+    prefix: str = "agentstream."
+    partitions: int = 4
+    replication_factor: int = 1
+    retention_ms: int = 7 * 24 * 3600 * 1000
+
+
+@dataclass(frozen=True)
+class ClickHouseConfig:
+    """Where ClickHouse is; None url means the embedded engine served over ClickHouse HTTP."""
+
+    url: str | None = None
+    database: str = "agentstream"
+    username: str = "default"
+    password: Secret | None = None
+    verify_tls: bool = True
+
+    @property
+    def external(self) -> bool:
+        return self.url is not None
+
+
+@dataclass(frozen=True)
+class StackConfig:
+    """The local stack `agentstream up` runs: loopback ports and the state folder."""
+
+    home: Path = Path(".agentstream")
+    host: str = "127.0.0.1"
+    broker_port: int = 9092
+    clickhouse_port: int = 8123
+    tansu_bin: str | None = None
+
+
+@dataclass(frozen=True)
+class Config:
+    """The whole configuration; build it with :func:`load_config`."""
+
+    kafka: KafkaConfig = field(default_factory=KafkaConfig)
+    topics: TopicsConfig = field(default_factory=TopicsConfig)
+    clickhouse: ClickHouseConfig = field(default_factory=ClickHouseConfig)
+    stack: StackConfig = field(default_factory=StackConfig)
+
+
+# Environment variable -> (section, field). The one place environment names are defined.
+ENVIRONMENT: dict[str, tuple[str, str]] = {
+    "KAFKA_BOOTSTRAP_SERVERS": ("kafka", "bootstrap_servers"),
+    "KAFKA_SECURITY_PROTOCOL": ("kafka", "security_protocol"),
+    "KAFKA_SASL_MECHANISM": ("kafka", "sasl_mechanism"),
+    "KAFKA_SASL_USERNAME": ("kafka", "sasl_username"),
+    "KAFKA_SASL_PASSWORD": ("kafka", "sasl_password"),
+    "KAFKA_SSL_CAFILE": ("kafka", "ssl_cafile"),
+    "KAFKA_SSL_CERTFILE": ("kafka", "ssl_certfile"),
+    "KAFKA_SSL_KEYFILE": ("kafka", "ssl_keyfile"),
+    "AGENTSTREAM_TOPIC_PREFIX": ("topics", "prefix"),
+    "AGENTSTREAM_TOPIC_PARTITIONS": ("topics", "partitions"),
+    "AGENTSTREAM_TOPIC_RETENTION_MS": ("topics", "retention_ms"),
+    "CLICKHOUSE_URL": ("clickhouse", "url"),
+    "CLICKHOUSE_DATABASE": ("clickhouse", "database"),
+    "CLICKHOUSE_USER": ("clickhouse", "username"),
+    "CLICKHOUSE_PASSWORD": ("clickhouse", "password"),
+    "AGENTSTREAM_HOME": ("stack", "home"),
+    "AGENTSTREAM_HOST": ("stack", "host"),
+    "AGENTSTREAM_BROKER_PORT": ("stack", "broker_port"),
+    "AGENTSTREAM_CLICKHOUSE_PORT": ("stack", "clickhouse_port"),
+    "TANSU_BIN": ("stack", "tansu_bin"),
+}
+
+SECTIONS: dict[str, type] = {
+    "kafka": KafkaConfig,
+    "topics": TopicsConfig,
+    "clickhouse": ClickHouseConfig,
+    "stack": StackConfig,
+}
+
+
+def load_config(path: str | Path | None = None, environ: Mapping[str, str] | None = None) -> Config:
+    """Read defaults, then the TOML file, then the environment, into a validated :class:`Config`."""
+    environ = os.environ if environ is None else environ
+    raw: dict[str, dict[str, Any]] = {name: {} for name in SECTIONS}
+    config_path = Path(path) if path else _default_config_path(environ)
+    if config_path is not None:
+        raw = _merge(raw, _read_toml(config_path))
+    for variable, (section, key) in ENVIRONMENT.items():
+        value = environ.get(variable)
+        if value not in (None, ""):
+            raw[section][key] = value
+    config = Config(**{name: _build_section(name, raw[name]) for name in SECTIONS})
+    return _normalise(config)
+
+
+def _default_config_path(environ: Mapping[str, str]) -> Path | None:
+    if environ.get("AGENTSTREAM_CONFIG"):
+        return Path(environ["AGENTSTREAM_CONFIG"])
+    local = Path("agentstream.toml")
+    return local if local.is_file() else None
+
+
+def _read_toml(path: Path) -> dict[str, dict[str, Any]]:
+    try:
+        data = tomllib.loads(path.read_text())
+    except FileNotFoundError:
+        raise ConfigError(f"config file {path} does not exist") from None
+    except tomllib.TOMLDecodeError as error:
+        raise ConfigError(f"config file {path} is not valid TOML: {error}") from None
+    unknown = set(data) - set(SECTIONS)
+    if unknown:
+        raise ConfigError(f"config file {path}: unknown section(s) {sorted(unknown)}; known: {sorted(SECTIONS)}")
+    return data
+
+
+def _merge(base: dict[str, dict[str, Any]], extra: dict[str, dict[str, Any]]) -> dict[str, dict[str, Any]]:
+    return {name: {**base.get(name, {}), **extra.get(name, {})} for name in base}
+
+
+def _build_section(name: str, values: dict[str, Any]) -> Any:
+    cls = SECTIONS[name]
+    hints = get_type_hints(cls)
+    known = {f.name for f in fields(cls)}
+    unknown = set(values) - known
+    if unknown:
+        raise ConfigError(f"[{name}]: unknown key(s) {sorted(unknown)}; known: {sorted(known)}")
+    return cls(**{key: _coerce(f"{name}.{key}", hints[key], value) for key, value in values.items()})
+
+
+def _coerce(where: str, hint: Any, value: Any) -> Any:
+    text = str(hint)
+    try:
+        if "Secret" in text:
+            return value if isinstance(value, Secret) else Secret(str(value))
+        if hint is bool:
+            return value if isinstance(value, bool) else str(value).strip().lower() in ("1", "true", "yes", "on")
+        if hint is int:
+            return int(value)
+        if hint is Path:
+            return Path(value)
+        return value if value is None else str(value)
+    except (TypeError, ValueError):
+        raise ConfigError(f"{where}: cannot use {value!r} (expected {text})") from None
+
+
+def _normalise(config: Config) -> Config:
+    """Move credentials embedded in CLICKHOUSE_URL into their own fields and validate ranges."""
+    ch = config.clickhouse
+    if ch.url:
+        parts = urlsplit(ch.url if "://" in ch.url else f"http://{ch.url}")
+        if parts.scheme not in ("http", "https"):
+            raise ConfigError(f"clickhouse.url must be http:// or https://, got scheme {parts.scheme!r}")
+        updates: dict[str, Any] = {}
+        if parts.username:
+            updates["username"] = unquote(parts.username)
+        if parts.password:
+            updates["password"] = Secret(unquote(parts.password))
+        netloc = parts.hostname or "localhost"
+        if parts.port:
+            netloc = f"{netloc}:{parts.port}"
+        updates["url"] = urlunsplit((parts.scheme, netloc, parts.path, parts.query, ""))
+        config = replace(config, clickhouse=replace(ch, **updates))
+    for port_name in ("broker_port", "clickhouse_port"):
+        port = getattr(config.stack, port_name)
+        if not 0 < port < 65536:
+            raise ConfigError(f"stack.{port_name} must be a TCP port (1-65535), got {port}")
+    if config.topics.partitions < 1:
+        raise ConfigError(f"topics.partitions must be >= 1, got {config.topics.partitions}")
+    return config
+
+
+def describe(config: Config) -> dict[str, dict[str, Any]]:
+    """A printable view of the configuration with every secret masked."""
+    return {
+        name: {key: ("***" if isinstance(value, Secret) else value) for key, value in dataclasses.asdict(getattr(config, name)).items()}
+        for name in SECTIONS
+    }

@@ -1,0 +1,147 @@
+"""Kafka connection options and admin helpers (topics, message counts, consumer groups) on aiokafka."""
+
+from __future__ import annotations
+
+import asyncio
+from dataclasses import dataclass, field
+from typing import Any
+
+from aiokafka import AIOKafkaConsumer, TopicPartition
+from aiokafka.admin import AIOKafkaAdminClient, NewTopic
+from aiokafka.helpers import create_ssl_context
+
+from infra.config import Config, KafkaConfig, TopicsConfig
+
+# Kafka error codes we treat specially when creating topics.
+TOPIC_ALREADY_EXISTS = 36
+
+
+class KafkaSetupError(RuntimeError):
+    """A topic could not be created or does not have the layout agentstream needs."""
+
+
+@dataclass(frozen=True)
+class TopicSpec:
+    """One topic agentstream owns: its full name, partition count and topic-level configs."""
+
+    role: str
+    name: str
+    partitions: int
+    configs: dict[str, str] = field(default_factory=dict)
+
+
+def client_options(kafka: KafkaConfig, bootstrap_servers: str) -> dict[str, Any]:
+    """Keyword arguments shared by every aiokafka producer, consumer and admin client."""
+    options: dict[str, Any] = {
+        "bootstrap_servers": bootstrap_servers,
+        "client_id": kafka.client_id,
+        "security_protocol": kafka.security_protocol,
+    }
+    if kafka.security_protocol in ("SSL", "SASL_SSL"):
+        options["ssl_context"] = create_ssl_context(
+            cafile=kafka.ssl_cafile, certfile=kafka.ssl_certfile, keyfile=kafka.ssl_keyfile
+        )
+    if kafka.sasl_mechanism:
+        options["sasl_mechanism"] = kafka.sasl_mechanism
+        options["sasl_plain_username"] = kafka.sasl_username
+        options["sasl_plain_password"] = kafka.sasl_password.reveal() if kafka.sasl_password else None
+    return options
+
+
+def topic_name(topics: TopicsConfig, role: str) -> str:
+    return f"{topics.prefix}{role}"
+
+
+def product_topics(topics: TopicsConfig) -> list[TopicSpec]:
+    """The five product topics: checkpoints is compacted (latest version per model wins)."""
+    retention = {"cleanup.policy": "delete", "retention.ms": str(topics.retention_ms)}
+    return [
+        TopicSpec("tasks", topic_name(topics, "tasks"), topics.partitions, retention),
+        TopicSpec("spans", topic_name(topics, "spans"), topics.partitions, retention),
+        TopicSpec("transitions", topic_name(topics, "transitions"), topics.partitions, retention),
+        TopicSpec("checkpoints", topic_name(topics, "checkpoints"), 1, {"cleanup.policy": "compact"}),
+        TopicSpec("dlq", topic_name(topics, "dlq"), 1, retention),
+    ]
+
+
+async def ensure_topics(admin: AIOKafkaAdminClient, specs: list[TopicSpec], replication_factor: int = 1) -> list[str]:
+    """Create the topics that are missing; returns the names created. Existing topics are checked, not altered."""
+    existing = set(await admin.list_topics())
+    missing = [spec for spec in specs if spec.name not in existing]
+    created: list[str] = []
+    if missing:
+        response = await admin.create_topics(
+            [NewTopic(s.name, s.partitions, replication_factor, topic_configs=s.configs) for s in missing]
+        )
+        for name, code, message in response.topic_errors:
+            if code == 0:
+                created.append(name)
+            elif code != TOPIC_ALREADY_EXISTS:
+                raise KafkaSetupError(f"could not create topic {name}: error {code} {message or ''}".strip())
+    layout = await topic_partitions(admin, [s.name for s in specs])
+    for spec in specs:
+        if layout.get(spec.name, 0) < 1:
+            raise KafkaSetupError(f"topic {spec.name} exists but reports no partitions")
+    return created
+
+
+async def topic_partitions(admin: AIOKafkaAdminClient, names: list[str]) -> dict[str, int]:
+    """Partition count per topic name, for the topics that exist."""
+    described = await admin.describe_topics(names)
+    return {t["topic"]: len(t["partitions"]) for t in described if t["error_code"] == 0}
+
+
+async def message_counts(options: dict[str, Any], partitions: dict[str, int], timeout_ms: int = 500) -> dict[str, int]:
+    """Messages currently held per topic (high watermark minus log start, summed over partitions).
+
+    The high watermark is read from a Fetch response: tansu answers ListOffsets(latest) with a
+    value that can be too low, and a Fetch from there reports the true high watermark.
+    """
+    tps = [TopicPartition(topic, p) for topic, count in partitions.items() for p in range(count)]
+    if not tps:
+        return {}
+    consumer = AIOKafkaConsumer(**options, enable_auto_commit=False, fetch_max_bytes=1 << 16,
+                                max_partition_fetch_bytes=1 << 12)
+    await consumer.start()
+    try:
+        consumer.assign(tps)
+        starts = await consumer.beginning_offsets(tps)
+        ends = await consumer.end_offsets(tps)
+        for tp in tps:
+            consumer.seek(tp, ends[tp])
+        await consumer.getmany(timeout_ms=timeout_ms)
+        counts: dict[str, int] = {name: 0 for name in partitions}
+        for tp in tps:
+            high = max(consumer.highwater(tp) or 0, ends[tp])
+            counts[tp.topic] += max(0, high - starts[tp])
+        return counts
+    finally:
+        await consumer.stop()
+
+
+async def consumer_groups(admin: AIOKafkaAdminClient) -> list[str]:
+    groups = await admin.list_consumer_groups()
+    return sorted(group_id for group_id, _protocol in groups)
+
+
+async def wait_for_broker(options: dict[str, Any], timeout_s: float) -> None:
+    """Wait until the cluster answers metadata requests, or raise KafkaSetupError."""
+    deadline = asyncio.get_running_loop().time() + timeout_s
+    last_error: Exception | None = None
+    while asyncio.get_running_loop().time() < deadline:
+        admin = AIOKafkaAdminClient(**options, request_timeout_ms=3000)
+        try:
+            await admin.start()
+            await admin.list_topics()
+            return
+        except Exception as error:  # any connection failure means "not yet"
+            last_error = error
+            await asyncio.sleep(0.2)
+        finally:
+            await admin.close()
+    reason = "connection refused" if "Connect call failed" in str(last_error) or "Unable to bootstrap" in str(last_error) else last_error
+    raise KafkaSetupError(f"Kafka at {options['bootstrap_servers']} did not answer within {timeout_s:.0f}s ({reason})")
+
+
+def admin_client(config: Config, bootstrap_servers: str) -> AIOKafkaAdminClient:
+    return AIOKafkaAdminClient(**client_options(config.kafka, bootstrap_servers))

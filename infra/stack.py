@@ -1,0 +1,158 @@
+"""The local stack: start, inspect and stop the broker and ClickHouse that agentstream uses.
+
+Each service is either external (``KAFKA_BOOTSTRAP_SERVERS`` / ``CLICKHOUSE_URL``: nothing
+is started) or embedded: tansu and the chdb ClickHouse HTTP server, on loopback, tracked by
+pidfiles under the stack home so ``down`` stops exactly what ``up`` started.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import sys
+from dataclasses import dataclass, field
+
+from infra.broker import find_tansu, tansu_command
+from infra.clickhouse import migrate, table_counts, wait_for_clickhouse
+from infra.config import Config
+from infra.kafka import (
+    admin_client,
+    client_options,
+    consumer_groups,
+    ensure_topics,
+    message_counts,
+    product_topics,
+    topic_partitions,
+    wait_for_broker,
+)
+from infra.processes import ServiceDirectory
+
+BROKER = "broker"
+CLICKHOUSE = "clickhouse"
+
+
+@dataclass(frozen=True)
+class Endpoints:
+    """Where the components reach Kafka and ClickHouse."""
+
+    bootstrap_servers: str
+    clickhouse_url: str
+
+
+@dataclass
+class StackStatus:
+    """What `agentstream status` reports."""
+
+    endpoints: Endpoints
+    services: dict[str, str]
+    broker_reachable: bool
+    broker_error: str | None = None
+    topics: dict[str, tuple[int, int]] = field(default_factory=dict)  # name -> (partitions, messages)
+    groups: list[str] = field(default_factory=list)
+    clickhouse_version: str | None = None
+    clickhouse_error: str | None = None
+    tables: dict[str, int] = field(default_factory=dict)
+
+
+class Stack:
+    """The broker and ClickHouse for one configuration and state folder."""
+
+    def __init__(self, config: Config) -> None:
+        self.config = config
+        self.home = config.stack.home.resolve()
+        self.services = ServiceDirectory(self.home)
+
+    def endpoints(self) -> Endpoints:
+        """External addresses when configured; otherwise where the embedded services listen (or will)."""
+        stack = self.config.stack
+        broker = self.config.kafka.bootstrap_servers
+        if broker is None:
+            record = self.services.record(BROKER)
+            broker = record.address if record and record.alive() else f"{stack.host}:{stack.broker_port}"
+        clickhouse = self.config.clickhouse.url
+        if clickhouse is None:
+            record = self.services.record(CLICKHOUSE)
+            address = record.address if record and record.alive() else f"{stack.host}:{stack.clickhouse_port}"
+            clickhouse = f"http://{address}"
+        return Endpoints(broker, clickhouse)
+
+    def up(self, timeout_s: float = 60.0, progress=print) -> Endpoints:
+        """Start what is embedded, wait until both answer, create topics and tables."""
+        stack = self.config.stack
+        if not self.config.kafka.external:
+            binary = find_tansu(stack.tansu_bin, self.home)
+            record = self.services.start(BROKER, tansu_command(binary, stack.host, stack.broker_port),
+                                         stack.host, stack.broker_port, timeout_s)
+            progress(f"broker      tansu pid {record.pid} on {record.address} (log {record.log_path})")
+        if not self.config.clickhouse.external:
+            data_dir = self.home / "clickhouse"
+            command = [sys.executable, "-m", "infra.chserver", "--host", stack.host,
+                       "--port", str(stack.clickhouse_port), "--data-dir", str(data_dir)]
+            record = self.services.start(CLICKHOUSE, command, stack.host, stack.clickhouse_port, timeout_s)
+            progress(f"clickhouse  chdb pid {record.pid} on http://{record.address} (data {data_dir})")
+        endpoints = self.endpoints()
+        created = asyncio.run(self._prepare_kafka(endpoints, timeout_s))
+        progress(f"kafka       {endpoints.bootstrap_servers}: topics ready"
+                 + (f" (created {', '.join(created)})" if created else ""))
+        client = wait_for_clickhouse(self.config.clickhouse, endpoints.clickhouse_url, timeout_s)
+        applied = migrate(client, self.config.clickhouse.database)
+        progress(f"clickhouse  {endpoints.clickhouse_url} (ClickHouse {client.server_version}): "
+                 f"database {self.config.clickhouse.database} ready"
+                 + (f" (applied {', '.join(f'{m.version:04d}_{m.name}' for m in applied)})" if applied else ""))
+        client.close()
+        return endpoints
+
+    async def _prepare_kafka(self, endpoints: Endpoints, timeout_s: float) -> list[str]:
+        options = client_options(self.config.kafka, endpoints.bootstrap_servers)
+        await wait_for_broker(options, timeout_s)
+        admin = admin_client(self.config, endpoints.bootstrap_servers)
+        await admin.start()
+        try:
+            specs = product_topics(self.config.topics)
+            return await ensure_topics(admin, specs, self.config.topics.replication_factor)
+        finally:
+            await admin.close()
+
+    def status(self) -> StackStatus:
+        endpoints = self.endpoints()
+        services = {}
+        for name, external in ((BROKER, self.config.kafka.external), (CLICKHOUSE, self.config.clickhouse.external)):
+            record = self.services.record(name)
+            if external:
+                services[name] = "external"
+            elif record is None:
+                services[name] = "not started by agentstream"
+            else:
+                services[name] = f"pid {record.pid} " + ("running" if record.alive() else "DEAD (see " + record.log_path + ")")
+        report = StackStatus(endpoints, services, broker_reachable=False)
+        try:
+            asyncio.run(self._kafka_status(report))
+            report.broker_reachable = True
+        except Exception as error:
+            report.broker_error = str(error).splitlines()[0] if str(error) else type(error).__name__
+        try:
+            client = wait_for_clickhouse(self.config.clickhouse, endpoints.clickhouse_url, timeout_s=0)
+            report.clickhouse_version = client.server_version
+            report.tables = table_counts(client, self.config.clickhouse.database)
+            client.close()
+        except Exception as error:
+            report.clickhouse_error = str(error).splitlines()[0]
+        return report
+
+    async def _kafka_status(self, report: StackStatus) -> None:
+        options = client_options(self.config.kafka, report.endpoints.bootstrap_servers)
+        await wait_for_broker(options, timeout_s=3)
+        admin = admin_client(self.config, report.endpoints.bootstrap_servers)
+        await admin.start()
+        try:
+            names = [name for name in await admin.list_topics() if name.startswith(self.config.topics.prefix)]
+            partitions = await topic_partitions(admin, names) if names else {}
+            counts = await message_counts(options, partitions)
+            report.topics = {name: (partitions[name], counts.get(name, 0)) for name in sorted(partitions)}
+            report.groups = await consumer_groups(admin)
+        finally:
+            await admin.close()
+
+    def down(self, progress=print) -> None:
+        """Stop the services this stack home started, ClickHouse first so it flushes while Kafka is still up."""
+        for name in (CLICKHOUSE, BROKER):
+            progress(f"{name:<11} {self.services.stop(name)}")

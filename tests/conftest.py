@@ -1,0 +1,69 @@
+"""Session fixtures: a real tansu broker and a real ClickHouse (chdb over HTTP) on free loopback ports."""
+
+from __future__ import annotations
+
+import asyncio
+import os
+from dataclasses import replace
+from pathlib import Path
+
+import pytest
+
+from infra.clickhouse import connect
+from infra.config import Config, load_config
+from infra.kafka import client_options
+from infra.processes import free_port
+from infra.stack import Endpoints, Stack
+
+
+def stack_environment(home: Path) -> dict[str, str]:
+    """Environment for an isolated stack: its own state folder and free ports, no external services."""
+    env = {key: value for key, value in os.environ.items()
+           if not key.startswith(("KAFKA_", "CLICKHOUSE_", "AGENTSTREAM_"))}
+    env.update({
+        "AGENTSTREAM_HOME": str(home),
+        "AGENTSTREAM_BROKER_PORT": str(free_port()),
+        "AGENTSTREAM_CLICKHOUSE_PORT": str(free_port()),
+    })
+    return env
+
+
+@pytest.fixture(scope="session")
+def stack_config(tmp_path_factory) -> Config:
+    return load_config(environ=stack_environment(tmp_path_factory.mktemp("stack")))
+
+
+@pytest.fixture(scope="session")
+def stack(stack_config: Config) -> Endpoints:
+    """The running local stack, started once for the whole test session and stopped at its end."""
+    running = Stack(stack_config)
+    endpoints = running.up(timeout_s=60, progress=lambda line: None)
+    yield endpoints
+    running.down(progress=lambda line: None)
+
+
+@pytest.fixture(scope="session")
+def kafka_options(stack_config: Config, stack: Endpoints) -> dict:
+    return client_options(stack_config.kafka, stack.bootstrap_servers)
+
+
+@pytest.fixture
+def clickhouse(stack_config: Config, stack: Endpoints):
+    client = connect(stack_config.clickhouse, stack.clickhouse_url, database=stack_config.clickhouse.database)
+    yield client
+    client.close()
+
+
+@pytest.fixture
+def unique_prefix(request) -> str:
+    """A topic prefix no other test uses, so tests never see each other's messages."""
+    return f"t{abs(hash(request.node.nodeid)) % 10**8}."
+
+
+@pytest.fixture
+def topics_config(stack_config: Config, unique_prefix: str) -> Config:
+    return replace(stack_config, topics=replace(stack_config.topics, prefix=unique_prefix))
+
+
+def run(coro):
+    return asyncio.run(coro)

@@ -1,0 +1,73 @@
+"""Configuration: defaults, TOML file, environment precedence, validation and secret masking."""
+
+from __future__ import annotations
+
+from pathlib import Path
+
+import pytest
+
+from infra.config import ConfigError, Secret, describe, load_config
+
+
+def test_defaults_are_the_embedded_loopback_stack():
+    config = load_config(environ={})
+    assert config.kafka.bootstrap_servers is None and not config.kafka.external
+    assert config.clickhouse.url is None and config.clickhouse.database == "agentstream"
+    assert (config.stack.host, config.stack.broker_port, config.stack.clickhouse_port) == ("127.0.0.1", 9092, 8123)
+    assert config.topics.prefix == "agentstream."
+
+
+def test_environment_overrides_the_file(tmp_path: Path):
+    path = tmp_path / "agentstream.toml"
+    path.write_text('[topics]\nprefix = "file."\npartitions = 8\n[stack]\nbroker_port = 19000\n')
+    config = load_config(path, environ={"AGENTSTREAM_TOPIC_PREFIX": "env.", "AGENTSTREAM_HOME": "/tmp/h"})
+    assert config.topics.prefix == "env."
+    assert config.topics.partitions == 8
+    assert config.stack.broker_port == 19000
+    assert config.stack.home == Path("/tmp/h")
+
+
+def test_clickhouse_url_credentials_move_into_secret_fields():
+    config = load_config(environ={"CLICKHOUSE_URL": "https://alice:p%40ss@ch.example:8443/"})
+    assert config.clickhouse.url == "https://ch.example:8443/"
+    assert config.clickhouse.username == "alice"
+    assert config.clickhouse.password == Secret("p@ss")
+    assert "p@ss" not in repr(config) and "p@ss" not in str(describe(config))
+
+
+def test_kafka_sasl_and_tls_from_environment():
+    config = load_config(environ={"KAFKA_BOOTSTRAP_SERVERS": "k1:9093,k2:9093", "KAFKA_SECURITY_PROTOCOL": "SASL_SSL",
+                                  "KAFKA_SASL_MECHANISM": "SCRAM-SHA-512", "KAFKA_SASL_USERNAME": "svc",
+                                  "KAFKA_SASL_PASSWORD": "s3cret"})
+    assert config.kafka.external
+    assert config.kafka.sasl_password.reveal() == "s3cret"
+    assert describe(config)["kafka"]["sasl_password"] == "***"
+    from infra.kafka import client_options
+
+    options = client_options(config.kafka, config.kafka.bootstrap_servers)
+    assert options["sasl_mechanism"] == "SCRAM-SHA-512" and options["sasl_plain_password"] == "s3cret"
+    assert "ssl_context" in options
+
+
+@pytest.mark.parametrize("content, message", [
+    ("[nope]\na = 1\n", "unknown section"),
+    ("[stack]\nbrokr_port = 1\n", "unknown key"),
+    ("[stack]\nbroker_port = 'abc'\n", "cannot use 'abc'"),
+    ("[stack]\nbroker_port = 70000\n", "must be a TCP port"),
+    ("[topics\n", "not valid TOML"),
+])
+def test_bad_config_files_are_clear_errors(tmp_path: Path, content: str, message: str):
+    path = tmp_path / "bad.toml"
+    path.write_text(content)
+    with pytest.raises(ConfigError, match=message):
+        load_config(path, environ={})
+
+
+def test_missing_config_file_is_a_clear_error(tmp_path: Path):
+    with pytest.raises(ConfigError, match="does not exist"):
+        load_config(environ={"AGENTSTREAM_CONFIG": str(tmp_path / "missing.toml")})
+
+
+def test_non_http_clickhouse_url_is_refused():
+    with pytest.raises(ConfigError, match="http:// or https://"):
+        load_config(environ={"CLICKHOUSE_URL": "tcp://ch:9000"})
