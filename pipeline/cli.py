@@ -134,6 +134,15 @@ def _cell(value) -> str:
     return text if len(text) <= 80 else text[:77] + "..."
 
 
+@main.command()
+@click.pass_context
+def demo(ctx: click.Context) -> None:
+    """Run the demo: stack up, publish real spans through Kafka, query them in ClickHouse, stack down."""
+    from pipeline.demo import run_demo
+
+    run_demo(_config(ctx))
+
+
 @main.command("config")
 @click.pass_context
 def show_config(ctx: click.Context) -> None:
