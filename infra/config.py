@@ -101,6 +101,44 @@ class StackConfig:
 
 
 @dataclass(frozen=True)
+class StreamsConfig:
+    """How stream processors batch, when rollouts count as complete, and how long online rollouts wait for rewards."""
+
+    app_id: str = "agentstream-streams"
+    batch_max_records: int = 2000
+    batch_within_s: float = 0.05
+    grace_s: float = 0.3
+    idle_timeout_s: float = 30.0
+    reward_expiry_s: float = 24 * 3600.0
+    clickhouse_retry_max_s: float = 10.0
+    session_timeout_s: float = 10.0
+
+
+@dataclass(frozen=True)
+class CreditRule:
+    """Which agents and models are trained, and how credit is assigned to their LLM calls (first match wins).
+
+    ``agent`` and ``model`` are shell-style patterns. ``strategy`` is ``final`` (every call gets
+    the final reward), ``discounted`` (intermediate rewards attach to the preceding call, returns
+    discounted by ``gamma``) or ``grpo`` (advantages normalised within groups of ``group_size``
+    rollouts of one task, waiting at most ``group_timeout_s`` for stragglers). ``train_as``
+    renames the trained model (the transitions topic key); ``train = false`` excludes.
+    """
+
+    agent: str = "*"
+    model: str = "*"
+    strategy: str = "final"
+    gamma: float = 1.0
+    group_size: int = 8
+    group_timeout_s: float = 60.0
+    train: bool = True
+    train_as: str | None = None
+
+
+STRATEGIES = ("final", "discounted", "grpo")
+
+
+@dataclass(frozen=True)
 class Config:
     """The whole configuration; build it with :func:`load_config`."""
 
@@ -108,6 +146,8 @@ class Config:
     topics: TopicsConfig = field(default_factory=TopicsConfig)
     clickhouse: ClickHouseConfig = field(default_factory=ClickHouseConfig)
     stack: StackConfig = field(default_factory=StackConfig)
+    streams: StreamsConfig = field(default_factory=StreamsConfig)
+    credit: tuple[CreditRule, ...] = (CreditRule(),)
 
 
 # Environment variable -> (section, field). The one place environment names are defined.
@@ -139,21 +179,27 @@ SECTIONS: dict[str, type] = {
     "topics": TopicsConfig,
     "clickhouse": ClickHouseConfig,
     "stack": StackConfig,
+    "streams": StreamsConfig,
 }
+RULE_LISTS: dict[str, type] = {"credit": CreditRule}
 
 
 def load_config(path: str | Path | None = None, environ: Mapping[str, str] | None = None) -> Config:
     """Read defaults, then the TOML file, then the environment, into a validated :class:`Config`."""
     environ = os.environ if environ is None else environ
     raw: dict[str, dict[str, Any]] = {name: {} for name in SECTIONS}
+    rules: dict[str, Any] = {}
     config_path = Path(path) if path else _default_config_path(environ)
     if config_path is not None:
-        raw = _merge(raw, _read_toml(config_path))
+        document = _read_toml(config_path)
+        rules = {name: document.pop(name) for name in RULE_LISTS if name in document}
+        raw = _merge(raw, document)
     for variable, (section, key) in ENVIRONMENT.items():
         value = environ.get(variable)
         if value not in (None, ""):
             raw[section][key] = value
-    config = Config(**{name: _build_section(name, raw[name]) for name in SECTIONS})
+    config = Config(**{name: _build_section(name, raw[name]) for name in SECTIONS},
+                    **{name: _build_rules(name, value) for name, value in rules.items()})
     return _normalise(config)
 
 
@@ -171,7 +217,7 @@ def _read_toml(path: Path) -> dict[str, dict[str, Any]]:
         raise ConfigError(f"config file {path} does not exist") from None
     except tomllib.TOMLDecodeError as error:
         raise ConfigError(f"config file {path} is not valid TOML: {error}") from None
-    unknown = set(data) - set(SECTIONS)
+    unknown = set(data) - set(SECTIONS) - set(RULE_LISTS)
     if unknown:
         raise ConfigError(f"config file {path}: unknown section(s) {sorted(unknown)}; known: {sorted(SECTIONS)}")
     return data
@@ -181,8 +227,14 @@ def _merge(base: dict[str, dict[str, Any]], extra: dict[str, dict[str, Any]]) ->
     return {name: {**base.get(name, {}), **extra.get(name, {})} for name in base}
 
 
-def _build_section(name: str, values: dict[str, Any]) -> Any:
-    cls = SECTIONS[name]
+def _build_rules(name: str, values: Any) -> tuple[Any, ...]:
+    if not isinstance(values, list):
+        raise ConfigError(f"[[{name}]] must be an array of tables, one per rule")
+    return tuple(_build_section(f"{name}[{index}]", rule, RULE_LISTS[name]) for index, rule in enumerate(values))
+
+
+def _build_section(name: str, values: dict[str, Any], cls: type | None = None) -> Any:
+    cls = cls or SECTIONS[name]
     hints = get_type_hints(cls)
     known = {f.name for f in fields(cls)}
     unknown = set(values) - known
@@ -200,6 +252,8 @@ def _coerce(where: str, hint: Any, value: Any) -> Any:
             return value if isinstance(value, bool) else str(value).strip().lower() in ("1", "true", "yes", "on")
         if hint is int:
             return int(value)
+        if hint is float:
+            return float(value)
         if hint is Path:
             return Path(value)
         return value if value is None else str(value)
@@ -230,12 +284,21 @@ def _normalise(config: Config) -> Config:
             raise ConfigError(f"stack.{port_name} must be a TCP port (1-65535), got {port}")
     if config.topics.partitions < 1:
         raise ConfigError(f"topics.partitions must be >= 1, got {config.topics.partitions}")
+    for index, rule in enumerate(config.credit):
+        if rule.strategy not in STRATEGIES:
+            raise ConfigError(f"credit[{index}].strategy must be one of {', '.join(STRATEGIES)}, got {rule.strategy!r}")
+        if rule.strategy == "grpo" and rule.group_size < 2:
+            raise ConfigError(f"credit[{index}]: grpo needs group_size >= 2, got {rule.group_size}")
+        if not 0.0 <= rule.gamma <= 1.0:
+            raise ConfigError(f"credit[{index}].gamma must be within [0, 1], got {rule.gamma}")
     return config
 
 
-def describe(config: Config) -> dict[str, dict[str, Any]]:
+def describe(config: Config) -> dict[str, Any]:
     """A printable view of the configuration with every secret masked."""
-    return {
+    view: dict[str, Any] = {
         name: {key: ("***" if isinstance(value, Secret) else value) for key, value in dataclasses.asdict(getattr(config, name)).items()}
         for name in SECTIONS
     }
+    view.update({name: [dataclasses.asdict(rule) for rule in getattr(config, name)] for name in RULE_LISTS})
+    return view

@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import asyncio
 import json
 import logging
 import sys
@@ -14,8 +15,10 @@ from infra.config import Config, ConfigError, describe, load_config
 from infra.kafka import KafkaSetupError
 from infra.processes import ServiceError
 from infra.stack import Stack
+from pipeline.runner import AgentLoadError
+from pipeline.tasks import TaskFileError
 
-KNOWN_ERRORS = (ConfigError, ServiceError, ClickHouseError, KafkaSetupError)
+KNOWN_ERRORS = (ConfigError, ServiceError, ClickHouseError, KafkaSetupError, AgentLoadError, TaskFileError)
 
 
 class AgentstreamGroup(click.Group):
@@ -134,6 +137,104 @@ def _cell(value) -> str:
     return text if len(text) <= 80 else text[:77] + "..."
 
 
+def _publisher(config: Config, component: str):
+    from pipeline.publisher import SpanPublisher
+
+    bootstrap = Stack(config).endpoints().bootstrap_servers
+    return SpanPublisher(config, bootstrap, journal_dir=config.stack.home.resolve() / "journal" / component)
+
+
+@main.command("proxy")
+@click.option("--upstream", required=True, help="Base URL of the OpenAI-compatible model server (vLLM or serve-model).")
+@click.option("--host", default="127.0.0.1", show_default=True)
+@click.option("--port", default=8080, show_default=True, type=int)
+@click.option("--agent-name", default=None, help="Agent name for calls that do not say (X-Agentstream-Agent).")
+@click.pass_context
+def proxy_command(ctx: click.Context, upstream: str, host: str, port: int, agent_name: str | None) -> None:
+    """Serve the OpenAI-compatible LLM proxy that records every call as a span with exact token ids."""
+    import uvloop
+
+    from pipeline.proxy import LLMProxy, serve_proxy
+
+    config = _config(ctx)
+
+    async def serve() -> None:
+        with _publisher(config, "proxy") as publisher:
+            runner = await serve_proxy(LLMProxy(upstream, publisher, agent_name=agent_name), host, port)
+            click.echo(f"proxy on http://{host}:{port} -> {upstream}; point OpenAI clients at "
+                       f"http://{host}:{port}/rollouts/<rollout_id>/v1")
+            try:
+                await _until_signalled()
+            finally:
+                await runner.cleanup()
+
+    uvloop.run(serve())
+
+
+@main.command("run")
+@click.argument("agent")
+@click.option("--concurrency", default=4, show_default=True, help="Rollouts run at once by this process.")
+@click.option("--group", "group_id", default="agentstream-runners", show_default=True, help="Consumer group of the runner pool.")
+@click.option("--proxy", "proxy_url", default=None, help="LLM proxy URL; rollouts get rollout.llm_base_url() under it.")
+@click.option("--max-tasks", default=None, type=int, help="Stop after this many rollouts (default: run until SIGTERM).")
+@click.pass_context
+def run_command(ctx: click.Context, agent: str, concurrency: int, group_id: str, proxy_url: str | None,
+                max_tasks: int | None) -> None:
+    """Run AGENT (module:function) on tasks from the tasks topic, as one member of a runner pool."""
+    import uvloop
+
+    from pipeline.runner import Runner, RunnerOptions, load_agent
+    from pipeline.sdk import set_sink
+
+    config = _config(ctx)
+    function = load_agent(agent)
+    options = RunnerOptions(concurrency=concurrency, group_id=group_id, proxy_url=proxy_url)
+
+    async def serve() -> None:
+        with _publisher(config, "runner") as publisher:
+            set_sink(publisher)
+            runner = Runner(function, config, Stack(config).endpoints().bootstrap_servers, publisher, options)
+            stop = asyncio.Event()
+            watcher = asyncio.create_task(_until_signalled(stop))
+            click.echo(f"runner {options.worker_id}: {agent} x{concurrency} in group {group_id}")
+            stats = await runner.run(stop, max_tasks)
+            watcher.cancel()
+            click.echo(f"finished {stats.finished} rollouts: {stats.succeeded} succeeded, {stats.failed} failed, "
+                       f"{stats.timed_out} timed out, {stats.retried} retried")
+
+    uvloop.run(serve())
+
+
+@main.command("enqueue")
+@click.argument("task_file", type=click.Path(exists=True, dir_okay=False, path_type=Path))
+@click.option("--group-size", default=1, show_default=True, help="Rollouts per task, compared as a group (GRPO).")
+@click.option("--agent-name", default=None)
+@click.option("--max-attempts", default=1, show_default=True)
+@click.option("--timeout", "timeout_s", default=300.0, show_default=True, help="Seconds a rollout may take.")
+@click.pass_context
+def enqueue_command(ctx: click.Context, task_file: Path, group_size: int, agent_name: str | None,
+                    max_attempts: int, timeout_s: float) -> None:
+    """Put the tasks of a JSONL file (one JSON object per line) on the tasks topic."""
+    from pipeline.tasks import enqueue, grouped_tasks, read_task_file
+
+    config = _config(ctx)
+    tasks = grouped_tasks(read_task_file(task_file), group_size=group_size, agent_name=agent_name,
+                          max_attempts=max_attempts, timeout_s=timeout_s)
+    count = asyncio.run(enqueue(config, Stack(config).endpoints().bootstrap_servers, tasks))
+    click.echo(f"enqueued {count} rollouts from {task_file}")
+
+
+async def _until_signalled(stop: asyncio.Event | None = None) -> None:
+    """Wait for SIGTERM or SIGINT (then set ``stop``)."""
+    import signal
+
+    event = stop or asyncio.Event()
+    loop = asyncio.get_running_loop()
+    for sig in (signal.SIGTERM, signal.SIGINT):
+        loop.add_signal_handler(sig, event.set)
+    await event.wait()
+
+
 @main.command()
 @click.pass_context
 def demo(ctx: click.Context) -> None:
@@ -148,3 +249,29 @@ def demo(ctx: click.Context) -> None:
 def show_config(ctx: click.Context) -> None:
     """Print the effective configuration (secrets masked)."""
     click.echo(json.dumps(describe(_config(ctx)), indent=2, default=str))
+
+
+@main.command("serve-model")
+@click.option("--model", "model_spec", default="smollm2", show_default=True,
+              help="'tiny', 'smollm2' (SmolLM2-135M-Instruct, offline) or a HF model folder.")
+@click.option("--host", default="127.0.0.1", show_default=True)
+@click.option("--port", default=8000, show_default=True, type=int)
+@click.option("--served-model-name", default=None, help="The model name clients use (default: the model's name).")
+def serve_model_command(model_spec: str, host: str, port: int, served_model_name: str | None) -> None:
+    """Serve a model on CPU with vLLM's OpenAI-compatible API (token ids, logprobs, LoRA and weight updates)."""
+    import uvloop
+
+    try:
+        from pipeline.model_server import serve
+        from pipeline.models import ModelLoadError, load_model
+    except ImportError as error:
+        raise click.ClickException(f"serve-model needs {error.name}: pip install 'agentstream[train]'") from None
+    logging.getLogger("agentstream").setLevel(logging.INFO)
+    try:
+        loaded = load_model(model_spec)
+    except ModelLoadError as error:
+        raise click.ClickException(str(error)) from None
+    try:
+        uvloop.run(serve(loaded, host=host, port=port, served_model_name=served_model_name))
+    except KeyboardInterrupt:
+        pass

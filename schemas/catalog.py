@@ -24,6 +24,7 @@ ROLLOUT_EVENT = f"{NAMESPACE}.RolloutEvent"
 TRANSITION = f"{NAMESPACE}.Transition"
 CHECKPOINT = f"{NAMESPACE}.Checkpoint"
 DEAD_LETTER = f"{NAMESPACE}.DeadLetter"
+ROLLOUT_RESULT = f"{NAMESPACE}.RolloutResult"
 
 _AVRO_DIR = resources.files("schemas") / "avro"
 _HISTORY_DIR = _AVRO_DIR / "history"

@@ -95,6 +95,16 @@ class AvroCodec:
             raise MalformedRecord(f"{len(data) - buffer.tell()} bytes left after {writer.name} (schema id {writer_id})")
         return writer.name, cast(dict[str, Any], value)
 
+    def writer_schema(self, data: bytes) -> tuple[int, str, Schema]:
+        """The schema id, record full name and plain writer schema (no logical types) of a wire-format record."""
+        if len(data) < HEADER_SIZE:
+            raise NotWireFormat(f"{len(data)} bytes is shorter than the {HEADER_SIZE}-byte header")
+        magic, writer_id = _HEADER.unpack_from(data)
+        if magic != MAGIC_BYTE:
+            raise NotWireFormat(f"magic byte is {magic}, expected {MAGIC_BYTE}")
+        writer = self._by_id.get(writer_id) or self._writer_by_id(writer_id)
+        return writer_id, writer.name, writer.plain
+
     def _writer(self, schema: str | Mapping[str, Any]) -> tuple[bytes, _PreparedSchema]:
         """The header and schema to encode with; registered with the registry once per record name."""
         if isinstance(schema, str) and schema in self._writers:

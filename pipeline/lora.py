@@ -1,0 +1,135 @@
+"""Serve peft LoRA adapters without wrapping the base model: forward hooks add the low-rank update per request.
+
+Keeping the base model untouched lets several adapters share it, lets full-weight swaps
+(``load_weights``) happen under them, and makes "no adapter" free. Supported: peft LoRA on
+``nn.Linear`` modules saved as ``adapter_model.safetensors`` (plain or rsLoRA scaling,
+``alpha_pattern``). Refused with a clear error: DoRA, bias training, ``modules_to_save``,
+embedding LoRA, ``fan_in_fan_out``.
+"""
+
+from __future__ import annotations
+
+import json
+import math
+import re
+from contextlib import contextmanager
+from dataclasses import dataclass
+from pathlib import Path
+from typing import Iterator
+
+import torch
+
+CONFIG_FILE = "adapter_config.json"
+WEIGHTS_FILE = "adapter_model.safetensors"
+KEY = re.compile(r"^(?:base_model\.model\.)?(?P<module>.+)\.lora_(?P<part>[AB])(?:\.[^.]+)?\.weight$")
+
+
+class LoraError(Exception):
+    """A LoRA adapter folder cannot be served on this model."""
+
+
+class LoraNotFound(LoraError):
+    """The adapter folder or its files do not exist."""
+
+
+@dataclass(frozen=True)
+class LoraLayer:
+    """The low-rank update of one linear module: output += scale * (x A^T) B^T."""
+
+    a: torch.Tensor  # [rank, in_features]
+    b: torch.Tensor  # [out_features, rank]
+    scale: float
+
+
+@dataclass(frozen=True)
+class LoraAdapter:
+    """A loaded adapter: its name, where it came from, the policy version it carries, and its layers."""
+
+    name: str
+    path: str
+    version: int
+    layers: dict[str, LoraLayer]
+
+
+def load_lora(path: Path, model: torch.nn.Module, name: str, version: int) -> LoraAdapter:
+    """Read a peft LoRA folder and check it against the model's modules."""
+    from safetensors.torch import load_file
+
+    if not (path / CONFIG_FILE).is_file() or not (path / WEIGHTS_FILE).is_file():
+        raise LoraNotFound(f"No adapter found for {path} (need {CONFIG_FILE} and {WEIGHTS_FILE})")
+    config = json.loads((path / CONFIG_FILE).read_text())
+    _check_supported(config)
+    pairs: dict[str, dict[str, torch.Tensor]] = {}
+    for key, tensor in load_file(path / WEIGHTS_FILE).items():
+        match = KEY.match(key)
+        if match is None:
+            raise LoraError(f"unsupported tensor {key!r} in {path / WEIGHTS_FILE} (only LoRA A/B of linear layers)")
+        pairs.setdefault(match["module"], {})[match["part"]] = tensor.to(torch.float32)
+    modules = dict(model.named_modules())
+    layers = {}
+    for module_name, pair in pairs.items():
+        layers[module_name] = _layer(module_name, pair, modules.get(module_name), config)
+    if not layers:
+        raise LoraError(f"{path / WEIGHTS_FILE} holds no LoRA weights")
+    return LoraAdapter(name=name, path=str(path), version=version, layers=layers)
+
+
+def _check_supported(config: dict) -> None:
+    """Refuse adapter features the hook-based runtime does not implement."""
+    if config.get("peft_type", "LORA") != "LORA":
+        raise LoraError(f"peft_type {config.get('peft_type')!r} is not LoRA")
+    for flag in ("use_dora", "fan_in_fan_out"):
+        if config.get(flag):
+            raise LoraError(f"LoRA adapters with {flag}=true are not supported")
+    if config.get("bias", "none") != "none":
+        raise LoraError("LoRA adapters that train biases are not supported")
+    if config.get("modules_to_save"):
+        raise LoraError("LoRA adapters with modules_to_save are not supported")
+
+
+def _layer(module_name: str, pair: dict[str, torch.Tensor], module: torch.nn.Module | None,
+           config: dict) -> LoraLayer:
+    """One module's update, validated against the base module's shape."""
+    if set(pair) != {"A", "B"}:
+        raise LoraError(f"{module_name}: needs both lora_A and lora_B weights")
+    if not isinstance(module, torch.nn.Linear):
+        raise LoraError(f"{module_name}: the base model has no linear module of that name")
+    a, b = pair["A"], pair["B"]
+    rank = a.shape[0]
+    if a.shape != (rank, module.in_features) or b.shape != (module.out_features, rank):
+        raise LoraError(f"{module_name}: LoRA shapes {tuple(a.shape)}/{tuple(b.shape)} do not fit "
+                        f"Linear({module.in_features}, {module.out_features})")
+    alpha = _pattern_value(module_name, config.get("alpha_pattern") or {}, config.get("lora_alpha", 8))
+    scale = alpha / math.sqrt(rank) if config.get("use_rslora") else alpha / rank
+    return LoraLayer(a=a, b=b, scale=float(scale))
+
+
+def _pattern_value(module_name: str, patterns: dict[str, float], default: float) -> float:
+    """peft's per-module override: a pattern matches the module's full name or a dotted suffix of it."""
+    for pattern, value in patterns.items():
+        if re.fullmatch(rf"(.*\.)?(?:{pattern})", module_name):
+            return value
+    return default
+
+
+@contextmanager
+def applied(adapter: LoraAdapter | None, model: torch.nn.Module) -> Iterator[None]:
+    """Run the model with the adapter's updates added to its linear modules (no-op for None)."""
+    if adapter is None:
+        yield
+        return
+    modules = dict(model.named_modules())
+    handles = [modules[name].register_forward_hook(_hook(layer)) for name, layer in adapter.layers.items()]
+    try:
+        yield
+    finally:
+        for handle in handles:
+            handle.remove()
+
+
+def _hook(layer: LoraLayer):
+    """A forward hook adding one layer's low-rank update to the module's output."""
+    def add_update(module: torch.nn.Module, inputs: tuple[torch.Tensor, ...], output: torch.Tensor) -> torch.Tensor:
+        return output + layer.scale * torch.nn.functional.linear(
+            torch.nn.functional.linear(inputs[0], layer.a), layer.b)
+    return add_update

@@ -1,0 +1,252 @@
+"""The runner: a pool of workers that consumes the `tasks` topic as a consumer group and runs the agent.
+
+Each task becomes one rollout attempt: STARTED, periodic HEARTBEAT, then SUCCEEDED, FAILED or
+TIMED_OUT on the spans topic, with the agent's spans in between. Failures and timeouts are
+retried by re-enqueueing the task with the next attempt number, up to ``max_attempts``. A
+task's offset is committed only after its rollout ended and its spans were handed to the
+publisher, so a crashed runner's tasks are redelivered to another member of the group.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import contextvars
+import importlib
+import inspect
+import json
+import logging
+import os
+import socket
+import sys
+from collections.abc import Callable
+from concurrent.futures import ThreadPoolExecutor
+from dataclasses import dataclass, field
+from typing import Any
+
+from aiokafka import AIOKafkaConsumer, ConsumerRebalanceListener, TopicPartition
+
+from infra.config import Config
+from infra.kafka import client_options, topic_name
+from pipeline.sdk import Rollout, SpanSink, emit_exception, emit_reward, new_id, rollout
+from pipeline.tasks import enqueue
+from schemas import TASK, AvroCodec, CodecError
+
+log = logging.getLogger("agentstream.runner")
+
+AgentFunction = Callable[..., Any]
+
+
+class AgentLoadError(ImportError):
+    """`module:function` does not name an importable callable."""
+
+
+def load_agent(spec: str) -> AgentFunction:
+    """Import ``module:function`` (the current directory is importable, as users expect)."""
+    module_name, _, attribute = spec.partition(":")
+    if not module_name or not attribute:
+        raise AgentLoadError(f"expected module:function, got {spec!r}")
+    if os.getcwd() not in sys.path:
+        sys.path.insert(0, os.getcwd())
+    try:
+        module = importlib.import_module(module_name)
+    except ImportError as error:
+        raise AgentLoadError(f"cannot import {module_name!r}: {error}") from None
+    function = getattr(module, attribute, None)
+    if not callable(function):
+        raise AgentLoadError(f"{module_name!r} has no callable {attribute!r}")
+    return function
+
+
+@dataclass
+class RunnerOptions:
+    """How a runner process consumes tasks and runs rollouts."""
+
+    concurrency: int = 4
+    group_id: str = "agentstream-runners"
+    heartbeat_s: float = 5.0
+    retry_on_exception: bool = True
+    retry_on_timeout: bool = True
+    proxy_url: str | None = None
+    worker_id: str = field(default_factory=lambda: f"{socket.gethostname()}-{os.getpid()}")
+    session_timeout_ms: int = 10_000
+
+
+@dataclass
+class RunnerStats:
+    succeeded: int = 0
+    failed: int = 0
+    timed_out: int = 0
+    retried: int = 0
+    undecodable: int = 0
+
+    @property
+    def finished(self) -> int:
+        return self.succeeded + self.failed + self.timed_out
+
+
+class OffsetTracker:
+    """Which offsets of one partition are done, so commits never skip a task still running."""
+
+    def __init__(self) -> None:
+        self.pending: set[int] = set()
+        self.highest_done = -1
+
+    def start(self, offset: int) -> None:
+        self.pending.add(offset)
+
+    def done(self, offset: int) -> None:
+        self.pending.discard(offset)
+        self.highest_done = max(self.highest_done, offset)
+
+    def committable(self) -> int | None:
+        """The offset to commit: the oldest still running, or one past the newest done."""
+        if self.pending:
+            return min(self.pending)
+        return self.highest_done + 1 if self.highest_done >= 0 else None
+
+
+class _CommitOnRevoke(ConsumerRebalanceListener):
+    def __init__(self, runner: Runner) -> None:
+        self.runner = runner
+
+    async def on_partitions_revoked(self, revoked) -> None:
+        await self.runner.commit()
+
+    async def on_partitions_assigned(self, assigned) -> None:
+        pass
+
+
+class Runner:
+    """Consumes tasks, runs ``agent`` on each, and publishes the rollout's spans and events to ``sink``."""
+
+    def __init__(self, agent: AgentFunction, config: Config, bootstrap_servers: str, sink: SpanSink,
+                 options: RunnerOptions | None = None) -> None:
+        self.agent = agent
+        self.config = config
+        self.bootstrap_servers = bootstrap_servers
+        self.sink = sink
+        self.options = options or RunnerOptions()
+        self.codec = AvroCodec()
+        self.stats = RunnerStats()
+        self._wants_rollout = len(inspect.signature(agent).parameters) >= 2
+        self._is_async = inspect.iscoroutinefunction(agent)
+        self._threads = ThreadPoolExecutor(max_workers=self.options.concurrency, thread_name_prefix="agent")
+        self._offsets: dict[TopicPartition, OffsetTracker] = {}
+        self._consumer: AIOKafkaConsumer | None = None
+
+    async def run(self, stop: asyncio.Event | None = None, max_tasks: int | None = None) -> RunnerStats:
+        """Run until ``stop`` is set or ``max_tasks`` rollouts finished; in-flight rollouts finish first."""
+        stop = stop or asyncio.Event()
+        topic = topic_name(self.config.topics, "tasks")
+        consumer = AIOKafkaConsumer(
+            **client_options(self.config.kafka, self.bootstrap_servers), group_id=self.options.group_id,
+            enable_auto_commit=False, auto_offset_reset="earliest",
+            session_timeout_ms=self.options.session_timeout_ms, heartbeat_interval_ms=500,
+            max_poll_interval_ms=24 * 3600 * 1000,
+        )
+        consumer.subscribe([topic], listener=_CommitOnRevoke(self))
+        self._consumer = consumer
+        await consumer.start()
+        slots = asyncio.Semaphore(self.options.concurrency)
+        running: set[asyncio.Task] = set()
+        started = 0
+        try:
+            while not stop.is_set() and (max_tasks is None or started < max_tasks):
+                await slots.acquire()
+                batch = await consumer.getmany(timeout_ms=200, max_records=1)
+                records = [record for records in batch.values() for record in records]
+                if not records:
+                    slots.release()
+                    await self.commit()
+                    continue
+                for record in records:
+                    started += 1
+                    tp = TopicPartition(record.topic, record.partition)
+                    self._offsets.setdefault(tp, OffsetTracker()).start(record.offset)
+                    task = asyncio.create_task(self._handle(record, tp, slots))
+                    running.add(task)
+                    task.add_done_callback(running.discard)
+            if running:
+                await asyncio.gather(*running)
+            await self.commit()
+        finally:
+            await consumer.stop()
+            self._threads.shutdown(wait=False, cancel_futures=True)
+        return self.stats
+
+    async def commit(self) -> None:
+        if self._consumer is None:
+            return
+        offsets = {}
+        assigned = self._consumer.assignment()
+        for tp, tracker in self._offsets.items():
+            position = tracker.committable()
+            if position is not None and tp in assigned:
+                offsets[tp] = position
+        if offsets:
+            try:
+                await self._consumer.commit(offsets)
+            except Exception as error:  # a rebalance in progress: the next commit catches up
+                log.warning("offset commit failed (%s); will retry", error)
+
+    async def _handle(self, record, tp: TopicPartition, slots: asyncio.Semaphore) -> None:
+        try:
+            try:
+                _, task = self.codec.decode(record.value, TASK)
+            except CodecError as error:
+                self.stats.undecodable += 1
+                log.error("task at %s@%d is not a Task record (%s); skipped", tp, record.offset, error)
+                return
+            await self._run_attempt(task)
+        finally:
+            self._offsets[tp].done(record.offset)
+            slots.release()
+
+    async def _run_attempt(self, task: dict[str, Any]) -> None:
+        attempt = task["attempt"]
+        scope = rollout(
+            task.get("agent_name"), rollout_id=task["rollout_id"],
+            attempt_id=f"{task['rollout_id']}-a{attempt}-{new_id()[:6]}", task_id=task["task_id"],
+            group_id=task.get("group_id"), sink=self.sink, proxy_url=self.options.proxy_url,
+            worker_id=self.options.worker_id, attempt=attempt,
+        )
+        state = scope.__enter__()
+        heartbeat = asyncio.create_task(self._heartbeat(scope))
+        try:
+            payload = json.loads(task["input"])
+            result = await asyncio.wait_for(self._call(payload, state), timeout=task["timeout_s"])
+            if isinstance(result, (int, float)) and not isinstance(result, bool):
+                emit_reward(float(result))
+            scope.finish("SUCCEEDED")
+            self.stats.succeeded += 1
+        except asyncio.TimeoutError:
+            scope.finish("TIMED_OUT", f"no result within {task['timeout_s']}s")
+            self.stats.timed_out += 1
+            if self.options.retry_on_timeout:
+                await self._retry(task)
+        except Exception as error:
+            emit_exception(error)
+            scope.finish("FAILED", f"{type(error).__name__}: {error}")
+            self.stats.failed += 1
+            if self.options.retry_on_exception:
+                await self._retry(task)
+        finally:
+            heartbeat.cancel()
+
+    async def _call(self, payload: Any, state: Rollout) -> Any:
+        args = (payload, state) if self._wants_rollout else (payload,)
+        if self._is_async:
+            return await self.agent(*args)
+        context = contextvars.copy_context()
+        return await asyncio.get_running_loop().run_in_executor(self._threads, context.run, self.agent, *args)
+
+    async def _retry(self, task: dict[str, Any]) -> None:
+        if task["attempt"] >= task["max_attempts"]:
+            return
+        await enqueue(self.config, self.bootstrap_servers, [{**task, "attempt": task["attempt"] + 1}], self.codec)
+        self.stats.retried += 1
+
+    async def _heartbeat(self, scope: rollout) -> None:
+        while True:
+            await asyncio.sleep(self.options.heartbeat_s)
+            scope.event("HEARTBEAT")

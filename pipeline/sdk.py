@@ -1,0 +1,286 @@
+"""The agent-side SDK: spans, rewards, messages and rollouts, attributed through contextvars.
+
+Everything an agent emits attaches itself to the current rollout: the one entered with
+:func:`rollout` (or started by the runner) in this context. Context variables follow asyncio
+tasks automatically and threads started with ``contextvars.copy_context().run`` or
+``asyncio.to_thread``; a thread that carries no context falls back to the process's only
+open rollout, when there is exactly one.
+
+Spans go to a :class:`SpanSink` (the Kafka publisher in production): set one with
+:func:`set_sink`, or let the runner set it.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import contextvars
+import json
+import threading
+import time
+import traceback
+import uuid
+from collections.abc import Mapping
+from dataclasses import dataclass, field
+from typing import Any, Protocol
+
+
+class SpanSink(Protocol):
+    """Where spans and rollout events go: publish must not block for long (it buffers)."""
+
+    def publish(self, span: dict[str, Any]) -> None: ...
+
+    def publish_event(self, event: dict[str, Any]) -> None: ...
+
+
+class NoRollout(RuntimeError):
+    """An emit_* call happened outside any rollout, so there is nothing to attribute it to."""
+
+
+class NoSink(RuntimeError):
+    """Spans were emitted before a sink was configured with set_sink()."""
+
+
+@dataclass
+class Rollout:
+    """One execution of an agent on one task (or one production request): the unit credit is assigned to."""
+
+    rollout_id: str
+    attempt_id: str
+    agent_name: str | None = None
+    task_id: str | None = None
+    group_id: str | None = None
+    sink: SpanSink | None = None
+    proxy_url: str | None = None
+    root_span_id: str | None = None
+    attempt: int = 1
+    rewards: list[float] = field(default_factory=list)
+
+    def llm_base_url(self) -> str:
+        """The OpenAI base URL that records this rollout's LLM calls: the proxy's per-rollout prefix."""
+        if not self.proxy_url:
+            raise RuntimeError("no LLM proxy configured for this rollout (set proxy_url / --proxy)")
+        return f"{self.proxy_url.rstrip('/')}/rollouts/{self.rollout_id}/attempts/{self.attempt_id}/v1"
+
+    def _sink(self) -> SpanSink:
+        sink = self.sink or _default_sink
+        if sink is None:
+            raise NoSink("no span sink configured: call pipeline.sdk.set_sink(publisher) first")
+        return sink
+
+
+_current_rollout: contextvars.ContextVar[Rollout | None] = contextvars.ContextVar("agentstream_rollout", default=None)
+_current_span: contextvars.ContextVar[str | None] = contextvars.ContextVar("agentstream_span", default=None)
+_default_sink: SpanSink | None = None
+_open_rollouts: dict[str, Rollout] = {}
+_open_lock = threading.Lock()
+
+
+def set_sink(sink: SpanSink | None) -> None:
+    """Make ``sink`` the destination of every rollout that has none of its own."""
+    global _default_sink
+    _default_sink = sink
+
+
+def current_rollout() -> Rollout | None:
+    """The rollout this code runs in: the context's, else the process's only open rollout, else None."""
+    found = _current_rollout.get()
+    if found is not None:
+        return found
+    with _open_lock:
+        if len(_open_rollouts) == 1:
+            return next(iter(_open_rollouts.values()))
+    return None
+
+
+def new_id() -> str:
+    return uuid.uuid4().hex
+
+
+def now_us() -> int:
+    return time.time_ns() // 1000
+
+
+def _require_rollout() -> Rollout:
+    found = current_rollout()
+    if found is None:
+        raise NoRollout("emitted outside a rollout: wrap the work in `with rollout(...)` or run it under the runner")
+    return found
+
+
+def _attribute_text(value: Any) -> str:
+    return value if isinstance(value, str) else json.dumps(value, default=str, separators=(",", ":"))
+
+
+def build_span(owner: Rollout, name: str, kind: str, start_us: int, end_us: int, *, span_id: str | None = None,
+               parent_id: str | None = None, attributes: Mapping[str, Any] | None = None, status: str = "OK",
+               status_message: str | None = None, **fields: Any) -> dict[str, Any]:
+    """A Span record (schemas/avro/span.avsc) attributed to ``owner``."""
+    return {
+        "span_id": span_id or new_id(),
+        "rollout_id": owner.rollout_id,
+        "attempt_id": owner.attempt_id,
+        "parent_id": parent_id,
+        "name": name,
+        "kind": kind,
+        "start_time_us": start_us,
+        "end_time_us": end_us,
+        "status": status,
+        "status_message": status_message,
+        "agent_name": owner.agent_name,
+        "task_id": owner.task_id,
+        "group_id": owner.group_id,
+        "attributes": {key: _attribute_text(value) for key, value in (attributes or {}).items()},
+        **fields,
+    }
+
+
+class span:
+    """A span around a block of agent work; use as ``with span(...)`` or ``async with span(...)``.
+
+    Nested spans become children; an exception marks the span ERROR (and propagates).
+    """
+
+    def __init__(self, name: str, kind: str = "OTHER", **attributes: Any) -> None:
+        self.name = name
+        self.kind = kind
+        self.attributes = attributes
+        self.span_id = new_id()
+        self._token: contextvars.Token | None = None
+        self._owner: Rollout | None = None
+        self._parent: str | None = None
+        self._start_us = 0
+
+    def set_attribute(self, key: str, value: Any) -> None:
+        self.attributes[key] = value
+
+    def __enter__(self) -> span:
+        self._owner = _require_rollout()
+        self._parent = _current_span.get() or self._owner.root_span_id
+        self._start_us = now_us()
+        self._token = _current_span.set(self.span_id)
+        return self
+
+    def __exit__(self, exc_type, exc, tb) -> None:
+        if self._token is not None:
+            _current_span.reset(self._token)
+        owner = self._owner
+        assert owner is not None
+        status, message = ("ERROR", f"{exc_type.__name__}: {exc}") if exc_type else ("OK", None)
+        owner._sink().publish(build_span(owner, self.name, self.kind, self._start_us, now_us(), span_id=self.span_id,
+                                         parent_id=self._parent, attributes=self.attributes, status=status,
+                                         status_message=message))
+
+    async def __aenter__(self) -> span:
+        return self.__enter__()
+
+    async def __aexit__(self, exc_type, exc, tb) -> None:
+        self.__exit__(exc_type, exc, tb)
+
+
+def _emit(kind: str, name: str, attributes: Mapping[str, Any] | None = None, **fields: Any) -> str:
+    owner = _require_rollout()
+    at = now_us()
+    record = build_span(owner, name, kind, at, at, parent_id=_current_span.get() or owner.root_span_id,
+                        attributes=attributes, **fields)
+    owner._sink().publish(record)
+    return record["span_id"]
+
+
+def emit_reward(value: float | Mapping[str, float], *, primary: str | None = None) -> str:
+    """Record a reward: a float, or named dimensions whose ``primary`` one (default: their sum) is the scalar.
+
+    Call it as often as the task gives feedback: intermediate rewards are kept in order and
+    credit assignment can honour them.
+    """
+    if isinstance(value, Mapping):
+        dimensions = {str(k): float(v) for k, v in value.items()}
+        if primary is not None and primary not in dimensions:
+            raise KeyError(f"primary reward {primary!r} is not one of {sorted(dimensions)}")
+        scalar = dimensions[primary] if primary else sum(dimensions.values())
+    else:
+        dimensions, scalar = None, float(value)
+    _require_rollout().rewards.append(scalar)
+    return _emit("REWARD", "reward", reward=scalar, reward_dimensions=dimensions)
+
+
+def emit_message(text: str, **attributes: Any) -> str:
+    """Record a free-text message (a log line worth keeping with the trajectory)."""
+    return _emit("MESSAGE", "message", {"message": text, **attributes})
+
+
+def emit_exception(error: BaseException) -> str:
+    """Record an exception with OpenTelemetry's exception.* attributes; the span's status is ERROR."""
+    return _emit("EXCEPTION", "exception", {
+        "exception.type": type(error).__name__,
+        "exception.message": str(error),
+        "exception.stacktrace": "".join(traceback.format_exception(error)),
+    }, status="ERROR", status_message=f"{type(error).__name__}: {error}")
+
+
+def emit_object(obj: Any, name: str = "object") -> str:
+    """Record any JSON-serialisable object (a plan, a retrieved document, a final answer)."""
+    return _emit("OBJECT", name, {"object": obj})
+
+
+class rollout:
+    """A rollout scope for online use: a production request handler becomes one rollout.
+
+    Emits a STARTED event on entry and SUCCEEDED or FAILED on exit, around a root AGENT span.
+    Works as ``with`` and ``async with``; yields the :class:`Rollout`.
+    """
+
+    def __init__(self, agent_name: str | None = None, *, rollout_id: str | None = None, attempt_id: str | None = None,
+                 task_id: str | None = None, group_id: str | None = None, sink: SpanSink | None = None,
+                 proxy_url: str | None = None, worker_id: str | None = None, attempt: int = 1) -> None:
+        rollout_id = rollout_id or new_id()
+        self.state = Rollout(rollout_id, attempt_id or f"{rollout_id}-{attempt}", agent_name, task_id, group_id, sink,
+                             proxy_url, root_span_id=new_id(), attempt=attempt)
+        self.worker_id = worker_id
+        self._token: contextvars.Token | None = None
+        self._start_us = 0
+
+    def event(self, kind: str, error: str | None = None) -> None:
+        owner = self.state
+        owner._sink().publish_event({
+            "rollout_id": owner.rollout_id, "attempt_id": owner.attempt_id, "event": kind, "at_us": now_us(),
+            "worker_id": self.worker_id, "error": error, "task_id": owner.task_id, "agent_name": owner.agent_name,
+        })
+
+    def __enter__(self) -> Rollout:
+        self._start_us = now_us()
+        self._token = _current_rollout.set(self.state)
+        with _open_lock:
+            _open_rollouts[self.state.attempt_id] = self.state
+        self.event("STARTED")
+        return self.state
+
+    def finish(self, status: str, error: str | None = None) -> None:
+        """Close the root span and publish the terminal event (SUCCEEDED, FAILED, TIMED_OUT, CANCELLED)."""
+        owner = self.state
+        with _open_lock:
+            _open_rollouts.pop(owner.attempt_id, None)
+        owner._sink().publish(build_span(owner, owner.agent_name or "rollout", "AGENT", self._start_us, now_us(),
+                                         span_id=owner.root_span_id, status="OK" if status == "SUCCEEDED" else "ERROR",
+                                         status_message=error))
+        self.event(status, error)
+        if self._token is not None:
+            try:
+                _current_rollout.reset(self._token)
+            except ValueError:  # finished from another context (the runner's timeout path)
+                pass
+            self._token = None
+
+    def __exit__(self, exc_type, exc, tb) -> None:
+        if exc is None:
+            self.finish("SUCCEEDED")
+        elif isinstance(exc, (KeyboardInterrupt, SystemExit, asyncio.CancelledError)):
+            self.finish("CANCELLED", type(exc).__name__)
+        else:
+            emit_exception(exc)
+            self.finish("FAILED", f"{type(exc).__name__}: {exc}")
+
+    async def __aenter__(self) -> Rollout:
+        return self.__enter__()
+
+    async def __aexit__(self, exc_type, exc, tb) -> None:
+        self.__exit__(exc_type, exc, tb)

@@ -1,0 +1,81 @@
+"""Tasks for dataset training: build Task records and put them on the `tasks` topic (a work queue)."""
+
+from __future__ import annotations
+
+import json
+from collections.abc import Iterable, Mapping
+from pathlib import Path
+from typing import Any
+
+from aiokafka import AIOKafkaProducer
+
+from infra.config import Config
+from infra.kafka import client_options, topic_name
+from pipeline.sdk import new_id, now_us
+from schemas import TASK, AvroCodec
+
+
+class TaskFileError(ValueError):
+    """A task file line is not a JSON object."""
+
+
+def make_task(payload: Mapping[str, Any], *, task_id: str | None = None, rollout_id: str | None = None,
+              group_id: str | None = None, agent_name: str | None = None, max_attempts: int = 1,
+              timeout_s: float = 300.0, metadata: Mapping[str, str] | None = None) -> dict[str, Any]:
+    """A Task record: the agent receives ``payload``; rollouts sharing ``group_id`` are compared (GRPO)."""
+    return {
+        "task_id": task_id or new_id(),
+        "rollout_id": rollout_id or new_id(),
+        "group_id": group_id,
+        "agent_name": agent_name,
+        "input": json.dumps(dict(payload), separators=(",", ":")),
+        "attempt": 1,
+        "max_attempts": max_attempts,
+        "timeout_s": float(timeout_s),
+        "enqueued_at_us": now_us(),
+        "metadata": dict(metadata or {}),
+    }
+
+
+def grouped_tasks(payloads: Iterable[Mapping[str, Any]], *, group_size: int = 1, **options: Any) -> list[dict[str, Any]]:
+    """``group_size`` rollouts per payload, sharing a task id and a group id, each with its own rollout id."""
+    tasks = []
+    for index, payload in enumerate(payloads):
+        task_id = str(payload.get("id", payload.get("task_id", new_id())))
+        group_id = f"{task_id}-{new_id()[:8]}" if group_size > 1 else None
+        tasks.extend(make_task(payload, task_id=task_id, group_id=group_id, **options) for _ in range(group_size))
+    return tasks
+
+
+def read_task_file(path: Path) -> list[dict[str, Any]]:
+    """JSON objects, one per line (blank lines and # comments skipped)."""
+    payloads = []
+    for number, line in enumerate(path.read_text().splitlines(), start=1):
+        if not line.strip() or line.lstrip().startswith("#"):
+            continue
+        try:
+            value = json.loads(line)
+        except json.JSONDecodeError as error:
+            raise TaskFileError(f"{path}:{number}: not JSON ({error.msg})") from None
+        if not isinstance(value, dict):
+            raise TaskFileError(f"{path}:{number}: expected a JSON object, got {type(value).__name__}")
+        payloads.append(value)
+    return payloads
+
+
+async def enqueue(config: Config, bootstrap_servers: str, tasks: Iterable[dict[str, Any]],
+                  codec: AvroCodec | None = None) -> int:
+    """Publish Task records keyed by rollout id; returns how many were acknowledged."""
+    codec = codec or AvroCodec()
+    producer = AIOKafkaProducer(**client_options(config.kafka, bootstrap_servers), acks="all", linger_ms=5)
+    await producer.start()
+    count = 0
+    try:
+        topic = topic_name(config.topics, "tasks")
+        for task in tasks:
+            await producer.send(topic, key=task["rollout_id"].encode(), value=codec.encode(TASK, task))
+            count += 1
+        await producer.flush()
+    finally:
+        await producer.stop()
+    return count
