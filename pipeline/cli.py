@@ -224,6 +224,29 @@ def enqueue_command(ctx: click.Context, task_file: Path, group_size: int, agent_
     click.echo(f"enqueued {count} rollouts from {task_file}")
 
 
+@main.command("streams")
+@click.option("--loglevel", default="info", show_default=True, type=click.Choice(["debug", "info", "warning", "error"]))
+@click.pass_context
+def streams_command(ctx: click.Context, loglevel: str) -> None:
+    """Run a stream-processing worker (spans -> ClickHouse, trajectories, credit, transitions); run more to scale."""
+    import uvloop
+
+    asyncio.set_event_loop_policy(uvloop.EventLoopPolicy())
+    import faust
+
+    from infra.clickhouse import migrate, wait_for_clickhouse
+    from streams.app import create_app, prepare_topics
+
+    config = _config(ctx)
+    endpoints = Stack(config).endpoints()
+    client = wait_for_clickhouse(config.clickhouse, endpoints.clickhouse_url, timeout_s=30)
+    migrate(client, config.clickhouse.database)
+    client.close()
+    asyncio.run(prepare_topics(config, endpoints.bootstrap_servers))
+    app = create_app(config, endpoints.bootstrap_servers, endpoints.clickhouse_url)
+    faust.Worker(app, loglevel=loglevel, quiet=True).execute_from_commandline()
+
+
 async def _until_signalled(stop: asyncio.Event | None = None) -> None:
     """Wait for SIGTERM or SIGINT (then set ``stop``)."""
     import signal

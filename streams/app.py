@@ -1,0 +1,164 @@
+"""The faust-streaming worker: two agents (spans, groups) wired to their processors, plus timers.
+
+Each agent is a function from its input topic to output topics; the processors hold the
+logic and the state. Offsets follow faust's acknowledgements: a record is acknowledged when
+its batch is processed, except the records a processor holds (the first record of every open
+rollout or pending group), which are acknowledged when what they started is written out.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import logging
+
+import faust
+from aiokafka import AIOKafkaProducer
+from aiokafka.admin import AIOKafkaAdminClient
+
+from infra.config import Config
+from infra.kafka import TopicSpec, client_options, ensure_topics, topic_name
+from streams.groups import GroupProcessor
+from streams.processor import SpanProcessor
+from streams.records import RawRecord
+from streams.warehouse import Warehouse
+
+log = logging.getLogger("agentstream.streams")
+
+
+class KafkaEmitter:
+    """Output records through one aiokafka producer, started on the worker's loop at first use."""
+
+    def __init__(self, options: dict) -> None:
+        self.options = options
+        self._producer: AIOKafkaProducer | None = None
+        self._pending: list[asyncio.Future] = []
+
+    async def _started(self) -> AIOKafkaProducer:
+        if self._producer is None:
+            self._producer = AIOKafkaProducer(**self.options, acks="all", linger_ms=5, max_batch_size=1 << 20,
+                                              max_request_size=16 << 20)
+            await self._producer.start()
+        return self._producer
+
+    async def send(self, topic: str, key: bytes | None, value: bytes) -> None:
+        producer = await self._started()
+        self._pending.append(await producer.send(topic, value=value, key=key))
+
+    async def flush(self) -> None:
+        """Wait until every record sent so far is acknowledged (raises if the broker refused one)."""
+        pending, self._pending = self._pending, []
+        if pending:
+            await asyncio.gather(*pending)
+
+    async def stop(self) -> None:
+        if self._producer is not None:
+            await self.flush()
+            await self._producer.stop()
+
+
+class FaustHolder:
+    """Hold = one more reference on the faust message; release = drop it, letting faust commit past it."""
+
+    def hold(self, record: RawRecord) -> None:
+        record.handle.message.incref()
+
+    def release(self, record: RawRecord) -> None:
+        record.handle.ack()
+
+
+def internal_topics(config: Config) -> list[TopicSpec]:
+    name = topic_name(config.topics, "streams.groups")
+    return [TopicSpec("streams.groups", name, config.topics.partitions,
+                      {"cleanup.policy": "delete", "retention.ms": str(config.topics.retention_ms)})]
+
+
+async def prepare_topics(config: Config, bootstrap_servers: str) -> None:
+    admin = AIOKafkaAdminClient(**client_options(config.kafka, bootstrap_servers))
+    await admin.start()
+    try:
+        await ensure_topics(admin, internal_topics(config), config.topics.replication_factor)
+    finally:
+        await admin.close()
+
+
+def _records(events) -> list[RawRecord]:
+    return [RawRecord(e.message.topic, e.message.partition, e.message.offset, e.message.key, e.message.value, e)
+            for e in events]
+
+
+def _credentials(config: Config):
+    kafka = config.kafka
+    if kafka.sasl_mechanism:
+        return faust.SASLCredentials(username=kafka.sasl_username,
+                                     password=kafka.sasl_password.reveal() if kafka.sasl_password else None,
+                                     mechanism=kafka.sasl_mechanism,
+                                     ssl_context=client_options(kafka, "").get("ssl_context"))
+    if kafka.security_protocol == "SSL":
+        return faust.SSLCredentials(client_options(kafka, "")["ssl_context"])
+    return None
+
+
+def create_app(config: Config, bootstrap_servers: str, clickhouse_url: str) -> faust.App:
+    """The streams application: spans and groups agents, their timers, their processors."""
+    settings = config.streams
+    app = faust.App(
+        settings.app_id, broker=[f"kafka://{server}" for server in bootstrap_servers.split(",")],
+        broker_credentials=_credentials(config), key_serializer="raw", value_serializer="raw",
+        broker_session_timeout=settings.session_timeout_s, broker_heartbeat_interval=0.5,
+        consumer_auto_offset_reset="earliest", topic_partitions=config.topics.partitions,
+        topic_replication_factor=config.topics.replication_factor, web_enabled=False, store="memory://",
+        stream_wait_empty=False, broker_commit_every=1000, broker_commit_interval=0.5, producer_acks=-1,
+    )
+    options = client_options(config.kafka, bootstrap_servers)
+    emitter = KafkaEmitter(options)
+    holder = FaustHolder()
+    spans = SpanProcessor(config, Warehouse(config.clickhouse, clickhouse_url,
+                                            retry_max_s=settings.clickhouse_retry_max_s), emitter, holder)
+    groups = GroupProcessor(config, Warehouse(config.clickhouse, clickhouse_url,
+                                              retry_max_s=settings.clickhouse_retry_max_s), emitter, holder)
+    app.processors = {"spans": spans, "groups": groups}  # for introspection in tests and status
+    lock = asyncio.Lock()
+
+    spans_topic = app.topic(topic_name(config.topics, "spans"), key_type=bytes, value_type=bytes)
+    groups_topic = app.topic(topic_name(config.topics, "streams.groups"), key_type=bytes, value_type=bytes)
+
+    @app.task
+    async def restore() -> None:
+        async with lock:
+            await spans.restore()
+
+    @app.agent(spans_topic)
+    async def spans_agent(stream):
+        async for events in stream.take_events(settings.batch_max_records, within=settings.batch_within_s):
+            async with lock:
+                await spans.process(_records(events))
+                await spans.tick()
+
+    @app.agent(groups_topic)
+    async def groups_agent(stream):
+        async for events in stream.take_events(settings.batch_max_records, within=settings.batch_within_s):
+            async with lock:
+                await groups.process(_records(events))
+                await groups.tick()
+
+    @app.timer(interval=0.05)
+    async def tick() -> None:
+        async with lock:
+            await spans.tick()
+            await groups.tick()
+
+    @app.timer(interval=10.0)
+    async def report() -> None:
+        counters = spans.counters
+        log.info("records %d, spans records %d, rollouts completed %d (awaiting reward %d, expired %d), "
+                 "transitions %d, calls without token ids %d, dead letters %d, groups %d credited / %d uninformative",
+                 counters.records, counters.spans_records, counters.rollouts_completed,
+                 counters.rollouts_awaiting_reward, counters.rollouts_expired, counters.transitions + groups.counters.transitions,
+                 counters.calls_without_tokens, counters.dead_letters, groups.groups_credited,
+                 groups.groups_uninformative)
+
+    @app.on_before_shutdown.connect
+    async def stop_emitter(app, **kwargs) -> None:
+        await emitter.stop()
+
+    return app

@@ -1,0 +1,84 @@
+"""Rollout lifecycle state: which rollouts are open, when each one is complete, and which offsets it holds.
+
+The state is derived from the spans topic alone and is rebuilt by replay after a crash: the
+first record of every open rollout is held (not acknowledged), so the committed offset never
+passes a rollout that has not been written out. Rollouts that wait hours for a late reward
+are persisted in ClickHouse (status AWAITING_REWARD) instead, so they do not hold offsets.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+from typing import Any
+
+from streams.records import RawRecord
+
+TERMINAL = {"SUCCEEDED", "FAILED", "TIMED_OUT", "CANCELLED"}
+
+
+@dataclass
+class OpenRollout:
+    """What the processor knows about a rollout before its spans are read back: attribution and timing."""
+
+    rollout_id: str
+    held: RawRecord
+    first_seen_s: float
+    last_activity_s: float
+    attempt_id: str | None = None
+    terminal: str | None = None
+    terminal_at_s: float | None = None
+    error: str | None = None
+    managed: bool = False  # a runner or SDK rollout (it sent STARTED): silence means it died
+
+    def due(self, now_s: float, grace_s: float, idle_timeout_s: float) -> bool:
+        if self.terminal_at_s is not None:
+            return now_s >= self.terminal_at_s + grace_s
+        return now_s >= self.last_activity_s + idle_timeout_s
+
+
+class RolloutTracker:
+    """Open rollouts by id, fed by span batches and rollout events, asked for the ones that are due."""
+
+    def __init__(self, grace_s: float, idle_timeout_s: float) -> None:
+        self.grace_s = grace_s
+        self.idle_timeout_s = idle_timeout_s
+        self.open: dict[str, OpenRollout] = {}
+
+    def _touch(self, rollout_id: str, record: RawRecord, now_s: float) -> tuple[OpenRollout, bool]:
+        """The open rollout (opened now if new) and whether this record is the one it holds."""
+        found = self.open.get(rollout_id)
+        if found is None:
+            found = self.open[rollout_id] = OpenRollout(rollout_id, record, now_s, now_s)
+            return found, True
+        found.last_activity_s = now_s
+        return found, False
+
+    def on_spans(self, rollout_id: str, record: RawRecord, now_s: float) -> bool:
+        """Record span activity; True when the caller must hold this record's offset."""
+        return self._touch(rollout_id, record, now_s)[1]
+
+    def on_event(self, event: dict[str, Any], record: RawRecord, now_s: float) -> bool:
+        """Apply a RolloutEvent; True when the caller must hold this record's offset."""
+        rollout, holds = self._touch(event["rollout_id"], record, now_s)
+        kind = event["event"]
+        if kind == "STARTED":
+            rollout.managed = True
+            if rollout.attempt_id not in (None, event["attempt_id"]) and rollout.terminal is not None:
+                # a retry started before the previous attempt was written out: restart the clock
+                rollout.terminal = rollout.terminal_at_s = rollout.error = None
+            rollout.attempt_id = event["attempt_id"]
+        elif kind == "HEARTBEAT":
+            rollout.managed = True
+        elif kind in TERMINAL:
+            rollout.managed = True
+            rollout.attempt_id = event["attempt_id"]
+            rollout.terminal = kind
+            rollout.terminal_at_s = now_s
+            rollout.error = event.get("error")
+        return holds
+
+    def pop_due(self, now_s: float) -> list[OpenRollout]:
+        due = [r for r in self.open.values() if r.due(now_s, self.grace_s, self.idle_timeout_s)]
+        for rollout in due:
+            del self.open[rollout.rollout_id]
+        return due

@@ -1,0 +1,134 @@
+"""Credit assignment and trajectory assembly on hand-built spans, with hand-checked numbers."""
+
+from __future__ import annotations
+
+import io
+
+import fastavro
+import pytest
+
+from infra.config import CreditRule
+from schemas import AvroCodec
+from streams.credit import DiscountedReturns, FinalReward, GroupNormalized, matching_rule
+from streams.lifecycle import RolloutTracker
+from streams.ocf import container_file
+from streams.records import RawRecord
+from streams.trajectory import SpanNode, assemble
+
+
+def node(span_id, kind, start, end=None, parent="", reward=None, attempt="a1", tokens=True, model="m"):
+    return SpanNode(span_id=span_id, parent_id=parent, kind=kind, name=kind.lower(), start_us=start,
+                    end_us=end if end is not None else start, attempt_id=attempt, agent_name="agent", model=model,
+                    has_token_ids=tokens and kind == "LLM", reward=reward)
+
+
+def trajectory():
+    """root[0..100]: llm1@10, reward 1.0 @20, llm2@30, llm3@50, reward 2.0 @60, final reward 4.0 @90."""
+    spans = [
+        node("root", "AGENT", 0, 100),
+        node("llm1", "LLM", 10, 15, "root"),
+        node("r1", "REWARD", 20, parent="root", reward=1.0),
+        node("llm2", "LLM", 30, 35, "root"),
+        node("llm3", "LLM", 50, 55, "root"),
+        node("r2", "REWARD", 60, parent="root", reward=2.0),
+        node("r3", "REWARD", 90, parent="root", reward=4.0),
+    ]
+    return assemble("ro", spans, "SUCCEEDED", "a1")
+
+
+def test_final_strategy_broadcasts_the_last_reward():
+    credits = FinalReward().assign(trajectory())
+    assert [(c.call.span_id, c.step_index, c.reward, c.advantage) for c in credits] == [
+        ("llm1", 0, 4.0, 4.0), ("llm2", 1, 4.0, 4.0), ("llm3", 2, 4.0, 4.0)]
+
+
+def test_discounted_strategy_honours_intermediate_rewards():
+    credits = DiscountedReturns(gamma=0.5).assign(trajectory())
+    # step rewards: llm1 gets r1 = 1; llm2 gets 0; llm3 gets r2 + r3 = 6
+    # returns: G3 = 6, G2 = 0 + 0.5 * 6 = 3, G1 = 1 + 0.5 * 3 = 2.5
+    assert [(c.reward, c.return_value, c.advantage) for c in credits] == [(1.0, 2.5, 2.5), (0.0, 3.0, 3.0),
+                                                                          (6.0, 6.0, 6.0)]
+    undiscounted = DiscountedReturns(gamma=1.0).assign(trajectory())
+    assert [c.return_value for c in undiscounted] == [7.0, 6.0, 6.0]
+
+
+def test_reward_before_the_first_call_goes_to_the_first_call():
+    spans = [node("r0", "REWARD", 1, reward=0.5), node("llm", "LLM", 5, 6), node("llm2", "LLM", 8, 9)]
+    credits = DiscountedReturns(gamma=1.0).assign(assemble("ro", spans, "SUCCEEDED", "a1"))
+    assert [c.reward for c in credits] == [0.5, 0.0]
+
+
+def test_grpo_normalises_within_the_group():
+    members = []
+    for index, reward in enumerate([1.0, 0.0, 0.0, 1.0]):
+        spans = [node(f"llm{index}", "LLM", 1, 2), node(f"r{index}", "REWARD", 3, reward=reward)]
+        members.append(assemble(f"ro{index}", spans, "SUCCEEDED", "a1"))
+    credits = GroupNormalized(epsilon=0.0).assign_group(members)
+    # mean 0.5, population std 0.5: advantages +1 / -1
+    assert [credits[f"ro{i}"][0].advantage for i in range(4)] == [1.0, -1.0, -1.0, 1.0]
+    same = [assemble(f"s{i}", [node(f"l{i}", "LLM", 1, 2), node(f"q{i}", "REWARD", 3, reward=1.0)], "SUCCEEDED", "a1")
+            for i in range(3)]
+    assert not GroupNormalized.informative([t.final_reward for t in same])
+    assert all(c[0].advantage == 0.0 for c in GroupNormalized().assign_group(same).values())
+
+
+def test_calls_without_token_ids_are_not_trainable():
+    spans = [node("llm", "LLM", 1, 2, tokens=False), node("llm2", "LLM", 3, 4), node("r", "REWARD", 5, reward=1.0)]
+    trajectory_ = assemble("ro", spans, "SUCCEEDED", "a1")
+    assert [c.span_id for c in trajectory_.llm_calls] == ["llm", "llm2"]
+    assert [c.call.span_id for c in FinalReward().assign(trajectory_)] == ["llm2"]
+
+
+def test_orphans_are_reattached_by_time_envelope_and_attempts_are_separated():
+    spans = [
+        node("root", "AGENT", 0, 100), node("tool", "TOOL", 10, 40, "root"),
+        node("orphan", "LLM", 20, 30, parent="missing-parent"),
+        node("proxy-llm", "LLM", 50, 60),  # no parent at all: a root of its own
+        node("old", "LLM", 0, 5, attempt="a0"),
+    ]
+    built = assemble("ro", spans, "SUCCEEDED", "a1")
+    by_id = {s.span_id: s for s in built.spans}
+    assert [c.span_id for c in by_id["tool"].children] == ["orphan"]
+    assert sorted(r.span_id for r in built.roots) == ["proxy-llm", "root"]
+    assert "old" not in by_id, "spans of another attempt are not part of this trajectory"
+    assert assemble("ro", spans, "COMPLETED").attempt_id == "a1", "without a terminal event: the latest attempt"
+
+
+def test_rules_select_agents_and_models_first_match_wins():
+    rules = (CreditRule(agent="internal-*", train=False), CreditRule(agent="*", model="gpt-*", strategy="discounted"),
+             CreditRule())
+    assert not matching_rule(rules, "internal-tool", "x").train
+    assert matching_rule(rules, "math", "gpt-4o").strategy == "discounted"
+    assert matching_rule(rules, "math", "smollm").strategy == "final"
+    assert matching_rule((CreditRule(agent="only"),), "other", "m") is None
+
+
+def test_lifecycle_completes_on_end_event_plus_grace_or_idle_timeout():
+    tracker = RolloutTracker(grace_s=1.0, idle_timeout_s=10.0)
+    record = RawRecord("t", 0, 0, b"k", b"")
+    assert tracker.on_event({"rollout_id": "a", "attempt_id": "a1", "event": "STARTED"}, record, 0.0) is True
+    assert tracker.on_spans("a", record, 1.0) is False, "only the first record of a rollout is held"
+    assert tracker.on_spans("b", record, 1.0) is True
+    tracker.on_event({"rollout_id": "a", "attempt_id": "a1", "event": "SUCCEEDED"}, record, 2.0)
+    assert tracker.pop_due(2.5) == []
+    assert [r.rollout_id for r in tracker.pop_due(3.0)] == ["a"]
+    assert tracker.pop_due(10.9) == []
+    assert [r.rollout_id for r in tracker.pop_due(11.0)] == ["b"]
+
+
+def test_container_file_of_raw_bodies_reads_back():
+    codec = AvroCodec()
+    spans = [{"span_id": f"s{i}", "rollout_id": "r", "attempt_id": "a", "name": "n", "kind": "LLM",
+              "start_time_us": i, "end_time_us": i + 1, "attributes": {"k": "v"}, "prompt_token_ids": [i, 2],
+              "response_token_ids": [3], "response_logprobs": [-0.5]} for i in range(3)]
+    records = [codec.encode_span_batch(spans[:2]), codec.encode_span_batch(spans[2:])]
+    _, _, schema = codec.writer_schema(records[0])
+    read = list(fastavro.reader(io.BytesIO(container_file(schema, [r[5:] for r in records]))))
+    assert [s["span_id"] for batch in read for s in batch["spans"]] == ["s0", "s1", "s2"]
+    assert read[1]["spans"][0]["prompt_token_ids"] == [2, 2]
+
+
+@pytest.mark.parametrize("gamma", [0.0, 1.0])
+def test_discount_edges(gamma):
+    credits = DiscountedReturns(gamma).assign(trajectory())
+    assert credits[0].return_value == (1.0 if gamma == 0.0 else 7.0)

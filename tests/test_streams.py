@@ -1,0 +1,170 @@
+"""Stream processors end to end: real broker, real ClickHouse, real `agentstream streams` worker processes."""
+
+from __future__ import annotations
+
+import asyncio
+import struct
+import uuid
+
+import pytest
+from aiokafka import AIOKafkaConsumer, TopicPartition
+
+from infra.clickhouse import connect
+from schemas import TASK, AvroCodec
+from tests.streams_harness import (CODEC, Worker, create_topics, now_us, produce, rollout_records, wait_for,
+                                   worker_env)
+
+CONFIG = """
+[streams]
+app_id = "{app_id}"
+grace_s = 0.2
+idle_timeout_s = 1.5
+reward_expiry_s = 4
+session_timeout_s = 3
+
+[[credit]]
+agent = "skip-*"
+train = false
+
+[[credit]]
+agent = "disc-*"
+strategy = "discounted"
+gamma = 0.5
+
+[[credit]]
+agent = "grpo-*"
+strategy = "grpo"
+group_size = 4
+group_timeout_s = 3
+
+[[credit]]
+agent = "*"
+strategy = "final"
+"""
+
+
+def read_all(bootstrap: str, topic: str, partitions: int, timeout_ms: int = 1500) -> list:
+    async def go():
+        consumer = AIOKafkaConsumer(bootstrap_servers=bootstrap, enable_auto_commit=False)
+        await consumer.start()
+        try:
+            tps = [TopicPartition(topic, p) for p in range(partitions)]
+            consumer.assign(tps)
+            await consumer.seek_to_beginning(*tps)
+            records = []
+            while True:
+                batch = await consumer.getmany(timeout_ms=timeout_ms)
+                if not batch:
+                    return records
+                for items in batch.values():
+                    records.extend(items)
+        finally:
+            await consumer.stop()
+
+    return asyncio.run(go())
+
+
+@pytest.fixture
+def setup(tmp_path, stack, stack_config):
+    tag = uuid.uuid4().hex[:8]
+    env = worker_env(tmp_path, stack, f"s{tag}.", f"streams_{tag}", CONFIG.format(app_id=f"streams-{tag}"))
+    create_topics(env)
+    client = connect(stack_config.clickhouse, stack.clickhouse_url)
+    workers: list[Worker] = []
+    yield env, tag, client, workers
+    for worker in workers:
+        worker.stop()
+    client.command(f"DROP DATABASE IF EXISTS streams_{tag}")
+    client.close()
+
+
+def query(client, sql: str):
+    return client.query(sql).result_rows
+
+
+def test_credit_strategies_late_rewards_expiry_and_dead_letters(setup, stack):
+    env, tag, client, workers = setup
+    db, spans_topic = f"streams_{tag}", f"s{tag}.spans"
+    workers.append(Worker(env, env_path(env) / "worker.log").start())
+    ms = 1000
+    items = []
+
+    def add(rollout_id, **kwargs):
+        items.extend((rollout_id.encode(), value) for value in rollout_records(rollout_id, **kwargs))
+
+    add("fin", agent="math", llm_at=[0, 20 * ms], rewards=[(5 * ms, 0.5), (30 * ms, 1.0)])
+    add("disc", agent="disc-a", llm_at=[0, 20 * ms, 40 * ms], rewards=[(10 * ms, 1.0), (50 * ms, 2.0)])
+    for index, reward in enumerate([1.0, 0.0, 0.0, 1.0]):
+        add(f"g1-{index}", agent="grpo-a", group="g1", rewards=[(5 * ms, reward)])
+    for index in range(4):
+        add(f"g2-{index}", agent="grpo-a", group="g2", rewards=[(5 * ms, 1.0)])
+    add("notok", agent="math", llm_at=[0], tokens=False, rewards=[(5 * ms, 1.0)])
+    add("failed", agent="math", terminal="FAILED", rewards=[(5 * ms, 1.0)])
+    add("skipped", agent="skip-me", rewards=[(5 * ms, 1.0)])
+    add("late", agent="online", started=False, terminal=None)
+    add("expires", agent="online", started=False, terminal=None)
+    garbage = [(b"g1", b"\x07not avro at all"), (b"g2", b"\x00" + struct.pack(">I", 12345) + b"\x02x"),
+               (b"g3", AvroCodec().encode(TASK, {"task_id": "t", "rollout_id": "r", "input": "{}", "timeout_s": 1.0,
+                                                 "enqueued_at_us": 0}))]
+    asyncio.run(produce(stack.bootstrap_servers, spans_topic, items + garbage))
+
+    def statuses():
+        return dict(query(client, f"SELECT rollout_id, status FROM {db}.rollouts FINAL"))
+
+    wait_for(lambda: statuses().get("late") == "AWAITING_REWARD" and len(statuses()) >= 15, 60, what="rollouts")
+    late_reward = CODEC.encode_span_batch([{
+        "span_id": "late-reward", "rollout_id": "late", "attempt_id": "late-1", "name": "reward", "kind": "REWARD",
+        "start_time_us": now_us(), "end_time_us": now_us(), "attributes": {"agentstream.reward.late": "true"},
+        "reward": 0.75}])
+    asyncio.run(produce(stack.bootstrap_servers, spans_topic, [(b"late", late_reward)]))
+    wait_for(lambda: statuses().get("late") == "SUCCEEDED", 30, what="late reward")
+    wait_for(lambda: statuses().get("expires") == "EXPIRED", 30, what="expiry")
+    after_expiry = CODEC.encode_span_batch([{
+        "span_id": "too-late", "rollout_id": "expires", "attempt_id": "expires-1", "name": "reward", "kind": "REWARD",
+        "start_time_us": now_us(), "end_time_us": now_us(), "attributes": {}, "reward": 1.0}])
+    asyncio.run(produce(stack.bootstrap_servers, spans_topic, [(b"expires", after_expiry)]))
+
+    final = statuses()
+    assert final["fin"] == final["disc"] == final["skipped"] == final["notok"] == "SUCCEEDED"
+    assert final["failed"] == "FAILED"
+
+    def transitions():
+        return {row[0]: row[1:] for row in query(
+            client, f"SELECT span_id, step_index, reward, return_value, advantage, policy_version FROM "
+                    f"{db}.transitions FINAL")}
+
+    wait_for(lambda: len(transitions()) == 10, 30, what="10 transitions")
+    got = transitions()
+    assert got["fin-llm0"] == got["fin-llm1"][:0] + (0, 1.0, 1.0, 1.0, 1) and got["fin-llm1"][0] == 1
+    assert [got[f"disc-llm{i}"][1:4] for i in range(3)] == [(1.0, 1.5, 1.5), (0.0, 1.0, 1.0), (2.0, 2.0, 2.0)]
+    assert [round(got[f"g1-{i}-llm0"][3], 4) for i in range(4)] == [1.0, -1.0, -1.0, 1.0]
+    assert got["late-llm0"][1:4] == (0.75, 0.75, 0.75)
+    assert not any(key.startswith(("g2-", "notok", "failed", "skipped", "expires")) for key in got)
+    assert query(client, f"SELECT llm_calls_without_tokens FROM {db}.rollouts FINAL WHERE rollout_id = 'notok'") == [(1,)]
+    produced = sum(len(CODEC.decode(value)[1]["spans"]) for _, value in items if CODEC.decode(value)[0].endswith("Batch"))
+    wait_for(lambda: query(client, f"SELECT count() FROM {db}.spans FINAL") == [(produced + 2,)], 20,
+             what="every span in ClickHouse, once")
+
+    span_count = query(client, f"SELECT count() FROM {db}.spans FINAL WHERE rollout_id = 'disc'")
+    assert span_count == [(5,)]
+    on_topic = [CODEC.decode(r.value)[1] for r in read_all(stack.bootstrap_servers, f"s{tag}.transitions", 4)]
+    assert {t["span_id"] for t in on_topic} == set(got)
+    assert {r.key for r in read_all(stack.bootstrap_servers, f"s{tag}.transitions", 4)} == {b"m"}
+    fin = next(t for t in on_topic if t["span_id"] == "fin-llm1")
+    assert fin["prompt_token_ids"] == [1, 2, 3, 1] and fin["response_token_ids"] == [7, 1]
+    assert fin["behaviour_logprobs"] == [-0.5, -0.25]
+
+    dead = [CODEC.decode(r.value)[1] for r in read_all(stack.bootstrap_servers, f"s{tag}.dlq", 1)]
+    assert sorted(d["key"] for d in dead) == [b"g1", b"g2", b"g3"]
+    by_key = {d["key"]: d for d in dead}
+    assert by_key[b"g1"]["error_type"] == "NotWireFormat" and by_key[b"g1"]["value"] == b"\x07not avro at all"
+    assert by_key[b"g2"]["error_type"] == "UnknownSchemaId"
+    assert by_key[b"g3"]["error_type"] == "UnexpectedRecord"
+    assert all(d["source_topic"] == spans_topic and d["offset"] >= 0 for d in dead)
+    assert statuses()["expires"] == "EXPIRED", "a reward after expiry does not revive the rollout"
+
+
+def env_path(env: dict):
+    from pathlib import Path
+
+    return Path(env["AGENTSTREAM_CONFIG"]).parent
