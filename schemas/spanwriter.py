@@ -15,10 +15,8 @@ from __future__ import annotations
 import operator
 import reprlib
 import struct
-import sys
-from array import array
 from collections.abc import Iterable, Mapping, Sequence
-from typing import Any, NamedTuple
+from typing import Any
 
 import numpy as np
 
@@ -35,8 +33,6 @@ _INT_MIN, _INT_MAX = -(1 << 31), (1 << 31) - 1
 _LONG_MIN, _LONG_MAX = -(1 << 63), (1 << 63) - 1
 _HEADER = struct.Struct(">BI")
 _DOUBLE = struct.Struct("<d")
-_BIG_ENDIAN = sys.byteorder == "big"
-assert array("i").itemsize == 4 and array("f").itemsize == 4, "array('i') and array('f') must be 32-bit"
 
 # Zigzag varints of -64..63, the longs that fit one byte (lengths, counts, union branches).
 _SMALL_LONGS = tuple(bytes([(n << 1) ^ (n >> 63)]) for n in range(-64, 64))
@@ -54,22 +50,18 @@ _CACHE_SIZE = 1 << 14  # entries per cache below; a full cache is emptied and re
 _CACHED_STRING_BYTES = 64
 _STRINGS: dict[str, bytes] = {}  # short string -> its Avro bytes
 _HIGH_VARINTS: dict[int, bytes] = {}  # bits above the lowest 21 of a zigzag value -> their varint
+_INT32S: dict[int, struct.Struct] = {}  # item count -> struct packing that many int32
+_FLOAT32S: dict[int, struct.Struct] = {}  # item count -> struct packing that many float32
 
 
-class PreparedSpan(NamedTuple):
-    """A span checked and mostly written: only the varints of its token ids are left for the batch pass.
+PreparedSpan = tuple[bytes, bytes | None, bytes, bytes | None, bytes, int]
+"""A span checked and mostly written: ``(head, prompt_ids, middle, response_ids, tail, nbytes)``.
 
-    Its Avro body is `head + varints(prompt) + middle + varints(response) + tail`; an array is
-    None when there is nothing to write (the field is null or empty).
-    """
-
-    head: bytes
-    prompt: array | np.ndarray | None
-    middle: bytes
-    response: array | np.ndarray | None
-    tail: bytes
-    nbytes: int
-    """Memory the prepared span holds (its byte strings and 4 bytes per token id)."""
+Its Avro body is ``head + varints(prompt_ids) + middle + varints(response_ids) + tail``, where
+the ids are native-order int32 bytes, None when there are none to write (null or empty), and
+nbytes is the memory it holds. A plain tuple of bytes on purpose: the garbage collector stops
+tracking it, which matters when tens of thousands wait in a publisher's buffer.
+"""
 
 
 def write_long(value: int) -> bytes:
@@ -171,7 +163,7 @@ def prepare_span(span: Mapping[str, Any]) -> PreparedSpan:
         _NULL if version is None else _PRESENT + _long(version, "policy_version"),
     ))
     ids = (0 if prompt is None else len(prompt)) + (0 if response is None else len(response))
-    return PreparedSpan(head, prompt, middle, response, tail, len(head) + len(middle) + len(tail) + 4 * ids)
+    return head, prompt, middle, response, tail, len(head) + len(middle) + len(tail) + ids
 
 
 class SpanBatchEncoder:
@@ -208,13 +200,13 @@ class SpanBatchEncoder:
 
     @staticmethod
     def _bodies(batches: Sequence[Sequence[PreparedSpan]], headers: Sequence[bytes], trailer: bytes) -> list[bytes]:
-        arrays = [ids for batch in batches for span in batch for ids in (span.prompt, span.response) if ids is not None]
+        arrays = [ids for batch in batches for span in batch for ids in (span[1], span[3]) if ids is not None]
         sizes: list[int] = []  # bytes of varints per array, in order
         varints = b""
         if arrays:
-            varints, counts = zigzag_varints(np.frombuffer(b"".join(arrays), dtype=np.int32))
+            varints, counts = zigzag_varints(np.frombuffer(b"".join(arrays), dtype="<i4"))
             starts = np.zeros(len(arrays), dtype=np.int64)
-            np.cumsum([len(ids) for ids in arrays[:-1]], out=starts[1:])
+            np.cumsum([len(ids) // 4 for ids in arrays[:-1]], out=starts[1:])
             sizes = np.add.reduceat(counts, starts, dtype=np.int64).tolist()
         data = memoryview(varints)
         next_size = iter(sizes).__next__
@@ -222,18 +214,18 @@ class SpanBatchEncoder:
         records = []
         for batch, header in zip(batches, headers, strict=True):
             parts = [header]
-            for span in batch:
-                parts.append(span.head)
-                if span.prompt is not None:
+            for head, prompt, middle, response, tail, _ in batch:
+                parts.append(head)
+                if prompt is not None:
                     end = position + next_size()
                     parts.append(data[position:end])
                     position = end
-                parts.append(span.middle)
-                if span.response is not None:
+                parts.append(middle)
+                if response is not None:
                     end = position + next_size()
                     parts.append(data[position:end])
                     position = end
-                parts.append(span.tail)
+                parts.append(tail)
             parts.append(trailer)
             records.append(b"".join(parts))
         return records
@@ -324,8 +316,8 @@ def _double_map(value: Any, name: str) -> bytes:
     return b"".join(parts)
 
 
-def _int_array(value: Any, name: str) -> tuple[bytes, array | np.ndarray | None]:
-    """The union branch and block header of a nullable int array, and its items as int32 (None if there are none)."""
+def _int_array(value: Any, name: str) -> tuple[bytes, bytes | None]:
+    """The union branch and block header of a nullable int array, and its items as int32 bytes (None if none)."""
     if value is None:
         return _NULL, None
     if isinstance(value, np.ndarray):
@@ -333,16 +325,17 @@ def _int_array(value: Any, name: str) -> tuple[bytes, array | np.ndarray | None]
             raise _fail(name, value, "null or array of int")
         if len(value) and (value.min() < _INT_MIN or value.max() > _INT_MAX):
             raise _fail(name, value, "null or array of int (32-bit)")
-        ids: array | np.ndarray = np.ascontiguousarray(value, dtype=np.int32)
+        ids = value.astype("<i4").tobytes()
     elif type(value) is not list and isinstance(value, (str, bytes, Mapping)):
         raise _fail(name, value, "null or array of int")
     else:
         try:
-            ids = array("i", value)
-        except (TypeError, OverflowError) as error:
+            ids = _packer(_INT32S, "i", len(value)).pack(*value)
+        except (TypeError, struct.error) as error:
             raise _fail(name, value, "null or array of int (32-bit)", error) from error
-    count = len(ids)
-    return (_PRESENT + write_long(count), ids) if count else (_PRESENT + _EMPTY_BLOCKS, None)
+    if not ids:
+        return _PRESENT + _EMPTY_BLOCKS, None
+    return _PRESENT + write_long(len(ids) // 4), ids
 
 
 def _float_array(value: Any, name: str) -> bytes:
@@ -353,20 +346,30 @@ def _float_array(value: Any, name: str) -> bytes:
         if value.ndim != 1 or value.dtype.kind not in "fiu":
             raise _fail(name, value, "null or array of float")
         with np.errstate(over="ignore"):  # out-of-range doubles become infinities, as in fastavro
-            floats = np.asarray(value, dtype="<f4").tobytes()
+            floats = value.astype("<f4").tobytes()
     elif type(value) is not list and isinstance(value, (str, bytes, Mapping)):
         raise _fail(name, value, "null or array of float")
     else:
         try:
-            items = array("f", value)
-        except (TypeError, OverflowError) as error:
+            floats = _packer(_FLOAT32S, "f", len(value)).pack(*value)
+        except OverflowError:  # struct refuses what does not fit a float32; Avro writers make it infinite
+            with np.errstate(over="ignore"):
+                floats = np.array(value, dtype=np.float64).astype("<f4").tobytes()
+        except (TypeError, struct.error) as error:
             raise _fail(name, value, "null or array of float", error) from error
-        if _BIG_ENDIAN:
-            items.byteswap()
-        floats = items.tobytes()
     if not floats:
         return _PRESENT + _EMPTY_BLOCKS
     return b"".join((_PRESENT, write_long(len(floats) // 4), floats, _NULL))
+
+
+def _packer(cache: dict[int, struct.Struct], code: str, count: int) -> struct.Struct:
+    """A little-endian struct for `count` items of `code`, cached: one pack call converts a whole list."""
+    packer = cache.get(count)
+    if packer is None:
+        if len(cache) >= _CACHE_SIZE:
+            cache.clear()
+        packer = cache[count] = struct.Struct(f"<{count}{code}")
+    return packer
 
 
 def _symbols(field_name: str) -> dict[str, bytes]:

@@ -38,7 +38,7 @@ def test_migrations_applied_twice_are_harmless(clickhouse, stack_config):
     database = stack_config.clickhouse.database
     assert migrate(clickhouse, database) == [], "up already applied every migration"
     assert migrate(clickhouse, database) == []
-    versions = clickhouse.query(f"SELECT version, count() FROM {database}.schema_migrations GROUP BY version").result_rows
+    versions = clickhouse.query(f"SELECT version, count() FROM {database}.schema_migrations GROUP BY version ORDER BY version").result_rows
     assert versions == [(m.version, 1) for m in load_migrations()]
     tables = {row[0] for row in clickhouse.query(
         "SELECT name FROM system.tables WHERE database = {db:String}", parameters={"db": database}).result_rows}
