@@ -31,6 +31,7 @@ from pathlib import Path
 
 import chdb
 from aiohttp import web
+from multidict import MultiDict
 
 log = logging.getLogger("agentstream.chserver")
 
@@ -246,13 +247,30 @@ def _split_statement(query_param: str | None, body: bytes) -> tuple[bytes, bytes
     return body, None
 
 
+async def _form_fields(request: web.Request) -> tuple[MultiDict, bytes]:
+    """A multipart form (clients send long bind parameters that way): its fields join the URL parameters.
+
+    The query comes in the ``query`` field; a file part would be external data, which the
+    embedded server does not support.
+    """
+    params = MultiDict(request.query)
+    reader = await request.multipart()
+    async for part in reader:
+        if part.filename:
+            raise RequestError("Code: 48. DB::Exception: external data (file parts) is not supported by the embedded "
+                               "server. (NOT_IMPLEMENTED)", 48, 501)
+        params[part.name] = (await part.read(decode=False)).decode("utf-8")
+    return params, b""
+
+
 class Server:
     """The aiohttp application that speaks ClickHouse HTTP in front of an :class:`Engine`."""
 
     def __init__(self, engine: Engine) -> None:
         self.engine = engine
         # We decode Content-Encoding ourselves: aiohttp knows gzip but not lz4, which clients send.
-        self.app = web.Application(client_max_size=1 << 30, handler_args={"auto_decompress": False})
+        self.app = web.Application(client_max_size=1 << 30, handler_args={
+            "auto_decompress": False, "max_line_size": 1 << 20, "max_field_size": 1 << 20})
         self.app.router.add_get("/ping", self.ping)
         self.app.router.add_get("/", self.handle)
         self.app.router.add_post("/", self.handle)
@@ -287,8 +305,9 @@ class Server:
     async def _execute(self, request: web.Request) -> Outcome:
         params = request.query
         if request.content_type.startswith("multipart/"):
-            raise RequestError("Code: 1. DB::Exception: multipart requests (external data) are not supported by the embedded server. (NOT_IMPLEMENTED)", 48, 501)
-        body = _decode_body(await request.read(), request.headers.get("Content-Encoding"))
+            params, body = await _form_fields(request)
+        else:
+            body = _decode_body(await request.read(), request.headers.get("Content-Encoding"))
         statement, data = _split_statement(params.get("query"), body)
         if not statement.strip():
             raise RequestError("Code: 62. DB::Exception: Empty query. (SYNTAX_ERROR)", 62)

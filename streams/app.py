@@ -157,6 +157,11 @@ def create_app(config: Config, bootstrap_servers: str, clickhouse_url: str) -> f
                  counters.calls_without_tokens, counters.dead_letters, groups.groups_credited,
                  groups.groups_uninformative)
 
+    @app.on_partitions_assigned.connect
+    async def log_assignment(app, assigned, **kwargs) -> None:
+        mine = sorted((tp.topic, tp.partition) for tp in assigned if tp.topic == spans_topic.get_topic_name())
+        log.info("assigned %s partitions %s", spans_topic.get_topic_name(), [p for _, p in mine])
+
     @app.on_before_shutdown.connect
     async def stop_emitter(app, **kwargs) -> None:
         await emitter.stop()

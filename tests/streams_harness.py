@@ -122,11 +122,12 @@ async def produce(bootstrap: str, topic: str, items: list[tuple[bytes, bytes]]) 
         await producer.stop()
 
 
-def wait_for(check, timeout_s: float = 60.0, interval_s: float = 0.3, what: str = "condition"):
+def wait_for(check, timeout_s: float = 60.0, interval_s: float = 0.3, what: str = "condition", equals=None):
+    """Poll ``check()`` until it is truthy (or equals ``equals`` when given); fail with the last value seen."""
     deadline = time.monotonic() + timeout_s
     while True:
         value = check()
-        if value:
+        if (value == equals) if equals is not None else value:
             return value
         if time.monotonic() > deadline:
             raise AssertionError(f"timed out waiting for {what}; last value {value!r}")

@@ -123,3 +123,9 @@ def test_http_interface_speaks_clickhouse(stack):
 def test_ping(stack):
     with urllib.request.urlopen(stack.clickhouse_url + "/ping", timeout=10) as response:
         assert (response.status, response.read()) == (200, b"Ok.\n")
+
+
+def test_long_bind_parameters_arrive_as_a_multipart_form(clickhouse):
+    ids = [f"rollout-{i:032d}" for i in range(5000)]  # too long for a URL: clickhouse-connect posts a form
+    assert clickhouse.query("SELECT length({ids:Array(String)}), {ids:Array(String)}[5000]",
+                            parameters={"ids": ids}).result_rows == [(5000, ids[-1])]

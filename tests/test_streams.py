@@ -168,3 +168,111 @@ def env_path(env: dict):
     from pathlib import Path
 
     return Path(env["AGENTSTREAM_CONFIG"]).parent
+
+
+def _rollout_items(prefix: str, count: int) -> list[tuple[bytes, bytes]]:
+    items = []
+    for index in range(count):
+        rollout_id = f"{prefix}-{index}"
+        items.extend((rollout_id.encode(), value) for value in rollout_records(
+            rollout_id, agent="math", llm_at=[0, 1000], rewards=[(2000, float(index % 2))]))
+    return items
+
+
+def _counts(client, db: str) -> tuple[int, int, int]:
+    return (query(client, f"SELECT count() FROM {db}.spans FINAL")[0][0],
+            query(client, f"SELECT countIf(status = 'SUCCEEDED') FROM {db}.rollouts FINAL")[0][0],
+            query(client, f"SELECT count() FROM {db}.transitions FINAL")[0][0])
+
+
+def _produce_in_waves(bootstrap: str, topic: str, items: list, waves: int, between, pause_s: float = 0.3) -> None:
+    import time
+
+    size = len(items) // waves + 1
+    for wave in range(waves):
+        asyncio.run(produce(bootstrap, topic, items[wave * size:(wave + 1) * size]))
+        between(wave)
+        time.sleep(pause_s)
+
+
+def test_sigkill_mid_stream_loses_nothing_and_counts_once(setup, stack):
+    env, tag, client, workers = setup
+    db, topic = f"streams_{tag}", f"s{tag}.spans"
+    log_path = env_path(env) / "worker.log"
+    workers.append(Worker(env, log_path).start())
+    items = _rollout_items("k", 300)
+
+    def kill_then_restart(wave: int) -> None:
+        if wave == 2:
+            workers[-1].kill()
+        if wave == 4:
+            workers.append(Worker(env, log_path).start())
+
+    _produce_in_waves(stack.bootstrap_servers, topic, items, 8, kill_then_restart)
+    wait_for(lambda: _counts(client, db), 90, what="all spans, rollouts, transitions", equals=(900, 300, 600))
+    on_topic = [CODEC.decode(r.value)[1]["transition_id"] for r in read_all(stack.bootstrap_servers, f"s{tag}.transitions", 4)]
+    assert len(set(on_topic)) == 600, "every transition reached the topic (replays may repeat some, never lose one)"
+    assert "Ready" in workers[-1].log() and workers[-1].process.poll() is None
+
+
+def test_two_workers_split_the_partitions(setup, stack):
+    env, tag, client, workers = setup
+    db, topic = f"streams_{tag}", f"s{tag}.spans"
+    first = Worker(env, env_path(env) / "w1.log").start()
+    workers.append(first)
+    second = Worker(env, env_path(env) / "w2.log").start()
+    workers.append(second)
+
+    def assignment(worker: Worker) -> list[int]:
+        lines = [line for line in worker.log().splitlines() if f"assigned s{tag}.spans partitions" in line]
+        return eval(lines[-1].rsplit("partitions ", 1)[1]) if lines else []
+
+    wait_for(lambda: sorted(assignment(first) + assignment(second)) == [0, 1, 2, 3] and assignment(second), 60,
+             what="a rebalance giving both workers partitions")
+    assert set(assignment(first)).isdisjoint(assignment(second))
+    asyncio.run(produce(stack.bootstrap_servers, topic, _rollout_items("two", 200)))
+    wait_for(lambda: _counts(client, db), 60, what="both workers' output", equals=(600, 200, 400))
+
+
+def test_clickhouse_outage_holds_and_retries(setup, stack, stack_config, tmp_path):
+    import subprocess
+    import sys
+    import time
+
+    from infra.processes import free_port, wait_for_port
+
+    env, tag, _, workers = setup
+    port = free_port()
+    data = tmp_path / "outage-ch"
+
+    def start_clickhouse():
+        process = subprocess.Popen([sys.executable, "-m", "infra.chserver", "--port", str(port), "--data-dir", str(data)],
+                                   stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL)
+        wait_for_port("127.0.0.1", port, 30, process)
+        return process
+
+    clickhouse = start_clickhouse()
+    env = {**env, "CLICKHOUSE_URL": f"http://127.0.0.1:{port}"}
+    log_path = env_path(env) / "outage.log"
+    workers.append(Worker(env, log_path).start())
+    db, topic = f"streams_{tag}", f"s{tag}.spans"
+    items = _rollout_items("o", 150)
+    asyncio.run(produce(stack.bootstrap_servers, topic, items[:150]))
+    client = connect(stack_config.clickhouse, f"http://127.0.0.1:{port}")
+    wait_for(lambda: _counts(client, db)[0] > 0, 30, what="first rows")
+    client.close()
+    clickhouse.kill()
+    clickhouse.wait()
+    asyncio.run(produce(stack.bootstrap_servers, topic, items[150:]))
+    time.sleep(3)
+    assert "unavailable" in workers[-1].log(), "the worker says ClickHouse is unavailable and that it retries"
+    assert workers[-1].process.poll() is None, "an outage does not crash the worker"
+    clickhouse = start_clickhouse()
+    try:
+        client = connect(stack_config.clickhouse, f"http://127.0.0.1:{port}")
+        wait_for(lambda: _counts(client, db), 90, what="everything after the outage", equals=(450, 150, 300))
+        client.close()
+    finally:
+        workers[-1].stop()
+        clickhouse.terminate()
+        clickhouse.wait()
