@@ -177,9 +177,11 @@ def proxy_command(ctx: click.Context, upstream: str, host: str, port: int, agent
 @click.option("--group", "group_id", default="agentstream-runners", show_default=True, help="Consumer group of the runner pool.")
 @click.option("--proxy", "proxy_url", default=None, help="LLM proxy URL; rollouts get rollout.llm_base_url() under it.")
 @click.option("--max-tasks", default=None, type=int, help="Stop after this many rollouts (default: run until SIGTERM).")
+@click.option("--session-timeout-ms", default=10_000, show_default=True,
+              help="How long the group waits before a silent runner's tasks go to another runner.")
 @click.pass_context
 def run_command(ctx: click.Context, agent: str, concurrency: int, group_id: str, proxy_url: str | None,
-                max_tasks: int | None) -> None:
+                max_tasks: int | None, session_timeout_ms: int) -> None:
     """Run AGENT (module:function) on tasks from the tasks topic, as one member of a runner pool."""
     import uvloop
 
@@ -188,7 +190,8 @@ def run_command(ctx: click.Context, agent: str, concurrency: int, group_id: str,
 
     config = _config(ctx)
     function = load_agent(agent)
-    options = RunnerOptions(concurrency=concurrency, group_id=group_id, proxy_url=proxy_url)
+    options = RunnerOptions(concurrency=concurrency, group_id=group_id, proxy_url=proxy_url,
+                            session_timeout_ms=session_timeout_ms)
 
     async def serve() -> None:
         with _publisher(config, "runner") as publisher:
@@ -298,3 +301,86 @@ def serve_model_command(model_spec: str, host: str, port: int, served_model_name
         uvloop.run(serve(loaded, host=host, port=port, served_model_name=served_model_name))
     except KeyboardInterrupt:
         pass
+
+
+# ---------------------------------------------------------------- trainer and hot swap
+
+
+@main.command("train-worker")
+@click.option("--model", "model_spec", default=None, help="Model spec to train (overrides trainer.model).")
+@click.option("--max-steps", default=None, type=int, help="Stop after this many optimizer steps (default: run until SIGTERM).")
+@click.pass_context
+def train_worker_command(ctx: click.Context, model_spec: str | None, max_steps: int | None) -> None:
+    """Train one model from the transitions topic; checkpoints go to the store and the checkpoints topic."""
+    from dataclasses import replace
+
+    import uvloop
+
+    from infra.clickhouse import migrate, wait_for_clickhouse
+    from infra.kafka import admin_client, ensure_topics, product_topics
+
+    try:
+        from trainer.checkpoints import CheckpointError
+        from trainer.metrics import MetricsWriter
+        from trainer.policy import PolicyError
+        from trainer.worker import TrainerWorker
+    except ImportError as error:
+        raise click.ClickException(f"train-worker needs {error.name}: pip install 'agentstream[train]'") from None
+    config = _config(ctx)
+    if model_spec:
+        config = replace(config, trainer=replace(config.trainer, model=model_spec))
+    endpoints = Stack(config).endpoints()
+    database = config.clickhouse.database
+    client = wait_for_clickhouse(config.clickhouse, endpoints.clickhouse_url, timeout_s=30)
+    migrate(client, database)
+
+    async def serve() -> None:
+        admin = admin_client(config, endpoints.bootstrap_servers)
+        await admin.start()
+        try:
+            await ensure_topics(admin, product_topics(config.topics), config.topics.replication_factor)
+        finally:
+            await admin.close()
+        worker = TrainerWorker(config, endpoints.bootstrap_servers, metrics=MetricsWriter(client, database),
+                               progress=click.echo)
+        stop = asyncio.Event()
+        watcher = asyncio.create_task(_until_signalled(stop))
+        summary = await worker.run(stop, max_steps)
+        watcher.cancel()
+        click.echo(f"trained {summary.steps} steps on {summary.transitions} transitions ({summary.tokens} tokens), "
+                   f"{summary.checkpoints} checkpoints; now at version {worker.version}")
+
+    try:
+        uvloop.run(serve())
+    except (CheckpointError, PolicyError) as error:
+        raise click.ClickException(str(error)) from None
+    finally:
+        client.close()
+
+
+@main.command("hotswap")
+@click.option("--server", "server_url", required=True, help="Base URL of the model server (serve-model or vLLM).")
+@click.option("--model", "model_name", required=True, help="The trained model whose checkpoints to load.")
+@click.option("--no-verify", is_flag=True, help="Do not check the weights' sha256 before loading.")
+@click.pass_context
+def hotswap_command(ctx: click.Context, server_url: str, model_name: str, no_verify: bool) -> None:
+    """Follow the checkpoints topic and hot-swap each new version of MODEL into a model server."""
+    import uvloop
+
+    from pipeline.hotswap import HotSwapper
+
+    config = _config(ctx)
+    logging.getLogger("agentstream.hotswap").setLevel(logging.INFO)
+    swapper = HotSwapper(config, Stack(config).endpoints().bootstrap_servers, server_url, model_name,
+                         verify=not no_verify,
+                         on_swap=lambda swap: click.echo(f"{swap.model} v{swap.version} ({swap.format}) serving as "
+                                                         f"{swap.served_name}"))
+
+    async def serve() -> None:
+        stop = asyncio.Event()
+        watcher = asyncio.create_task(_until_signalled(stop))
+        click.echo(f"hot swap: checkpoints of {model_name} -> {server_url}")
+        await swapper.run(stop)
+        watcher.cancel()
+
+    uvloop.run(serve())

@@ -16,6 +16,7 @@ import operator
 import reprlib
 import struct
 from collections.abc import Iterable, Mapping, Sequence
+from itertools import chain
 from typing import Any
 
 import numpy as np
@@ -50,15 +51,16 @@ _CACHE_SIZE = 1 << 14  # entries per cache below; a full cache is emptied and re
 _CACHED_STRING_BYTES = 64
 _STRINGS: dict[str, bytes] = {}  # short string -> its Avro bytes
 _HIGH_VARINTS: dict[int, bytes] = {}  # bits above the lowest 21 of a zigzag value -> their varint
+_OPTIONAL_STRINGS: dict[str, bytes] = {}  # short string -> its branch and Avro bytes in a nullable union
 _INT32S: dict[int, struct.Struct] = {}  # item count -> struct packing that many int32
 _FLOAT32S: dict[int, struct.Struct] = {}  # item count -> struct packing that many float32
 
 
-PreparedSpan = tuple[bytes, bytes | None, bytes, bytes | None, bytes, int]
+PreparedSpan = tuple[bytes, bytes, bytes, bytes, bytes, int]
 """A span checked and mostly written: ``(head, prompt_ids, middle, response_ids, tail, nbytes)``.
 
 Its Avro body is ``head + varints(prompt_ids) + middle + varints(response_ids) + tail``, where
-the ids are native-order int32 bytes, None when there are none to write (null or empty), and
+the ids are little-endian int32 bytes (empty when the field is null or empty), and
 nbytes is the memory it holds. A plain tuple of bytes on purpose: the garbage collector stops
 tracking it, which matters when tens of thousands wait in a publisher's buffer.
 """
@@ -128,6 +130,78 @@ def _zigzag_varints(values: np.ndarray) -> tuple[bytes, np.ndarray]:
 
 def prepare_span(span: Mapping[str, Any]) -> PreparedSpan:
     """Check `span` against the Span schema and write everything but its token-id varints."""
+    try:
+        return _prepare_common(span)
+    except _NOT_COMMON:
+        return _prepare_checked(span)
+
+
+def _prepare_common(span: Mapping[str, Any]) -> PreparedSpan:
+    """The fast path for the usual span: cached strings, list arrays, int timestamps; raises for anything else.
+
+    It writes exactly what _prepare_checked writes; where a value is unusual it raises one of
+    _NOT_COMMON (an unhashable value in a cache lookup, say) and the checked path takes over.
+    """
+    if type(span) is not dict or not _FIELD_NAMES.issuperset(span):
+        raise _Unusual
+    get, strings, options = span.get, _STRINGS, _OPTIONAL_STRINGS
+    start, end, version = get("start_time_us"), get("end_time_us"), get("policy_version")
+    if type(start) is not int or type(end) is not int or not (_LONG_MIN <= start <= _LONG_MAX
+                                                              and _LONG_MIN <= end <= _LONG_MAX):
+        raise _Unusual
+    prompt_start, prompt = _list_of_ints(get("prompt_token_ids"), "prompt_token_ids")
+    response_start, response = _list_of_ints(get("response_token_ids"), "response_token_ids")
+    head = b"".join((
+        strings.get(span["span_id"]) or _string(span["span_id"], "span_id"),
+        strings.get(span["rollout_id"]) or _string(span["rollout_id"], "rollout_id"),
+        strings.get(span["attempt_id"]) or _string(span["attempt_id"], "attempt_id"),
+        options.get(get("parent_id")) or _optional_string(get("parent_id"), "parent_id"),
+        strings.get(span["name"]) or _string(span["name"], "name"),
+        _KIND[span["kind"]],
+        write_long(start),
+        write_long(end),
+        _STATUS[get("status", "UNSET")],
+        options.get(get("status_message")) or _optional_string(get("status_message"), "status_message"),
+        options.get(get("agent_name")) or _optional_string(get("agent_name"), "agent_name"),
+        options.get(get("task_id")) or _optional_string(get("task_id"), "task_id"),
+        options.get(get("group_id")) or _optional_string(get("group_id"), "group_id"),
+        options.get(get("model")) or _optional_string(get("model"), "model"),
+        _string_map(get("attributes", _NO_ATTRIBUTES), "attributes"),
+        prompt_start,
+    ))
+    middle = _NULL + response_start if prompt else response_start
+    logprobs, reward, dimensions = get("response_logprobs"), get("reward"), get("reward_dimensions")
+    if type(logprobs) is list and logprobs:
+        count = len(logprobs)
+        floats = (_FLOAT32S.get(count) or _packer(_FLOAT32S, "f", count)).pack(*logprobs)
+        logprobs_part = b"".join((_array_start(count), floats, _NULL))
+    else:
+        logprobs_part = _float_array(logprobs, "response_logprobs")
+    tail = b"".join((
+        _NULL if response else b"",
+        logprobs_part,
+        _NULL if reward is None else _PRESENT + _double(reward, "reward"),
+        _NULL if dimensions is None else _PRESENT + _double_map(dimensions, "reward_dimensions"),
+        _NULL if version is None else _PRESENT + _long(version, "policy_version"),
+    ))
+    return head, prompt, middle, response, tail, len(head) + len(middle) + len(tail) + len(prompt) + len(response)
+
+
+def _list_of_ints(value: Any, name: str) -> tuple[bytes, bytes]:
+    """_int_array's fast path for a non-empty list (anything else goes through _int_array)."""
+    if type(value) is not list or not value:
+        return _int_array(value, name)
+    count = len(value)
+    return _array_start(count), (_INT32S.get(count) or _packer(_INT32S, "i", count)).pack(*value)
+
+
+def _array_start(count: int) -> bytes:
+    """Union branch 1 and the block count of a non-empty array."""
+    return _ARRAY_STARTS[count] if count < len(_ARRAY_STARTS) else _PRESENT + write_long(count)
+
+
+def _prepare_checked(span: Mapping[str, Any]) -> PreparedSpan:
+    """prepare_span one field at a time, each checked on its own so an error names the field."""
     if not _FIELD_NAMES.issuperset(span):
         extra = sorted(map(str, set(span) - _FIELD_NAMES))
         raise EncodeError(f"{SPAN} does not match: record contains more fields than the schema specifies: {extra}")
@@ -153,17 +227,16 @@ def prepare_span(span: Mapping[str, Any]) -> PreparedSpan:
         prompt_start,
     ))
     # A block of items ends with a zero count: after the prompt ids, and after the response ids.
-    middle = _NULL + response_start if prompt is not None else response_start
+    middle = _NULL + response_start if prompt else response_start
     reward, dimensions, version = get("reward"), get("reward_dimensions"), get("policy_version")
     tail = b"".join((
-        _NULL if response is not None else b"",
+        _NULL if response else b"",
         _float_array(get("response_logprobs"), "response_logprobs"),
         _NULL if reward is None else _PRESENT + _double(reward, "reward"),
         _NULL if dimensions is None else _PRESENT + _double_map(dimensions, "reward_dimensions"),
         _NULL if version is None else _PRESENT + _long(version, "policy_version"),
     ))
-    ids = (0 if prompt is None else len(prompt)) + (0 if response is None else len(response))
-    return head, prompt, middle, response, tail, len(head) + len(middle) + len(tail) + ids
+    return head, prompt, middle, response, tail, len(head) + len(middle) + len(tail) + len(prompt) + len(response)
 
 
 class SpanBatchEncoder:
@@ -200,35 +273,37 @@ class SpanBatchEncoder:
 
     @staticmethod
     def _bodies(batches: Sequence[Sequence[PreparedSpan]], headers: Sequence[bytes], trailer: bytes) -> list[bytes]:
-        arrays = [ids for batch in batches for span in batch for ids in (span[1], span[3]) if ids is not None]
-        sizes: list[int] = []  # bytes of varints per array, in order
-        varints = b""
-        if arrays:
+        spans = [span for batch in batches for span in batch]
+        if not spans:
+            return [header + trailer for header in headers]
+        heads, prompts, middles, responses, tails, _ = zip(*spans)
+        arrays = [ids for pair in zip(prompts, responses) for ids in pair]  # two per span, some empty
+        lengths = np.fromiter(map(len, arrays), dtype=np.int64, count=len(arrays)) // 4
+        filled = lengths > 0
+        sizes = np.zeros(len(arrays), dtype=np.int64)  # bytes of varints per array
+        if filled.any():
             varints, counts = zigzag_varints(np.frombuffer(b"".join(arrays), dtype="<i4"))
-            starts = np.zeros(len(arrays), dtype=np.int64)
-            np.cumsum([len(ids) // 4 for ids in arrays[:-1]], out=starts[1:])
-            sizes = np.add.reduceat(counts, starts, dtype=np.int64).tolist()
+            starts = np.zeros(int(filled.sum()), dtype=np.int64)
+            np.cumsum(lengths[filled][:-1], out=starts[1:])
+            sizes[filled] = np.add.reduceat(counts, starts, dtype=np.int64)
+        else:
+            varints = b""
         data = memoryview(varints)
-        next_size = iter(sizes).__next__
-        position = 0
-        records = []
+        ends = np.cumsum(sizes).tolist()
+        segments = [data[start:end] for start, end in zip([0, *ends], ends)]
+        prompt_segments, response_segments = segments[0::2], segments[1::2]
+        records, first = [], 0
         for batch, header in zip(batches, headers, strict=True):
-            parts = [header]
-            for head, prompt, middle, response, tail, _ in batch:
-                parts.append(head)
-                if prompt is not None:
-                    end = position + next_size()
-                    parts.append(data[position:end])
-                    position = end
-                parts.append(middle)
-                if response is not None:
-                    end = position + next_size()
-                    parts.append(data[position:end])
-                    position = end
-                parts.append(tail)
-            parts.append(trailer)
-            records.append(b"".join(parts))
+            last = first + len(batch)
+            pieces = zip(heads[first:last], prompt_segments[first:last], middles[first:last],
+                         response_segments[first:last], tails[first:last])
+            records.append(b"".join([header, *chain.from_iterable(pieces), trailer]))
+            first = last
         return records
+
+
+class _Unusual(Exception):
+    """A span the fast path leaves to the checked one."""
 
 
 def _fail(name: str, value: Any, expected: str, cause: Exception | None = None) -> EncodeError:
@@ -258,7 +333,15 @@ def _string(value: Any, name: str) -> bytes:
 
 
 def _optional_string(value: Any, name: str) -> bytes:
-    return _NULL if value is None else _PRESENT + _string(value, name)
+    """Branch and string of a ["null", "string"] union; short strings are cached with their branch."""
+    if value is None:
+        return _NULL
+    written = _PRESENT + _string(value, name)
+    if len(written) <= _CACHED_STRING_BYTES:
+        if len(_OPTIONAL_STRINGS) >= _CACHE_SIZE:
+            _OPTIONAL_STRINGS.clear()
+        _OPTIONAL_STRINGS[value] = written
+    return written
 
 
 def _long(value: Any, name: str) -> bytes:
@@ -316,10 +399,10 @@ def _double_map(value: Any, name: str) -> bytes:
     return b"".join(parts)
 
 
-def _int_array(value: Any, name: str) -> tuple[bytes, bytes | None]:
-    """The union branch and block header of a nullable int array, and its items as int32 bytes (None if none)."""
+def _int_array(value: Any, name: str) -> tuple[bytes, bytes]:
+    """The union branch and block header of a nullable int array, and its items as little-endian int32 bytes."""
     if value is None:
-        return _NULL, None
+        return _NULL, b""
     if isinstance(value, np.ndarray):
         if value.ndim != 1 or value.dtype.kind not in "iu":
             raise _fail(name, value, "null or array of int")
@@ -334,7 +417,7 @@ def _int_array(value: Any, name: str) -> tuple[bytes, bytes | None]:
         except (TypeError, struct.error) as error:
             raise _fail(name, value, "null or array of int (32-bit)", error) from error
     if not ids:
-        return _PRESENT + _EMPTY_BLOCKS, None
+        return _PRESENT + _EMPTY_BLOCKS, b""
     return _PRESENT + write_long(len(ids) // 4), ids
 
 
@@ -377,6 +460,8 @@ def _symbols(field_name: str) -> dict[str, bytes]:
     return {symbol: write_long(index) for index, symbol in enumerate(field["type"]["symbols"])}
 
 
+_ARRAY_STARTS = tuple(_PRESENT + write_long(count) for count in range(1 << 12))
+_NOT_COMMON = (_Unusual, KeyError, TypeError, IndexError, struct.error, OverflowError)
 _FIELD_NAMES = frozenset(field["name"] for field in current_schemas()[SPAN]["fields"])
 _KIND = _symbols("kind")
 _STATUS = _symbols("status")

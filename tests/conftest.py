@@ -8,12 +8,15 @@ from dataclasses import replace
 from pathlib import Path
 
 import pytest
+from aiokafka.admin import AIOKafkaAdminClient
 
 from infra.clickhouse import connect
 from infra.config import Config, load_config
-from infra.kafka import client_options
+from infra.kafka import client_options, ensure_topics, product_topics
 from infra.processes import free_port
 from infra.stack import Endpoints, Stack
+from pipeline.publisher import SpanPublisher
+from pipeline.sdk import set_sink
 
 
 def stack_environment(home: Path) -> dict[str, str]:
@@ -65,5 +68,20 @@ def topics_config(stack_config: Config, unique_prefix: str) -> Config:
     return replace(stack_config, topics=replace(stack_config.topics, prefix=unique_prefix))
 
 
-def run(coro):
-    return asyncio.run(coro)
+@pytest.fixture
+def publisher(topics_config, stack, tmp_path, kafka_options):
+    """A real SpanPublisher on this test's own topics, installed as the SDK's sink."""
+
+    async def create():
+        admin = AIOKafkaAdminClient(**kafka_options)
+        await admin.start()
+        try:
+            await ensure_topics(admin, product_topics(topics_config.topics))
+        finally:
+            await admin.close()
+
+    asyncio.run(create())
+    with SpanPublisher(topics_config, stack.bootstrap_servers, journal_dir=tmp_path / "journal") as running:
+        set_sink(running)
+        yield running
+    set_sink(None)

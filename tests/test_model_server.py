@@ -9,48 +9,21 @@ import time
 import urllib.error
 import urllib.request
 from pathlib import Path
-from types import SimpleNamespace
 
 import openai
 import pytest
 import torch
-import uvloop
-from aiohttp import web
 
 from pipeline.generation import SamplingParams, SequenceState, truncate
 from pipeline.model_server import create_app
-from pipeline.models import LoadedModel, ModelLoadError, load_model, teacher_forced_logprobs, tiny_tokenizer
+from pipeline.models import LoadedModel, ModelLoadError, load_model, tiny_tokenizer
 from pipeline.tool_format import ToolStreamFilter, parse_tool_calls, render_prompt, renders_tools
+from tests.servers import TOLERANCE, ServerThread, assert_exact, scripted
 
-TOLERANCE = 1e-4
 HELLO = [{"role": "user", "content": "Say hello."}]
 WEATHER_TOOL = {"type": "function", "function": {
     "name": "get_weather", "description": "Current weather in a city.",
     "parameters": {"type": "object", "properties": {"city": {"type": "string"}}, "required": ["city"]}}}
-
-
-class ServerThread:
-    """An aiohttp app on a free loopback port, served by a uvloop loop in a background thread."""
-
-    def __init__(self, app: web.Application):
-        self.app = app
-        self.loop = uvloop.new_event_loop()
-        self.thread = threading.Thread(target=self.loop.run_forever, daemon=True)
-        self.thread.start()
-        self.runner = web.AppRunner(app, access_log=None)
-        self.call(self.runner.setup())
-        site = web.TCPSite(self.runner, "127.0.0.1", 0)
-        self.call(site.start())
-        host, port = self.runner.addresses[0][:2]
-        self.url = f"http://{host}:{port}"
-
-    def call(self, coroutine):
-        return asyncio.run_coroutine_threadsafe(coroutine, self.loop).result(timeout=60)
-
-    def stop(self) -> None:
-        self.call(self.runner.cleanup())
-        self.loop.call_soon_threadsafe(self.loop.stop)
-        self.thread.join(timeout=10)
 
 
 def post(url: str, body: dict | bytes) -> tuple[int, dict | str, dict]:
@@ -83,17 +56,6 @@ def server(tiny: LoadedModel):
 @pytest.fixture(scope="module")
 def client(server: ServerThread) -> openai.OpenAI:
     return openai.OpenAI(base_url=server.url + "/v1", api_key="unused", max_retries=0)
-
-
-def assert_exact(loaded: LoadedModel, model: torch.nn.Module, prompt_ids: list[int], token_ids: list[int],
-                 text: str | None, logprobs: list[float], temperature: float) -> None:
-    """THE contract: ids decode to the text, and the logprobs are what a teacher-forced forward recomputes."""
-    assert token_ids, "no tokens generated"
-    if text is not None:
-        assert loaded.tokenizer.decode(token_ids, skip_special_tokens=True) == text
-    assert len(logprobs) == len(token_ids)
-    expected = teacher_forced_logprobs(model, prompt_ids, token_ids, temperature)
-    assert max(abs(a - b) for a, b in zip(expected, logprobs)) < TOLERANCE
 
 
 def chat_logprobs(choice) -> list[float]:
@@ -191,45 +153,6 @@ def test_streaming_matches_non_streaming(server, tiny):
         assert_exact(tiny, tiny.model, prompt_ids, ids[choice.index], texts[choice.index],
                      logprobs[choice.index], 0.7)
     assert usage.completion_tokens == sum(len(i) for i in ids.values())
-
-
-def scripted(text: str, gate: threading.Event | None = None) -> LoadedModel:
-    """A server model that writes ``text`` then EOS whatever the prompt, optionally pausing after its first token."""
-    tokenizer = tiny_tokenizer()
-    return LoadedModel(model=ScriptedLM(tokenizer.encode(text, add_special_tokens=False) + [tokenizer.eos_token_id],
-                                        len(tokenizer), gate),
-                       tokenizer=tokenizer, name="scripted", dtype=torch.float32)
-
-
-class ScriptedCache:
-    """Stands in for a KV cache: only counts steps."""
-
-    def __init__(self, step: int):
-        self.step = step
-
-    def batch_repeat_interleave(self, repeats: int) -> None:
-        pass
-
-    def batch_select_indices(self, indices: torch.Tensor) -> None:
-        pass
-
-
-class ScriptedLM(torch.nn.Module):
-    """A causal-LM look-alike whose next token is scripted, so a test can force tool calls and pacing."""
-
-    def __init__(self, script: list[int], vocab_size: int, gate: threading.Event | None):
-        super().__init__()
-        self.script, self.vocab_size, self.gate = script, vocab_size, gate
-        self.config = SimpleNamespace(vocab_size=vocab_size, max_position_embeddings=4096, eos_token_id=script[-1])
-        self.generation_config = SimpleNamespace(eos_token_id=script[-1])
-
-    def forward(self, input_ids, past_key_values=None, **kwargs):
-        step = 0 if past_key_values is None else past_key_values.step + 1
-        if step >= 1 and self.gate is not None:
-            assert self.gate.wait(timeout=20), "the test never opened the gate"
-        logits = torch.full((input_ids.shape[0], 1, self.vocab_size), -30.0)
-        logits[:, :, self.script[min(step, len(self.script) - 1)]] = 30.0
-        return SimpleNamespace(logits=logits, past_key_values=ScriptedCache(step))
 
 
 def test_tokens_are_streamed_as_they_are_generated():

@@ -1,0 +1,409 @@
+"""The LLM proxy: an OpenAI-compatible front that records every call as an LLM span with exact token ids.
+
+Clients point their OpenAI base URL at ``http://proxy/rollouts/{rollout_id}/v1`` (or send the
+``X-Agentstream-Rollout`` header). The proxy asks the upstream model server for token ids and
+logprobs (vLLM's ``return_token_ids`` / ``logprobs`` contract), records one span per returned
+choice with the ids exactly as generated, and strips from the response whatever the client
+did not ask for, so the client sees what it would have seen without the proxy. Streams are
+relayed chunk by chunk as they arrive. Late rewards arrive at ``POST /rollouts/{id}/reward``.
+"""
+
+from __future__ import annotations
+
+import json
+import logging
+from dataclasses import dataclass, field
+from typing import Any
+
+import aiohttp
+from aiohttp import web
+
+from pipeline.sdk import Rollout, SpanSink, build_span, new_id, now_us
+
+log = logging.getLogger("agentstream.proxy")
+
+CAPTURED = {"chat/completions": "chat", "completions": "text_completion"}
+HOP_BY_HOP = {"connection", "keep-alive", "transfer-encoding", "content-length", "content-encoding", "host",
+              "upgrade", "proxy-authorization", "te", "trailer"}
+
+
+@dataclass
+class ChoiceCapture:
+    """What one choice generated: accumulated across stream chunks or read from one response."""
+
+    index: int
+    token_ids: list[int] | None = None
+    logprobs: list[float] | None = None
+    text: str = ""
+    tool_calls: list[dict[str, Any]] = field(default_factory=list)
+    finish_reason: str | None = None
+    prompt_token_ids: list[int] | None = None
+
+
+@dataclass
+class CallCapture:
+    """One proxied call: request, attribution, timing and the per-choice captures."""
+
+    operation: str
+    request: dict[str, Any]
+    owner: Rollout
+    started_us: int
+    policy_version: int | None = None
+    response_id: str | None = None
+    response_model: str | None = None
+    prompt_token_ids: list[int] | None = None
+    usage: dict[str, Any] | None = None
+    choices: dict[int, ChoiceCapture] = field(default_factory=dict)
+    error: str | None = None
+
+    def choice(self, index: int) -> ChoiceCapture:
+        return self.choices.setdefault(index, ChoiceCapture(index))
+
+
+def upstream_request(body: dict[str, Any], operation: str) -> dict[str, Any]:
+    """The request sent upstream: the client's, plus token ids and sampled-token logprobs."""
+    forwarded = dict(body)
+    forwarded["return_token_ids"] = True
+    if operation == "chat":
+        forwarded["logprobs"] = True
+    elif not isinstance(body.get("logprobs"), int) or isinstance(body.get("logprobs"), bool):
+        forwarded["logprobs"] = 0
+    if body.get("stream"):
+        forwarded["stream_options"] = {**(body.get("stream_options") or {}), "include_usage": True}
+    return forwarded
+
+
+def client_view(payload: dict[str, Any], request: dict[str, Any], operation: str) -> dict[str, Any]:
+    """Remove from a response (or stream chunk) the fields the client did not ask for."""
+    keep_ids = bool(request.get("return_token_ids"))
+    wants_logprobs = request.get("logprobs") not in (None, False) if operation == "chat" else \
+        request.get("logprobs") is not None
+    if not keep_ids:
+        payload.pop("prompt_token_ids", None)
+    for choice in payload.get("choices") or ():
+        if not keep_ids:
+            choice.pop("token_ids", None)
+            choice.pop("prompt_token_ids", None)
+        if not wants_logprobs and "logprobs" in choice:
+            choice["logprobs"] = None
+    return payload
+
+
+def _chat_logprobs(choice: dict[str, Any]) -> list[float] | None:
+    content = (choice.get("logprobs") or {}).get("content")
+    return None if content is None else [float(entry["logprob"]) for entry in content]
+
+
+def _completion_logprobs(choice: dict[str, Any]) -> list[float] | None:
+    values = (choice.get("logprobs") or {}).get("token_logprobs")
+    return None if values is None else [float(v) for v in values]
+
+
+def absorb(capture: CallCapture, payload: dict[str, Any], streamed: bool) -> None:
+    """Fold a response body, or one stream chunk, into the capture."""
+    capture.response_id = payload.get("id", capture.response_id)
+    capture.response_model = payload.get("model", capture.response_model)
+    if payload.get("prompt_token_ids") is not None:
+        capture.prompt_token_ids = list(payload["prompt_token_ids"])
+    if payload.get("usage"):
+        capture.usage = payload["usage"]
+    for choice in payload.get("choices") or ():
+        slot = capture.choice(int(choice.get("index", 0)))
+        if choice.get("prompt_token_ids") is not None:
+            slot.prompt_token_ids = list(choice["prompt_token_ids"])
+        if choice.get("token_ids") is not None:
+            slot.token_ids = (slot.token_ids or []) + list(choice["token_ids"])
+        logprobs = _chat_logprobs(choice) if capture.operation == "chat" else _completion_logprobs(choice)
+        if logprobs is not None:
+            slot.logprobs = (slot.logprobs or []) + logprobs
+        if choice.get("finish_reason"):
+            slot.finish_reason = choice["finish_reason"]
+        message = choice.get("delta" if streamed else "message") or {}
+        if capture.operation == "text_completion":
+            slot.text += choice.get("text") or ""
+        else:
+            slot.text += message.get("content") or ""
+            _merge_tool_calls(slot.tool_calls, message.get("tool_calls") or [], streamed)
+
+
+def _merge_tool_calls(into: list[dict[str, Any]], calls: list[dict[str, Any]], streamed: bool) -> None:
+    if not streamed:
+        into.extend(calls)
+        return
+    for delta in calls:  # stream deltas carry an index; arguments arrive in pieces
+        index = delta.get("index", len(into))
+        while len(into) <= index:
+            into.append({"id": None, "type": "function", "function": {"name": "", "arguments": ""}})
+        call = into[index]
+        call["id"] = delta.get("id") or call["id"]
+        function = delta.get("function") or {}
+        call["function"]["name"] += function.get("name") or ""
+        call["function"]["arguments"] += function.get("arguments") or ""
+
+
+def spans_of(capture: CallCapture, ended_us: int) -> list[dict[str, Any]]:
+    """One LLM span per choice (n > 1 samples are separate trajectories' steps), or one error span."""
+    request = capture.request
+    model = capture.response_model or request.get("model")
+    attributes: dict[str, Any] = {
+        "gen_ai.operation.name": capture.operation,
+        "gen_ai.request.model": request.get("model"),
+        "gen_ai.request.stream": bool(request.get("stream")),
+    }
+    for key, name in (("temperature", "gen_ai.request.temperature"), ("top_p", "gen_ai.request.top_p"),
+                      ("max_tokens", "gen_ai.request.max_tokens"), ("n", "gen_ai.request.choice.count"),
+                      ("seed", "gen_ai.request.seed")):
+        if request.get(key) is not None:
+            attributes[name] = request[key]
+    if "messages" in request:
+        attributes["gen_ai.input.messages"] = request["messages"]
+    elif "prompt" in request:
+        attributes["gen_ai.input.prompt"] = request["prompt"]
+    if request.get("tools"):
+        attributes["gen_ai.tool.definitions"] = request["tools"]
+    if capture.response_id:
+        attributes["gen_ai.response.id"] = capture.response_id
+    if capture.response_model:
+        attributes["gen_ai.response.model"] = capture.response_model
+    if capture.usage:
+        attributes["gen_ai.usage.input_tokens"] = capture.usage.get("prompt_tokens")
+        attributes["gen_ai.usage.output_tokens"] = capture.usage.get("completion_tokens")
+    attributes["agentstream.latency_ms"] = round((ended_us - capture.started_us) / 1000, 3)
+    common = {"model": model, "policy_version": capture.policy_version}
+    name = f"{'chat' if capture.operation == 'chat' else 'text_completion'} {model}"
+    if capture.error is not None or not capture.choices:
+        return [build_span(capture.owner, name, "LLM", capture.started_us, ended_us, attributes=attributes,
+                           status="ERROR", status_message=capture.error or "upstream returned no choices", **common)]
+    spans = []
+    for index in sorted(capture.choices):
+        choice = capture.choices[index]
+        prompt_ids = choice.prompt_token_ids if choice.prompt_token_ids is not None else capture.prompt_token_ids
+        choice_attributes = {**attributes, "gen_ai.response.finish_reasons": [choice.finish_reason],
+                             "agentstream.choice.index": index,
+                             "gen_ai.output.messages": [{"role": "assistant", "content": choice.text or None,
+                                                         "tool_calls": choice.tool_calls or None}]}
+        if prompt_ids is None or choice.token_ids is None:
+            choice_attributes["agentstream.token_ids_missing"] = True
+        spans.append(build_span(
+            capture.owner, name, "LLM", capture.started_us, ended_us, attributes=choice_attributes,
+            prompt_token_ids=prompt_ids, response_token_ids=choice.token_ids, response_logprobs=choice.logprobs,
+            **common))
+    return spans
+
+
+class UpstreamError(Exception):
+    """The upstream model server could not be reached or answered something that is not a response."""
+
+
+def openai_error(status: int, message: str, error_type: str) -> web.Response:
+    return web.json_response({"error": {"message": message, "type": error_type, "param": None, "code": status}},
+                             status=status)
+
+
+class LLMProxy:
+    """The proxy application: routes, attribution, relay and capture."""
+
+    def __init__(self, upstream: str, sink: SpanSink, *, agent_name: str | None = None,
+                 timeout_s: float = 600.0) -> None:
+        self.upstream = upstream.rstrip("/")
+        if self.upstream.endswith("/v1"):
+            self.upstream = self.upstream[:-3]
+        self.sink = sink
+        self.agent_name = agent_name
+        self.timeout = aiohttp.ClientTimeout(total=timeout_s, sock_connect=10)
+        self.session: aiohttp.ClientSession | None = None
+        self.app = web.Application(client_max_size=64 << 20)
+        self.app.router.add_get("/health", self.health)
+        self.app.router.add_post("/rollouts/{rollout_id}/reward", self.reward)
+        for prefix in ("", "/rollouts/{rollout_id}", "/rollouts/{rollout_id}/attempts/{attempt_id}"):
+            self.app.router.add_route("*", prefix + "/v1/{tail:.*}", self.relay)
+        self.app.on_startup.append(self._open)
+        self.app.on_cleanup.append(self._close)
+
+    async def _open(self, app: web.Application) -> None:
+        connector = aiohttp.TCPConnector(limit=256, keepalive_timeout=60)
+        self.session = aiohttp.ClientSession(connector=connector, timeout=self.timeout, auto_decompress=True)
+
+    async def _close(self, app: web.Application) -> None:
+        if self.session is not None:
+            await self.session.close()
+
+    async def health(self, request: web.Request) -> web.Response:
+        return web.json_response({"status": "ok", "upstream": self.upstream})
+
+    def _owner(self, request: web.Request) -> Rollout:
+        rollout_id = request.match_info.get("rollout_id") or request.headers.get("X-Agentstream-Rollout")
+        attempt_id = request.match_info.get("attempt_id") or request.headers.get("X-Agentstream-Attempt")
+        agent = request.headers.get("X-Agentstream-Agent") or self.agent_name
+        if not rollout_id:  # unattributed traffic is still recorded, as a rollout of its own
+            rollout_id = f"unattributed-{new_id()}"
+        return Rollout(rollout_id, attempt_id or f"{rollout_id}-1", agent_name=agent,
+                       task_id=request.headers.get("X-Agentstream-Task"),
+                       group_id=request.headers.get("X-Agentstream-Group"))
+
+    async def reward(self, request: web.Request) -> web.Response:
+        """A late reward (production feedback, possibly hours later) for a rollout."""
+        try:
+            body = await request.json()
+        except (json.JSONDecodeError, UnicodeDecodeError):
+            return openai_error(400, "reward body must be JSON: {\"reward\": 1.0} or {\"dimensions\": {...}}",
+                                "invalid_request_error")
+        owner = self._owner(request)
+        if body.get("attempt_id"):
+            owner.attempt_id = str(body["attempt_id"])
+        dimensions = body.get("dimensions")
+        try:
+            if dimensions is not None:
+                dimensions = {str(k): float(v) for k, v in dimensions.items()}
+                primary = body.get("primary")
+                scalar = float(body["reward"]) if body.get("reward") is not None else (
+                    dimensions[primary] if primary else sum(dimensions.values()))
+            else:
+                scalar = float(body["reward"])
+        except (KeyError, TypeError, ValueError, AttributeError):
+            return openai_error(400, "reward must be a number, or dimensions a map of numbers", "invalid_request_error")
+        at = now_us()
+        span = build_span(owner, "reward", "REWARD", at, at, attributes={"agentstream.reward.late": True},
+                          reward=scalar, reward_dimensions=dimensions)
+        self.sink.publish(span)
+        return web.json_response({"rollout_id": owner.rollout_id, "span_id": span["span_id"], "reward": scalar},
+                                 status=202)
+
+    async def relay(self, request: web.Request) -> web.StreamResponse:
+        tail = request.match_info["tail"]
+        operation = CAPTURED.get(tail.rstrip("/"))
+        if request.method != "POST" or operation is None:
+            return await self._passthrough(request, tail)
+        try:
+            body = await request.json()
+            if not isinstance(body, dict):
+                raise ValueError
+        except (json.JSONDecodeError, UnicodeDecodeError, ValueError):
+            return openai_error(400, "request body must be a JSON object", "invalid_request_error")
+        capture = CallCapture(operation, body, self._owner(request), now_us())
+        headers = _forward_headers(request.headers)
+        url = f"{self.upstream}/v1/{tail}"
+        try:
+            if body.get("stream"):
+                return await self._relay_stream(request, url, headers, capture)
+            return await self._relay_once(url, headers, capture)
+        finally:
+            self._record(capture)
+
+    async def _relay_once(self, url: str, headers: dict[str, str], capture: CallCapture) -> web.Response:
+        assert self.session is not None
+        try:
+            async with self.session.post(url, json=upstream_request(capture.request, capture.operation),
+                                         headers=headers) as upstream:
+                raw = await upstream.read()
+                capture.policy_version = _policy_version(upstream.headers)
+                if upstream.status != 200:
+                    capture.error = f"upstream HTTP {upstream.status}: {raw[:500].decode(errors='replace')}"
+                    return web.Response(status=upstream.status, body=raw,
+                                        content_type=upstream.content_type or "application/json")
+                try:
+                    payload = json.loads(raw)
+                except ValueError:
+                    raise UpstreamError(f"upstream answered non-JSON: {raw[:200]!r}") from None
+        except (aiohttp.ClientError, TimeoutError, UpstreamError) as error:
+            return self._upstream_failed(capture, error)
+        absorb(capture, payload, streamed=False)
+        return web.json_response(client_view(payload, capture.request, capture.operation),
+                                 headers=_policy_header(capture))
+
+    async def _relay_stream(self, request: web.Request, url: str, headers: dict[str, str],
+                            capture: CallCapture) -> web.StreamResponse:
+        assert self.session is not None
+        wants_usage = bool((capture.request.get("stream_options") or {}).get("include_usage"))
+        try:
+            upstream = await self.session.post(url, json=upstream_request(capture.request, capture.operation),
+                                                headers=headers)
+        except (aiohttp.ClientError, TimeoutError) as error:
+            return self._upstream_failed(capture, error)
+        async with upstream:
+            capture.policy_version = _policy_version(upstream.headers)
+            if upstream.status != 200:
+                raw = await upstream.read()
+                capture.error = f"upstream HTTP {upstream.status}: {raw[:500].decode(errors='replace')}"
+                return web.Response(status=upstream.status, body=raw,
+                                    content_type=upstream.content_type or "application/json")
+            response = web.StreamResponse(headers={"Content-Type": "text/event-stream", "Cache-Control": "no-cache",
+                                                   **_policy_header(capture)})
+            await response.prepare(request)
+            try:
+                async for line in upstream.content:
+                    out = self._stream_line(line, capture, wants_usage)
+                    if out is not None:
+                        await response.write(out)
+            except (aiohttp.ClientError, TimeoutError) as error:
+                capture.error = f"upstream stream broke: {error}"
+            except ConnectionResetError:
+                capture.error = "client disconnected before the stream ended"
+                return response
+            await response.write_eof()
+            return response
+
+    def _stream_line(self, line: bytes, capture: CallCapture, wants_usage: bool) -> bytes | None:
+        text = line.strip()
+        if not text.startswith(b"data:"):
+            return line if text else None
+        data = text[5:].strip()
+        if data == b"[DONE]":
+            return b"data: [DONE]\n\n"
+        try:
+            chunk = json.loads(data)
+        except ValueError:
+            capture.error = f"upstream sent a malformed stream chunk: {data[:200]!r}"
+            return line + b"\n"
+        absorb(capture, chunk, streamed=True)
+        if not chunk.get("choices") and chunk.get("usage") and not wants_usage:
+            return None  # the usage chunk we asked for on our own account
+        if not wants_usage and "usage" in chunk and chunk.get("choices"):
+            chunk.pop("usage", None)
+        view = client_view(chunk, capture.request, capture.operation)
+        return b"data: " + json.dumps(view, separators=(",", ":")).encode() + b"\n\n"
+
+    def _upstream_failed(self, capture: CallCapture, error: BaseException) -> web.Response:
+        reason = str(error) or type(error).__name__
+        capture.error = f"upstream unreachable or malformed: {reason}"
+        log.warning("upstream %s failed: %s", self.upstream, reason)
+        return openai_error(502, f"the model server at {self.upstream} failed: {reason}", "upstream_error")
+
+    def _record(self, capture: CallCapture) -> None:
+        for span in spans_of(capture, now_us()):
+            self.sink.publish(span)
+
+    async def _passthrough(self, request: web.Request, tail: str) -> web.Response:
+        assert self.session is not None
+        try:
+            async with self.session.request(request.method, f"{self.upstream}/v1/{tail}", params=request.query,
+                                            data=await request.read(),
+                                            headers=_forward_headers(request.headers)) as upstream:
+                return web.Response(status=upstream.status, body=await upstream.read(),
+                                    content_type=upstream.content_type or "application/json")
+        except (aiohttp.ClientError, TimeoutError) as error:
+            return openai_error(502, f"the model server at {self.upstream} failed: {error}", "upstream_error")
+
+
+def _forward_headers(headers) -> dict[str, str]:
+    return {k: v for k, v in headers.items()
+            if k.lower() not in HOP_BY_HOP and not k.lower().startswith("x-agentstream-")}
+
+
+def _policy_version(headers) -> int | None:
+    value = headers.get("X-Policy-Version")
+    try:
+        return int(value) if value is not None else None
+    except ValueError:
+        return None
+
+
+def _policy_header(capture: CallCapture) -> dict[str, str]:
+    return {} if capture.policy_version is None else {"X-Policy-Version": str(capture.policy_version)}
+
+
+async def serve_proxy(proxy: LLMProxy, host: str, port: int) -> web.AppRunner:
+    runner = web.AppRunner(proxy.app, access_log=None)
+    await runner.setup()
+    await web.TCPSite(runner, host, port, reuse_address=True).start()
+    return runner
