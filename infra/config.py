@@ -107,7 +107,7 @@ class StreamsConfig:
     app_id: str = "agentstream-streams"
     batch_max_records: int = 2000
     batch_within_s: float = 0.05
-    grace_s: float = 0.3
+    grace_s: float = 0.2
     idle_timeout_s: float = 30.0
     reward_expiry_s: float = 24 * 3600.0
     clickhouse_retry_max_s: float = 10.0
@@ -139,6 +139,72 @@ STRATEGIES = ("final", "discounted", "grpo")
 
 
 @dataclass(frozen=True)
+class TrainerConfig:
+    """What the trainer learns (model, LoRA, device), how it batches and steps, and where checkpoints go.
+
+    ``model`` is a model spec (``tiny``, ``smollm2`` or a HF folder); ``model_name`` is the trained
+    model's name, i.e. the transitions topic key and the checkpoint key (default: the loaded
+    model's name, which is also the dev server's default served name). ``temperature`` must be
+    the sampling temperature the behaviour logprobs were computed at. Batches close at
+    ``batch_tokens`` padded tokens, ``batch_transitions`` transitions or ``batch_wait_s`` seconds,
+    whichever comes first (0 disables a limit). ``checkpoint_dir`` is a folder or a ``file://`` URI
+    (default: ``checkpoints`` under the stack home).
+    """
+
+    model: str = "smollm2"
+    model_name: str | None = None
+    device: str = "auto"
+    dtype: str = "auto"
+    threads: int = 2
+    seed: int = 0
+    lr: float = 1e-5
+    beta1: float = 0.9
+    beta2: float = 0.99
+    weight_decay: float = 0.0
+    clip_eps: float = 0.2
+    importance_cap: float = 2.0
+    grad_clip: float = 1.0
+    accumulation_steps: int = 1
+    temperature: float = 1.0
+    kl_coef: float = 0.0
+    entropy_coef: float = 0.0
+    reference_model: str | None = None
+    lora: bool = False
+    lora_r: int = 16
+    lora_alpha: int = 32
+    lora_target_modules: str = "q_proj,k_proj,v_proj,o_proj"
+    batch_tokens: int = 16384
+    batch_transitions: int = 64
+    batch_wait_s: float = 5.0
+    max_policy_lag: int = 4
+    skip_zero_advantage: bool = True
+    dedupe_window: int = 100_000
+    checkpoint_dir: str = ""
+    checkpoint_every_steps: int = 1
+    keep_checkpoints: int = 0
+    session_timeout_s: float = 10.0
+
+    def __post_init__(self) -> None:
+        checks = {
+            "device must be auto, cpu or cuda[:N]": self.device in ("auto", "cpu") or self.device.startswith("cuda"),
+            "dtype must be auto, float32 or bfloat16": self.dtype in ("auto", "float32", "bfloat16"),
+            "lr must be > 0": self.lr > 0,
+            "clip_eps must be within (0, 1)": 0 < self.clip_eps < 1,
+            "importance_cap must be > 1": self.importance_cap > 1,
+            "temperature must be > 0": self.temperature > 0,
+            "accumulation_steps must be >= 1": self.accumulation_steps >= 1,
+            "batch_transitions and batch_tokens must be >= 0, and one of them > 0":
+                min(self.batch_transitions, self.batch_tokens) >= 0 and max(self.batch_transitions, self.batch_tokens) > 0,
+            "max_policy_lag must be >= 0": self.max_policy_lag >= 0,
+            "checkpoint_every_steps must be >= 1": self.checkpoint_every_steps >= 1,
+            "lora_r must be >= 1": self.lora_r >= 1,
+        }
+        for message, ok in checks.items():
+            if not ok:
+                raise ConfigError(f"trainer.{message}")
+
+
+@dataclass(frozen=True)
 class Config:
     """The whole configuration; build it with :func:`load_config`."""
 
@@ -148,6 +214,7 @@ class Config:
     stack: StackConfig = field(default_factory=StackConfig)
     streams: StreamsConfig = field(default_factory=StreamsConfig)
     credit: tuple[CreditRule, ...] = (CreditRule(),)
+    trainer: TrainerConfig = field(default_factory=TrainerConfig)
 
 
 # Environment variable -> (section, field). The one place environment names are defined.
@@ -180,6 +247,7 @@ SECTIONS: dict[str, type] = {
     "clickhouse": ClickHouseConfig,
     "stack": StackConfig,
     "streams": StreamsConfig,
+    "trainer": TrainerConfig,
 }
 RULE_LISTS: dict[str, type] = {"credit": CreditRule}
 

@@ -9,9 +9,9 @@ the whole wave in one numpy pass, puts at most one producer batch per partition 
 is what keeps a rollout's records in order, also through failures: a RolloutEvent lands after
 every span of its rollout published before it.
 
-When a wave fails because the broker is unreachable (connection refused, request timed out),
-its unacknowledged records and everything published after them go to an append-only
-:class:`Journal` on local disk, with one warning. A probe watches for the broker; once it
+When a wave fails because the broker is unreachable (its address refuses connections while an
+answer is overdue, or requests time out), its unacknowledged records and everything published
+after them go to an append-only :class:`Journal` on local disk, with one warning. A probe watches for the broker; once it
 answers, the journal is replayed in order before anything new is sent, then deleted. A journal
 left by a crashed process is replayed by the next publisher started on the same directory.
 Spans still in memory are flushed when the interpreter exits and on SIGTERM.
@@ -35,11 +35,11 @@ from collections import deque
 from collections.abc import Iterable, Mapping
 from dataclasses import dataclass, field
 from pathlib import Path
-from typing import Any
+from typing import Any, Self
 
 import uvloop
 from aiokafka import AIOKafkaProducer
-from aiokafka.errors import KafkaError, KafkaTimeoutError
+from aiokafka.errors import KafkaConnectionError, KafkaError, KafkaTimeoutError
 from aiokafka.partitioner import DefaultPartitioner
 
 from infra.config import Config
@@ -203,19 +203,21 @@ class Journal:
 
     def _adopt_orphans(self) -> list[_Segment]:
         adopted = []
-        for path in sorted(self.directory.glob(f"{self.topic}.*.journal"), key=lambda p: p.stat().st_mtime_ns):
-            fd = os.open(path, os.O_RDWR)
+        for path in sorted(self.directory.glob(f"{self.topic}.*.journal")):  # each holds one process's records
+            try:
+                fd = os.open(path, os.O_RDWR)
+            except FileNotFoundError:  # its owner finished replaying it just now
+                continue
             try:
                 fcntl.flock(fd, fcntl.LOCK_EX | fcntl.LOCK_NB)
             except BlockingIOError:  # a live process owns it
                 os.close(fd)
                 continue
             size = os.fstat(fd).st_size
-            if os.pread(fd, len(self._header), 0) != self._header:
-                if size > 0:
-                    log.warning("journal %s: not a journal of topic %s, left alone", path, self.topic)
-                    os.close(fd)
-                    continue
+            if size > 0 and os.pread(fd, len(self._header), 0) != self._header:
+                log.warning("journal %s: not a journal of topic %s, left alone", path, self.topic)
+                os.close(fd)
+                continue
             adopted.append(_Segment(path, fd, len(self._header), max(size, len(self._header))))
         return adopted
 
@@ -277,7 +279,7 @@ class SpanPublisher:
 
     def __init__(self, config: Config, bootstrap_servers: str, *, journal_dir: Path, linger_ms: float = 10.0,
                  max_spans_per_record: int = 256, max_record_bytes: int = 512 * 1024, batch_bytes: int = 1_000_000,
-                 max_buffered_bytes: int = 64 * 1024 * 1024, request_timeout_ms: int = 10_000,
+                 max_buffered_bytes: int = 64 * 1024 * 1024, request_timeout_ms: int = 30_000,
                  probe_interval_s: float = 0.5, exit_timeout_s: float = 10.0) -> None:
         self.topic = topic_name(config.topics, "spans")
         self.bootstrap_servers = bootstrap_servers
@@ -286,6 +288,7 @@ class SpanPublisher:
             "acks": "all",  # idempotence stays off: tansu refuses InitProducerId (see FACTS.md)
             "max_batch_size": batch_bytes,
             "request_timeout_ms": request_timeout_ms,
+            "retry_backoff_ms": 250,  # fewer retries (and fewer aiokafka log lines) while we find out a broker is gone
         }
         self._journal_dir = Path(journal_dir)
         self._linger_s = linger_ms / 1000
@@ -341,7 +344,7 @@ class SpanPublisher:
 
     # --- the caller's side -------------------------------------------------------------------
 
-    def start(self) -> SpanPublisher:
+    def start(self) -> Self:
         """Start the background loop and connect; an unreachable broker is not an error (spans are journaled)."""
         if self._thread is not None:
             return self
@@ -355,7 +358,11 @@ class SpanPublisher:
         return self
 
     def publish(self, span: Mapping[str, Any]) -> None:
-        """Queue one Span record (a dict as in schemas/avro/span.avsc); raises EncodeError at once if it does not fit."""
+        """Queue one Span record (a dict as in schemas/avro/span.avsc); raises EncodeError at once if it does not fit.
+
+        It returns at once, unless `max_buffered_bytes` of spans already wait for the broker (then
+        it waits for room: bounded memory) or the background thread is encoding a wave (a few ms).
+        """
         prepared = prepare_span(span)
         self._enqueue(span["rollout_id"], prepared, prepared[5])
 
@@ -414,23 +421,26 @@ class SpanPublisher:
             state = "closed" if self._closing and not (self._thread and self._thread.is_alive()) else self._state.value
             return PublisherStats(**self._counts, buffered_bytes=self._buffered, state=state)
 
-    def __enter__(self) -> SpanPublisher:
-        return self.start()
+    def __enter__(self) -> Self:
+        self.start()
+        return self
 
     def __exit__(self, *exc_info: object) -> None:
         self.close()
 
     def _enqueue(self, rollout_id: str, payload: PreparedSpan | bytes, nbytes: int) -> None:
-        with self._encoding:  # wait here while the loop encodes a wave (see __init__)
-            pass
+        if self._encoding.locked():  # wait here while the loop encodes a wave (see __init__)
+            with self._encoding:
+                pass
         with self._lock:
             while self._buffered and self._buffered + nbytes > self._max_buffered and not self._closing:
                 self._changed.wait()
             self._append(rollout_id, payload, nbytes)
 
     def _try_enqueue(self, rollout_id: str, payload: PreparedSpan | bytes, nbytes: int) -> bool:
-        with self._encoding:
-            pass
+        if self._encoding.locked():
+            with self._encoding:
+                pass
         with self._lock:
             if self._buffered and self._buffered + nbytes > self._max_buffered and not self._closing:
                 return False
@@ -468,7 +478,7 @@ class SpanPublisher:
         try:
             with asyncio.Runner(loop_factory=uvloop.new_event_loop) as runner:
                 runner.run(self._main())
-        except BaseException as error:  # noqa: BLE001 - the loop must not die silently
+        except BaseException as error:
             log.exception("span publisher for %s stopped on an unexpected error", self.topic)
             self._startup_error = self._startup_error or error
         finally:
@@ -488,7 +498,7 @@ class SpanPublisher:
         try:
             connected = await self._start_producer()
             if not connected:
-                self._enter_outage("cannot connect")
+                await self._enter_outage("cannot connect")
             elif not self._journal.empty:
                 log.info("replaying spans journaled by an earlier run from %s", self._journal.directory)
                 self._state = _State.REPLAYING
@@ -581,7 +591,7 @@ class SpanPublisher:
         if error is not None and _unreachable(error):
             sent = {id(r) for r in delivered}
             self._journal_wave([r for r in records if id(r) not in sent])
-            self._enter_outage(error)
+            await self._enter_outage(error)
             return
         if error is not None:
             self._drop(failed, error)
@@ -601,7 +611,7 @@ class SpanPublisher:
             if error is not None and _unreachable(error):
                 sent = {id(r) for r in delivered}
                 self._replay_head = [r for r in self._replay_head if id(r) not in sent]
-                self._enter_outage(error)
+                await self._enter_outage(error)
                 return
             if error is not None:
                 self._drop(failed, error)
@@ -634,15 +644,13 @@ class SpanPublisher:
             batches, carried = self._fill_batches(producer, records, partitions)
             for partition, (builder, members) in batches.items():
                 sent[await producer.send_batch(builder, self.topic, partition=partition)] = members
-        except (KafkaError, OSError, asyncio.TimeoutError) as problem:
+        except (TimeoutError, KafkaError, OSError) as problem:
             error = problem
             on_the_wire = {id(r) for members in sent.values() for r in members}
             failed, carried = [r for r in records if id(r) not in on_the_wire], []
-        unanswered = await self._wait_for_answers(sent)
+        unanswered, gave_up = await self._wait_for_answers(sent)
         for future, members in sent.items():
-            problem = None if future in unanswered else future.exception()
-            if future in unanswered:
-                problem = KafkaTimeoutError("no answer from the broker before the publisher had to close")
+            problem = gave_up if future in unanswered else future.exception()
             if problem is None:
                 delivered += members
             else:
@@ -669,19 +677,28 @@ class SpanPublisher:
             carried.append(record)
         return batches, carried
 
-    async def _wait_for_answers(self, futures: Iterable[asyncio.Future]) -> set[asyncio.Future]:
-        """Wait for every future, but once the publisher is closing only until its close deadline."""
+    async def _wait_for_answers(self, futures: Iterable[asyncio.Future]) -> tuple[set[asyncio.Future],
+                                                                                    BaseException | None]:
+        """Wait for the broker's answers; returns those not answered and why we stopped waiting for them.
+
+        We stop when the bootstrap address refuses connections (checked whenever no answer came for
+        a probe interval: faster and quieter than aiokafka's retries until its request timeout) and,
+        once the publisher is closing, at the close deadline.
+        """
         waiting = set(futures)
         closing = asyncio.ensure_future(self._closing_event.wait())
         try:
             while waiting and not closing.done():
-                await asyncio.wait(waiting | {closing}, return_when=asyncio.FIRST_COMPLETED)
+                done, _ = await asyncio.wait(waiting | {closing}, timeout=self._probe_interval_s,
+                                             return_when=asyncio.FIRST_COMPLETED)
                 waiting = {future for future in waiting if not future.done()}
+                if waiting and not done and not await _port_open(self.bootstrap_servers):
+                    return waiting, KafkaConnectionError(f"cannot connect to {self.bootstrap_servers}")
             if waiting:
                 _, waiting = await asyncio.wait(waiting, timeout=max(0.0, self._close_deadline - time.monotonic()))
         finally:
             closing.cancel()
-        return waiting
+        return waiting, KafkaTimeoutError("no answer from the broker before the publisher had to close")
 
     def _partition(self, key: bytes, partitions: list[int]) -> int:
         """The default partitioner's choice (murmur2 of the key), cached: the pure-Python hash is slow."""
@@ -726,12 +743,30 @@ class SpanPublisher:
             with self._lock:
                 self._counts[name] += amount
 
-    def _enter_outage(self, error: BaseException | str) -> None:
+    async def _enter_outage(self, error: BaseException | str) -> None:
         self._state = _State.JOURNALING
         log.warning("Kafka broker %s is unreachable (%s): journaling spans to %s until it is back",
                     self.bootstrap_servers, _describe(error), self._journal.location)
+        await self._abandon_producer()
         if self._probe is None or self._probe.done():
             self._probe = asyncio.get_running_loop().create_task(self._watch_broker())
+
+    async def _abandon_producer(self) -> None:
+        """Drop the producer and what it still holds (those records are journaled already).
+
+        Left alone, aiokafka would retry them until its request timeout, logging each attempt, and
+        could deliver them after the journal replay: out of order and twice. It has no public way
+        to drop queued batches, so this stops its sender task and closes its connections.
+        """
+        producer, self._producer = self._producer, None
+        if producer is None:
+            return
+        producer._closed = True  # it will never flush: no "unclosed producer" warning for it
+        try:
+            await asyncio.wait_for(producer._sender.close(), self._request_timeout_s)
+            await producer.client.close()
+        except (TimeoutError, KafkaError, OSError) as problem:
+            log.debug("abandoned Kafka producer did not stop cleanly: %r", problem)
 
     async def _watch_broker(self) -> None:
         """Probe the broker until it answers and has the topic, then switch to replaying the journal."""
@@ -751,7 +786,7 @@ class SpanPublisher:
             if self.topic not in metadata.topics():
                 return False
             await asyncio.wait_for(self._producer.client.force_metadata_update(), self._request_timeout_s)
-        except (KafkaError, OSError, asyncio.TimeoutError):
+        except (TimeoutError, KafkaError, OSError):
             return False
         return True
 
@@ -759,19 +794,24 @@ class SpanPublisher:
         producer = AIOKafkaProducer(**self._producer_options)
         try:
             await producer.start()
-        except (KafkaError, OSError, asyncio.TimeoutError):
+        except (TimeoutError, KafkaError, OSError):
             await producer.stop()
             return False
         self._producer = producer
         return True
 
     async def _shutdown(self) -> None:
+        with self._lock:
+            self._closing = True  # also when the loop stops on an error: publish() refuses from now on
+        leftovers = self._carry + self._build_records(self._take(None))
+        if leftovers and self._journal is not None:  # only after an unexpected error
+            self._journal_wave(leftovers)
         if self._probe is not None:
             self._probe.cancel()
         if self._producer is not None:
             try:
                 await asyncio.wait_for(self._producer.stop(), max(1.0, self._close_deadline - time.monotonic()))
-            except (KafkaError, OSError, asyncio.TimeoutError) as error:
+            except (TimeoutError, KafkaError, OSError) as error:
                 log.warning("span publisher for %s: the Kafka producer did not stop cleanly: %r", self.topic, error)
         if self._journal is not None:
             if not self._journal.empty:
@@ -795,7 +835,7 @@ async def _port_open(bootstrap_servers: str) -> bool:
         host, _, port = address.strip().rpartition(":")
         try:
             _, writer = await asyncio.wait_for(asyncio.open_connection(host.strip("[]"), int(port)), 2.0)
-        except (OSError, ValueError, asyncio.TimeoutError):
+        except (TimeoutError, OSError, ValueError):
             continue
         writer.close()
         return True
@@ -836,7 +876,8 @@ class _ExitHooks:
     def _on_sigterm(self, signum: int, frame: object) -> None:
         """Flush in a thread (the interrupted code may hold a publisher's lock), then die of SIGTERM as before."""
         signal.signal(signal.SIGTERM, signal.SIG_DFL)  # a second SIGTERM ends the process at once
-        log.warning("SIGTERM: flushing span publishers before exiting")
+        if self._publishers:
+            log.warning("SIGTERM: flushing %d span publisher(s) before exiting", len(self._publishers))
 
         def flush_then_terminate() -> None:
             self.close_all()

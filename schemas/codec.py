@@ -95,6 +95,10 @@ class AvroCodec:
             raise MalformedRecord(f"{len(data) - buffer.tell()} bytes left after {writer.name} (schema id {writer_id})")
         return writer.name, cast(dict[str, Any], value)
 
+    def header(self, schema: str) -> bytes:
+        """The 5-byte wire-format header of records written with the bundled schema ``schema``."""
+        return self._writer(schema)[0]
+
     def writer_schema(self, data: bytes) -> tuple[int, str, Schema]:
         """The schema id, record full name and plain writer schema (no logical types) of a wire-format record."""
         if len(data) < HEADER_SIZE:

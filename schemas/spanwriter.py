@@ -1,9 +1,10 @@
 """Hand-written Avro encoder for Span and SpanBatch records: the same bytes as fastavro, several times faster.
 
 fastavro pays a Python-level cost for every item of a span's token-id and logprob arrays. Here
-a span is *prepared* once (its scalar fields written in plain Python, its token ids copied into
-an int32 array, its logprobs into float32 bytes with one C call), and the zigzag varints of the
-token ids of a whole batch of spans are then written in one vectorized numpy pass.
+a span is *prepared* once (its scalar fields written in plain Python with cached strings, its
+token ids packed into int32 bytes and its logprobs into float32 bytes, one struct call each),
+and the zigzag varints of the token ids of a whole batch of spans are then written in one
+vectorized numpy pass (`SpanBatchEncoder.encode_batches`).
 
 Values are checked as they are written: anything fastavro would reject raises `EncodeError`.
 This encoder is stricter in three places: an int array item outside the 32-bit range, a float
@@ -16,7 +17,6 @@ import operator
 import reprlib
 import struct
 from collections.abc import Iterable, Mapping, Sequence
-from itertools import chain
 from typing import Any
 
 import numpy as np
@@ -152,7 +152,7 @@ def _prepare_common(span: Mapping[str, Any]) -> PreparedSpan:
     prompt_start, prompt = _list_of_ints(get("prompt_token_ids"), "prompt_token_ids")
     response_start, response = _list_of_ints(get("response_token_ids"), "response_token_ids")
     head = b"".join((
-        strings.get(span["span_id"]) or _string(span["span_id"], "span_id"),
+        _unique_string(span["span_id"]),
         strings.get(span["rollout_id"]) or _string(span["rollout_id"], "rollout_id"),
         strings.get(span["attempt_id"]) or _string(span["attempt_id"], "attempt_id"),
         options.get(get("parent_id")) or _optional_string(get("parent_id"), "parent_id"),
@@ -174,12 +174,14 @@ def _prepare_common(span: Mapping[str, Any]) -> PreparedSpan:
     if type(logprobs) is list and logprobs:
         count = len(logprobs)
         floats = (_FLOAT32S.get(count) or _packer(_FLOAT32S, "f", count)).pack(*logprobs)
-        logprobs_part = b"".join((_array_start(count), floats, _NULL))
+        logprobs_start, logprobs_end = _array_start(count), _NULL
     else:
-        logprobs_part = _float_array(logprobs, "response_logprobs")
+        logprobs_start, floats, logprobs_end = _float_array(logprobs, "response_logprobs"), b"", b""
     tail = b"".join((
         _NULL if response else b"",
-        logprobs_part,
+        logprobs_start,
+        floats,
+        logprobs_end,
         _NULL if reward is None else _PRESENT + _double(reward, "reward"),
         _NULL if dimensions is None else _PRESENT + _double_map(dimensions, "reward_dimensions"),
         _NULL if version is None else _PRESENT + _long(version, "policy_version"),
@@ -202,6 +204,8 @@ def _array_start(count: int) -> bytes:
 
 def _prepare_checked(span: Mapping[str, Any]) -> PreparedSpan:
     """prepare_span one field at a time, each checked on its own so an error names the field."""
+    if not isinstance(span, Mapping):
+        raise EncodeError(f"{SPAN} does not match: {reprlib.repr(span)} is not a record")
     if not _FIELD_NAMES.issuperset(span):
         extra = sorted(map(str, set(span) - _FIELD_NAMES))
         raise EncodeError(f"{SPAN} does not match: record contains more fields than the schema specifies: {extra}")
@@ -273,32 +277,34 @@ class SpanBatchEncoder:
 
     @staticmethod
     def _bodies(batches: Sequence[Sequence[PreparedSpan]], headers: Sequence[bytes], trailer: bytes) -> list[bytes]:
-        spans = [span for batch in batches for span in batch]
-        if not spans:
-            return [header + trailer for header in headers]
-        heads, prompts, middles, responses, tails, _ = zip(*spans)
-        arrays = [ids for pair in zip(prompts, responses) for ids in pair]  # two per span, some empty
-        lengths = np.fromiter(map(len, arrays), dtype=np.int64, count=len(arrays)) // 4
-        filled = lengths > 0
-        sizes = np.zeros(len(arrays), dtype=np.int64)  # bytes of varints per array
-        if filled.any():
+        arrays = [ids for batch in batches for span in batch for ids in (span[1], span[3]) if ids]
+        sizes: list[int] = []  # bytes of varints per non-empty array, in order
+        varints = b""
+        if arrays:
             varints, counts = zigzag_varints(np.frombuffer(b"".join(arrays), dtype="<i4"))
-            starts = np.zeros(int(filled.sum()), dtype=np.int64)
-            np.cumsum(lengths[filled][:-1], out=starts[1:])
-            sizes[filled] = np.add.reduceat(counts, starts, dtype=np.int64)
-        else:
-            varints = b""
+            starts = np.zeros(len(arrays), dtype=np.int64)
+            np.cumsum([len(ids) // 4 for ids in arrays[:-1]], out=starts[1:])
+            sizes = np.add.reduceat(counts, starts, dtype=np.int64).tolist()
         data = memoryview(varints)
-        ends = np.cumsum(sizes).tolist()
-        segments = [data[start:end] for start, end in zip([0, *ends], ends)]
-        prompt_segments, response_segments = segments[0::2], segments[1::2]
-        records, first = [], 0
+        next_size = iter(sizes).__next__
+        position = 0
+        records = []
         for batch, header in zip(batches, headers, strict=True):
-            last = first + len(batch)
-            pieces = zip(heads[first:last], prompt_segments[first:last], middles[first:last],
-                         response_segments[first:last], tails[first:last])
-            records.append(b"".join([header, *chain.from_iterable(pieces), trailer]))
-            first = last
+            parts = [header]
+            for head, prompt, middle, response, tail, _ in batch:
+                parts.append(head)
+                if prompt:
+                    end = position + next_size()
+                    parts.append(data[position:end])
+                    position = end
+                parts.append(middle)
+                if response:
+                    end = position + next_size()
+                    parts.append(data[position:end])
+                    position = end
+                parts.append(tail)
+            parts.append(trailer)
+            records.append(b"".join(parts))
         return records
 
 
@@ -330,6 +336,14 @@ def _string(value: Any, name: str) -> bytes:
             _STRINGS.clear()
         _STRINGS[value] = written
     return written
+
+
+def _unique_string(value: Any) -> bytes:
+    """A span id: unique, so not worth a cache entry."""
+    if type(value) is not str:
+        raise _Unusual
+    encoded = value.encode()
+    return write_long(len(encoded)) + encoded
 
 
 def _optional_string(value: Any, name: str) -> bytes:
@@ -378,10 +392,14 @@ def _string_map(value: Any, name: str) -> bytes:
         raise _fail(name, value, "map of strings")
     if not value:
         return _EMPTY_BLOCKS
+    strings = _STRINGS
     parts = [write_long(len(value))]
     for key, item in value.items():
-        parts.append(_string(key, name))
-        parts.append(_string(item, name))
+        parts.append(strings.get(key) or _string(key, name))
+        try:
+            parts.append(strings.get(item) or _string(item, name))
+        except TypeError as error:  # unhashable, so not a string
+            raise _fail(name, item, "string", error) from error
     parts.append(_NULL)
     return b"".join(parts)
 

@@ -40,9 +40,10 @@ class KafkaEmitter:
             await self._producer.start()
         return self._producer
 
-    async def send(self, topic: str, key: bytes | None, value: bytes) -> None:
+    async def send(self, topic: str, key: bytes | None, value: bytes,
+                   headers: list[tuple[str, bytes]] | None = None) -> None:
         producer = await self._started()
-        self._pending.append(await producer.send(topic, value=value, key=key))
+        self._pending.append(await producer.send(topic, value=value, key=key, headers=headers))
 
     async def flush(self) -> None:
         """Wait until every record sent so far is acknowledged (raises if the broker refused one)."""

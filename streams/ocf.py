@@ -15,7 +15,7 @@ from typing import Any
 MAGIC = b"Obj\x01"
 
 
-def _varint(value: int) -> bytes:
+def varint(value: int) -> bytes:
     """Avro's zig-zag variable-length encoding of a long."""
     value = (value << 1) ^ (value >> 63)
     out = bytearray()
@@ -27,14 +27,68 @@ def _varint(value: int) -> bytes:
 
 
 def _bytes(value: bytes) -> bytes:
-    return _varint(len(value)) + value
+    return varint(len(value)) + value
 
 
 def container_file(schema: dict[str, Any], bodies: Sequence[bytes | memoryview]) -> bytes:
     """One object container file holding ``bodies`` (Avro binary datums written with ``schema``)."""
     sync = os.urandom(16)
     metadata = {b"avro.schema": json.dumps(schema, separators=(",", ":")).encode(), b"avro.codec": b"null"}
-    header = MAGIC + _varint(len(metadata)) + b"".join(_bytes(k) + _bytes(v) for k, v in metadata.items())
-    header += _varint(0) + sync
+    header = MAGIC + varint(len(metadata)) + b"".join(_bytes(k) + _bytes(v) for k, v in metadata.items())
+    header += varint(0) + sync
     payload = b"".join(bodies)
-    return header + _varint(len(bodies)) + _varint(len(payload)) + payload + sync
+    return header + varint(len(bodies)) + varint(len(payload)) + payload + sync
+
+
+class ContainerError(ValueError):
+    """Bytes that are not an uncompressed Avro object container file."""
+
+
+def _read_varint(data: bytes, position: int) -> tuple[int, int]:
+    shift = result = 0
+    while True:
+        if position >= len(data):
+            raise ContainerError("truncated varint")
+        byte = data[position]
+        position += 1
+        result |= (byte & 0x7F) << shift
+        if not byte & 0x80:
+            return (result >> 1) ^ -(result & 1), position
+        shift += 7
+
+
+def container_datums(data: bytes) -> tuple[int, bytes]:
+    """The number of datums in a container file and their concatenated bytes (the inverse of container_file).
+
+    Concatenated datums preceded by their count and followed by a zero are an Avro array: the
+    body of a batch record, built without decoding a single datum.
+    """
+    if data[:4] != MAGIC:
+        raise ContainerError("not an Avro object container file")
+    position, codec = 4, b"null"
+    while True:
+        count, position = _read_varint(data, position)
+        if count == 0:
+            break
+        if count < 0:
+            _, position = _read_varint(data, position)
+            count = -count
+        for _ in range(count):
+            key_length, position = _read_varint(data, position)
+            key = data[position:position + key_length]
+            position += key_length
+            value_length, position = _read_varint(data, position)
+            if key == b"avro.codec":
+                codec = data[position:position + value_length]
+            position += value_length
+    if codec != b"null":
+        raise ContainerError(f"container file is compressed with {codec.decode()}; ask for codec null")
+    position += 16
+    total, parts = 0, []
+    while position < len(data):
+        count, position = _read_varint(data, position)
+        size, position = _read_varint(data, position)
+        parts.append(data[position:position + size])
+        total += count
+        position += size + 16
+    return total, b"".join(parts)

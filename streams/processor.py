@@ -17,19 +17,20 @@ from __future__ import annotations
 import datetime
 import logging
 import time
-from collections.abc import Callable, Iterable
-from dataclasses import dataclass, field
+import uuid
+from collections.abc import Callable
+from dataclasses import dataclass
 from typing import Any, Protocol
 
 from infra.config import Config
 from infra.kafka import topic_name
-from schemas import DEAD_LETTER, ROLLOUT_RESULT, TRANSITION, AvroCodec
+from schemas import DEAD_LETTER, ROLLOUT_RESULT, TRANSITION_BATCH, AvroCodec
 from streams.credit import Credit, matching_rule, strategy_for
 from streams.lifecycle import OpenRollout, RolloutTracker
-from streams.ocf import container_file
+from streams.ocf import container_datums, container_file, varint
 from streams.records import RawRecord, sort_records
 from streams.trajectory import SpanNode, Trajectory, assemble, span_node
-from streams.transitions import TRANSITION_COLUMNS, TokenArrays, transition_record, transition_row
+from streams.transitions import TRANSITION_COLUMNS, transition_id
 from streams.warehouse import RejectedData, Warehouse
 
 log = logging.getLogger("agentstream.streams")
@@ -47,7 +48,8 @@ FAILED_STATUSES = {"FAILED", "TIMED_OUT", "CANCELLED"}
 class Emitter(Protocol):
     """Where output records go (a Kafka producer): send buffers, flush waits for the acknowledgements."""
 
-    async def send(self, topic: str, key: bytes | None, value: bytes) -> None: ...
+    async def send(self, topic: str, key: bytes | None, value: bytes,
+                   headers: list[tuple[str, bytes]] | None = None) -> None: ...
 
     async def flush(self) -> None: ...
 
@@ -75,7 +77,6 @@ class Counters:
     transitions: int = 0
     calls_without_tokens: int = 0
     group_results: int = 0
-    transition_latency_ms: list[float] = field(default_factory=list)
 
 
 @dataclass
@@ -294,43 +295,66 @@ async def read_spans(warehouse: Warehouse, database: str, rollout_ids: list[str]
     return spans
 
 
-async def read_token_arrays(warehouse: Warehouse, database: str,
-                            calls: Iterable[tuple[str, str]]) -> dict[str, TokenArrays]:
-    """Token ids and logprobs of LLM spans, by span id, read as Arrow (no per-token Python work until encoding)."""
-    pairs = list(calls)
-    if not pairs:
-        return {}
-    table = await warehouse.query_arrow(
-        f"SELECT span_id, prompt_token_ids, response_token_ids, response_logprobs FROM {database}.rollout_spans "
-        "FINAL WHERE rollout_id IN {rids:Array(String)} AND span_id IN {sids:Array(String)}",
-        {"rids": sorted({r for r, _ in pairs}), "sids": [s for _, s in pairs]})
-    columns = table.to_pydict()
-    return {span_id: TokenArrays(prompt, response, logprobs) for span_id, prompt, response, logprobs in zip(
-        columns["span_id"], columns["prompt_token_ids"], columns["response_token_ids"], columns["response_logprobs"])}
+TRANSITIONS_SQL = """
+SELECT c.transition_id AS transition_id, c.rollout_id AS rollout_id, c.span_id AS span_id, c.agent_name AS agent_name,
+       c.model AS model, ifNull(s.policy_version, 0) AS policy_version, c.step_index AS step_index,
+       s.prompt_token_ids AS prompt_token_ids, s.response_token_ids AS response_token_ids,
+       s.response_logprobs AS behaviour_logprobs, c.reward AS reward, c.return_value AS return_value,
+       c.advantage AS advantage, c.group_id AS group_id, c.created_at_us AS created_at_us
+FROM {database}.credit_staging AS c
+INNER JOIN (SELECT rollout_id, span_id, policy_version, prompt_token_ids, response_token_ids, response_logprobs
+            FROM {database}.rollout_spans FINAL
+            WHERE rollout_id IN (SELECT rollout_id FROM {database}.credit_staging WHERE batch_id = {batch:String})
+              AND has_token_ids) AS s
+ON s.rollout_id = c.rollout_id AND s.span_id = c.span_id
+WHERE c.batch_id = {batch:String} AND c.model = {model:String}
+ORDER BY rollout_id, step_index
+"""
+STAGED_COLUMNS = ("batch_id", "transition_id", "rollout_id", "span_id", "agent_name", "model", "step_index", "reward",
+                  "return_value", "advantage", "group_id", "created_at_us")
+STORED = ("transition_id, rollout_id, span_id, agent_name, model, policy_version, step_index, ifNull(group_id, ''), "
+          "prompt_token_ids, response_token_ids, behaviour_logprobs, reward, return_value, advantage, "
+          "fromUnixTimestamp64Micro(created_at_us, 'UTC')")
+AVRO_OUTPUT = {"output_format_avro_codec": "null", "output_format_avro_sync_interval": 1 << 20}
+
+
+def staged_rows(batch: str, credited: list[tuple[Trajectory, list[Credit], Any]], created_us: int) -> list[tuple]:
+    """One credit_staging row per credited call: the scalars ClickHouse joins with the call's token ids."""
+    return [(batch, transition_id(trajectory.rollout_id, trajectory.attempt_id, credit.call.span_id),
+             trajectory.rollout_id, credit.call.span_id, trajectory.agent_name, rule.train_as or credit.call.model,
+             credit.step_index, credit.reward, credit.return_value, credit.advantage, trajectory.group_id or None,
+             created_us)
+            for trajectory, credits, rule in credited for credit in credits]
 
 
 async def publish_transitions(processor: Any, credited: list[tuple[Trajectory, list[Credit], Any]]) -> None:
-    """Encode, publish (keyed by trained model) and store the transitions of credited trajectories."""
-    if not credited:
-        return
-    tokens = await read_token_arrays(processor.warehouse, processor.database,
-                                     ((t.rollout_id, c.call.span_id) for t, credits, _ in credited for c in credits))
+    """Publish (one TransitionBatch per trained model, keyed by it) and store the transitions of credited trajectories.
+
+    ClickHouse joins the credit with the token ids it already holds and writes both the
+    transitions table and the Avro datums of the Kafka record: token arrays never pass
+    through Python here.
+    """
     created = now_us()
-    rows = []
-    for trajectory, credits, rule in credited:
-        emitted = 0
-        for credit in credits:
-            arrays = tokens.get(credit.call.span_id)
-            if arrays is None or not arrays.response_token_ids:
-                processor.counters.calls_without_tokens += 1
-                continue
-            model = rule.train_as or credit.call.model
-            record = transition_record(trajectory, credit, arrays, model, created)
-            await processor.emitter.send(processor.transitions_topic, model.encode(),
-                                         processor.codec.encode(TRANSITION, record))
-            rows.append(transition_row(record))
-            emitted += 1
-        processor.counters.transitions += emitted
-        processor.counters.transition_latency_ms.append((created - trajectory.end_us) / 1000)
+    batch = uuid.uuid4().hex
+    rows = staged_rows(batch, credited, created)
+    if not rows:
+        return
+    database = processor.database
+    await processor.warehouse.insert_rows(f"{database}.credit_staging", STAGED_COLUMNS, rows)
+    select = TRANSITIONS_SQL.replace("{database}", database)
+    for model in sorted({row[5] for row in rows}):
+        parameters = {"batch": batch, "model": model}
+        container = await processor.warehouse.call("transitions", lambda client: client.raw_query(
+            select + " FORMAT Avro", parameters=parameters, settings=AVRO_OUTPUT))
+        count, datums = container_datums(container)
+        if count:
+            rollouts = ",".join(sorted({row[2] for row in rows if row[5] == model}))
+            body = processor.codec.header(TRANSITION_BATCH) + varint(count) + datums + b"\x00"
+            await processor.emitter.send(processor.transitions_topic, model.encode(), body,
+                                         headers=[("agentstream-rollouts", rollouts.encode())])
+            await processor.warehouse.call("insert into transitions", lambda client: client.command(
+                f"INSERT INTO {database}.transitions ({', '.join(TRANSITION_COLUMNS)}) SELECT {STORED} FROM ({select})",
+                parameters=parameters))
+        processor.counters.transitions += count
+        processor.counters.calls_without_tokens += sum(1 for row in rows if row[5] == model) - count
     await processor.emitter.flush()
-    await processor.warehouse.insert_rows(f"{processor.database}.transitions", TRANSITION_COLUMNS, rows)

@@ -14,8 +14,20 @@ import avro.schema
 import numpy as np
 import pytest
 
-from schemas import SPAN, SPAN_BATCH, AvroCodec, EncodeError, current_schemas, self_contained
-from schemas.spanwriter import SpanBatchEncoder, prepare_span, write_long, zigzag_varints
+from schemas import (
+    SPAN,
+    SPAN_BATCH,
+    AvroCodec,
+    EncodeError,
+    current_schemas,
+    self_contained,
+)
+from schemas.spanwriter import (
+    SpanBatchEncoder,
+    prepare_span,
+    write_long,
+    zigzag_varints,
+)
 
 SEED = 20241121
 INT32 = (-(1 << 31), (1 << 31) - 1)
@@ -230,6 +242,7 @@ def valid_span() -> dict[str, Any]:
     ("attributes", {"k": 1}),
     ("attributes", {1: "v"}),
     ("attributes", ["k", "v"]),
+    ("attributes", {"k": ["v"]}),
     ("prompt_token_ids", [1, "two"]),
     ("prompt_token_ids", "123"),
     ("response_logprobs", ["x"]),
@@ -270,6 +283,12 @@ def test_missing_required_and_unknown_fields_are_encode_errors(encoder: SpanBatc
         encoder.encode_span(span)
     with pytest.raises(EncodeError, match="more fields"):
         encoder.encode_span({**valid_span(), "extra": 1})
+
+
+def test_a_value_that_is_not_a_record_is_an_encode_error(encoder: SpanBatchEncoder) -> None:
+    for value in (None, 5, ["span"]):
+        with pytest.raises(EncodeError, match="not a record"):
+            encoder.encode_span(value)
 
 
 def test_prepared_span_reports_the_memory_it_holds() -> None:

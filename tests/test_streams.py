@@ -147,9 +147,13 @@ def test_credit_strategies_late_rewards_expiry_and_dead_letters(setup, stack):
 
     span_count = query(client, f"SELECT count() FROM {db}.spans FINAL WHERE rollout_id = 'disc'")
     assert span_count == [(5,)]
-    on_topic = [CODEC.decode(r.value)[1] for r in read_all(stack.bootstrap_servers, f"s{tag}.transitions", 4)]
+    records = read_all(stack.bootstrap_servers, f"s{tag}.transitions", 4)
+    on_topic = [t for r in records for t in CODEC.decode(r.value)[1]["transitions"]]
     assert {t["span_id"] for t in on_topic} == set(got)
-    assert {r.key for r in read_all(stack.bootstrap_servers, f"s{tag}.transitions", 4)} == {b"m"}
+    assert {r.key for r in records} == {b"m"}
+    for record in records:
+        rollouts = dict(record.headers)["agentstream-rollouts"].decode().split(",")
+        assert sorted(rollouts) == sorted({t["rollout_id"] for t in CODEC.decode(record.value)[1]["transitions"]})
     fin = next(t for t in on_topic if t["span_id"] == "fin-llm1")
     assert fin["prompt_token_ids"] == [1, 2, 3, 1] and fin["response_token_ids"] == [7, 1]
     assert fin["behaviour_logprobs"] == [-0.5, -0.25]
@@ -210,7 +214,8 @@ def test_sigkill_mid_stream_loses_nothing_and_counts_once(setup, stack):
 
     _produce_in_waves(stack.bootstrap_servers, topic, items, 8, kill_then_restart)
     wait_for(lambda: _counts(client, db), 90, what="all spans, rollouts, transitions", equals=(900, 300, 600))
-    on_topic = [CODEC.decode(r.value)[1]["transition_id"] for r in read_all(stack.bootstrap_servers, f"s{tag}.transitions", 4)]
+    on_topic = [t["transition_id"] for r in read_all(stack.bootstrap_servers, f"s{tag}.transitions", 4)
+                for t in CODEC.decode(r.value)[1]["transitions"]]
     assert len(set(on_topic)) == 600, "every transition reached the topic (replays may repeat some, never lose one)"
     assert "Ready" in workers[-1].log() and workers[-1].process.poll() is None
 

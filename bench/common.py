@@ -1,0 +1,56 @@
+"""Shared pieces of the benchmark scripts: JSON-line output, a private stack, a realistic 1 KB LLM span."""
+
+from __future__ import annotations
+
+import contextlib
+import json
+import random
+import tempfile
+from collections.abc import Iterator
+from typing import Any
+
+from infra.config import Config, load_config
+from infra.processes import free_port
+from infra.stack import Endpoints, Stack
+
+VOCABULARY = 49152  # SmolLM2's
+
+
+def emit(bench: str, metric: str, value: float, unit: str, **extra: Any) -> None:
+    """One figure as a JSON line: {"bench", "metric", "value", "unit", ...}."""
+    print(json.dumps({"bench": bench, "metric": metric, "value": round(value, 3), "unit": unit, **extra}), flush=True)
+
+
+def percentile(values: list[float], q: float) -> float:
+    ordered = sorted(values)
+    return ordered[min(len(ordered) - 1, int(q * len(ordered)))]
+
+
+@contextlib.contextmanager
+def private_stack(**environ: str) -> Iterator[tuple[Config, Endpoints]]:
+    """A broker and ClickHouse of our own on free loopback ports, stopped afterwards."""
+    with tempfile.TemporaryDirectory(prefix="agentstream-bench-") as home:
+        config = load_config(environ={"AGENTSTREAM_HOME": home, "AGENTSTREAM_BROKER_PORT": str(free_port()),
+                                      "AGENTSTREAM_CLICKHOUSE_PORT": str(free_port()), **environ})
+        stack = Stack(config)
+        endpoints = stack.up(progress=lambda line: None)
+        try:
+            yield config, endpoints
+        finally:
+            stack.down(progress=lambda line: None)
+
+
+def llm_span(rng: random.Random, index: int, rollout_id: str = "", start_us: int = 1_732_200_000_000_000) -> dict:
+    """An LLM call of about 1 KB encoded: 100 prompt and 100 response token ids, 100 logprobs, gen_ai attributes."""
+    return {
+        "span_id": f"{rollout_id}-{index:08x}", "rollout_id": rollout_id, "attempt_id": f"{rollout_id}-1",
+        "parent_id": None, "name": "chat SmolLM2-135M-Instruct", "kind": "LLM",
+        "start_time_us": start_us + index * 1000, "end_time_us": start_us + index * 1000 + 250_000, "status": "OK",
+        "agent_name": "math-agent", "task_id": f"task-{index % 7473:05d}", "model": "SmolLM2-135M-Instruct",
+        "attributes": {"gen_ai.system": "agentstream", "gen_ai.request.model": "SmolLM2-135M-Instruct",
+                       "gen_ai.request.temperature": "1.0", "gen_ai.usage.output_tokens": "100"},
+        "prompt_token_ids": [int(VOCABULARY ** rng.random()) for _ in range(100)],
+        "response_token_ids": [int(VOCABULARY ** rng.random()) for _ in range(100)],
+        "response_logprobs": [-rng.expovariate(2.0) for _ in range(100)],
+        "policy_version": 3,
+    }

@@ -1,0 +1,138 @@
+"""Throughput of the span publisher: 1 KB LLM spans from one process to a private broker, and the encoder alone.
+
+Starts a private stack on free loopback ports, publishes for about --seconds through one
+SpanPublisher (64 rollouts in flight, a RolloutEvent after every 16th span of a rollout),
+counts until every span is acknowledged by the broker (after flush), stops the stack.
+Prints one JSON line per figure.
+"""
+
+from __future__ import annotations
+
+import argparse
+import asyncio
+import json
+import random
+import statistics
+import tempfile
+import time
+from pathlib import Path
+from typing import Any
+
+from infra.config import load_config
+from infra.kafka import client_options, message_counts, topic_name
+from infra.processes import free_port
+from infra.stack import Stack
+from pipeline.publisher import SpanPublisher
+from schemas import SPAN_BATCH, AvroCodec
+from schemas.spanwriter import SpanBatchEncoder, prepare_span
+
+BENCH = "publisher"
+VOCABULARY = 49152  # SmolLM2's
+T0 = 1_732_200_000_000_000
+
+
+def emit(metric: str, value: float, unit: str, **extra: Any) -> None:
+    print(json.dumps({"bench": BENCH, "metric": metric, "value": round(value, 3), "unit": unit, **extra}), flush=True)
+
+
+def llm_span(rng: random.Random, index: int) -> dict[str, Any]:
+    """An LLM call: 100 prompt and 100 response token ids (log-uniform over the vocabulary, as
+    frequent tokens have small ids), 100 logprobs, the usual gen_ai attributes."""
+    return {
+        "span_id": f"{index:016x}", "rollout_id": "", "attempt_id": "attempt-1", "parent_id": "root-span-00000001",
+        "name": "chat SmolLM2-135M-Instruct", "kind": "LLM",
+        "start_time_us": T0 + index * 1000, "end_time_us": T0 + index * 1000 + 250_000, "status": "OK",
+        "agent_name": "math-agent", "task_id": f"gsm8k-{index % 7473:05d}", "group_id": f"g-{index % 512}",
+        "model": "SmolLM2-135M-Instruct",
+        "attributes": {"gen_ai.system": "agentstream", "gen_ai.request.model": "SmolLM2-135M-Instruct",
+                       "gen_ai.request.temperature": "1.0", "gen_ai.usage.output_tokens": "100"},
+        "prompt_token_ids": [int(VOCABULARY ** rng.random()) for _ in range(100)],
+        "response_token_ids": [int(VOCABULARY ** rng.random()) for _ in range(100)],
+        "response_logprobs": [-rng.expovariate(2.0) for _ in range(100)],
+        "policy_version": 3,
+    }
+
+
+def encoder_figures(pool: list[dict[str, Any]], rollouts: int) -> float:
+    """Spans per second through prepare + one vectorized SpanBatch pass, against fastavro on the same spans."""
+    encoder, codec = SpanBatchEncoder(), AvroCodec()
+    sizes = [len(encoder.encode_span(span)) - 5 for span in pool]
+    emit("span_encoded_bytes", statistics.mean(sizes), "bytes", min=min(sizes), max=max(sizes),
+         prompt_ids=100, response_ids=100, logprobs=100, attributes=4)
+    per_record = len(pool) // rollouts
+    spans = pool * 8
+    rates = []
+    for _ in range(3):
+        started = time.perf_counter()
+        prepared = [prepare_span(span) for span in spans]
+        encoder.encode_batches([prepared[i:i + per_record] for i in range(0, len(spans), per_record)])
+        rates.append(len(spans) / (time.perf_counter() - started))
+    emit("span_encode_per_s", max(rates), "spans/s", spans_per_record=per_record)
+    started = time.perf_counter()
+    for i in range(0, len(spans), per_record):
+        codec.encode(SPAN_BATCH, {"spans": spans[i:i + per_record]})
+    emit("fastavro_span_encode_per_s", len(spans) / (time.perf_counter() - started), "spans/s",
+         spans_per_record=per_record)
+    return statistics.mean(sizes)
+
+
+def publish_figures(config, bootstrap: str, pool: list[dict[str, Any]], rollouts: int, seconds: float,
+                    journal_dir: Path, span_bytes: float) -> None:
+    rollout_ids = [f"rollout-{n:06d}" for n in range(rollouts)]
+    published = events = 0
+    with SpanPublisher(config, bootstrap, journal_dir=journal_dir) as publisher:
+        started, cpu_started = time.perf_counter(), time.process_time()
+        stop_at = started + seconds
+        while time.perf_counter() < stop_at:
+            for _ in range(1024):
+                # publish() encodes the dict before it returns and keeps no reference: reuse the pool's dicts
+                span = pool[published % len(pool)]
+                span["span_id"] = f"span-{published:012d}"
+                span["rollout_id"] = rollout_ids[published % rollouts]
+                publisher.publish(span)
+                published += 1
+                if published % (16 * rollouts) < rollouts:  # each rollout's 16th span ends an attempt
+                    publisher.publish_event({"rollout_id": span["rollout_id"], "attempt_id": "attempt-1",
+                                             "event": "SUCCEEDED", "at_us": span["end_time_us"]})
+                    events += 1
+        queued = time.perf_counter() - started
+        publisher.flush(120)
+        elapsed = time.perf_counter() - started
+        cpu = time.process_time() - cpu_started
+        stats = publisher.stats()
+    assert stats.spans_published == published and stats.events_published == events, stats
+    assert stats.spans_journaled == 0 and stats.records_dropped == 0, stats
+    topic = topic_name(config.topics, "spans")
+    records = asyncio.run(message_counts(client_options(config.kafka, bootstrap), {topic: config.topics.partitions}))
+    emit("publish_spans_per_s", published / elapsed, "spans/s", spans=published, events=events,
+         seconds=round(elapsed, 2), flush_s=round(elapsed - queued, 3), span_bytes=round(span_bytes, 1),
+         kafka_records=records[topic], spans_per_record=round(published / max(1, records[topic] - events), 1),
+         rollouts=rollouts, acks="all", process_cpu_s=round(cpu, 2), target=50_000)
+    emit("publish_mb_per_s", published * span_bytes / elapsed / 1e6, "MB/s")
+
+
+def main() -> None:
+    parser = argparse.ArgumentParser(description=__doc__)
+    parser.add_argument("--seconds", type=float, default=10.0)
+    parser.add_argument("--rollouts", type=int, default=64, help="rollouts publishing at the same time")
+    args = parser.parse_args()
+    rng = random.Random(7)
+    # 512 distinct spans (about 5 MB of Python objects), cycled: colder in cache than a span an agent
+    # has just built, which is what publish() sees in production.
+    pool = [llm_span(rng, index) for index in range(512)]
+    span_bytes = encoder_figures(pool, args.rollouts)
+    with tempfile.TemporaryDirectory(prefix="agentstream-bench-") as home:
+        environ = {"AGENTSTREAM_HOME": home, "AGENTSTREAM_BROKER_PORT": str(free_port()),
+                   "AGENTSTREAM_CLICKHOUSE_PORT": str(free_port())}
+        config = load_config(environ=environ)
+        stack = Stack(config)
+        endpoints = stack.up(progress=lambda line: None)
+        try:
+            publish_figures(config, endpoints.bootstrap_servers, pool, args.rollouts, args.seconds,
+                            Path(home) / "journal", span_bytes)
+        finally:
+            stack.down(progress=lambda line: None)
+
+
+if __name__ == "__main__":
+    main()

@@ -1,0 +1,197 @@
+"""End-to-end figures of the stream processors, and the same workload on Agent Lightning's LightningStore.
+
+publisher → Kafka → `agentstream streams` worker → rows queryable in ClickHouse, with 1 KB LLM
+spans (rollouts of 15 LLM calls and a reward, between STARTED and SUCCEEDED events):
+- ingest_spans_per_s: all spans published at full speed, until every one is counted in ClickHouse;
+- transition_latency_p50_ms / _p99_ms: at half that load, SUCCEEDED event published → its
+  transitions on the transitions topic (the Kafka record timestamp the worker's producer set);
+- the peer: Agent Lightning 0.3.0's LightningStore HTTP server with runners in separate processes,
+  on the same number of 1 KB spans, printed as "peer" with the "ratio".
+"""
+
+from __future__ import annotations
+
+import argparse
+import asyncio
+import os
+import random
+import subprocess
+import sys
+import tempfile
+import threading
+import time
+from pathlib import Path
+
+from aiokafka import AIOKafkaConsumer
+
+from bench.common import emit, llm_span, percentile, private_stack
+from infra.clickhouse import connect
+from infra.kafka import client_options, topic_name
+from pipeline.publisher import SpanPublisher
+
+SPANS_PER_ROLLOUT = 16
+BENCH = "streams"
+
+
+class Workload:
+    """Rollouts of 15 LLM spans and a reward, built from a pool of pre-generated spans (generation is not measured)."""
+
+    def __init__(self, seed: int = 7) -> None:
+        rng = random.Random(seed)
+        self.pool = [llm_span(rng, i) for i in range(256)]
+        self.count = 0
+
+    def rollout(self, publisher: SpanPublisher) -> tuple[str, float]:
+        """Publish one rollout; returns its id and the wall time its SUCCEEDED event was handed over."""
+        self.count += 1
+        rollout_id = f"b{self.count:09d}"
+        attempt = f"{rollout_id}-1"
+        now = time.time_ns() // 1000
+        event = {"rollout_id": rollout_id, "attempt_id": attempt, "task_id": f"t{self.count}", "agent_name": "math-agent"}
+        publisher.publish_event({**event, "event": "STARTED", "at_us": now})
+        for index in range(SPANS_PER_ROLLOUT - 1):
+            template = self.pool[(self.count * 7 + index) % len(self.pool)]
+            publisher.publish({**template, "span_id": f"{rollout_id}-{index}", "rollout_id": rollout_id,
+                               "attempt_id": attempt, "start_time_us": now + index, "end_time_us": now + index + 1})
+        publisher.publish({"span_id": f"{rollout_id}-r", "rollout_id": rollout_id, "attempt_id": attempt,
+                           "name": "reward", "kind": "REWARD", "start_time_us": now + 100, "end_time_us": now + 100,
+                           "status": "OK", "agent_name": "math-agent", "attributes": {}, "reward": 1.0})
+        ended = time.time()
+        publisher.publish_event({**event, "event": "SUCCEEDED", "at_us": time.time_ns() // 1000})
+        return rollout_id, ended
+
+
+def start_worker(env: dict, log_path: Path) -> subprocess.Popen:
+    log = open(log_path, "ab")
+    process = subprocess.Popen([sys.executable, "-m", "pipeline", "streams"], env=env,
+                               stdout=log, stderr=subprocess.STDOUT)
+    return process
+
+
+def wait_ready(worker: subprocess.Popen, log_path: Path, seconds: float = 90) -> None:
+    deadline = time.monotonic() + seconds
+    while b"Worker]: Ready" not in log_path.read_bytes():
+        if worker.poll() is not None or time.monotonic() > deadline:
+            raise RuntimeError(f"the streams worker did not start:\n{log_path.read_text()[-2000:]}")
+        time.sleep(0.2)
+
+
+def rss_mb(pid: int) -> float:
+    for line in Path(f"/proc/{pid}/status").read_text().splitlines():
+        if line.startswith("VmRSS:"):
+            return int(line.split()[1]) / 1024
+    return 0.0
+
+
+class TransitionWatcher(threading.Thread):
+    """Reads the transitions topic and keeps, per rollout, the time its transitions' record was produced."""
+
+    def __init__(self, options: dict, topic: str) -> None:
+        super().__init__(daemon=True)
+        self.options, self.topic = options, topic
+        self.seen: dict[str, float] = {}
+        self.stop = threading.Event()
+
+    def run(self) -> None:
+        asyncio.run(self._run())
+
+    async def _run(self) -> None:
+        consumer = AIOKafkaConsumer(self.topic, **self.options, auto_offset_reset="latest", enable_auto_commit=False)
+        await consumer.start()
+        try:
+            while not self.stop.is_set():
+                for records in (await consumer.getmany(timeout_ms=200)).values():
+                    for record in records:  # the worker names a record's rollouts in a header: no decoding here
+                        for rollout_id in dict(record.headers)["agentstream-rollouts"].decode().split(","):
+                            self.seen[rollout_id] = record.timestamp / 1000
+        finally:
+            await consumer.stop()
+
+
+def main() -> None:
+    parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    parser.add_argument("--rollouts", type=int, default=12_500, help="rollouts of 16 spans for the ingest figure")
+    parser.add_argument("--latency-seconds", type=float, default=15.0)
+    parser.add_argument("--no-peer", action="store_true", help="skip Agent Lightning")
+    args = parser.parse_args()
+
+    with private_stack() as (config, endpoints), tempfile.TemporaryDirectory() as scratch:
+        env = {k: v for k, v in os.environ.items() if not k.startswith(("KAFKA_", "CLICKHOUSE_", "AGENTSTREAM_"))}
+        env.update({"KAFKA_BOOTSTRAP_SERVERS": endpoints.bootstrap_servers, "CLICKHOUSE_URL": endpoints.clickhouse_url,
+                    "AGENTSTREAM_HOME": scratch})
+        options = client_options(config.kafka, endpoints.bootstrap_servers)
+        worker = start_worker(env, Path(scratch) / "worker.log")
+        client = connect(config.clickhouse, endpoints.clickhouse_url, database=config.clickhouse.database)
+        try:
+            wait_ready(worker, Path(scratch) / "worker.log")
+            rss_start = rss_mb(worker.pid)
+            if os.environ.get("BENCH_PROFILE"):  # py-spy's collapsed stacks of the worker, for looking at hot spots
+                subprocess.Popen(["py-spy", "record", "--pid", str(worker.pid), "--duration", "20", "--format", "raw",
+                                  "-o", os.environ["BENCH_PROFILE"]], stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL)
+            workload = Workload()
+            with SpanPublisher(config, endpoints.bootstrap_servers, journal_dir=Path(scratch) / "journal") as publisher:
+                total = args.rollouts * SPANS_PER_ROLLOUT
+                started = time.perf_counter()
+                for _ in range(args.rollouts):
+                    workload.rollout(publisher)
+                publisher.flush(120)
+                published = time.perf_counter()
+                while client.query("SELECT count() FROM spans").result_rows[0][0] < total:
+                    if time.perf_counter() - started > 300 or worker.poll() is not None:
+                        kept = Path(tempfile.gettempdir()) / "agentstream-bench-worker.log"
+                        kept.write_text((Path(scratch) / "worker.log").read_text())
+                        raise RuntimeError(f"spans did not all arrive; the worker's log is kept at {kept}")
+                    time.sleep(0.05)
+                elapsed = time.perf_counter() - started
+                ours = total / elapsed
+                emit(BENCH, "publish_phase_spans_per_s", total / (published - started), "spans/s", spans=total)
+
+                peer = None
+                watcher = TransitionWatcher(options, topic_name(config.topics, "transitions"))
+                watcher.start()
+                time.sleep(2)
+                rate = ours / 2 / SPANS_PER_ROLLOUT  # rollouts per second at half the measured ingest load
+                ended: dict[str, float] = {}
+                begin = time.perf_counter()
+                while time.perf_counter() - begin < args.latency_seconds:
+                    due = begin + len(ended) / rate
+                    pause = due - time.perf_counter()
+                    if pause > 0:
+                        time.sleep(pause)
+                    rollout_id, at = workload.rollout(publisher)
+                    ended[rollout_id] = at
+                publisher.flush(60)
+                deadline = time.monotonic() + 60
+                latencies = []
+                for rollout_id, at in ended.items():
+                    while rollout_id not in watcher.seen and time.monotonic() < deadline:
+                        time.sleep(0.05)
+                    if rollout_id in watcher.seen:
+                        latencies.append((watcher.seen[rollout_id] - at) * 1000)
+                watcher.stop.set()
+            missing = len(ended) - len(latencies)
+            if not args.no_peer:
+                from bench.peer_agentlightning import run_peer
+
+                peer = run_peer(rollouts=2000, spans_per_rollout=8, runners=8)
+            extra = {"spans": total, "seconds": round(elapsed, 2), "span_bytes": 1000, "workers": 1}
+            if peer:
+                extra.update(peer=round(peer["spans_per_s"], 1), ratio=round(ours / peer["spans_per_s"], 1),
+                             peer_system="agentlightning==0.3.0 LightningStore (HTTP server, 8 runner processes, "
+                                         f"{peer['path']})")
+            emit(BENCH, "ingest_spans_per_s", ours, "spans/s", **extra)
+            load = {"load_spans_per_s": round(ours / 2), "rollouts": len(ended), "missing": missing}
+            emit(BENCH, "transition_latency_p50_ms", percentile(latencies, 0.5), "ms", **load)
+            emit(BENCH, "transition_latency_p99_ms", percentile(latencies, 0.99), "ms", **load)
+            emit(BENCH, "worker_rss_mb", rss_mb(worker.pid), "MB", at_start=round(rss_start, 1))
+        finally:
+            client.close()
+            worker.terminate()
+            try:
+                worker.wait(30)
+            except subprocess.TimeoutExpired:
+                worker.kill()
+
+
+if __name__ == "__main__":
+    main()
