@@ -4,7 +4,7 @@ VENV   := .venv
 BIN    := $(VENV)/bin
 STAMP  := $(VENV)/.installed
 
-.PHONY: install demo test bench clean
+.PHONY: install demo test bench soak clean
 
 install: $(STAMP)
 
@@ -22,8 +22,15 @@ demo: install
 test: install
 	$(BIN)/python -m pytest
 
+# Every benchmark prints one JSON line per figure (a few minutes in all; `streams` installs
+# Agent Lightning 0.3.0 into .venv-peer on its first run to compare with it).
+BENCHES := stack_roundtrip publish proxy streams trainer
+
 bench: install
-	@for script in bench/*.py; do $(BIN)/python $$script || exit 1; done
+	@for name in $(BENCHES); do $(BIN)/python -m bench.$$name || exit 1; done
+
+soak: install
+	$(BIN)/python -m bench.soak
 
 clean:
 	rm -rf $(VENV) .agentstream .pytest_cache *.egg-info

@@ -7,32 +7,20 @@ from __future__ import annotations
 
 import asyncio
 import datetime
-import json
+import functools
 import os
 import statistics
-import tempfile
 import time
-from pathlib import Path
 
 from aiokafka import AIOKafkaConsumer, AIOKafkaProducer
 from aiokafka.admin import AIOKafkaAdminClient, NewTopic
 
+from bench.common import emit as emit_figure
+from bench.common import percentile, private_stack
 from infra.clickhouse import connect
-from infra.config import load_config
 from infra.kafka import client_options
-from infra.processes import free_port
-from infra.stack import Stack
 
-BENCH = "stack"
-
-
-def emit(metric: str, value: float, unit: str, **extra) -> None:
-    print(json.dumps({"bench": BENCH, "metric": metric, "value": round(value, 3), "unit": unit, **extra}), flush=True)
-
-
-def percentile(values: list[float], q: float) -> float:
-    ordered = sorted(values)
-    return ordered[min(len(ordered) - 1, int(q * len(ordered)))]
+emit = functools.partial(emit_figure, "stack")
 
 
 async def kafka_figures(options: dict) -> None:
@@ -111,17 +99,9 @@ def clickhouse_figures(config, url: str) -> None:
 
 
 def main() -> None:
-    with tempfile.TemporaryDirectory(prefix="agentstream-bench-") as home:
-        environ = {"AGENTSTREAM_HOME": home, "AGENTSTREAM_BROKER_PORT": str(free_port()),
-                   "AGENTSTREAM_CLICKHOUSE_PORT": str(free_port())}
-        config = load_config(environ=environ)
-        stack = Stack(config)
-        endpoints = stack.up(progress=lambda line: None)
-        try:
-            asyncio.run(kafka_figures(client_options(config.kafka, endpoints.bootstrap_servers)))
-            clickhouse_figures(config, endpoints.clickhouse_url)
-        finally:
-            stack.down(progress=lambda line: None)
+    with private_stack() as (config, endpoints):
+        asyncio.run(kafka_figures(client_options(config.kafka, endpoints.bootstrap_servers)))
+        clickhouse_figures(config, endpoints.clickhouse_url)
 
 
 if __name__ == "__main__":
