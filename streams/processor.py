@@ -30,7 +30,7 @@ from streams.lifecycle import OpenRollout, RolloutTracker
 from streams.ocf import container_datums, container_file, varint
 from streams.records import RawRecord, sort_records
 from streams.trajectory import SpanNode, Trajectory, assemble, span_node
-from streams.transitions import TRANSITION_COLUMNS, transition_id
+from streams.transitions import transition_id
 from streams.warehouse import RejectedData, Warehouse
 
 log = logging.getLogger("agentstream.streams")
@@ -312,9 +312,6 @@ ORDER BY rollout_id, step_index
 """
 STAGED_COLUMNS = ("batch_id", "transition_id", "rollout_id", "span_id", "agent_name", "model", "step_index", "reward",
                   "return_value", "advantage", "group_id", "created_at_us")
-STORED = ("transition_id, rollout_id, span_id, agent_name, model, policy_version, step_index, ifNull(group_id, ''), "
-          "prompt_token_ids, response_token_ids, behaviour_logprobs, reward, return_value, advantage, "
-          "fromUnixTimestamp64Micro(created_at_us, 'UTC')")
 AVRO_OUTPUT = {"output_format_avro_codec": "null", "output_format_avro_sync_interval": 1 << 20}
 
 
@@ -352,9 +349,7 @@ async def publish_transitions(processor: Any, credited: list[tuple[Trajectory, l
             body = processor.codec.header(TRANSITION_BATCH) + varint(count) + datums + b"\x00"
             await processor.emitter.send(processor.transitions_topic, model.encode(), body,
                                          headers=[("agentstream-rollouts", rollouts.encode())])
-            await processor.warehouse.call("insert into transitions", lambda client: client.command(
-                f"INSERT INTO {database}.transitions ({', '.join(TRANSITION_COLUMNS)}) SELECT {STORED} FROM ({select})",
-                parameters=parameters))
+            await processor.warehouse.insert_container(f"{database}.transitions_ingest", container)
         processor.counters.transitions += count
         processor.counters.calls_without_tokens += sum(1 for row in rows if row[5] == model) - count
     await processor.emitter.flush()

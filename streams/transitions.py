@@ -1,14 +1,8 @@
-"""Transition identity and storage layout: deterministic ids and the ClickHouse column list."""
+"""Transition identity: deterministic ids, so replays after a crash are harmless."""
 
 from __future__ import annotations
 
 import hashlib
-
-TRANSITION_COLUMNS = (
-    "transition_id", "rollout_id", "span_id", "agent_name", "model", "policy_version", "step_index", "group_id",
-    "prompt_token_ids", "response_token_ids", "behaviour_logprobs", "reward", "return_value", "advantage",
-    "created_at",
-)
 
 
 def transition_id(rollout_id: str, attempt_id: str, span_id: str) -> str:
