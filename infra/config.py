@@ -148,7 +148,8 @@ class TrainerConfig:
     the sampling temperature the behaviour logprobs were computed at. Batches close at
     ``batch_tokens`` padded tokens, ``batch_transitions`` transitions or ``batch_wait_s`` seconds,
     whichever comes first (0 disables a limit). ``checkpoint_dir`` is a folder or a ``file://`` URI
-    (default: ``checkpoints`` under the stack home).
+    (default: ``checkpoints`` under the stack home). ``threads`` is torch's CPU thread count (0: torch's
+    default); ``importance_cap`` is the truncation c of the importance ratio (see ``trainer/loss.py``).
     """
 
     model: str = "smollm2"

@@ -1,0 +1,229 @@
+"""From transitions to training batches: dedupe by transition id, drop stale ones, close batches, pad into tensors.
+
+A batch closes when its padded size (transitions × longest sequence) would pass the token
+budget, when it holds ``batch_transitions`` transitions, or when its oldest transition has
+waited ``batch_wait_s``. Staleness is judged when a transition arrives and again when its
+batch is taken: ``current_version − policy_version > max_policy_lag`` drops it (and counts it).
+"""
+
+from __future__ import annotations
+
+import statistics
+from collections import OrderedDict, deque
+from collections.abc import Iterable, Mapping
+from dataclasses import dataclass, field
+from typing import Any
+
+import torch
+
+
+class TransitionError(ValueError):
+    """A transition that cannot be trained on: no prompt or response, or logprobs that do not match the tokens."""
+
+
+@dataclass(frozen=True, slots=True)
+class Sample:
+    """One transition as the trainer needs it, with the Kafka position it was read from (None from memory)."""
+
+    transition_id: str
+    rollout_id: str
+    policy_version: int
+    prompt_ids: list[int]
+    response_ids: list[int]
+    behaviour_logprobs: list[float]
+    reward: float
+    advantage: float
+    position: tuple[str, int, int] | None = None  # topic, partition, offset
+
+    @classmethod
+    def from_record(cls, record: Mapping[str, Any], position: tuple[str, int, int] | None = None) -> Sample:
+        """A Sample from a decoded Transition record (schemas/avro/transition.avsc)."""
+        prompt, response = record["prompt_token_ids"], record["response_token_ids"]
+        logprobs = record["behaviour_logprobs"]
+        if not prompt or not response:
+            raise TransitionError(f"transition {record['transition_id']} has no prompt or no response tokens")
+        if len(logprobs) != len(response):
+            raise TransitionError(f"transition {record['transition_id']} has {len(logprobs)} logprobs for "
+                                  f"{len(response)} response tokens")
+        return cls(record["transition_id"], record["rollout_id"], int(record["policy_version"]), list(prompt),
+                   list(response), list(logprobs), float(record["reward"]), float(record["advantage"]), position)
+
+    @property
+    def length(self) -> int:
+        return len(self.prompt_ids) + len(self.response_ids)
+
+
+class SeenIds:
+    """The ids of the newest ``capacity`` transitions taken for training, oldest forgotten first."""
+
+    def __init__(self, capacity: int, initial: Iterable[str] = ()) -> None:
+        self.capacity = capacity
+        self._ids: OrderedDict[str, None] = OrderedDict()
+        for transition_id in initial:
+            self.add(transition_id)
+
+    def __contains__(self, transition_id: str) -> bool:
+        return transition_id in self._ids
+
+    def __len__(self) -> int:
+        return len(self._ids)
+
+    def add(self, transition_id: str) -> None:
+        self._ids[transition_id] = None
+        while len(self._ids) > self.capacity:
+            self._ids.popitem(last=False)
+
+
+@dataclass
+class Counts:
+    """What happened to the transitions offered since the counts were last taken."""
+
+    duplicate: int = 0
+    stale: int = 0
+    uninformative: int = 0
+    invalid: int = 0
+    uninformative_rewards: list[float] = field(default_factory=list)
+
+
+@dataclass(frozen=True)
+class Batch:
+    """The transitions of one optimizer step, with the version they were judged against and what was dropped."""
+
+    samples: list[Sample]
+    current_version: int
+    counts: Counts
+
+    @property
+    def response_tokens(self) -> int:
+        return sum(len(s.response_ids) for s in self.samples)
+
+    @property
+    def tokens(self) -> int:
+        return sum(s.length for s in self.samples)
+
+    def lags(self) -> list[int]:
+        return [self.current_version - s.policy_version for s in self.samples]
+
+    def rewards(self) -> list[float]:
+        """Rewards of every fresh transition behind this step, the uninformative ones skipped for training included."""
+        return [s.reward for s in self.samples] + self.counts.uninformative_rewards
+
+    def advantage_stats(self) -> tuple[float, float]:
+        values = [s.advantage for s in self.samples]
+        return statistics.fmean(values), statistics.pstdev(values)
+
+
+class Batcher:
+    """Accepts transitions one by one and hands out batches; remembers which ids it has already handed out."""
+
+    def __init__(self, *, batch_tokens: int, batch_transitions: int, batch_wait_s: float, max_policy_lag: int,
+                 skip_zero_advantage: bool, seen: SeenIds) -> None:
+        self.batch_tokens = batch_tokens
+        self.batch_transitions = batch_transitions
+        self.batch_wait_s = batch_wait_s
+        self.max_policy_lag = max_policy_lag
+        self.skip_zero_advantage = skip_zero_advantage
+        self.seen = seen
+        self.counts = Counts()
+        self._queue: deque[tuple[float, Sample]] = deque()
+        self._queued: set[str] = set()
+
+    def __len__(self) -> int:
+        return len(self._queue)
+
+    def offer(self, sample: Sample, current_version: int, now: float) -> bool:
+        """Queue a sample for training; False (and counted) when it is a duplicate, stale or carries no signal."""
+        if sample.transition_id in self.seen or sample.transition_id in self._queued:
+            self.counts.duplicate += 1
+            return False
+        if current_version - sample.policy_version > self.max_policy_lag:
+            self.counts.stale += 1
+            return False
+        if self.skip_zero_advantage and sample.advantage == 0.0:
+            self.seen.add(sample.transition_id)
+            self.counts.uninformative += 1
+            self.counts.uninformative_rewards.append(sample.reward)
+            return False
+        self._queue.append((now, sample))
+        self._queued.add(sample.transition_id)
+        return True
+
+    def pending_positions(self) -> Iterable[tuple[str, int, int]]:
+        """Kafka positions of the queued samples (not yet trained, so not yet committable)."""
+        return (sample.position for _, sample in self._queue if sample.position is not None)
+
+    def ready(self, now: float) -> bool:
+        """Whether a batch should be taken now: the budget or the count is reached, or the oldest waited long enough."""
+        if not self._queue:
+            return False
+        if self.batch_wait_s and now - self._queue[0][0] >= self.batch_wait_s:
+            return True
+        full = bool(self.batch_transitions) and len(self._queue) >= self.batch_transitions
+        return full or self._fits() < len(self._queue)
+
+    def take(self, current_version: int) -> Batch | None:
+        """The next batch (queue order), stale samples dropped; None when nothing fresh is queued."""
+        samples: list[Sample] = []
+        for _ in range(self._fits()):
+            _, sample = self._queue.popleft()
+            self._queued.discard(sample.transition_id)
+            if current_version - sample.policy_version > self.max_policy_lag:
+                self.counts.stale += 1
+                continue
+            self.seen.add(sample.transition_id)
+            samples.append(sample)
+        if not samples:  # everything was stale: the counts go with the next batch
+            return None
+        counts, self.counts = self.counts, Counts()
+        return Batch(samples, current_version, counts)
+
+    def _fits(self) -> int:
+        """How many queued samples, from the front, fit one batch (at least one, however long it is)."""
+        longest = 0
+        for count, (_, sample) in enumerate(self._queue, start=1):
+            longest = max(longest, sample.length)
+            if self.batch_transitions and count > self.batch_transitions:
+                return count - 1
+            if self.batch_tokens and count * longest > self.batch_tokens and count > 1:
+                return count - 1
+        return len(self._queue)
+
+
+@dataclass(frozen=True)
+class MicroBatch:
+    """Padded tensors of some samples: inputs, and per predicted position the target, masks and behaviour logprobs.
+
+    Position j of ``targets``/``response_mask``/``behaviour_logprobs`` is the token at j + 1,
+    predicted by the logits at j; sequences are right-padded, so positions need no adjustment.
+    """
+
+    input_ids: torch.Tensor  # [B, L]
+    attention_mask: torch.Tensor  # [B, L]
+    targets: torch.Tensor  # [B, L - 1]
+    response_mask: torch.Tensor  # [B, L - 1]
+    behaviour_logprobs: torch.Tensor  # [B, L - 1]
+    advantages: torch.Tensor  # [B]
+
+
+def collate(samples: list[Sample], pad_id: int, device: torch.device | str, micro_batches: int = 1) -> list[MicroBatch]:
+    """Split samples (sorted by length, to waste little padding) into padded micro-batches."""
+    ordered = sorted(samples, key=lambda s: s.length)
+    size = -(-len(ordered) // micro_batches)
+    return [_pad(ordered[i:i + size], pad_id, device) for i in range(0, len(ordered), size)]
+
+
+def _pad(samples: list[Sample], pad_id: int, device: torch.device | str) -> MicroBatch:
+    length = max(s.length for s in samples)
+    input_ids = torch.full((len(samples), length), pad_id, dtype=torch.long)
+    attention = torch.zeros((len(samples), length), dtype=torch.long)
+    response_mask = torch.zeros((len(samples), length - 1), dtype=torch.bool)
+    behaviour = torch.zeros((len(samples), length - 1), dtype=torch.float32)
+    for row, sample in enumerate(samples):
+        prompt, response = len(sample.prompt_ids), len(sample.response_ids)
+        input_ids[row, :sample.length] = torch.tensor(sample.prompt_ids + sample.response_ids)
+        attention[row, :sample.length] = 1
+        response_mask[row, prompt - 1:prompt - 1 + response] = True
+        behaviour[row, prompt - 1:prompt - 1 + response] = torch.tensor(sample.behaviour_logprobs)
+    advantages = torch.tensor([s.advantage for s in samples], dtype=torch.float32)
+    return MicroBatch(input_ids.to(device), attention.to(device), input_ids[:, 1:].to(device), response_mask.to(device),
+                      behaviour.to(device), advantages.to(device))

@@ -1,0 +1,99 @@
+"""Per-step training metrics: one ClickHouse ``train_steps`` row, one readable progress line, checkpoint rows."""
+
+from __future__ import annotations
+
+import datetime
+import statistics
+from dataclasses import dataclass
+
+from trainer.batching import Batch
+from trainer.checkpoints import Manifest
+from trainer.step import StepResult
+
+TRAIN_STEP_COLUMNS = (
+    "model", "step", "policy_version", "loss", "reward_mean", "advantage_mean", "advantage_std", "kl", "entropy",
+    "clip_fraction", "importance_weight_mean", "staleness_mean", "staleness_max", "dropped_stale", "transitions",
+    "tokens", "tokens_per_s", "step_time_s", "created_at",
+)
+CHECKPOINT_COLUMNS = ("model", "version", "uri", "sha256", "step", "format", "metrics", "created_at")
+
+
+@dataclass(frozen=True)
+class StepReport:
+    """Everything reported about one optimizer step (the train_steps columns plus a few for the progress line)."""
+
+    model: str
+    step: int
+    policy_version: int
+    loss: float
+    reward_mean: float
+    advantage_mean: float
+    advantage_std: float
+    kl: float
+    entropy: float
+    clip_fraction: float
+    importance_weight_mean: float
+    staleness_mean: float
+    staleness_max: int
+    dropped_stale: int
+    transitions: int
+    tokens: int
+    tokens_per_s: float
+    step_time_s: float
+    created_at: datetime.datetime
+    duplicates: int
+    uninformative: int
+    invalid: int
+    truncated_fraction: float
+    grad_norm: float
+
+    @classmethod
+    def of(cls, model: str, step: int, batch: Batch, result: StepResult) -> StepReport:
+        stats, lags = result.stats, batch.lags()
+        advantage_mean, advantage_std = batch.advantage_stats()
+        return cls(
+            model=model, step=step, policy_version=batch.current_version, loss=result.loss,
+            reward_mean=statistics.fmean(batch.rewards()), advantage_mean=advantage_mean,
+            advantage_std=advantage_std, kl=stats.mean("kl"), entropy=stats.mean("entropy"),
+            clip_fraction=stats.mean("clipped"), importance_weight_mean=stats.mean("importance_weight"),
+            staleness_mean=statistics.fmean(lags), staleness_max=max(lags), dropped_stale=batch.counts.stale,
+            transitions=result.transitions, tokens=result.tokens, tokens_per_s=result.tokens_per_s,
+            step_time_s=result.seconds, created_at=datetime.datetime.now(datetime.UTC),
+            duplicates=batch.counts.duplicate, uninformative=batch.counts.uninformative, invalid=batch.counts.invalid,
+            truncated_fraction=stats.mean("truncated"), grad_norm=result.grad_norm,
+        )
+
+    def row(self) -> tuple:
+        return tuple(getattr(self, column) for column in TRAIN_STEP_COLUMNS)
+
+    def line(self) -> str:
+        return (f"step {self.step:>5} v{self.policy_version:<4} loss {self.loss:+.4f}  reward {self.reward_mean:.3f}  "
+                f"adv {self.advantage_mean:+.2f}±{self.advantage_std:.2f}  kl {self.kl:.4f}  ent {self.entropy:.2f}  "
+                f"clip {self.clip_fraction:.3f}  w {self.importance_weight_mean:.3f}  |g| {self.grad_norm:.2f}  "
+                f"lag {self.staleness_mean:.1f}/{self.staleness_max}  dropped stale {self.dropped_stale} "
+                f"dup {self.duplicates} flat {self.uninformative} bad {self.invalid}  "
+                f"{self.transitions} tr {self.tokens} tok {self.tokens_per_s:,.0f} tok/s {self.step_time_s:.2f}s")
+
+    def checkpoint_metrics(self) -> dict[str, float]:
+        """The numbers carried by the Checkpoint event and the checkpoints row."""
+        return {"loss": self.loss, "reward_mean": self.reward_mean, "kl": self.kl, "entropy": self.entropy,
+                "clip_fraction": self.clip_fraction, "staleness_mean": self.staleness_mean}
+
+
+class MetricsWriter:
+    """Writes train_steps and checkpoints rows to ClickHouse (idempotent: both tables replace by key)."""
+
+    def __init__(self, client, database: str) -> None:
+        self.client = client
+        self.database = database
+
+    def steps(self, reports: list[StepReport]) -> None:
+        if reports:
+            self.client.insert(f"{self.database}.train_steps", [r.row() for r in reports],
+                               column_names=list(TRAIN_STEP_COLUMNS))
+
+    def checkpoint(self, manifest: Manifest) -> None:
+        created = datetime.datetime.fromtimestamp(manifest.created_at_us / 1e6, tz=datetime.UTC)
+        row = (manifest.model, manifest.version, manifest.uri, manifest.sha256, manifest.step, manifest.format,
+               manifest.metrics, created)
+        self.client.insert(f"{self.database}.checkpoints", [row], column_names=list(CHECKPOINT_COLUMNS))

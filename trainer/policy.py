@@ -1,0 +1,140 @@
+"""The model being trained: a Hugging Face causal LM (full or LoRA) on its device and dtype, with its optimizer.
+
+Weights are saved the way model servers load them: the full state dict as ``model.safetensors``
+(``/v1/load_weights``), or a peft adapter folder (``/v1/load_lora_adapter``). The optimizer
+state is saved beside them so a restarted trainer continues exactly where it stopped.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+from pathlib import Path
+from typing import Any
+
+import torch
+
+from infra.config import TrainerConfig
+from pipeline.models import (
+    WeightsError,
+    assign_weights,
+    check_weights,
+    load_model,
+    read_weights,
+)
+
+FULL_WEIGHTS = "model.safetensors"
+LORA_WEIGHTS = "adapter_model.safetensors"
+OPTIMIZER_STATE = "optimizer.pt"
+
+
+class PolicyError(RuntimeError):
+    """The policy cannot be built as configured, or a checkpoint does not fit it."""
+
+
+@dataclass
+class Policy:
+    """The trained model, its tokenizer and optimizer, and the frozen reference used by the KL term (if any)."""
+
+    model: torch.nn.Module
+    tokenizer: Any
+    name: str
+    device: torch.device
+    dtype: torch.dtype
+    lora: bool
+    optimizer: torch.optim.Optimizer
+    reference: torch.nn.Module | None
+
+    @property
+    def format(self) -> str:
+        return "lora" if self.lora else "full"
+
+    @property
+    def weights_file(self) -> str:
+        return LORA_WEIGHTS if self.lora else FULL_WEIGHTS
+
+    @property
+    def pad_id(self) -> int:
+        for candidate in (self.tokenizer.pad_token_id, self.tokenizer.eos_token_id):
+            if candidate is not None:
+                return int(candidate)
+        return 0
+
+    def trainable(self) -> list[torch.nn.Parameter]:
+        return [p for p in self.model.parameters() if p.requires_grad]
+
+
+def resolve_device(spec: str) -> torch.device:
+    """``auto`` is CUDA when available, else CPU."""
+    if spec == "auto":
+        return torch.device("cuda" if torch.cuda.is_available() else "cpu")
+    if spec.startswith("cuda") and not torch.cuda.is_available():
+        raise PolicyError(f"trainer.device is {spec!r} but CUDA is not available")
+    return torch.device(spec)
+
+
+def resolve_dtype(spec: str, device: torch.device) -> torch.dtype:
+    """``auto`` is bfloat16 on a CUDA device that supports it, else float32."""
+    if spec == "auto":
+        bf16 = device.type == "cuda" and torch.cuda.is_bf16_supported()
+        return torch.bfloat16 if bf16 else torch.float32
+    return getattr(torch, spec)
+
+
+def build_policy(config: TrainerConfig) -> Policy:
+    """Load the model spec, move it to the configured device and dtype, wrap it in LoRA if asked, add the optimizer."""
+    torch.manual_seed(config.seed)
+    device = resolve_device(config.device)
+    dtype = resolve_dtype(config.dtype, device)
+    loaded = load_model(config.model, threads=config.threads or None)
+    model = loaded.model.to(device=device, dtype=dtype)
+    reference = None
+    if config.lora:
+        from peft import LoraConfig, get_peft_model
+
+        targets = [name.strip() for name in config.lora_target_modules.split(",") if name.strip()]
+        model = get_peft_model(model, LoraConfig(r=config.lora_r, lora_alpha=config.lora_alpha, lora_dropout=0.0,
+                                                 target_modules=targets, bias="none"))
+    if config.kl_coef > 0 and (config.reference_model or not config.lora):  # LoRA's reference is its base model
+        reference = load_model(config.reference_model or config.model, threads=None).model
+        reference = reference.to(device=device, dtype=dtype)
+        reference.requires_grad_(False).eval()
+    trainable = [p for p in model.parameters() if p.requires_grad]
+    optimizer = torch.optim.AdamW(trainable, lr=config.lr, betas=(config.beta1, config.beta2),
+                                  weight_decay=config.weight_decay, foreach=device.type == "cuda")
+    return Policy(model, loaded.tokenizer, config.model_name or loaded.name, device, dtype, config.lora, optimizer,
+                  reference)
+
+
+def save_weights(policy: Policy, folder: Path) -> Path:
+    """Write the weights (or the adapter) and the optimizer state into ``folder``; returns the weights file."""
+    from safetensors.torch import save_model
+
+    if policy.lora:
+        policy.model.save_pretrained(folder, safe_serialization=True)
+    else:
+        save_model(policy.model, str(folder / FULL_WEIGHTS))  # save_model copes with tied embeddings
+    torch.save(policy.optimizer.state_dict(), folder / OPTIMIZER_STATE)
+    return folder / policy.weights_file
+
+
+def load_weights(policy: Policy, folder: Path) -> None:
+    """Restore weights (or the adapter) and, when present, the optimizer state from a checkpoint folder."""
+    from safetensors.torch import load_file
+
+    try:
+        if policy.lora:
+            from peft import set_peft_model_state_dict
+
+            state = load_file(folder / LORA_WEIGHTS, device=str(policy.device))
+            result = set_peft_model_state_dict(policy.model, state)
+            if getattr(result, "unexpected_keys", None):
+                raise PolicyError(f"adapter in {folder} has keys this model lacks: {result.unexpected_keys[:3]}")
+        else:
+            state = read_weights(folder)
+            check_weights(policy.model, state)
+            assign_weights(policy.model, state)
+    except (WeightsError, FileNotFoundError) as error:
+        raise PolicyError(f"checkpoint {folder} does not fit the policy: {error}") from None
+    optimizer_file = folder / OPTIMIZER_STATE
+    if optimizer_file.is_file():
+        policy.optimizer.load_state_dict(torch.load(optimizer_file, map_location=policy.device, weights_only=True))

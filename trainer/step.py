@@ -1,0 +1,68 @@
+"""One training step: teacher-forced forward on prompt + response ids, policy loss, backward, clip, optimizer step."""
+
+from __future__ import annotations
+
+import time
+from contextlib import nullcontext
+from dataclasses import dataclass
+
+import torch
+
+from infra.config import TrainerConfig
+from trainer.batching import Batch, MicroBatch, collate
+from trainer.loss import TokenStats, policy_loss
+from trainer.policy import Policy
+
+
+@dataclass(frozen=True)
+class StepResult:
+    """What one optimizer step did: token statistics, gradient norm, size and timing."""
+
+    stats: TokenStats
+    loss: float
+    grad_norm: float
+    transitions: int
+    tokens: int
+    seconds: float
+
+    @property
+    def tokens_per_s(self) -> float:
+        return self.tokens / self.seconds if self.seconds > 0 else 0.0
+
+
+def token_logprobs(model: torch.nn.Module, micro: MicroBatch, temperature: float,
+                   entropy_grad: bool = False) -> tuple[torch.Tensor, torch.Tensor]:
+    """Log-probability of each target token under softmax(logits / T), and the entropy of that distribution."""
+    logits = model(input_ids=micro.input_ids, attention_mask=micro.attention_mask).logits[:, :-1].float()
+    logprobs = torch.log_softmax(logits / temperature, dim=-1)
+    with torch.set_grad_enabled(entropy_grad and torch.is_grad_enabled()):
+        entropy = -(logprobs.exp() * logprobs).sum(-1)
+    return logprobs.gather(-1, micro.targets[..., None]).squeeze(-1), entropy
+
+
+def reference_logprobs(policy: Policy, micro: MicroBatch, temperature: float) -> torch.Tensor:
+    """Target logprobs under the frozen reference: a separate model, or the LoRA base with the adapter off."""
+    model = policy.reference or policy.model
+    adapter_off = policy.model.disable_adapter() if policy.reference is None else nullcontext()
+    with torch.no_grad(), adapter_off:
+        return token_logprobs(model, micro, temperature)[0]
+
+
+def train_step(policy: Policy, batch: Batch, config: TrainerConfig) -> StepResult:
+    """Accumulate the loss over micro-batches (normalised by the step's response tokens), then one optimizer step."""
+    started = time.perf_counter()
+    policy.model.train()
+    stats, loss = TokenStats(), 0.0
+    for micro in collate(batch.samples, policy.pad_id, policy.device, config.accumulation_steps):
+        logprobs, entropy = token_logprobs(policy.model, micro, config.temperature, config.entropy_coef > 0)
+        reference = reference_logprobs(policy, micro, config.temperature) if config.kl_coef > 0 else None
+        out = policy_loss(logprobs, micro.behaviour_logprobs, micro.advantages, micro.response_mask,
+                          clip_eps=config.clip_eps, importance_cap=config.importance_cap, ref_logprobs=reference,
+                          kl_coef=config.kl_coef, entropy=entropy, entropy_coef=config.entropy_coef,
+                          normalizer=batch.response_tokens)
+        out.loss.backward()
+        stats, loss = stats + out.stats, loss + out.loss.item()
+    grad_norm = torch.nn.utils.clip_grad_norm_(policy.trainable(), config.grad_clip)
+    policy.optimizer.step()
+    policy.optimizer.zero_grad(set_to_none=True)
+    return StepResult(stats, loss, float(grad_norm), len(batch.samples), batch.tokens, time.perf_counter() - started)

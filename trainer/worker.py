@@ -1,0 +1,286 @@
+"""The trainer process: consume one model's transitions, take steps, checkpoint, announce, and only then commit offsets.
+
+One worker trains one model, as the only member of the consumer group
+``agentstream-trainer-{model}`` on the transitions topic (a record is a Transition or a
+TransitionBatch; records keyed by other models are skipped). Offsets are committed only
+after the checkpoint holding every step that used them is written and announced, and the
+checkpoint's manifest carries the same positions, so a restart resumes from whichever is
+further: after a crash, exactly the transitions behind the last checkpoint are read again.
+Transition ids dedupe replays: within a run every id taken for training is remembered, and
+across restarts the ids of the newest checkpoints (up to ``dedupe_window``) are loaded back,
+so a transition that a replay upstream re-emitted at a new offset is not trained twice either.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import logging
+import time
+from collections.abc import Callable
+from concurrent.futures import ThreadPoolExecutor
+from dataclasses import dataclass
+from typing import Any
+
+from aiokafka import AIOKafkaConsumer, ConsumerRebalanceListener, TopicPartition
+from aiokafka.errors import KafkaError
+
+from infra.config import Config
+from infra.kafka import client_options, topic_name
+from schemas import TRANSITION, TRANSITION_BATCH, AvroCodec, CodecError
+from trainer.batching import Batch, Batcher, Sample, SeenIds, TransitionError
+from trainer.checkpoints import (
+    CheckpointAnnouncer,
+    CheckpointStore,
+    Manifest,
+    latest_manifest,
+    open_store,
+    prune,
+    recent_trained_ids,
+    write_checkpoint,
+)
+from trainer.metrics import MetricsWriter, StepReport
+from trainer.policy import Policy, build_policy, load_weights, save_weights
+from trainer.step import train_step
+
+log = logging.getLogger("agentstream.trainer")
+
+METRICS_FLUSH_S = 1.0  # train_steps rows are written in batches, off the training path
+
+
+@dataclass
+class RunSummary:
+    """What a run of the worker did."""
+
+    steps: int = 0
+    checkpoints: int = 0
+    transitions: int = 0
+    tokens: int = 0
+    train_seconds: float = 0.0
+    first_record_at: float | None = None
+    last_step_at: float | None = None
+
+
+class _ResumePositions(ConsumerRebalanceListener):
+    """On assignment, start each partition at the later of its committed offset and the checkpoint's position."""
+
+    def __init__(self, worker: TrainerWorker) -> None:
+        self.worker = worker
+
+    async def on_partitions_revoked(self, revoked) -> None:
+        pass
+
+    async def on_partitions_assigned(self, assigned) -> None:
+        consumer = self.worker.consumer
+        for tp in assigned:
+            checkpointed = self.worker.resume_offsets.get(f"{tp.topic}:{tp.partition}")
+            if checkpointed is None:
+                continue
+            committed = await consumer.committed(tp)
+            if committed is None or committed < checkpointed:
+                consumer.seek(tp, checkpointed)
+
+
+class TrainerWorker:
+    """Trains ``config.trainer`` from the transitions topic; ``run`` until stopped or ``max_steps`` steps were taken."""
+
+    def __init__(self, config: Config, bootstrap_servers: str, *, metrics: MetricsWriter | None = None,
+                 progress: Callable[[str], None] = print, policy: Policy | None = None,
+                 store: CheckpointStore | None = None) -> None:
+        self.config = config
+        self.settings = config.trainer
+        self.bootstrap_servers = bootstrap_servers
+        self.metrics = metrics
+        self.progress = progress
+        self.policy = policy or build_policy(self.settings)
+        self.name = self.policy.name
+        self.store = store or open_store(self.settings.checkpoint_dir or str(config.stack.home / "checkpoints"))
+        self.codec = AvroCodec()
+        self.announcer = CheckpointAnnouncer(config, bootstrap_servers)
+        self.consumer: AIOKafkaConsumer | None = None
+        self.version = 0
+        self.step = 0
+        self.resume_offsets: dict[str, int] = {}
+        self.summary = RunSummary()
+        self._consumed: dict[TopicPartition, int] = {}  # next offset per partition
+        self._committed: dict[TopicPartition, int] = {}
+        self._trained_since: list[str] = []
+        self._steps_since = 0
+        self._last_report: StepReport | None = None
+        self._reports: list[StepReport] = []
+        self._flushed_at = 0.0
+        self._writes: set[asyncio.Task] = set()
+        self._metrics_lock = asyncio.Lock()
+        self._model_thread = ThreadPoolExecutor(max_workers=1, thread_name_prefix="trainer-model")
+        self.batcher = self._batcher([])
+
+    def _batcher(self, trained_ids: list[str]) -> Batcher:
+        s = self.settings
+        return Batcher(batch_tokens=s.batch_tokens, batch_transitions=s.batch_transitions, batch_wait_s=s.batch_wait_s,
+                       max_policy_lag=s.max_policy_lag, skip_zero_advantage=s.skip_zero_advantage,
+                       seen=SeenIds(s.dedupe_window, trained_ids))
+
+    async def run(self, stop: asyncio.Event | None = None, max_steps: int | None = None) -> RunSummary:
+        """Resume from the latest checkpoint, train until ``stop`` is set, write a last checkpoint on the way out."""
+        stop = stop or asyncio.Event()
+        await self.announcer.start()
+        try:
+            await self._resume()
+            self.consumer = AIOKafkaConsumer(
+                **client_options(self.config.kafka, self.bootstrap_servers),
+                group_id=f"agentstream-trainer-{self.name}",
+                enable_auto_commit=False, auto_offset_reset="earliest", heartbeat_interval_ms=500,
+                session_timeout_ms=int(self.settings.session_timeout_s * 1000), max_poll_interval_ms=24 * 3600 * 1000)
+            self.consumer.subscribe([topic_name(self.config.topics, "transitions")], listener=_ResumePositions(self))
+            await self.consumer.start()
+            try:
+                await self._consume(stop, max_steps)
+                if self._steps_since:
+                    await self._checkpoint()
+            finally:
+                self._flush_metrics()
+                await asyncio.gather(*self._writes)
+                await self.consumer.stop()
+        finally:
+            await self.announcer.stop()
+            self._model_thread.shutdown()
+        return self.summary
+
+    async def _on_model_thread(self, function: Callable, *args: Any) -> Any:
+        """Run model work off the event loop, always on the same thread (torch keeps per-thread state)."""
+        return await asyncio.get_running_loop().run_in_executor(self._model_thread, function, *args)
+
+    async def _resume(self) -> None:
+        """Load the latest checkpoint (weights, optimizer, version, step, positions, trained ids) and announce it again.
+
+        Announcing again is harmless (servers ignore versions they have) and covers a crash
+        between writing a checkpoint and announcing it.
+        """
+        manifest = latest_manifest(self.store, self.name)
+        if manifest is None:
+            self.progress(f"trainer {self.name}: no checkpoint yet, starting from {self.settings.model} at version 0")
+            return
+        await self._on_model_thread(load_weights, self.policy, self.store.get(manifest.uri))
+        self.version, self.step, self.resume_offsets = manifest.version, manifest.step, dict(manifest.offsets)
+        self.batcher = self._batcher(recent_trained_ids(self.store, self.name, self.settings.dedupe_window))
+        await self._announce(manifest)
+        self.progress(f"trainer {self.name}: resumed from version {manifest.version} (step {manifest.step}) at "
+                      f"{manifest.uri}")
+
+    async def _consume(self, stop: asyncio.Event, max_steps: int | None) -> None:
+        key = self.name.encode()
+        while not stop.is_set() and (max_steps is None or self.summary.steps < max_steps):
+            fetched = await self.consumer.getmany(timeout_ms=100, max_records=4096)
+            now = time.monotonic()
+            for tp, records in fetched.items():
+                for record in records:
+                    self._consumed[tp] = record.offset + 1
+                    if record.key == key:
+                        self._offer(record, tp, now)
+            while (self.batcher.ready(time.monotonic()) and not stop.is_set()
+                   and (max_steps is None or self.summary.steps < max_steps)):
+                batch = self.batcher.take(self.version)
+                if batch is not None:
+                    await self._train(batch)
+                if self._steps_since >= self.settings.checkpoint_every_steps:
+                    await self._checkpoint()
+            if not self._steps_since:  # nothing trained since the last checkpoint: skipped records can be committed
+                await self._commit(self._committable())
+
+    def _offer(self, record, tp: TopicPartition, now: float) -> None:
+        """Queue the transitions of one record: a Transition, or a TransitionBatch (all share the record's offset)."""
+        if self.summary.first_record_at is None:
+            self.summary.first_record_at = now
+        position = (tp.topic, tp.partition, record.offset)
+        try:
+            name, value = self.codec.decode(record.value or b"")
+        except CodecError as error:
+            self.batcher.counts.invalid += 1
+            log.warning("skipped the record at %s:%d@%d: %.200s", *position, error)
+            return
+        if name not in (TRANSITION, TRANSITION_BATCH):
+            self.batcher.counts.invalid += 1
+            log.warning("skipped the record at %s:%d@%d: a %s, not transitions", *position, name)
+            return
+        for item in value["transitions"] if name == TRANSITION_BATCH else [value]:
+            try:
+                self.batcher.offer(Sample.from_record(item, position), self.version, now)
+            except TransitionError as error:
+                self.batcher.counts.invalid += 1
+                log.warning("skipped a transition at %s:%d@%d: %s", *position, error)
+
+    async def _train(self, batch: Batch) -> None:
+        result = await self._on_model_thread(train_step, self.policy, batch, self.settings)
+        self.step += 1
+        self._steps_since += 1
+        self._trained_since.extend(s.transition_id for s in batch.samples)
+        report = self._last_report = StepReport.of(self.name, self.step, batch, result)
+        self.summary.steps += 1
+        self.summary.transitions += result.transitions
+        self.summary.tokens += result.tokens
+        self.summary.train_seconds += result.seconds
+        self.summary.last_step_at = time.monotonic()
+        self.progress(report.line())
+        self._reports.append(report)
+        if time.monotonic() - self._flushed_at >= METRICS_FLUSH_S:
+            self._flush_metrics()
+
+    async def _checkpoint(self) -> None:
+        """Write the weights and manifest, announce the new version, then commit the positions it covers."""
+        positions = self._committable()
+        offsets = {f"{tp.topic}:{tp.partition}": offset for tp, offset in positions.items()}
+        staging = self.store.staging()
+        weights = await self._on_model_thread(save_weights, self.policy, staging)
+        metrics = self._last_report.checkpoint_metrics() if self._last_report else {}
+        manifest = await asyncio.to_thread(
+            write_checkpoint, self.store, staging, weights, model=self.name, version=self.version + 1, step=self.step,
+            format=self.policy.format, offsets=offsets, trained_ids=self._trained_since, metrics=metrics)
+        await self._announce(manifest)
+        self.version, self.resume_offsets = manifest.version, offsets
+        self._trained_since, self._steps_since = [], 0
+        self.summary.checkpoints += 1
+        await self._commit(positions)
+        await asyncio.to_thread(prune, self.store, self.name, self.settings.keep_checkpoints)
+        self.progress(f"checkpoint v{manifest.version} (step {manifest.step}) sha256 {manifest.sha256[:12]} "
+                      f"-> {manifest.uri}")
+
+    async def _announce(self, manifest: Manifest) -> None:
+        await self.announcer.announce(manifest)
+        self._flush_metrics()
+        await self._write_metrics(self.metrics.checkpoint if self.metrics else None, manifest)
+
+    def _flush_metrics(self) -> None:
+        """Write the buffered train_steps rows with one insert, in the background."""
+        reports, self._reports, self._flushed_at = self._reports, [], time.monotonic()
+        if reports and self.metrics is not None:
+            task = asyncio.create_task(self._write_metrics(self.metrics.steps, reports))
+            self._writes.add(task)
+            task.add_done_callback(self._writes.discard)
+
+    async def _write_metrics(self, write: Callable | None, rows: object) -> None:
+        """One ClickHouse write at a time; a failure is logged and does not stop training."""
+        if write is None:
+            return
+        async with self._metrics_lock:
+            try:
+                await asyncio.to_thread(write, rows)
+            except Exception as error:  # clickhouse-connect raises several types for "unreachable" or "refused"
+                log.error("could not write trainer metrics to ClickHouse: %s", error)
+
+    def _committable(self) -> dict[TopicPartition, int]:
+        """Per partition: the oldest offset still queued for training, else the next offset to read."""
+        positions = dict(self._consumed)
+        for topic, partition, offset in self.batcher.pending_positions():
+            tp = TopicPartition(topic, partition)
+            positions[tp] = min(positions[tp], offset)
+        return positions
+
+    async def _commit(self, positions: dict[TopicPartition, int]) -> None:
+        changed = {tp: offset for tp, offset in positions.items()
+                   if self._committed.get(tp) != offset and tp in self.consumer.assignment()}
+        if not changed:
+            return
+        try:
+            await self.consumer.commit(changed)
+            self._committed.update(changed)
+        except KafkaError as error:  # a rebalance in progress: the checkpoint's positions still protect a restart
+            log.warning("offset commit failed (%s); will retry", error)
