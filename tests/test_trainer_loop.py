@@ -19,8 +19,8 @@ import uuid
 from infra.config import load_config
 from infra.processes import free_port
 from pipeline.tasks import enqueue, grouped_tasks
-from tests.streams_harness import Worker, create_topics
-from tests.test_trainer_worker import CliProcess, cli_env
+from tests.streams_harness import Worker, create_topics, worker_env
+from tests.test_trainer_worker import CliProcess
 
 MAX_TOKENS = 12
 GROUP_SIZE = 8
@@ -80,7 +80,7 @@ def test_the_whole_loop_learns_a_programmatic_reward(tmp_path, stack, clickhouse
     started = time.monotonic()
     tag = uuid.uuid4().hex[:8]
     database = f"loop_{tag}"
-    env = cli_env(tmp_path, stack, f"loop{tag}.", database,
+    env = worker_env(tmp_path, stack, f"loop{tag}.", database,
                   CONFIG.format(tag=tag, group_size=GROUP_SIZE, checkpoints=tmp_path / "checkpoints"))
     create_topics(env)
     server_port, proxy_port = free_port(), free_port()

@@ -3,7 +3,6 @@
 from __future__ import annotations
 
 import asyncio
-import os
 import signal
 import subprocess
 import sys
@@ -19,6 +18,7 @@ from aiokafka.admin import AIOKafkaAdminClient
 from infra.config import Config, TrainerConfig
 from infra.kafka import ensure_topics, product_topics, topic_name
 from schemas import CHECKPOINT, TRANSITION, TRANSITION_BATCH, AvroCodec
+from tests.streams_harness import worker_env
 from trainer.checkpoints import manifests, open_store
 from trainer.metrics import MetricsWriter
 from trainer.worker import TrainerWorker
@@ -224,23 +224,12 @@ class CliProcess:
         self._log.close()
 
 
-def cli_env(tmp_path: Path, stack, prefix: str, database: str, toml: str) -> dict:
-    """Environment for CLI subprocesses on the test stack, with their own topics, database, home and config file."""
-    config_path = tmp_path / "agentstream.toml"
-    config_path.write_text(toml)
-    env = {k: v for k, v in os.environ.items() if not k.startswith(("KAFKA_", "CLICKHOUSE_", "AGENTSTREAM_"))}
-    env.update({"KAFKA_BOOTSTRAP_SERVERS": stack.bootstrap_servers, "CLICKHOUSE_URL": stack.clickhouse_url,
-                "CLICKHOUSE_DATABASE": database, "AGENTSTREAM_TOPIC_PREFIX": prefix,
-                "AGENTSTREAM_CONFIG": str(config_path), "AGENTSTREAM_HOME": str(tmp_path / "home")})
-    return env
-
-
 def test_a_killed_trainer_resumes_from_its_checkpoint_and_trains_no_transition_twice(
         topics_config, stack, kafka_options, tmp_path, clickhouse, stack_config):
     model = f"tiny-crash-{uuid.uuid4().hex[:6]}"
     database = f"trainer_{uuid.uuid4().hex[:8]}"
     checkpoints = tmp_path / "checkpoints"
-    env = cli_env(tmp_path, stack, topics_config.topics.prefix, database,
+    env = worker_env(tmp_path, stack, topics_config.topics.prefix, database,
                   CRASH_CONFIG.format(model=model, checkpoints=checkpoints))
     asyncio.run(create_topics(kafka_options, topics_config))
     topic = topic_name(topics_config.topics, "transitions")
