@@ -184,6 +184,8 @@ def main() -> None:
             emit(BENCH, "transition_latency_p50_ms", percentile(latencies, 0.5), "ms", **load)
             emit(BENCH, "transition_latency_p99_ms", percentile(latencies, 0.99), "ms", **load)
             emit(BENCH, "worker_rss_mb", rss_mb(worker.pid), "MB", at_start=round(rss_start, 1))
+            if os.environ.get("BENCH_WORKER_LOG"):
+                Path(os.environ["BENCH_WORKER_LOG"]).write_text((Path(scratch) / "worker.log").read_text())
         finally:
             client.close()
             worker.terminate()

@@ -157,6 +157,9 @@ def create_app(config: Config, bootstrap_servers: str, clickhouse_url: str) -> f
                  counters.rollouts_awaiting_reward, counters.rollouts_expired, counters.transitions + groups.counters.transitions,
                  counters.calls_without_tokens, counters.dead_letters, groups.groups_credited,
                  groups.groups_uninformative)
+        timings = ", ".join(f"{what} {calls} x {1000 * seconds / max(calls, 1):.0f} ms"
+                            for what, (calls, seconds) in spans.warehouse.seconds.items())
+        log.info("ClickHouse calls: %s", timings)
 
     @app.on_partitions_assigned.connect
     async def log_assignment(app, assigned, **kwargs) -> None:

@@ -11,6 +11,7 @@ from __future__ import annotations
 import asyncio
 import logging
 import re
+import time
 from collections.abc import Callable, Sequence
 from typing import Any, TypeVar
 
@@ -39,6 +40,7 @@ class Warehouse:
         self.retry_max_s = retry_max_s
         self._client = None
         self.outages = 0
+        self.seconds: dict[str, list[float]] = {}  # time spent per kind of call: [calls, seconds]
 
     def _connected(self):
         if self._client is None:
@@ -50,7 +52,11 @@ class Warehouse:
         delay, warned = 0.1, False
         while True:
             try:
+                started = time.perf_counter()
                 result = await asyncio.to_thread(lambda: work(self._connected()))
+                spent = self.seconds.setdefault(what, [0, 0.0])
+                spent[0] += 1
+                spent[1] += time.perf_counter() - started
                 if warned:
                     log.warning("ClickHouse at %s is back; %s went through", self.url, what)
                 return result
