@@ -10,7 +10,7 @@ from __future__ import annotations
 
 import argparse
 import asyncio
-import json
+import functools
 import random
 import statistics
 import tempfile
@@ -18,6 +18,8 @@ import time
 from pathlib import Path
 from typing import Any
 
+from bench.common import emit as emit_figure
+from bench.common import llm_span
 from infra.config import load_config
 from infra.kafka import client_options, message_counts, topic_name
 from infra.processes import free_port
@@ -27,30 +29,7 @@ from schemas import SPAN_BATCH, AvroCodec
 from schemas.spanwriter import SpanBatchEncoder, prepare_span
 
 BENCH = "publisher"
-VOCABULARY = 49152  # SmolLM2's
-T0 = 1_732_200_000_000_000
-
-
-def emit(metric: str, value: float, unit: str, **extra: Any) -> None:
-    print(json.dumps({"bench": BENCH, "metric": metric, "value": round(value, 3), "unit": unit, **extra}), flush=True)
-
-
-def llm_span(rng: random.Random, index: int) -> dict[str, Any]:
-    """An LLM call: 100 prompt and 100 response token ids (log-uniform over the vocabulary, as
-    frequent tokens have small ids), 100 logprobs, the usual gen_ai attributes."""
-    return {
-        "span_id": f"{index:016x}", "rollout_id": "", "attempt_id": "attempt-1", "parent_id": "root-span-00000001",
-        "name": "chat SmolLM2-135M-Instruct", "kind": "LLM",
-        "start_time_us": T0 + index * 1000, "end_time_us": T0 + index * 1000 + 250_000, "status": "OK",
-        "agent_name": "math-agent", "task_id": f"gsm8k-{index % 7473:05d}", "group_id": f"g-{index % 512}",
-        "model": "SmolLM2-135M-Instruct",
-        "attributes": {"gen_ai.system": "agentstream", "gen_ai.request.model": "SmolLM2-135M-Instruct",
-                       "gen_ai.request.temperature": "1.0", "gen_ai.usage.output_tokens": "100"},
-        "prompt_token_ids": [int(VOCABULARY ** rng.random()) for _ in range(100)],
-        "response_token_ids": [int(VOCABULARY ** rng.random()) for _ in range(100)],
-        "response_logprobs": [-rng.expovariate(2.0) for _ in range(100)],
-        "policy_version": 3,
-    }
+emit = functools.partial(emit_figure, BENCH)
 
 
 def encoder_figures(pool: list[dict[str, Any]], rollouts: int) -> float:
