@@ -105,7 +105,7 @@ class StreamsConfig:
     """How stream processors batch, when rollouts count as complete, and how long online rollouts wait for rewards."""
 
     app_id: str = "agentstream-streams"
-    batch_max_records: int = 2000
+    batch_max_records: int = 10000
     batch_within_s: float = 0.05
     grace_s: float = 0.2
     idle_timeout_s: float = 30.0

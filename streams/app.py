@@ -14,6 +14,7 @@ import logging
 import faust
 from aiokafka import AIOKafkaProducer
 from aiokafka.admin import AIOKafkaAdminClient
+from mode.supervisors import CrashingSupervisor
 
 from infra.config import Config
 from infra.kafka import TopicSpec, client_options, ensure_topics, topic_name
@@ -128,14 +129,14 @@ def create_app(config: Config, bootstrap_servers: str, clickhouse_url: str) -> f
         async with lock:
             await spans.restore()
 
-    @app.agent(spans_topic)
+    @app.agent(spans_topic, supervisor_strategy=CrashingSupervisor)
     async def spans_agent(stream):
         async for events in stream.take_events(settings.batch_max_records, within=settings.batch_within_s):
             async with lock:
                 await spans.process(_records(events))
                 await spans.tick()
 
-    @app.agent(groups_topic)
+    @app.agent(groups_topic, supervisor_strategy=CrashingSupervisor)
     async def groups_agent(stream):
         async for events in stream.take_events(settings.batch_max_records, within=settings.batch_within_s):
             async with lock:

@@ -57,11 +57,12 @@ def _read_varint(data: bytes, position: int) -> tuple[int, int]:
         shift += 7
 
 
-def container_datums(data: bytes) -> tuple[int, bytes]:
-    """The number of datums in a container file and their concatenated bytes (the inverse of container_file).
+def container_blocks(data: bytes) -> list[tuple[int, bytes]]:
+    """The blocks of a container file: how many datums each holds and their concatenated bytes.
 
     Concatenated datums preceded by their count and followed by a zero are an Avro array: the
-    body of a batch record, built without decoding a single datum.
+    body of a batch record, built without decoding a single datum. The writer's sync interval
+    bounds a block's size, and so the size of the record made from it.
     """
     if data[:4] != MAGIC:
         raise ContainerError("not an Avro object container file")
@@ -84,11 +85,10 @@ def container_datums(data: bytes) -> tuple[int, bytes]:
     if codec != b"null":
         raise ContainerError(f"container file is compressed with {codec.decode()}; ask for codec null")
     position += 16
-    total, parts = 0, []
+    blocks = []
     while position < len(data):
         count, position = _read_varint(data, position)
         size, position = _read_varint(data, position)
-        parts.append(data[position:position + size])
-        total += count
+        blocks.append((count, data[position:position + size]))
         position += size + 16
-    return total, b"".join(parts)
+    return blocks

@@ -27,7 +27,7 @@ from infra.kafka import topic_name
 from schemas import DEAD_LETTER, ROLLOUT_RESULT, TRANSITION_BATCH, AvroCodec
 from streams.credit import Credit, matching_rule, strategy_for
 from streams.lifecycle import OpenRollout, RolloutTracker
-from streams.ocf import container_datums, container_file, varint
+from streams.ocf import container_blocks, container_file, varint
 from streams.records import RawRecord, sort_records
 from streams.trajectory import SpanNode, Trajectory, assemble, span_node
 from streams.transitions import transition_id
@@ -312,7 +312,8 @@ ORDER BY rollout_id, step_index
 """
 STAGED_COLUMNS = ("batch_id", "transition_id", "rollout_id", "span_id", "agent_name", "model", "step_index", "reward",
                   "return_value", "advantage", "group_id", "created_at_us")
-AVRO_OUTPUT = {"output_format_avro_codec": "null", "output_format_avro_sync_interval": 1 << 20}
+# Blocks of at most ~256 KB: each becomes one Kafka record, well under brokers' 1 MB default limit.
+AVRO_OUTPUT = {"output_format_avro_codec": "null", "output_format_avro_sync_interval": 256 * 1024}
 
 
 def staged_rows(batch: str, credited: list[tuple[Trajectory, list[Credit], Any]], created_us: int) -> list[tuple]:
@@ -343,12 +344,14 @@ async def publish_transitions(processor: Any, credited: list[tuple[Trajectory, l
         parameters = {"batch": batch, "model": model}
         container = await processor.warehouse.call("transitions", lambda client: client.raw_query(
             select + " FORMAT Avro", parameters=parameters, settings=AVRO_OUTPUT))
-        count, datums = container_datums(container)
-        if count:
-            rollouts = ",".join(sorted({row[2] for row in rows if row[5] == model}))
-            body = processor.codec.header(TRANSITION_BATCH) + varint(count) + datums + b"\x00"
+        count = 0
+        rollouts = ",".join(sorted({row[2] for row in rows if row[5] == model}))
+        for block_count, datums in container_blocks(container):
+            body = processor.codec.header(TRANSITION_BATCH) + varint(block_count) + datums + b"\x00"
             await processor.emitter.send(processor.transitions_topic, model.encode(), body,
                                          headers=[("agentstream-rollouts", rollouts.encode())])
+            count += block_count
+        if count:
             await processor.warehouse.insert_container(f"{database}.transitions_ingest", container)
         processor.counters.transitions += count
         processor.counters.calls_without_tokens += sum(1 for row in rows if row[5] == model) - count

@@ -153,7 +153,7 @@ def test_credit_strategies_late_rewards_expiry_and_dead_letters(setup, stack):
     assert {r.key for r in records} == {b"m"}
     for record in records:
         rollouts = dict(record.headers)["agentstream-rollouts"].decode().split(",")
-        assert sorted(rollouts) == sorted({t["rollout_id"] for t in CODEC.decode(record.value)[1]["transitions"]})
+        assert set(rollouts) >= {t["rollout_id"] for t in CODEC.decode(record.value)[1]["transitions"]}
     fin = next(t for t in on_topic if t["span_id"] == "fin-llm1")
     assert fin["prompt_token_ids"] == [1, 2, 3, 1] and fin["response_token_ids"] == [7, 1]
     assert fin["behaviour_logprobs"] == [-0.5, -0.25]
