@@ -129,19 +129,20 @@ def create_app(config: Config, bootstrap_servers: str, clickhouse_url: str) -> f
         async with lock:
             await spans.restore()
 
-    @app.agent(spans_topic, supervisor_strategy=CrashingSupervisor)
-    async def spans_agent(stream):
-        async for events in stream.take_events(settings.batch_max_records, within=settings.batch_within_s):
-            async with lock:
-                await spans.process(_records(events))
-                await spans.tick()
+    def consume(topic, processor) -> None:
+        """An agent that feeds ``topic`` to ``processor`` in batches; a crash stops the worker, which then replays."""
 
-    @app.agent(groups_topic, supervisor_strategy=CrashingSupervisor)
-    async def groups_agent(stream):
-        async for events in stream.take_events(settings.batch_max_records, within=settings.batch_within_s):
-            async with lock:
-                await groups.process(_records(events))
-                await groups.tick()
+        async def agent(stream):
+            async for events in stream.take_events(settings.batch_max_records, within=settings.batch_within_s):
+                async with lock:
+                    await processor.process(_records(events))
+                    await processor.tick()
+
+        agent.__name__ = agent.__qualname__ = f"{topic.get_topic_name()}-agent"
+        app.agent(topic, supervisor_strategy=CrashingSupervisor)(agent)
+
+    consume(spans_topic, spans)
+    consume(groups_topic, groups)
 
     @app.timer(interval=0.05)
     async def tick() -> None:

@@ -15,10 +15,9 @@ from collections.abc import Callable
 from dataclasses import dataclass, field
 
 from infra.config import Config, CreditRule
-from infra.kafka import topic_name
 from schemas import AvroCodec, CodecError
 from streams.credit import GroupNormalized, matching_rule
-from streams.processor import Counters, Emitter, Holder, publish_transitions, read_spans
+from streams.processor import Emitter, Holder, Stage, publish_transitions, read_spans
 from streams.records import RawRecord
 from streams.trajectory import assemble
 from streams.warehouse import Warehouse
@@ -38,21 +37,13 @@ class PendingGroup:
         return len(self.members) >= self.rule.group_size or now_s >= self.first_seen_s + self.rule.group_timeout_s
 
 
-class GroupProcessor:
+class GroupProcessor(Stage):
     """groups topic → transitions (advantages normalised within each group)."""
 
     def __init__(self, config: Config, warehouse: Warehouse, emitter: Emitter, holder: Holder,
                  codec: AvroCodec | None = None, clock: Callable[[], float] = time.monotonic) -> None:
-        self.config = config
-        self.warehouse = warehouse
-        self.emitter = emitter
-        self.holder = holder
-        self.codec = codec or AvroCodec()
-        self.clock = clock
-        self.database = config.clickhouse.database
-        self.transitions_topic = topic_name(config.topics, "transitions")
+        super().__init__(config, warehouse, emitter, holder, codec, clock)
         self.pending: dict[str, PendingGroup] = {}
-        self.counters = Counters()
         self.groups_credited = 0
         self.groups_uninformative = 0
         self.strategy = GroupNormalized()

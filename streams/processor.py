@@ -99,8 +99,8 @@ def now_us() -> int:
     return time.time_ns() // 1000
 
 
-class SpanProcessor:
-    """spans topic → ClickHouse (spans, rollouts, transitions) + transitions/groups/dlq topics."""
+class Stage:
+    """What every processor stage shares: configuration, its outputs, its offset holder and counters."""
 
     def __init__(self, config: Config, warehouse: Warehouse, emitter: Emitter, holder: Holder,
                  codec: AvroCodec | None = None, clock: Callable[[], float] = time.monotonic) -> None:
@@ -110,15 +110,23 @@ class SpanProcessor:
         self.holder = holder
         self.codec = codec or AvroCodec()
         self.clock = clock
+        self.database = config.clickhouse.database
+        self.transitions_topic = topic_name(config.topics, "transitions")
+        self.counters = Counters()
+
+
+class SpanProcessor(Stage):
+    """spans topic → ClickHouse (spans, rollouts, transitions) + transitions/groups/dlq topics."""
+
+    def __init__(self, config: Config, warehouse: Warehouse, emitter: Emitter, holder: Holder,
+                 codec: AvroCodec | None = None, clock: Callable[[], float] = time.monotonic) -> None:
+        super().__init__(config, warehouse, emitter, holder, codec, clock)
         self.tracker = RolloutTracker(config.streams.grace_s, config.streams.idle_timeout_s)
         self.awaiting: dict[str, Awaiting] = {}
         self.closed: set[str] = set()  # expired rollouts: a reward after expiry does not revive them
         self.recheck: set[str] = set()
-        self.counters = Counters()
-        self.transitions_topic = topic_name(config.topics, "transitions")
         self.groups_topic = topic_name(config.topics, "streams.groups")
         self.dlq_topic = topic_name(config.topics, "dlq")
-        self.database = config.clickhouse.database
 
     async def restore(self) -> None:
         """Load the rollouts that wait for a late reward (or expired) from ClickHouse: state a replay cannot rebuild."""
@@ -325,7 +333,7 @@ def staged_rows(batch: str, credited: list[tuple[Trajectory, list[Credit], Any]]
             for trajectory, credits, rule in credited for credit in credits]
 
 
-async def publish_transitions(processor: Any, credited: list[tuple[Trajectory, list[Credit], Any]]) -> None:
+async def publish_transitions(processor: Stage, credited: list[tuple[Trajectory, list[Credit], Any]]) -> None:
     """Publish (one TransitionBatch per trained model, keyed by it) and store the transitions of credited trajectories.
 
     ClickHouse joins the credit with the token ids it already holds and writes both the
