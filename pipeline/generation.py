@@ -1,4 +1,4 @@
-"""The dev server's decode loop: KV-cached sampling of n sequences per prompt, with exact logprobs.
+"""The dev server's decode loop: KV-cached sampling of many requests in one batch, with exact logprobs.
 
 Logprob convention: each sampled token's logprob is taken under softmax(logits / temperature),
 temperature applied and BEFORE top-k/top-p truncation. That is what a trainer recomputes with a
@@ -17,8 +17,9 @@ back the last ``len(longest stop string) - 1`` characters until the sequence end
 from __future__ import annotations
 
 import random
+from collections.abc import Callable, Collection, Sequence
 from dataclasses import dataclass, field
-from typing import Any, Callable, Collection, Sequence
+from typing import Any
 
 import torch
 
@@ -170,40 +171,71 @@ def make_generator(seed: int | None) -> torch.Generator:
     return torch.Generator().manual_seed(random.SystemRandom().getrandbits(63) if seed is None else seed % 2**63)
 
 
-def generate(model: torch.nn.Module, tokenizer: Any, prompt_ids: Sequence[int], params: SamplingParams,
-             eos_ids: Collection[int], emit: Callable[[list[Delta]], None],
-             cancelled: Callable[[], bool] = lambda: False) -> list[SequenceState]:
-    """Sample ``params.n`` continuations of one prompt together, calling ``emit`` after every step.
+@dataclass
+class BatchRequest:
+    """One request's share of a batched generation: its prompt, sampling, and where its steps go."""
 
-    The prompt is prefilled once and its KV cache repeated for the n samples; finished sequences
-    leave the batch. Runs synchronously (call it from a worker thread); ``cancelled`` is polled
-    between steps so an abandoned request stops early.
+    prompt_ids: Sequence[int]
+    params: SamplingParams
+    emit: Callable[[list[Delta]], None] = lambda deltas: None
+    cancelled: Callable[[], bool] = lambda: False
+
+
+def _prefill(model: torch.nn.Module, prompts: list[Sequence[int]], pad_id: int):
+    """Left-pad the prompts into one batch and run it; returns (cache, last logits, attention mask, next positions)."""
+    width = max(len(prompt) for prompt in prompts)
+    ids = torch.full((len(prompts), width), pad_id, dtype=torch.long)
+    mask = torch.zeros((len(prompts), width), dtype=torch.long)
+    for row, prompt in enumerate(prompts):
+        ids[row, width - len(prompt):] = torch.tensor(list(prompt), dtype=torch.long)
+        mask[row, width - len(prompt):] = 1
+    positions = (mask.cumsum(-1) - 1).clamp(min=0)
+    output = model(input_ids=ids, attention_mask=mask, position_ids=positions, use_cache=True, logits_to_keep=1)
+    return output.past_key_values, output.logits[:, -1, :], mask, positions[:, -1] + 1
+
+
+def generate_batch(model: torch.nn.Module, tokenizer: Any, requests: Sequence[BatchRequest],
+                   eos_ids: Collection[int], pad_id: int = 0) -> list[list[SequenceState]]:
+    """Sample every request's ``params.n`` continuations in one decode loop (requests may differ in prompt and params).
+
+    Prompts are left-padded and prefilled once each, then each prompt's KV cache is repeated for
+    its n samples. Every step samples each request's rows with that request's own parameters and
+    RNG, so a request's numbers do not depend on what it was batched with (up to float rounding
+    of the padded matmuls). Finished or cancelled rows leave the batch.
     """
-    sequences = [SequenceState(index, tokenizer, params, eos_ids) for index in range(params.n)]
-    generator = make_generator(params.seed)
+    states = [[SequenceState(index, tokenizer, request.params, eos_ids) for index in range(request.params.n)]
+              for request in requests]
+    generators = [make_generator(request.params.seed) for request in requests]
     with torch.inference_mode():
-        output = model(input_ids=torch.tensor([list(prompt_ids)], dtype=torch.long),
-                       use_cache=True, logits_to_keep=1)
-        cache = output.past_key_values
-        logits = output.logits[:, -1, :]
-        if params.n > 1:
-            cache.batch_repeat_interleave(params.n)
-            logits = logits.expand(params.n, -1)
-        rows = list(range(params.n))  # batch row -> sequence index
-        while rows and not cancelled():
-            ids, logprobs = sample(logits, params, generator)
-            entries = token_logprobs(ids, logprobs, params.top_logprobs) if params.logprobs else [None] * len(rows)
-            emit([sequences[index].append(token_id, entry)
-                  for index, token_id, entry in zip(rows, ids.tolist(), entries)])
-            keep = [row for row, index in enumerate(rows) if not sequences[index].finished]
+        cache, logits, mask, next_position = _prefill(model, [r.prompt_ids for r in requests], pad_id)
+        owner = [number for number, request in enumerate(requests) for _ in range(request.params.n)]
+        index = [sample for request in requests for sample in range(request.params.n)]
+        expand = torch.tensor(owner, dtype=torch.long)
+        cache.batch_select_indices(expand)
+        logits, mask, next_position = logits[expand], mask[expand], next_position[expand]
+        while owner:
+            ids = torch.empty(len(owner), dtype=torch.long)
+            for number in sorted(set(owner)):
+                rows = [row for row, o in enumerate(owner) if o == number]
+                request = requests[number]
+                chosen, logprobs = sample(logits[rows], request.params, generators[number])
+                ids[rows] = chosen
+                entries = (token_logprobs(chosen, logprobs, request.params.top_logprobs) if request.params.logprobs
+                           else [None] * len(rows))
+                request.emit([states[number][index[row]].append(token_id, entry)
+                              for row, token_id, entry in zip(rows, chosen.tolist(), entries)])
+            stopped = {number for number in set(owner) if requests[number].cancelled()}
+            keep = [row for row, number in enumerate(owner)
+                    if number not in stopped and not states[number][index[row]].finished]
             if not keep:
                 break
-            if len(keep) < len(rows):
+            if len(keep) < len(owner):
                 selected = torch.tensor(keep, dtype=torch.long)
                 cache.batch_select_indices(selected)
-                ids = ids[selected]
-                rows = [rows[row] for row in keep]
-            output = model(input_ids=ids[:, None], past_key_values=cache, use_cache=True, logits_to_keep=1)
-            cache = output.past_key_values
-            logits = output.logits[:, -1, :]
-    return sequences
+                ids, mask, next_position = ids[selected], mask[selected], next_position[selected]
+                owner, index = [owner[row] for row in keep], [index[row] for row in keep]
+            mask = torch.cat([mask, torch.ones((len(owner), 1), dtype=torch.long)], dim=1)
+            output = model(input_ids=ids[:, None], attention_mask=mask, position_ids=next_position[:, None],
+                           past_key_values=cache, use_cache=True, logits_to_keep=1)
+            cache, logits, next_position = output.past_key_values, output.logits[:, -1, :], next_position + 1
+    return states

@@ -16,9 +16,12 @@ Choices where vLLM's behaviour needed pinning down (see ``generation`` for logpr
   (``stop_reason`` the id), "length" at max_tokens, "tool_calls" when tool calls were parsed.
 - Errors are vLLM's shape: ``{"error": {"message", "type", "param", "code"}}`` with code the
   HTTP status (400 BadRequestError, 404 NotFoundError for an unknown model or adapter).
-- Generation is serialized by one lock (CPU-bound anyway). ``load_weights`` takes the same
-  lock, so it waits for the generation in progress to finish on the old weights; requests
-  queued behind it run on the new ones. Streams hold the lock until their last token.
+- Requests that wait together are generated together: one thread runs one batch at a time,
+  taking every queued request on the same adapter (prompts left-padded, each request sampled
+  with its own parameters and RNG). Rollouts of a GRPO group and evaluation sweeps arrive
+  together, so this is what makes a CPU server usable for RL. ``load_weights`` waits for the
+  batch in progress to finish on the old weights; batches after it run on the new ones, and
+  ``X-Policy-Version`` is the version the request's batch ran with.
 - ``tool_choice`` "required" or a named function is treated like "auto" (no constrained
   decoding); "none" renders the tools but does not parse tool calls.
 """
@@ -31,19 +34,41 @@ import logging
 import threading
 import time
 import uuid
-from concurrent.futures import ThreadPoolExecutor
+from collections import Counter, deque
+from collections.abc import AsyncIterator, Callable
+from concurrent.futures import Future
 from contextlib import aclosing
 from dataclasses import dataclass
 from pathlib import Path
-from typing import Any, AsyncIterator
+from typing import Any
 
 from aiohttp import web
 
-from pipeline.generation import Delta, SamplingParams, SequenceState, TokenLogprob, generate
+from pipeline.generation import (
+    BatchRequest,
+    Delta,
+    SamplingParams,
+    SequenceState,
+    TokenLogprob,
+    generate_batch,
+)
 from pipeline.lora import LoraAdapter, LoraError, LoraNotFound, applied, load_lora
-from pipeline.models import (LoadedModel, ModelLoadError, WeightsError, assign_weights, check_weights,
-                             context_length, eos_token_ids, load_model, read_weights)
-from pipeline.tool_format import PromptError, ToolStreamFilter, parse_tool_calls, render_prompt, renders_tools
+from pipeline.models import (
+    LoadedModel,
+    WeightsError,
+    assign_weights,
+    check_weights,
+    context_length,
+    eos_token_ids,
+    read_weights,
+)
+from pipeline.tool_format import (
+    PromptError,
+    ToolStreamFilter,
+    parse_tool_calls,
+    render_prompt,
+    renders_tools,
+)
 
 log = logging.getLogger("agentstream.model_server")
 
@@ -215,24 +240,114 @@ class Job:
     prompt_ids: list[int]
     params: SamplingParams
     output: Output
+    version: int | None = None  # the policy version its batch ran with, set when the batch starts
+
+
+@dataclass
+class _Queued:
+    job: Job
+    emit: Callable[[list[Delta]], None]
+    cancelled: Callable[[], bool]
+    future: Future
+
+
+class Batcher:
+    """The generation thread: runs the queued requests on one adapter as one batch, one batch at a time.
+
+    ``model_lock`` is held for a whole batch; weight updates take it too, so a batch never sees
+    half-assigned weights. After the first request of an idle spell arrives the thread waits
+    ``window_s`` for the rest of its burst (the other rollouts of a group arrive milliseconds apart).
+    """
+
+    def __init__(self, server: ModelServer, max_sequences: int = 64, window_s: float = 0.01):
+        self.server = server
+        self.max_sequences = max_sequences
+        self.window_s = window_s
+        self.model_lock = threading.Lock()
+        self._queue: deque[_Queued] = deque()
+        self._wakeup = threading.Condition()
+        self._closed = False
+        self.batch_sizes: Counter[int] = Counter()  # requests per batch -> batches run
+        self._thread = threading.Thread(target=self._run, name="generation", daemon=True)
+        self._thread.start()
+
+    def submit(self, job: Job, emit: Callable[[list[Delta]], None] = lambda deltas: None,
+               cancelled: Callable[[], bool] = lambda: False) -> Future:
+        """Queue a job; the future resolves to its sequences (or the generation's exception)."""
+        queued = _Queued(job, emit, cancelled, Future())
+        with self._wakeup:
+            if self._closed:
+                raise RuntimeError("the model server is shutting down")
+            self._queue.append(queued)
+            self._wakeup.notify()
+        return queued.future
+
+    def close(self) -> None:
+        """Stop taking batches; the one running finishes, queued requests fail."""
+        with self._wakeup:
+            self._closed = True
+            self._wakeup.notify()
+        self._thread.join()
+        for queued in self._queue:
+            queued.future.set_exception(RuntimeError("the model server shut down"))
+
+    def _next_batch(self) -> list[_Queued]:
+        with self._wakeup:
+            while not self._queue and not self._closed:
+                self._wakeup.wait()
+            if self._closed:
+                return []
+        time.sleep(self.window_s)
+        with self._wakeup:
+            adapter = self._queue[0].job.adapter
+            batch, rest, rows = [], deque(), 0
+            for queued in self._queue:
+                fits = not batch or rows + queued.job.params.n <= self.max_sequences
+                if queued.job.adapter is adapter and fits:
+                    batch.append(queued)
+                    rows += queued.job.params.n
+                else:
+                    rest.append(queued)
+            self._queue = rest
+        return batch
+
+    def _run(self) -> None:
+        while batch := self._next_batch():
+            loaded = self.server.loaded
+            with self.model_lock:
+                for queued in batch:
+                    queued.job.version = self.server.version_of(queued.job.adapter)
+                self.batch_sizes[len(batch)] += 1
+                requests = [BatchRequest(q.job.prompt_ids, q.job.params, q.emit, q.cancelled) for q in batch]
+                try:
+                    with applied(batch[0].job.adapter, loaded.model):
+                        results = generate_batch(loaded.model, loaded.tokenizer, requests, self.server.eos_ids,
+                                                 self.server.pad_id)
+                except Exception as error:
+                    log.exception("generation failed for a batch of %d requests", len(batch))
+                    for queued in batch:
+                        queued.future.set_exception(error)
+                    continue
+            for queued, sequences in zip(batch, results):
+                queued.future.set_result(sequences)
 
 
 class ModelServer:
-    """State shared by the handlers: the model, its adapters, the weights version and the generation lock."""
+    """State shared by the handlers: the model, its adapters, the weights version and the generation batcher."""
 
     def __init__(self, loaded: LoadedModel, served_model_name: str | None = None):
         self.loaded = loaded
         self.name = served_model_name or loaded.name
         self.version = 0
         self.adapters: dict[str, LoraAdapter] = {}
-        self.lock = asyncio.Lock()
-        self.executor = ThreadPoolExecutor(max_workers=1, thread_name_prefix="generation")
         self.eos_ids = eos_token_ids(loaded)
+        self.pad_id = loaded.tokenizer.pad_token_id or 0
         self.context = context_length(loaded.model)
         self.vocab_size = int(loaded.model.config.vocab_size)
         self.template_renders_tools = renders_tools(loaded.tokenizer)
         self.created = int(time.time())
         self._token_texts: dict[int, str] = {}
+        self.batcher = Batcher(self)
 
     # -- lookups
 
@@ -259,38 +374,30 @@ class ModelServer:
 
     # -- generation
 
-    def _work(self, job: Job, emit, cancelled) -> list[SequenceState]:
-        """Generation as run on the worker thread, with the request's adapter applied."""
-        with applied(job.adapter, self.loaded.model):
-            return generate(self.loaded.model, self.loaded.tokenizer, job.prompt_ids, job.params,
-                            self.eos_ids, emit, cancelled)
-
     async def complete(self, job: Job) -> list[SequenceState]:
-        """Run a whole generation off the event loop (caller holds the lock)."""
-        loop = asyncio.get_running_loop()
-        return await loop.run_in_executor(self.executor, self._work, job, lambda deltas: None, lambda: False)
+        """Generate a whole job (batched with whatever else is waiting)."""
+        return await asyncio.wrap_future(self.batcher.submit(job))
 
     async def stream(self, job: Job) -> AsyncIterator[list[Delta]]:
-        """Yield each step's deltas as the worker thread produces them (caller holds the lock).
+        """Yield each step's deltas as the generation thread produces them.
 
-        Closing the iterator early (client gone) stops the worker and waits for it, so the lock is
-        never released while the model is still in use.
+        Closing the iterator early (client gone) drops the job's rows from its batch and waits
+        for that to take effect.
         """
         loop = asyncio.get_running_loop()
         queue: asyncio.Queue = asyncio.Queue()
         stop = threading.Event()
         done = object()
-        future = loop.run_in_executor(
-            self.executor, self._work, job, lambda deltas: loop.call_soon_threadsafe(queue.put_nowait, deltas),
-            stop.is_set)
-        future.add_done_callback(lambda _: queue.put_nowait(done))
+        future = self.batcher.submit(job, lambda deltas: loop.call_soon_threadsafe(queue.put_nowait, deltas),
+                                     stop.is_set)
+        future.add_done_callback(lambda _: loop.call_soon_threadsafe(queue.put_nowait, done))
         try:
             while (item := await queue.get()) is not done:
                 yield item
             future.result()
         finally:
             stop.set()
-            await asyncio.wait([future])
+            await asyncio.wait([asyncio.wrap_future(future)])
 
     # -- response pieces
 
@@ -377,16 +484,14 @@ async def chat_completions(request: web.Request) -> web.StreamResponse:
     parse_tools = bool(tools) and tool_choice != "none"
     if job.output.stream:
         return await _stream_chat(request, server, job, parse_tools)
-    async with server.lock:
-        version = server.version_of(adapter)
-        sequences = await server.complete(job)
+    sequences = await server.complete(job)
     choices = [_chat_choice(server, job, sequence, parse_tools) for sequence in sequences]
     response = {"id": f"chatcmpl-{uuid.uuid4().hex}", "object": "chat.completion", "created": int(time.time()),
                 "model": job.model_name, "choices": choices,
                 "usage": server.usage(job, sum(len(s.token_ids) for s in sequences))}
     if job.output.return_token_ids:
         response["prompt_token_ids"] = job.prompt_ids
-    return web.json_response(response, headers={VERSION_HEADER: str(version)})
+    return web.json_response(response, headers={VERSION_HEADER: str(job.version)})
 
 
 def _chat_choice(server: ModelServer, job: Job, sequence: SequenceState, parse_tools: bool) -> dict:
@@ -415,30 +520,33 @@ async def _stream_chat(request: web.Request, server: ModelServer, job: Job, pars
                 "model": job.model_name, "choices": choices, **extra}
 
     filters = [ToolStreamFilter() for _ in range(job.params.n)] if parse_tools else None
-    async with server.lock:
-        response = await _open_stream(request, server.version_of(job.adapter))
-        completion_tokens = 0
-        try:
-            for index in range(job.params.n):
-                first = {"prompt_token_ids": job.prompt_ids} if job.output.return_token_ids and index == 0 else {}
-                await response.write(_sse(chunk([{"index": index, "delta": {"role": "assistant", "content": ""},
-                                                  "logprobs": None, "finish_reason": None}], **first)))
-            async with aclosing(server.stream(job)) as steps:
-                async for deltas in steps:
-                    for delta in deltas:
-                        completion_tokens += len(delta.token_ids)
-                        tool_filter = filters[delta.index] if filters else None
-                        await response.write(_sse(chunk([_chat_stream_choice(server, job, delta, tool_filter)])))
-            if job.output.include_usage:
-                await response.write(_sse(chunk([], usage=server.usage(job, completion_tokens))))
-        except ConnectionResetError:
-            return response
-        except Exception as error:  # headers are sent: report in-band, as vLLM does
-            log.exception("chat stream failed")
-            await response.write(_sse({"error": {"message": str(error), "type": "InternalServerError",
-                                                 "param": None, "code": 500}}))
-        await response.write(_sse("[DONE]"))
-        await response.write_eof()
+    response: web.StreamResponse | None = None
+    completion_tokens = 0
+    try:
+        async with aclosing(server.stream(job)) as steps:
+            async for deltas in steps:
+                if response is None:  # the batch started: its policy version is known
+                    response = await _open_stream(request, job.version)
+                    for index in range(job.params.n):
+                        first = {"prompt_token_ids": job.prompt_ids} if job.output.return_token_ids and index == 0 else {}
+                        await response.write(_sse(chunk([{"index": index, "delta": {"role": "assistant", "content": ""},
+                                                          "logprobs": None, "finish_reason": None}], **first)))
+                for delta in deltas:
+                    completion_tokens += len(delta.token_ids)
+                    tool_filter = filters[delta.index] if filters else None
+                    await response.write(_sse(chunk([_chat_stream_choice(server, job, delta, tool_filter)])))
+        if job.output.include_usage:
+            await response.write(_sse(chunk([], usage=server.usage(job, completion_tokens))))
+    except ConnectionResetError:
+        return response
+    except Exception as error:
+        if response is None:  # nothing sent yet: a plain error response
+            raise
+        log.exception("chat stream failed")  # headers are sent: report in-band, as vLLM does
+        await response.write(_sse({"error": {"message": str(error), "type": "InternalServerError",
+                                             "param": None, "code": 500}}))
+    await response.write(_sse("[DONE]"))
+    await response.write_eof()
     return response
 
 
@@ -490,9 +598,7 @@ async def completions(request: web.Request) -> web.StreamResponse:
               output=_output(body, top_logprobs is not None))
     if job.output.stream:
         return await _stream_completion(request, server, job)
-    async with server.lock:
-        version = server.version_of(adapter)
-        sequences = await server.complete(job)
+    sequences = await server.complete(job)
     choices = []
     for sequence in sequences:
         choice = {"index": sequence.index, "text": sequence.text,
@@ -504,7 +610,7 @@ async def completions(request: web.Request) -> web.StreamResponse:
     response = {"id": f"cmpl-{uuid.uuid4().hex}", "object": "text_completion", "created": int(time.time()),
                 "model": job.model_name, "choices": choices,
                 "usage": server.usage(job, sum(len(s.token_ids) for s in sequences))}
-    return web.json_response(response, headers={VERSION_HEADER: str(version)})
+    return web.json_response(response, headers={VERSION_HEADER: str(job.version)})
 
 
 async def _stream_completion(request: web.Request, server: ModelServer, job: Job) -> web.StreamResponse:
@@ -512,39 +618,42 @@ async def _stream_completion(request: web.Request, server: ModelServer, job: Job
     completion_id, created = f"cmpl-{uuid.uuid4().hex}", int(time.time())
     offsets = [0] * job.params.n
     first = [True] * job.params.n
-    async with server.lock:
-        response = await _open_stream(request, server.version_of(job.adapter))
-        completion_tokens = 0
-        try:
-            async with aclosing(server.stream(job)) as steps:
-                async for deltas in steps:
-                    for delta in deltas:
-                        completion_tokens += len(delta.token_ids)
-                        choice = {"index": delta.index, "text": delta.text,
-                                  "logprobs": (server.completion_logprobs(delta.logprobs, offsets[delta.index])
-                                               if job.output.logprobs else None),
-                                  "finish_reason": delta.finish_reason, "stop_reason": delta.stop_reason}
-                        offsets[delta.index] += sum(len(server.token_text(i)) for i in delta.token_ids)
-                        if job.output.return_token_ids:
-                            if first[delta.index]:
-                                choice["prompt_token_ids"] = job.prompt_ids
-                            choice["token_ids"] = delta.token_ids
-                        first[delta.index] = False
-                        await response.write(_sse({"id": completion_id, "object": "text_completion",
-                                                   "created": created, "model": job.model_name,
-                                                   "choices": [choice]}))
-            if job.output.include_usage:
-                await response.write(_sse({"id": completion_id, "object": "text_completion", "created": created,
-                                           "model": job.model_name, "choices": [],
-                                           "usage": server.usage(job, completion_tokens)}))
-        except ConnectionResetError:
-            return response
-        except Exception as error:
-            log.exception("completion stream failed")
-            await response.write(_sse({"error": {"message": str(error), "type": "InternalServerError",
-                                                 "param": None, "code": 500}}))
-        await response.write(_sse("[DONE]"))
-        await response.write_eof()
+    response: web.StreamResponse | None = None
+    completion_tokens = 0
+    try:
+        async with aclosing(server.stream(job)) as steps:
+            async for deltas in steps:
+                if response is None:
+                    response = await _open_stream(request, job.version)
+                for delta in deltas:
+                    completion_tokens += len(delta.token_ids)
+                    choice = {"index": delta.index, "text": delta.text,
+                              "logprobs": (server.completion_logprobs(delta.logprobs, offsets[delta.index])
+                                           if job.output.logprobs else None),
+                              "finish_reason": delta.finish_reason, "stop_reason": delta.stop_reason}
+                    offsets[delta.index] += sum(len(server.token_text(i)) for i in delta.token_ids)
+                    if job.output.return_token_ids:
+                        if first[delta.index]:
+                            choice["prompt_token_ids"] = job.prompt_ids
+                        choice["token_ids"] = delta.token_ids
+                    first[delta.index] = False
+                    await response.write(_sse({"id": completion_id, "object": "text_completion",
+                                               "created": created, "model": job.model_name,
+                                               "choices": [choice]}))
+        if job.output.include_usage:
+            await response.write(_sse({"id": completion_id, "object": "text_completion", "created": created,
+                                       "model": job.model_name, "choices": [],
+                                       "usage": server.usage(job, completion_tokens)}))
+    except ConnectionResetError:
+        return response
+    except Exception as error:
+        if response is None:
+            raise
+        log.exception("completion stream failed")
+        await response.write(_sse({"error": {"message": str(error), "type": "InternalServerError",
+                                             "param": None, "code": 500}}))
+    await response.write(_sse("[DONE]"))
+    await response.write_eof()
     return response
 
 
@@ -610,9 +719,13 @@ async def load_weights(request: web.Request) -> web.Response:
         check_weights(server.loaded.model, state)
     except WeightsError as error:
         raise RequestError(str(error), param="path") from None
-    async with server.lock:
-        await asyncio.to_thread(assign_weights, server.loaded.model, state)
-        server.version = version
+
+    def swap() -> None:
+        with server.batcher.model_lock:
+            assign_weights(server.loaded.model, state)
+            server.version = version
+
+    await asyncio.to_thread(swap)
     seconds = round(time.perf_counter() - started, 3)
     log.info("loaded weights version %d from %s in %.3f s", version, path, seconds)
     return web.json_response({"status": "ok", "version": version, "path": str(path), "seconds": seconds})
@@ -654,10 +767,10 @@ def create_app(loaded: LoadedModel, *, served_model_name: str | None = None) -> 
     app.router.add_post("/v1/load_weights", load_weights)
     app.router.add_get("/health", health)
 
-    async def shutdown_executor(app: web.Application) -> None:
-        server.executor.shutdown(wait=True, cancel_futures=True)
+    async def stop_generation(app: web.Application) -> None:
+        await asyncio.to_thread(server.batcher.close)
 
-    app.on_cleanup.append(shutdown_executor)
+    app.on_cleanup.append(stop_generation)
     return app
 
 

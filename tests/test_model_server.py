@@ -121,6 +121,38 @@ def test_seed_reproduces_and_differs_across_seeds(client):
     assert ids(5) != ids(6)
 
 
+def test_concurrent_requests_are_batched_and_each_gets_what_it_would_alone(server, tiny):
+    """A burst of different prompts, sampling settings, n and stops runs as one batch with per-request results."""
+    from pipeline.model_server import SERVER
+
+    requests = [dict(messages=[{"role": "user", "content": f"Count to {i}."}], max_tokens=8 + i, temperature=0)
+                for i in range(6)]
+    requests += [dict(messages=HELLO, max_tokens=12, temperature=1.0, seed=5, n=3),
+                 dict(messages=[{"role": "user", "content": "A longer prompt, to be left-padded less."}],
+                      max_tokens=10, temperature=0.8, seed=9, stop=["e"])]
+
+    async def burst() -> list:
+        client = openai.AsyncOpenAI(base_url=server.url + "/v1", api_key="unused", max_retries=0)
+        return await asyncio.gather(*(client.chat.completions.create(
+            model="tiny", logprobs=True, extra_body={"return_token_ids": True}, **r) for r in requests))
+
+    batches = server.app[SERVER].batcher.batch_sizes
+    before = sum(batches.values())
+    together = asyncio.run(burst())
+    assert max(batches) >= 4 and sum(batches.values()) - before < len(requests)  # they did share batches
+    alone_client = openai.OpenAI(base_url=server.url + "/v1", api_key="unused", max_retries=0)
+    for request, batched in zip(requests, together):
+        alone = alone_client.chat.completions.create(model="tiny", logprobs=True,
+                                                     extra_body={"return_token_ids": True}, **request)
+        assert len(batched.choices) == request.get("n", 1)
+        for mine, reference in zip(batched.choices, alone.choices):
+            assert mine.model_extra["token_ids"] == reference.model_extra["token_ids"]
+            assert mine.message.content == reference.message.content
+            assert chat_logprobs(mine) == pytest.approx(chat_logprobs(reference), abs=TOLERANCE)
+            assert_exact(tiny, tiny.model, batched.model_extra["prompt_token_ids"], mine.model_extra["token_ids"],
+                         mine.message.content, chat_logprobs(mine), request["temperature"])
+
+
 def test_streaming_matches_non_streaming(server, tiny):
     async def run():
         client = openai.AsyncOpenAI(base_url=server.url + "/v1", api_key="unused", max_retries=0)
