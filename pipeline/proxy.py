@@ -1,7 +1,8 @@
 """The LLM proxy: an OpenAI-compatible front that records every call as an LLM span with exact token ids.
 
-Clients point their OpenAI base URL at ``http://proxy/rollouts/{rollout_id}/v1`` (or send the
-``X-Agentstream-Rollout`` header). The proxy asks the upstream model server for token ids and
+Clients point their OpenAI base URL at ``http://proxy/rollouts/{rollout_id}/v1`` (or
+``.../rollouts/{id}/attempts/{attempt}/agents/{agent}/v1``, what ``Rollout.llm_base_url()`` gives,
+or send the ``X-Agentstream-Rollout`` header). The proxy asks the upstream model server for token ids and
 logprobs (vLLM's ``return_token_ids`` / ``logprobs`` contract), records one span per returned
 choice with the ids exactly as generated, and strips from the response whatever the client
 did not ask for, so the client sees what it would have seen without the proxy. Streams are
@@ -215,7 +216,8 @@ class LLMProxy:
         self.app = web.Application(client_max_size=64 << 20)
         self.app.router.add_get("/health", self.health)
         self.app.router.add_post("/rollouts/{rollout_id}/reward", self.reward)
-        for prefix in ("", "/rollouts/{rollout_id}", "/rollouts/{rollout_id}/attempts/{attempt_id}"):
+        for prefix in ("", "/rollouts/{rollout_id}", "/rollouts/{rollout_id}/attempts/{attempt_id}",
+                       "/rollouts/{rollout_id}/attempts/{attempt_id}/agents/{agent_name}"):
             self.app.router.add_route("*", prefix + "/v1/{tail:.*}", self.relay)
         self.app.on_startup.append(self._open)
         self.app.on_cleanup.append(self._close)
@@ -234,7 +236,8 @@ class LLMProxy:
     def _owner(self, request: web.Request) -> Rollout:
         rollout_id = request.match_info.get("rollout_id") or request.headers.get("X-Agentstream-Rollout")
         attempt_id = request.match_info.get("attempt_id") or request.headers.get("X-Agentstream-Attempt")
-        agent = request.headers.get("X-Agentstream-Agent") or self.agent_name
+        agent = (request.match_info.get("agent_name") or request.headers.get("X-Agentstream-Agent")
+                 or self.agent_name)
         if not rollout_id:  # unattributed traffic is still recorded, as a rollout of its own
             rollout_id = f"unattributed-{new_id()}"
         return Rollout(rollout_id, attempt_id or f"{rollout_id}-1", agent_name=agent,

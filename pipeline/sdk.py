@@ -22,6 +22,7 @@ import uuid
 from collections.abc import Mapping
 from dataclasses import dataclass, field
 from typing import Any, Protocol
+from urllib.parse import quote
 
 
 class SpanSink(Protocol):
@@ -56,10 +57,11 @@ class Rollout:
     rewards: list[float] = field(default_factory=list)
 
     def llm_base_url(self) -> str:
-        """The OpenAI base URL that records this rollout's LLM calls: the proxy's per-rollout prefix."""
+        """The OpenAI base URL that records this rollout's LLM calls (rollout, attempt and agent) at the proxy."""
         if not self.proxy_url:
             raise RuntimeError("no LLM proxy configured for this rollout (set proxy_url / --proxy)")
-        return f"{self.proxy_url.rstrip('/')}/rollouts/{self.rollout_id}/attempts/{self.attempt_id}/v1"
+        base = f"{self.proxy_url.rstrip('/')}/rollouts/{self.rollout_id}/attempts/{self.attempt_id}"
+        return f"{base}/agents/{quote(self.agent_name, safe='')}/v1" if self.agent_name else f"{base}/v1"
 
     def _sink(self) -> SpanSink:
         sink = self.sink or _default_sink

@@ -187,3 +187,17 @@ def test_late_rewards_and_unattributed_calls(proxy, publisher, topics_config, ka
     unattributed = [s for s in landed.spans if s["rollout_id"].startswith("unattributed-")]
     assert len(unattributed) == 1
     assert unattributed[0]["attributes"]["gen_ai.response.id"] == response.id
+
+
+def test_the_rollout_base_url_attributes_calls_to_rollout_attempt_and_agent(proxy, publisher, topics_config,
+                                                                            kafka_options):
+    from pipeline.sdk import Rollout
+
+    owner = Rollout("r-agent", "r-agent-2", "math agent/v2", proxy_url=proxy.url)
+    assert owner.llm_base_url() == f"{proxy.url}/rollouts/r-agent/attempts/r-agent-2/agents/math%20agent%2Fv2/v1"
+    client = openai.OpenAI(base_url=owner.llm_base_url(), api_key="unused", max_retries=0)
+    client.chat.completions.create(model="tiny", messages=HELLO, max_tokens=4)
+    anonymous = Rollout("r-anon", "r-anon-1", None, proxy_url=proxy.url)
+    assert anonymous.llm_base_url() == f"{proxy.url}/rollouts/r-anon/attempts/r-anon-1/v1"
+    (span,) = spans_of(publisher, topics_config, kafka_options, "r-agent", 1)
+    assert (span["attempt_id"], span["agent_name"]) == ("r-agent-2", "math agent/v2")
