@@ -151,9 +151,10 @@ def test_collate_right_pads_and_aligns_targets_with_response_tokens():
     micro, = collate([long, short], pad_id=0, device="cpu")
     assert micro.input_ids.tolist() == [[10, 11, 50, 0, 0, 0], [10, 11, 12, 50, 51, 52]]
     assert micro.attention_mask.tolist() == [[1, 1, 1, 0, 0, 0], [1] * 6]
-    # position j predicts token j + 1: the response starts at the last prompt position
-    assert micro.response_mask.tolist() == [[False, True, False, False, False],
-                                            [False, False, True, True, True]]
+    # column c predicts the token at first + c + 1; first is the shortest prompt's last position
+    assert micro.first == 1 and micro.logits_to_keep == 5
+    assert micro.response_mask.tolist() == [[True, False, False, False],
+                                            [False, True, True, True]]
     assert micro.targets[micro.response_mask].tolist() == [50, 50, 51, 52]
     assert micro.behaviour_logprobs[micro.response_mask].tolist() == [-0.5] * 4
     assert [m.input_ids.shape[0] for m in collate([long, short, long], 0, "cpu", micro_batches=2)] == [2, 1]

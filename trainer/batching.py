@@ -193,16 +193,25 @@ class Batcher:
 class MicroBatch:
     """Padded tensors of some samples: inputs, and per predicted position the target, masks and behaviour logprobs.
 
-    Position j of ``targets``/``response_mask``/``behaviour_logprobs`` is the token at j + 1,
-    predicted by the logits at j; sequences are right-padded, so positions need no adjustment.
+    Sequences are right-padded. Column c of ``targets``/``response_mask``/``behaviour_logprobs``
+    is the token at position ``first + c + 1``, predicted by the logits at ``first + c``; ``first``
+    is the last position of the shortest prompt, so no column lies wholly inside the prompts and
+    the model only has to compute logits (the costly vocabulary projection) for the last
+    ``L - first`` positions.
     """
 
     input_ids: torch.Tensor  # [B, L]
     attention_mask: torch.Tensor  # [B, L]
-    targets: torch.Tensor  # [B, L - 1]
-    response_mask: torch.Tensor  # [B, L - 1]
-    behaviour_logprobs: torch.Tensor  # [B, L - 1]
+    targets: torch.Tensor  # [B, L - 1 - first]
+    response_mask: torch.Tensor  # [B, L - 1 - first]
+    behaviour_logprobs: torch.Tensor  # [B, L - 1 - first]
     advantages: torch.Tensor  # [B]
+    first: int = 0
+
+    @property
+    def logits_to_keep(self) -> int:
+        """How many final positions' logits cover every column (one more than needed; the last is dropped)."""
+        return self.input_ids.shape[1] - self.first
 
 
 def collate(samples: list[Sample], pad_id: int, device: torch.device | str, micro_batches: int = 1) -> list[MicroBatch]:
@@ -225,5 +234,6 @@ def _pad(samples: list[Sample], pad_id: int, device: torch.device | str) -> Micr
         response_mask[row, prompt - 1:prompt - 1 + response] = True
         behaviour[row, prompt - 1:prompt - 1 + response] = torch.tensor(sample.behaviour_logprobs)
     advantages = torch.tensor([s.advantage for s in samples], dtype=torch.float32)
-    return MicroBatch(input_ids.to(device), attention.to(device), input_ids[:, 1:].to(device), response_mask.to(device),
-                      behaviour.to(device), advantages.to(device))
+    first = min(len(s.prompt_ids) for s in samples) - 1
+    return MicroBatch(input_ids.to(device), attention.to(device), input_ids[:, first + 1:].to(device),
+                      response_mask[:, first:].to(device), behaviour[:, first:].to(device), advantages.to(device), first)

@@ -33,7 +33,8 @@ class StepResult:
 def token_logprobs(model: torch.nn.Module, micro: MicroBatch, temperature: float,
                    entropy_grad: bool = False) -> tuple[torch.Tensor, torch.Tensor]:
     """Log-probability of each target token under softmax(logits / T), and the entropy of that distribution."""
-    logits = model(input_ids=micro.input_ids, attention_mask=micro.attention_mask).logits[:, :-1].float()
+    logits = model(input_ids=micro.input_ids, attention_mask=micro.attention_mask,
+                   logits_to_keep=micro.logits_to_keep).logits[:, :-1].float()
     logprobs = torch.log_softmax(logits / temperature, dim=-1)
     with torch.set_grad_enabled(entropy_grad and torch.is_grad_enabled()):
         entropy = -(logprobs.exp() * logprobs).sum(-1)
