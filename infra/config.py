@@ -206,6 +206,39 @@ class TrainerConfig:
 
 
 @dataclass(frozen=True)
+class DemoConfig:
+    """The training demo (``make demo``) and ``make bench-learning``: how long, how often to evaluate, how wide.
+
+    ``seconds`` bounds the training phase (``quick_seconds`` when ``quick``, i.e. ``DEMO_QUICK=1``);
+    held-out greedy accuracy is measured before, every ``eval_every_s`` and after. ``concurrency``
+    rollouts run at once (``prompts_per_wave`` GRPO groups of ``group_size``). ``target`` is the
+    held-out accuracy bench-learning times (``time_to_85pct_s``); ``stop_at_target`` ends a run there.
+    """
+
+    quick: bool = False
+    seconds: float = 900.0
+    quick_seconds: float = 240.0
+    eval_every_s: float = 180.0
+    group_size: int = 8
+    prompts_per_wave: int = 4
+    lr: float = 1e-5
+    target: float = 0.85
+    stop_at_target: bool = False
+    server_threads: int = 1
+    trainer_threads: int = 2
+    output_dir: str = "demo-output"
+    report_path: str = "demo-report.json"
+
+    @property
+    def training_seconds(self) -> float:
+        return self.quick_seconds if self.quick else self.seconds
+
+    def __post_init__(self) -> None:
+        if min(self.seconds, self.quick_seconds, self.eval_every_s) <= 0 or self.group_size < 2:
+            raise ConfigError("demo: seconds, quick_seconds and eval_every_s must be > 0 and group_size >= 2")
+
+
+@dataclass(frozen=True)
 class Config:
     """The whole configuration; build it with :func:`load_config`."""
 
@@ -216,6 +249,7 @@ class Config:
     streams: StreamsConfig = field(default_factory=StreamsConfig)
     credit: tuple[CreditRule, ...] = (CreditRule(),)
     trainer: TrainerConfig = field(default_factory=TrainerConfig)
+    demo: DemoConfig = field(default_factory=DemoConfig)
 
 
 # Environment variable -> (section, field). The one place environment names are defined.
@@ -240,6 +274,8 @@ ENVIRONMENT: dict[str, tuple[str, str]] = {
     "AGENTSTREAM_BROKER_PORT": ("stack", "broker_port"),
     "AGENTSTREAM_CLICKHOUSE_PORT": ("stack", "clickhouse_port"),
     "TANSU_BIN": ("stack", "tansu_bin"),
+    "DEMO_QUICK": ("demo", "quick"),
+    "DEMO_SECONDS": ("demo", "seconds"),
 }
 
 SECTIONS: dict[str, type] = {
@@ -249,6 +285,7 @@ SECTIONS: dict[str, type] = {
     "stack": StackConfig,
     "streams": StreamsConfig,
     "trainer": TrainerConfig,
+    "demo": DemoConfig,
 }
 RULE_LISTS: dict[str, type] = {"credit": CreditRule}
 
@@ -371,3 +408,32 @@ def describe(config: Config) -> dict[str, Any]:
     }
     view.update({name: [dataclasses.asdict(rule) for rule in getattr(config, name)] for name in RULE_LISTS})
     return view
+
+
+def dump_toml(config: Config) -> str:
+    """The configuration as a TOML file that :func:`load_config` reads back to the same values.
+
+    Used to hand one effective configuration (with secrets, so write it privately) to the child
+    processes of a session; unset optional values are left out.
+    """
+
+    def literal(value: Any) -> str:
+        if isinstance(value, Secret):
+            value = value.reveal()
+        if isinstance(value, bool):
+            return "true" if value else "false"
+        if isinstance(value, (int, float)):
+            return repr(value)
+        return '"' + str(value).replace("\\", "\\\\").replace('"', '\\"') + '"'
+
+    def table(header: str, section: Any) -> list[str]:
+        return [header, *(f"{f.name} = {literal(getattr(section, f.name))}" for f in fields(section)
+                          if getattr(section, f.name) is not None), ""]
+
+    lines: list[str] = []
+    for name in SECTIONS:
+        lines += table(f"[{name}]", getattr(config, name))
+    for name in RULE_LISTS:
+        for rule in getattr(config, name):
+            lines += table(f"[[{name}]]", rule)
+    return "\n".join(lines)

@@ -5,6 +5,7 @@ from __future__ import annotations
 import asyncio
 import json
 import logging
+import signal
 import sys
 from pathlib import Path
 
@@ -137,6 +138,47 @@ def _cell(value) -> str:
     return text if len(text) <= 80 else text[:77] + "..."
 
 
+@main.command("report")
+@click.option("--format", "output_format", type=click.Choice(["table", "csv", "json"]), default="table", show_default=True)
+@click.option("--agent", default=None, help="Only this agent's rollouts and spans.")
+@click.option("--model", default=None, help="Only rows of this model (its LLM spans, rollouts and train steps).")
+@click.option("--since", default=None, help="Only the last DURATION, e.g. 30m, 1h, 2d (default: all time).")
+@click.option("--bucket", default="1m", show_default=True, help="Throughput bucket size, e.g. 30s, 1m, 1h.")
+@click.option("--buckets", default=30, show_default=True, type=click.IntRange(1, 10_000),
+              help="Throughput buckets shown, ending at the newest activity.")
+@click.pass_context
+def report_command(ctx: click.Context, output_format: str, agent: str | None, model: str | None, since: str | None,
+                   bucket: str, buckets: int) -> None:
+    """Analytics over the configured ClickHouse (read-only): reward by policy version, LLM tokens and latency,
+    rollout status, training staleness, throughput."""
+    from pipeline import report as analytics
+
+    try:
+        since_s = analytics.parse_duration(since) if since else 0
+    except ValueError as error:
+        raise click.BadParameter(str(error), param_hint="--since") from None
+    try:
+        bucket_s = analytics.parse_duration(bucket)
+    except ValueError as error:
+        raise click.BadParameter(str(error), param_hint="--bucket") from None
+    filters = analytics.ReportFilters(agent=agent or "", model=model or "", since_s=since_s, bucket_s=bucket_s,
+                                      buckets=buckets)
+    logging.getLogger("urllib3").setLevel(logging.ERROR)  # its retry warning; our error line says what failed
+    config = _config(ctx)
+    client = connect(config.clickhouse, Stack(config).endpoints().clickhouse_url,
+                     database=config.clickhouse.database, readonly=True)
+    try:
+        sections = analytics.build_report(client, filters)
+    finally:
+        client.close()
+    if output_format == "json":
+        click.echo(analytics.render_json(sections), nl=False)
+    elif output_format == "csv":
+        click.echo(analytics.render_csv(sections), nl=False)
+    else:
+        analytics.print_tables(sections)
+
+
 def _publisher(config: Config, component: str):
     from pipeline.publisher import SpanPublisher
 
@@ -252,8 +294,6 @@ def streams_command(ctx: click.Context, loglevel: str) -> None:
 
 async def _until_signalled(stop: asyncio.Event | None = None) -> None:
     """Wait for SIGTERM or SIGINT (then set ``stop``)."""
-    import signal
-
     event = stop or asyncio.Event()
     loop = asyncio.get_running_loop()
     for sig in (signal.SIGTERM, signal.SIGINT):
@@ -262,12 +302,75 @@ async def _until_signalled(stop: asyncio.Event | None = None) -> None:
 
 
 @main.command()
+@click.option("--quick", is_flag=True, default=None, help="The quick mode (same as DEMO_QUICK=1).")
+@click.option("--seconds", type=float, default=None, help="Seconds of training (default: demo.seconds, 900).")
 @click.pass_context
-def demo(ctx: click.Context) -> None:
-    """Run the demo: stack up, publish real spans through Kafka, query them in ClickHouse, stack down."""
-    from pipeline.demo import run_demo
+def demo(ctx: click.Context, quick: bool | None, seconds: float | None) -> None:
+    """Train SmolLM2-135M-Instruct online on an arithmetic agent and show that it learned.
 
-    run_demo(_config(ctx))
+    Starts the stack, the dev model server, proxy, streams, trainer, hot swap and runners;
+    measures held-out greedy accuracy before, during and after; writes demo-report.json, a
+    plot and a report under demo-output/; stops everything it started.
+    """
+    from dataclasses import replace
+
+    from pipeline.demo import run_demo
+    from pipeline.session import ChildFailed
+
+    config = _config(ctx)
+    if quick is not None or seconds is not None:
+        config = replace(config, demo=replace(config.demo, quick=bool(quick) or config.demo.quick,
+                                              **({"seconds": seconds, "quick_seconds": seconds} if seconds else {})))
+    signal.signal(signal.SIGTERM, _interrupt)  # stop like Ctrl-C: everything the demo started goes down
+    try:
+        run_demo(config)
+    except ChildFailed as error:
+        raise click.ClickException(str(error)) from None
+    except KeyboardInterrupt:
+        raise click.ClickException("interrupted; the processes the demo started were stopped") from None
+
+
+def _interrupt(signum: int, frame) -> None:
+    raise KeyboardInterrupt
+
+
+@main.command("train")
+@click.option("--agent", required=True, help="The agent to train, as module:function (called with task, rollout).")
+@click.option("--tasks", "task_file", required=True, type=click.Path(exists=True, dir_okay=False, path_type=Path),
+              help="JSON lines, one task payload per line.")
+@click.option("--agent-name", default=None, help="Agent name on its rollouts (default: the function's name).")
+@click.option("--model", "model_spec", default=None, help="Model to serve and train: tiny, smollm2 or a HF folder "
+              "(default: trainer.model).")
+@click.option("--server", "server_url", default=None, help="Use this running model server (vLLM) instead of starting one.")
+@click.option("--runners", default=1, show_default=True, help="Runner processes.")
+@click.option("--concurrency", default=8, show_default=True, help="Rollouts at once per runner.")
+@click.option("--strategy", type=click.Choice(["grpo", "final", "discounted"]), default="grpo", show_default=True)
+@click.option("--group-size", default=8, show_default=True, help="Rollouts per task, compared as a group (grpo).")
+@click.option("--epochs", default=1, show_default=True, help="Passes over the task file.")
+@click.option("--max-steps", default=None, type=int, help="Stop after this many optimizer steps.")
+@click.pass_context
+def train_command(ctx: click.Context, agent: str, task_file: Path, agent_name: str | None, model_spec: str | None,
+                  server_url: str | None, runners: int, concurrency: int, strategy: str, group_size: int,
+                  epochs: int, max_steps: int | None) -> None:
+    """Train an agent on a task file with one command: enqueue, run, train, hot-swap, until done."""
+    from pipeline.runner import AgentLoadError, load_agent
+    from pipeline.session import ChildFailed
+    from pipeline.tasks import TaskFileError
+    from pipeline.train import TrainRequest, run_training
+
+    try:
+        function = load_agent(agent)
+    except AgentLoadError as error:
+        raise click.BadParameter(str(error), param_hint="--agent") from None
+    config = _config(ctx)
+    request = TrainRequest(agent=agent, tasks=task_file, agent_name=agent_name or function.__name__,
+                           model=model_spec or config.trainer.model, server_url=server_url, runners=runners,
+                           concurrency=concurrency, group_size=group_size, strategy=strategy, epochs=epochs,
+                           max_steps=max_steps)
+    try:
+        run_training(config, request, progress=click.echo)
+    except (ChildFailed, TaskFileError, ValueError) as error:
+        raise click.ClickException(str(error)) from None
 
 
 @main.command("config")
@@ -283,7 +386,8 @@ def show_config(ctx: click.Context) -> None:
 @click.option("--host", default="127.0.0.1", show_default=True)
 @click.option("--port", default=8000, show_default=True, type=int)
 @click.option("--served-model-name", default=None, help="The model name clients use (default: the model's name).")
-def serve_model_command(model_spec: str, host: str, port: int, served_model_name: str | None) -> None:
+@click.option("--threads", default=2, show_default=True, help="CPU threads torch may use.")
+def serve_model_command(model_spec: str, host: str, port: int, served_model_name: str | None, threads: int) -> None:
     """Serve a model on CPU with vLLM's OpenAI-compatible API (token ids, logprobs, LoRA and weight updates)."""
     import uvloop
 
@@ -294,7 +398,7 @@ def serve_model_command(model_spec: str, host: str, port: int, served_model_name
         raise click.ClickException(f"serve-model needs {error.name}: pip install 'agentstream[train]'") from None
     logging.getLogger("agentstream").setLevel(logging.INFO)
     try:
-        loaded = load_model(model_spec)
+        loaded = load_model(model_spec, threads=threads)
     except ModelLoadError as error:
         raise click.ClickException(str(error)) from None
     try:

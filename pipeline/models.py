@@ -25,6 +25,7 @@ import torch
 
 SMOLLM2_GGUF = "SmolLM2-135M-Instruct.Q4_1.gguf"
 SMOLLM2_CACHE_NAME = "smollm2-135m-instruct"
+SMOLLM2_NAME = "SmolLM2-135M-Instruct"
 TINY_SEED = 1234
 
 # A chatml-style template that renders tools, assistant tool calls and tool results
@@ -95,6 +96,11 @@ def load_model(spec: str, *, threads: int | None = 2) -> LoadedModel:
     return loaded
 
 
+def model_display_name(spec: str) -> str:
+    """The name a model spec loads under (what the dev server serves it as), without loading it."""
+    return {"tiny": "tiny", "smollm2": SMOLLM2_NAME}.get(spec) or Path(spec).name
+
+
 def tiny_tokenizer() -> Any:
     """The byte-level ByT5 tokenizer with the tools-aware tiny chat template."""
     from transformers import ByT5Tokenizer
@@ -138,7 +144,7 @@ def load_smollm2() -> LoadedModel:
     if not (folder / "config.json").is_file():
         convert_smollm2(folder)
     loaded = load_folder(folder)
-    loaded.name = "SmolLM2-135M-Instruct"
+    loaded.name = SMOLLM2_NAME
     return loaded
 
 

@@ -79,3 +79,31 @@ async def enqueue(config: Config, bootstrap_servers: str, tasks: Iterable[dict[s
     finally:
         await producer.stop()
     return count
+
+
+class PacedQueue:
+    """Enqueues tasks in waves, keeping at most ``ahead`` waves beyond the policy version the trainer has reached.
+
+    Online RL on a small machine is trainer-bound: runners free to race ahead only burn CPU on
+    rollouts that will be too stale to train on. Calling :meth:`top_up` with each new policy
+    version keeps generation one to ``ahead`` versions ahead of training instead.
+    """
+
+    def __init__(self, config: Config, bootstrap_servers: str, waves: Iterable[list[dict[str, Any]]],
+                 ahead: int = 2) -> None:
+        self.config, self.bootstrap_servers, self.ahead = config, bootstrap_servers, ahead
+        self._waves = iter(waves)
+        self.enqueued_waves = 0
+        self.enqueued_tasks = 0
+
+    async def top_up(self, policy_version: int) -> int:
+        """Enqueue waves until ``ahead`` are beyond ``policy_version``; returns how many tasks went out."""
+        sent = 0
+        while self.enqueued_waves < policy_version + self.ahead:
+            wave = next(self._waves, None)
+            if wave is None:
+                break
+            sent += await enqueue(self.config, self.bootstrap_servers, wave)
+            self.enqueued_waves += 1
+        self.enqueued_tasks += sent
+        return sent

@@ -94,13 +94,18 @@ class GroupNormalized:
     def informative(rewards: list[float]) -> bool:
         return len(rewards) > 1 and max(rewards) - min(rewards) > 1e-12
 
-    def assign_group(self, trajectories: list[Trajectory]) -> dict[str, list[Credit]]:
-        rewards = [t.final_reward or 0.0 for t in trajectories]
+    def advantages(self, rewards: list[float]) -> list[float]:
+        """(reward - group mean) / (group std + eps) for each reward; all 0 for an uninformative group."""
+        if not self.informative(rewards):
+            return [0.0] * len(rewards)
         mean = sum(rewards) / len(rewards)
         std = math.sqrt(sum((r - mean) ** 2 for r in rewards) / len(rewards))
+        return [(reward - mean) / (std + self.epsilon) for reward in rewards]
+
+    def assign_group(self, trajectories: list[Trajectory]) -> dict[str, list[Credit]]:
+        rewards = [t.final_reward or 0.0 for t in trajectories]
         credits = {}
-        for trajectory, reward in zip(trajectories, rewards):
-            advantage = (reward - mean) / (std + self.epsilon) if self.informative(rewards) else 0.0
+        for trajectory, reward, advantage in zip(trajectories, rewards, self.advantages(rewards)):
             credits[trajectory.rollout_id] = [Credit(call, index, reward, reward, advantage)
                                               for index, call in enumerate(trajectory.trainable_calls)]
         return credits

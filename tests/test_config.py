@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import dataclasses
 from pathlib import Path
 
 import pytest
@@ -71,3 +72,14 @@ def test_missing_config_file_is_a_clear_error(tmp_path: Path):
 def test_non_http_clickhouse_url_is_refused():
     with pytest.raises(ConfigError, match="http:// or https://"):
         load_config(environ={"CLICKHOUSE_URL": "tcp://ch:9000"})
+
+
+def test_dump_toml_reads_back_to_the_same_configuration(tmp_path):
+    from infra.config import CreditRule, dump_toml
+
+    config = load_config(environ={"CLICKHOUSE_PASSWORD": 'p"w\\x', "DEMO_QUICK": "1", "KAFKA_BOOTSTRAP_SERVERS": "h:1"})
+    config = dataclasses.replace(config, credit=(CreditRule(agent="a*", strategy="grpo", group_size=4),
+                                                 CreditRule(train=False)))
+    path = tmp_path / "dumped.toml"
+    path.write_text(dump_toml(config))
+    assert load_config(path, environ={}) == config
