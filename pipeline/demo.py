@@ -30,7 +30,7 @@ from infra.clickhouse import connect, migrate
 from infra.config import Config, CreditRule
 from infra.stack import Stack
 from pipeline.publisher import SpanPublisher
-from pipeline.sdk import rollout, set_sink
+from pipeline.sdk import emit_reward, rollout, set_sink
 from pipeline.session import SessionPlan, TrainingSession
 from pipeline.tasks import PacedQueue, grouped_tasks
 
@@ -100,7 +100,9 @@ async def evaluate(tasks: list[dict], proxy_url: str, server_url: str, started: 
 
     async def one(task: dict) -> float:
         async with rollout(EVAL_AGENT, task_id=task["id"], proxy_url=proxy_url) as state:
-            return await arithmetic.solve(task, state, temperature=0.0)
+            reward = await arithmetic.solve(task, state, temperature=0.0)
+            emit_reward(reward)  # so held-out accuracy per policy version is queryable too
+            return reward
 
     rewards = await asyncio.gather(*(one(task) for task in tasks))
     correct = int(sum(rewards))

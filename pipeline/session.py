@@ -21,6 +21,7 @@ from pathlib import Path
 from infra.config import Config, dump_toml
 from infra.processes import free_port, wait_for_port
 from infra.stack import Endpoints
+from pipeline.models import model_display_name
 
 
 class ChildFailed(RuntimeError):
@@ -121,7 +122,7 @@ class TrainingSession:
         self._start("proxy", ["proxy", "--upstream", self.server_url, "--port", self.proxy_url.rsplit(":", 1)[1]])
         self._start("streams", ["streams", "--loglevel", "warning"])
         self._start("trainer", ["train-worker"], self.config.trainer.threads)
-        trained = self.config.trainer.model_name or served_name(self.plan.model)
+        trained = self.config.trainer.model_name or model_display_name(self.plan.model)
         self._start("hotswap", ["hotswap", "--server", self.server_url, "--model", trained])
         self.wait_until_healthy(self.server_url + "/health", "model-server", model_timeout_s)
         wait_for_port("127.0.0.1", int(self.proxy_url.rsplit(":", 1)[1]), 30)
@@ -137,7 +138,8 @@ class TrainingSession:
     def wait_until_healthy(self, url: str, name: str, timeout_s: float) -> None:
         deadline = time.monotonic() + timeout_s
         while True:
-            self.children[name].check() if name in self.children else None
+            if name in self.children:
+                self.children[name].check()
             try:
                 with urllib.request.urlopen(url, timeout=2):
                     return
@@ -160,8 +162,3 @@ class TrainingSession:
                 self.children[name].stop()
 
 
-def served_name(model_spec: str) -> str:
-    """The name the dev server serves a model spec under (its default served name)."""
-    from pipeline.models import model_display_name
-
-    return model_display_name(model_spec)
