@@ -16,9 +16,10 @@ from infra.stack import Endpoints, Stack
 VOCABULARY = 49152  # SmolLM2's
 
 
-def emit(bench: str, metric: str, value: float, unit: str, **extra: Any) -> None:
-    """One figure as a JSON line: {"bench", "metric", "value", "unit", ...}."""
-    print(json.dumps({"bench": bench, "metric": metric, "value": round(value, 3), "unit": unit, **extra}), flush=True)
+def emit(bench: str, metric: str, value: float | None, unit: str, **extra: Any) -> None:
+    """One figure as a JSON line: {"bench", "metric", "value", "unit", ...}; a figure not reached is null."""
+    print(json.dumps({"bench": bench, "metric": metric, "value": None if value is None else round(value, 3), "unit": unit,
+                      **extra}), flush=True)
 
 
 def percentile(values: list[float], q: float) -> float:

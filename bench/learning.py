@@ -104,7 +104,7 @@ def main() -> None:
         peer_result = peer_run(config)
     if peer_result is not None:
         peer, evaluations = peer_result
-        emit("learning", "peer_time_to_85pct_s", peer if peer is not None else float("nan"), "s",
+        emit("learning", "peer_time_to_85pct_s", peer, "s",
              reached=peer is not None, heldout_before=evaluations[0][2], heldout_after=evaluations[-1][2],
              policy_versions=evaluations[-1][1], peer="plain synchronous generate-then-train loop")
     if report is not None:
@@ -112,7 +112,7 @@ def main() -> None:
         extra = {}
         if peer_result is not None and peer_result[0] is not None and ours is not None:
             extra = {"peer": peer_result[0], "ratio": round(ours / peer_result[0], 3)}
-        emit("learning", "time_to_85pct_s", ours if ours is not None else float("nan"), "s", reached=ours is not None,
+        emit("learning", "time_to_85pct_s", ours, "s", reached=ours is not None,
              heldout_before=report.heldout_before, heldout_after=report.heldout_after,
              policy_versions=report.policy_versions, **extra)
 
