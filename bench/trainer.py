@@ -33,11 +33,10 @@ from dataclasses import replace
 
 import aiohttp
 from aiokafka import AIOKafkaConsumer, AIOKafkaProducer
-from aiokafka.admin import AIOKafkaAdminClient
 
 from infra.clickhouse import connect, migrate
 from infra.config import Config, TrainerConfig, load_config
-from infra.kafka import client_options, ensure_topics, product_topics, topic_name
+from infra.kafka import client_options, create_topics, topic_name
 from infra.processes import free_port
 from infra.stack import Stack
 from schemas import TRANSITION, AvroCodec
@@ -89,15 +88,6 @@ async def from_memory(settings: TrainerConfig, records: list[dict]) -> tuple[flo
     wall = time.perf_counter() - started
     model_thread.shutdown()
     return tokens / wall, stepping / wall
-
-
-async def create_topics(config: Config, bootstrap: str) -> None:
-    admin = AIOKafkaAdminClient(**client_options(config.kafka, bootstrap))
-    await admin.start()
-    try:
-        await ensure_topics(admin, product_topics(config.topics))
-    finally:
-        await admin.close()
 
 
 async def from_kafka(config: Config, bootstrap: str, metrics: MetricsWriter,

@@ -145,3 +145,14 @@ async def wait_for_broker(options: dict[str, Any], timeout_s: float) -> None:
 
 def admin_client(config: Config, bootstrap_servers: str) -> AIOKafkaAdminClient:
     return AIOKafkaAdminClient(**client_options(config.kafka, bootstrap_servers))
+
+
+async def create_topics(config: Config, bootstrap_servers: str, specs: list[TopicSpec] | None = None) -> list[str]:
+    """Create the missing topics among ``specs`` (default: the product topics); returns the names created."""
+    admin = admin_client(config, bootstrap_servers)
+    await admin.start()
+    try:
+        return await ensure_topics(admin, product_topics(config.topics) if specs is None else specs,
+                                   config.topics.replication_factor)
+    finally:
+        await admin.close()

@@ -18,9 +18,8 @@ from infra.kafka import (
     admin_client,
     client_options,
     consumer_groups,
-    ensure_topics,
+    create_topics,
     message_counts,
-    product_topics,
     topic_partitions,
     wait_for_broker,
 )
@@ -104,13 +103,7 @@ class Stack:
     async def _prepare_kafka(self, endpoints: Endpoints, timeout_s: float) -> list[str]:
         options = client_options(self.config.kafka, endpoints.bootstrap_servers)
         await wait_for_broker(options, timeout_s)
-        admin = admin_client(self.config, endpoints.bootstrap_servers)
-        await admin.start()
-        try:
-            specs = product_topics(self.config.topics)
-            return await ensure_topics(admin, specs, self.config.topics.replication_factor)
-        finally:
-            await admin.close()
+        return await create_topics(self.config, endpoints.bootstrap_servers)
 
     def status(self) -> StackStatus:
         endpoints = self.endpoints()

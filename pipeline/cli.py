@@ -421,7 +421,7 @@ def train_worker_command(ctx: click.Context, model_spec: str | None, max_steps: 
     import uvloop
 
     from infra.clickhouse import migrate, wait_for_clickhouse
-    from infra.kafka import admin_client, ensure_topics, product_topics
+    from infra.kafka import create_topics
 
     try:
         from trainer.checkpoints import CheckpointError
@@ -439,12 +439,7 @@ def train_worker_command(ctx: click.Context, model_spec: str | None, max_steps: 
     migrate(client, database)
 
     async def serve() -> None:
-        admin = admin_client(config, endpoints.bootstrap_servers)
-        await admin.start()
-        try:
-            await ensure_topics(admin, product_topics(config.topics), config.topics.replication_factor)
-        finally:
-            await admin.close()
+        await create_topics(config, endpoints.bootstrap_servers)
         worker = TrainerWorker(config, endpoints.bootstrap_servers, metrics=MetricsWriter(client, database),
                                progress=click.echo)
         stop = asyncio.Event()

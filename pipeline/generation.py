@@ -215,8 +215,10 @@ def generate_batch(model: torch.nn.Module, tokenizer: Any, requests: Sequence[Ba
         logits, mask, next_position = logits[expand], mask[expand], next_position[expand]
         while owner:
             ids = torch.empty(len(owner), dtype=torch.long)
-            for number in sorted(set(owner)):
-                rows = [row for row, o in enumerate(owner) if o == number]
+            rows_of: dict[int, list[int]] = {}
+            for row, number in enumerate(owner):
+                rows_of.setdefault(number, []).append(row)
+            for number, rows in rows_of.items():
                 request = requests[number]
                 chosen, logprobs = sample(logits[rows], request.params, generators[number])
                 ids[rows] = chosen
@@ -224,7 +226,7 @@ def generate_batch(model: torch.nn.Module, tokenizer: Any, requests: Sequence[Ba
                            else [None] * len(rows))
                 request.emit([states[number][index[row]].append(token_id, entry)
                               for row, token_id, entry in zip(rows, chosen.tolist(), entries)])
-            stopped = {number for number in set(owner) if requests[number].cancelled()}
+            stopped = {number for number in rows_of if requests[number].cancelled()}
             keep = [row for row, number in enumerate(owner)
                     if number not in stopped and not states[number][index[row]].finished]
             if not keep:

@@ -13,11 +13,10 @@ import logging
 
 import faust
 from aiokafka import AIOKafkaProducer
-from aiokafka.admin import AIOKafkaAdminClient
 from mode.supervisors import CrashingSupervisor
 
 from infra.config import Config
-from infra.kafka import TopicSpec, client_options, ensure_topics, topic_name
+from infra.kafka import TopicSpec, client_options, create_topics, topic_name
 from streams.groups import GroupProcessor
 from streams.processor import SpanProcessor
 from streams.records import RawRecord
@@ -75,12 +74,7 @@ def internal_topics(config: Config) -> list[TopicSpec]:
 
 
 async def prepare_topics(config: Config, bootstrap_servers: str) -> None:
-    admin = AIOKafkaAdminClient(**client_options(config.kafka, bootstrap_servers))
-    await admin.start()
-    try:
-        await ensure_topics(admin, internal_topics(config), config.topics.replication_factor)
-    finally:
-        await admin.close()
+    await create_topics(config, bootstrap_servers, internal_topics(config))
 
 
 def _records(events) -> list[RawRecord]:

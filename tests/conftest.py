@@ -8,11 +8,10 @@ from dataclasses import replace
 from pathlib import Path
 
 import pytest
-from aiokafka.admin import AIOKafkaAdminClient
 
 from infra.clickhouse import connect
 from infra.config import Config, load_config
-from infra.kafka import client_options, ensure_topics, product_topics
+from infra.kafka import client_options, create_topics
 from infra.processes import free_port
 from infra.stack import Endpoints, Stack
 from pipeline.publisher import SpanPublisher
@@ -71,16 +70,7 @@ def topics_config(stack_config: Config, unique_prefix: str) -> Config:
 @pytest.fixture
 def publisher(topics_config, stack, tmp_path, kafka_options):
     """A real SpanPublisher on this test's own topics, installed as the SDK's sink."""
-
-    async def create():
-        admin = AIOKafkaAdminClient(**kafka_options)
-        await admin.start()
-        try:
-            await ensure_topics(admin, product_topics(topics_config.topics))
-        finally:
-            await admin.close()
-
-    asyncio.run(create())
+    asyncio.run(create_topics(topics_config, stack.bootstrap_servers))
     with SpanPublisher(topics_config, stack.bootstrap_servers, journal_dir=tmp_path / "journal") as running:
         set_sink(running)
         yield running

@@ -5,55 +5,55 @@ from __future__ import annotations
 import asyncio
 import os
 import signal
-import subprocess
-import sys
 import time
 from pathlib import Path
 
 from aiokafka import AIOKafkaProducer
-from aiokafka.admin import AIOKafkaAdminClient
 
-from infra.kafka import ensure_topics, product_topics
+from infra import kafka
 from infra.config import load_config
+from pipeline.session import Child
 from schemas import ROLLOUT_EVENT, AvroCodec
 
 CODEC = AvroCodec()
 
 
-class Worker:
-    """One streams worker process with its own log file."""
+class CliProcess(Child):
+    """An `agentstream` command in a subprocess (the product's Child), with the waits and kills tests need."""
+
+    def __init__(self, args: list[str], env: dict, log_path: Path) -> None:
+        super().__init__(args[0], args, env, log_path)
+
+    def log(self) -> str:
+        return self.log_path.read_text(errors="replace")
+
+    def wait_for(self, text: str, timeout_s: float = 60.0) -> None:
+        deadline = time.monotonic() + timeout_s
+        while text not in self.log():
+            assert self.process.poll() is None, self.log()[-3000:]
+            assert time.monotonic() < deadline, f"no {text!r} in:\n{self.log()[-3000:]}"
+            time.sleep(0.1)
+
+    def kill(self) -> None:
+        self.process.send_signal(signal.SIGKILL)
+        self.process.wait()
+
+
+class Worker(CliProcess):
+    """One streams worker process with its own log file; ``start`` returns once it is ready."""
 
     def __init__(self, env: dict, log_path: Path) -> None:
-        self.env, self.log_path = env, log_path
-        self.process: subprocess.Popen | None = None
+        super().__init__(["streams"], env, log_path)
 
     def start(self, timeout_s: float = 60.0) -> Worker:
-        self._log = open(self.log_path, "ab")
-        offset = self.log_path.stat().st_size
-        self.process = subprocess.Popen([sys.executable, "-m", "pipeline", "streams"], env=self.env,
-                                        stdout=self._log, stderr=subprocess.STDOUT)
+        offset = self.log_path.stat().st_size if self.log_path.exists() else 0
+        super().start()
         deadline = time.monotonic() + timeout_s
         while b"Worker]: Ready" not in self.log_path.read_bytes()[offset:]:
             assert self.process.poll() is None, self.log()
             assert time.monotonic() < deadline, "worker did not become ready:\n" + self.log()[-3000:]
             time.sleep(0.2)
         return self
-
-    def log(self) -> str:
-        return self.log_path.read_text(errors="replace")
-
-    def kill(self) -> None:
-        self.process.send_signal(signal.SIGKILL)
-        self.process.wait()
-
-    def stop(self) -> None:
-        if self.process and self.process.poll() is None:
-            self.process.terminate()
-            try:
-                self.process.wait(30)
-            except subprocess.TimeoutExpired:
-                self.kill()
-        self._log.close()
 
 
 def worker_env(tmp_path: Path, stack, prefix: str, database: str, toml: str = "") -> dict:
@@ -68,16 +68,7 @@ def worker_env(tmp_path: Path, stack, prefix: str, database: str, toml: str = ""
 
 def create_topics(env: dict) -> None:
     config = load_config(environ=env)
-
-    async def go():
-        admin = AIOKafkaAdminClient(bootstrap_servers=config.kafka.bootstrap_servers)
-        await admin.start()
-        try:
-            await ensure_topics(admin, product_topics(config.topics))
-        finally:
-            await admin.close()
-
-    asyncio.run(go())
+    asyncio.run(kafka.create_topics(config, config.kafka.bootstrap_servers))
 
 
 def now_us() -> int:

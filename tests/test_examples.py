@@ -41,8 +41,13 @@ from pipeline.sdk import Rollout
 from pipeline.tasks import enqueue, grouped_tasks, read_task_file
 from tests.readback import read_topic
 from tests.servers import ServerThread, scripted
-from tests.streams_harness import Worker, create_topics, wait_for, worker_env
-from tests.test_trainer_worker import CliProcess
+from tests.streams_harness import (
+    CliProcess,
+    Worker,
+    create_topics,
+    wait_for,
+    worker_env,
+)
 
 AGENTS = {"arithmetic": "examples.arithmetic:solve", "calculator": "examples.calculator_agent:solve",
           "langchain": "examples.langchain_agent:solve"}

@@ -17,11 +17,11 @@ from typing import Any
 
 import pytest
 from aiokafka import AIOKafkaConsumer
-from aiokafka.admin import AIOKafkaAdminClient
 
+from infra import kafka
 from infra.broker import find_tansu, tansu_command
 from infra.config import Config
-from infra.kafka import client_options, ensure_topics, product_topics, topic_name
+from infra.kafka import client_options, topic_name
 from infra.processes import free_port, wait_for_port
 from pipeline.publisher import Journal, PublisherClosed, SpanPublisher, _Record
 from schemas import AvroCodec, EncodeError
@@ -94,15 +94,7 @@ def read_spans_topic(options: dict, topic: str, at_least: int, timeout_s: float 
 
 
 def create_topics(config: Config, bootstrap: str) -> None:
-    async def create() -> None:
-        admin = AIOKafkaAdminClient(**client_options(config.kafka, bootstrap))
-        await admin.start()
-        try:
-            await ensure_topics(admin, product_topics(config.topics))
-        finally:
-            await admin.close()
-
-    asyncio.run(create())
+    asyncio.run(kafka.create_topics(config, bootstrap))
 
 
 class PrivateBroker:

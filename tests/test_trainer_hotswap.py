@@ -13,11 +13,11 @@ import torch
 from aiohttp import web
 
 from infra.config import TrainerConfig
+from infra.kafka import create_topics
 from infra.processes import free_port
 from pipeline.hotswap import HotSwapError, HotSwapper, Swap, adapter_name
 from pipeline.model_server import SERVER, create_app
 from pipeline.models import load_model, teacher_forced_logprobs
-from tests.test_trainer_worker import create_topics
 from trainer.batching import Batch, Counts, Sample
 from trainer.checkpoints import CheckpointAnnouncer, open_store, write_checkpoint
 from trainer.policy import build_policy, save_weights
@@ -80,7 +80,7 @@ def swap_setup(topics_config, tmp_path, kafka_options, stack):
     name = f"tiny-{uuid.uuid4().hex[:8]}"
     trainer = TrainerConfig(model="tiny", model_name=name, device="cpu", threads=1, lr=5e-2, grad_clip=1e9)
     config = replace(topics_config, trainer=trainer)
-    asyncio.run(create_topics(kafka_options, config))
+    asyncio.run(create_topics(config, stack.bootstrap_servers))
     return config, name, open_store(str(tmp_path / "checkpoints"))
 
 

@@ -19,8 +19,7 @@ import uuid
 from infra.config import load_config
 from infra.processes import free_port
 from pipeline.tasks import enqueue, grouped_tasks
-from tests.streams_harness import Worker, create_topics, worker_env
-from tests.test_trainer_worker import CliProcess
+from tests.streams_harness import CliProcess, Worker, create_topics, worker_env
 
 MAX_TOKENS = 12
 GROUP_SIZE = 8

@@ -3,22 +3,17 @@
 from __future__ import annotations
 
 import asyncio
-import signal
-import subprocess
-import sys
 import time
 import uuid
 from dataclasses import replace
-from pathlib import Path
 
 import pytest
 from aiokafka import AIOKafkaConsumer, AIOKafkaProducer, TopicPartition
-from aiokafka.admin import AIOKafkaAdminClient
 
 from infra.config import Config, TrainerConfig
-from infra.kafka import ensure_topics, product_topics, topic_name
+from infra.kafka import create_topics, topic_name
 from schemas import CHECKPOINT, TRANSITION, TRANSITION_BATCH, AvroCodec
-from tests.streams_harness import worker_env
+from tests.streams_harness import CliProcess, worker_env
 from trainer.checkpoints import manifests, open_store
 from trainer.metrics import MetricsWriter
 from trainer.worker import TrainerWorker
@@ -52,15 +47,6 @@ async def produce(options: dict, topic: str, records: list[dict], *, as_batch: b
         await producer.stop()
 
 
-async def create_topics(options: dict, config: Config) -> None:
-    admin = AIOKafkaAdminClient(**options)
-    await admin.start()
-    try:
-        await ensure_topics(admin, product_topics(config.topics))
-    finally:
-        await admin.close()
-
-
 async def checkpoint_events(options: dict, config: Config) -> list[tuple[str, dict]]:
     topic = topic_name(config.topics, "checkpoints")
     consumer = AIOKafkaConsumer(topic, **options, group_id=None, auto_offset_reset="earliest", enable_auto_commit=False)
@@ -83,13 +69,13 @@ async def until(check, timeout_s: float = 60.0) -> None:
 
 
 @pytest.fixture
-def trainer_setup(topics_config, tmp_path, kafka_options):
+def trainer_setup(topics_config, tmp_path, stack):
     model = f"tiny-{uuid.uuid4().hex[:8]}"
     trainer = TrainerConfig(model="tiny", model_name=model, device="cpu", threads=1, lr=1e-3, batch_transitions=4,
                             batch_tokens=0, batch_wait_s=60, max_policy_lag=0, checkpoint_dir=str(tmp_path / "ckpt"),
                             session_timeout_s=3)
     config = replace(topics_config, trainer=trainer, stack=replace(topics_config.stack, home=tmp_path))
-    asyncio.run(create_topics(kafka_options, config))
+    asyncio.run(create_topics(config, stack.bootstrap_servers))
     return config, model
 
 
@@ -185,45 +171,6 @@ session_timeout_s = 3
 """
 
 
-class CliProcess:
-    """An `agentstream` command in a subprocess, with its output in a log file."""
-
-    def __init__(self, args: list[str], env: dict, log_path: Path) -> None:
-        self.args, self.env, self.log_path = args, env, log_path
-        self.process: subprocess.Popen | None = None
-
-    def start(self) -> CliProcess:
-        self._log = open(self.log_path, "ab")
-        self.process = subprocess.Popen([sys.executable, "-m", "pipeline", *self.args], env=self.env,
-                                        stdout=self._log, stderr=subprocess.STDOUT)
-        return self
-
-    def log(self) -> str:
-        return self.log_path.read_text(errors="replace")
-
-    def wait_for(self, text: str, timeout_s: float = 60.0) -> None:
-        deadline = time.monotonic() + timeout_s
-        while text not in self.log():
-            assert self.process.poll() is None, self.log()[-3000:]
-            assert time.monotonic() < deadline, f"no {text!r} in:\n{self.log()[-3000:]}"
-            time.sleep(0.1)
-
-    def kill(self) -> None:
-        self.process.send_signal(signal.SIGKILL)
-        self.process.wait()
-        self._log.close()
-
-    def stop(self) -> None:
-        if self.process.poll() is None:
-            self.process.terminate()
-            try:
-                self.process.wait(30)
-            except subprocess.TimeoutExpired:
-                self.process.kill()
-                self.process.wait()
-        self._log.close()
-
-
 def test_a_killed_trainer_resumes_from_its_checkpoint_and_trains_no_transition_twice(
         topics_config, stack, kafka_options, tmp_path, clickhouse, stack_config):
     model = f"tiny-crash-{uuid.uuid4().hex[:6]}"
@@ -231,7 +178,7 @@ def test_a_killed_trainer_resumes_from_its_checkpoint_and_trains_no_transition_t
     checkpoints = tmp_path / "checkpoints"
     env = worker_env(tmp_path, stack, topics_config.topics.prefix, database,
                   CRASH_CONFIG.format(model=model, checkpoints=checkpoints))
-    asyncio.run(create_topics(kafka_options, topics_config))
+    asyncio.run(create_topics(topics_config, stack.bootstrap_servers))
     topic = topic_name(topics_config.topics, "transitions")
     records = [transition(f"t{i:02d}", model, advantage=(-1.0) ** i) for i in range(40)]
 
