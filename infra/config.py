@@ -112,6 +112,8 @@ class StreamsConfig:
     reward_expiry_s: float = 24 * 3600.0
     clickhouse_retry_max_s: float = 10.0
     session_timeout_s: float = 10.0
+    fetch_max_wait_ms: int = 50  # tansu answers a fetch only after this wait when it had nothing at first
+    store_interval_s: float = 0.5  # rollouts and transitions rows are written to ClickHouse this often
 
 
 @dataclass(frozen=True)

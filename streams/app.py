@@ -1,9 +1,11 @@
 """The faust-streaming worker: two agents (spans, groups) wired to their processors, plus timers.
 
 Each agent is a function from its input topic to output topics; the processors hold the
-logic and the state. Offsets follow faust's acknowledgements: a record is acknowledged when
-its batch is processed, except the records a processor holds (the first record of every open
-rollout or pending group), which are acknowledged when what they started is written out.
+logic and the state. A batch is ingested (read, written to ClickHouse) outside the state lock,
+so ticks that complete earlier rollouts do not wait for it, then applied to the state under
+it. Offsets follow faust's acknowledgements: a record is acknowledged when its batch is
+applied, except the records a processor holds (the first record of every open rollout or
+pending group), which are acknowledged when what they started is written out.
 """
 
 from __future__ import annotations
@@ -20,6 +22,8 @@ from infra.kafka import TopicSpec, client_options, create_topics, topic_name
 from streams.groups import GroupProcessor
 from streams.processor import SpanProcessor
 from streams.records import RawRecord
+from streams.sink import CompletionSink
+from streams.transport import ShortFetchTransport
 from streams.warehouse import Warehouse
 
 log = logging.getLogger("agentstream.streams")
@@ -105,13 +109,17 @@ def create_app(config: Config, bootstrap_servers: str, clickhouse_url: str) -> f
         topic_replication_factor=config.topics.replication_factor, web_enabled=False, store="memory://",
         stream_wait_empty=False, broker_commit_every=1000, broker_commit_interval=0.5, producer_acks=-1,
     )
+    app.transport = ShortFetchTransport(app.conf.broker_consumer, app, fetch_max_wait_ms=settings.fetch_max_wait_ms)
     options = client_options(config.kafka, bootstrap_servers)
     emitter = KafkaEmitter(options)
     holder = FaustHolder()
-    spans = SpanProcessor(config, Warehouse(config.clickhouse, clickhouse_url,
-                                            retry_max_s=settings.clickhouse_retry_max_s), emitter, holder)
-    groups = GroupProcessor(config, Warehouse(config.clickhouse, clickhouse_url,
-                                              retry_max_s=settings.clickhouse_retry_max_s), emitter, holder)
+
+    def warehouse() -> Warehouse:
+        return Warehouse(config.clickhouse, clickhouse_url, retry_max_s=settings.clickhouse_retry_max_s)
+
+    sink = CompletionSink(warehouse(), config.clickhouse.database, holder, settings.store_interval_s)
+    spans = SpanProcessor(config, warehouse(), warehouse(), emitter, holder, sink)
+    groups = GroupProcessor(config, emitter, holder, sink)
     app.processors = {"spans": spans, "groups": groups}  # for introspection in tests and status
     lock = asyncio.Lock()
 
@@ -123,14 +131,19 @@ def create_app(config: Config, bootstrap_servers: str, clickhouse_url: str) -> f
         async with lock:
             await spans.restore()
 
+    @app.task
+    async def store_completions() -> None:
+        await sink.run()
+
     def consume(topic, processor) -> None:
         """An agent that feeds ``topic`` to ``processor`` in batches; a crash stops the worker, which then replays."""
 
         async def agent(stream):
             async for events in stream.take_events(settings.batch_max_records, within=settings.batch_within_s):
+                batch = processor.read(_records(events))
                 async with lock:
-                    await processor.process(_records(events))
-                    await processor.tick()
+                    processor.apply(batch)
+                await processor.ingest(batch)
 
         agent.__name__ = agent.__qualname__ = f"{topic.get_topic_name()}-agent"
         app.agent(topic, supervisor_strategy=CrashingSupervisor)(agent)
@@ -153,8 +166,9 @@ def create_app(config: Config, bootstrap_servers: str, clickhouse_url: str) -> f
                  counters.rollouts_awaiting_reward, counters.rollouts_expired, counters.transitions + groups.counters.transitions,
                  counters.calls_without_tokens, counters.dead_letters, groups.groups_credited,
                  groups.groups_uninformative)
+        spent = {**spans.span_writes.seconds, **spans.reads.seconds, **sink.warehouse.seconds}
         timings = ", ".join(f"{what} {calls} x {1000 * seconds / max(calls, 1):.0f} ms"
-                            for what, (calls, seconds) in spans.warehouse.seconds.items())
+                            for what, (calls, seconds) in spent.items())
         log.info("ClickHouse calls: %s", timings)
 
     @app.on_partitions_assigned.connect

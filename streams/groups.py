@@ -1,7 +1,7 @@
 """The group processor: gathers GRPO groups from the groups topic and credits each group at once.
 
 Completed rollouts that belong to a group arrive keyed by group id, so one worker sees a whole
-group. A group is credited when ``group_size`` members arrived or ``group_timeout_s`` after its
+group; each carries its transitions as drafts, which get their advantage here. A group is credited when ``group_size`` members arrived or ``group_timeout_s`` after its
 first one (stragglers are left out). A group whose rewards are all equal carries no learning
 signal: it is counted and skipped. The first record of every pending group is held, so a crash
 replays the group.
@@ -17,10 +17,10 @@ from dataclasses import dataclass, field
 from infra.config import Config, CreditRule
 from schemas import AvroCodec, CodecError
 from streams.credit import GroupNormalized, matching_rule
-from streams.processor import Emitter, Holder, Stage, publish_transitions, read_spans
+from streams.processor import Emitter, Holder, Stage, now_us, publish_transitions
 from streams.records import RawRecord
-from streams.trajectory import assemble
-from streams.warehouse import Warehouse
+from streams.sink import Completion, CompletionSink
+from streams.transitions import Draft
 
 log = logging.getLogger("agentstream.streams.groups")
 
@@ -40,23 +40,29 @@ class PendingGroup:
 class GroupProcessor(Stage):
     """groups topic → transitions (advantages normalised within each group)."""
 
-    def __init__(self, config: Config, warehouse: Warehouse, emitter: Emitter, holder: Holder,
+    def __init__(self, config: Config, emitter: Emitter, holder: Holder, sink: CompletionSink,
                  codec: AvroCodec | None = None, clock: Callable[[], float] = time.monotonic) -> None:
-        super().__init__(config, warehouse, emitter, holder, codec, clock)
+        super().__init__(config, emitter, holder, sink, codec, clock)
         self.pending: dict[str, PendingGroup] = {}
         self.groups_credited = 0
         self.groups_uninformative = 0
         self.strategy = GroupNormalized()
 
-    async def process(self, records: list[RawRecord]) -> None:
-        now = self.clock()
+    def read(self, records: list[RawRecord]) -> list[tuple[RawRecord, dict]]:
+        """Decode a batch of group results."""
+        results = []
         for record in records:
             try:
-                _, result = self.codec.decode(record.value)
+                results.append((record, self.codec.decode(record.value)[1]))
             except CodecError as error:  # written by our own processor: a bad one is a bug worth a loud log
                 log.error("undecodable group record at %s[%d]@%d: %s", record.topic, record.partition, record.offset,
                           error)
-                continue
+        return results
+
+    def apply(self, results: list[tuple[RawRecord, dict]]) -> None:
+        """Add each result to its pending group, holding the first record of a new group."""
+        now = self.clock()
+        for record, result in results:
             group = self.pending.get(result["group_id"])
             if group is None:
                 rule = matching_rule(self.config.credit, result["agent_name"], "")
@@ -72,19 +78,19 @@ class GroupProcessor(Stage):
             return
         for group in due:
             del self.pending[group.group_id]
-        rollout_ids = [rid for group in due for rid in group.members]
-        spans = await read_spans(self.warehouse, self.database, rollout_ids)
-        credited = []
+        created = now_us()
+        datums = []
         for group in due:
-            trajectories = [assemble(rid, spans.get(rid, []), member["status"], member["attempt_id"])
-                            for rid, member in group.members.items()]
-            rewards = [t.final_reward or 0.0 for t in trajectories]
+            members = list(group.members.values())
+            rewards = [member["final_reward"] or 0.0 for member in members]
             if not self.strategy.informative(rewards):
                 self.groups_uninformative += 1
                 continue
             self.groups_credited += 1
-            credits = self.strategy.assign_group(trajectories)
-            credited.extend((t, credits[t.rollout_id], group.rule) for t in trajectories)
-        await publish_transitions(self, credited)
-        for group in due:
-            self.holder.release(group.held)
+            for member, reward, advantage in zip(members, rewards, self.strategy.advantages(rewards)):
+                for item in member["drafts"]:
+                    pending = Draft(item["model"], member["rollout_id"], item["head"])
+                    datums.append((pending, pending.complete(reward, reward, advantage, group.group_id, created)))
+        await publish_transitions(self, datums)
+        await self.sink.put(Completion(transitions=[datum for _, datum in datums],
+                                       release=[group.held for group in due]))

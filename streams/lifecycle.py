@@ -1,6 +1,7 @@
 """Rollout lifecycle state: which rollouts are open, when each one is complete, and which offsets it holds.
 
-The state is derived from the spans topic alone and is rebuilt by replay after a crash: the
+The state is derived from the spans topic alone and is rebuilt by replay after a crash: each
+open rollout keeps the spans it received (token arrays still Avro-encoded), and the
 first record of every open rollout is held (not acknowledged), so the committed offset never
 passes a rollout that has not been written out. Rollouts that wait hours for a late reward
 are persisted in ClickHouse (status AWAITING_REWARD) instead, so they do not hold offsets.
@@ -8,17 +9,18 @@ are persisted in ClickHouse (status AWAITING_REWARD) instead, so they do not hol
 
 from __future__ import annotations
 
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 from typing import Any
 
 from streams.records import RawRecord
+from streams.trajectory import SpanNode
 
 TERMINAL = {"SUCCEEDED", "FAILED", "TIMED_OUT", "CANCELLED"}
 
 
 @dataclass
 class OpenRollout:
-    """What the processor knows about a rollout before its spans are read back: attribution and timing."""
+    """An open rollout: the spans received so far, attribution and timing."""
 
     rollout_id: str
     held: RawRecord
@@ -29,6 +31,7 @@ class OpenRollout:
     terminal_at_s: float | None = None
     error: str | None = None
     managed: bool = False  # a runner or SDK rollout (it sent STARTED): silence means it died
+    spans: list[SpanNode] = field(default_factory=list)
 
     def due(self, now_s: float, grace_s: float, idle_timeout_s: float) -> bool:
         if self.terminal_at_s is not None:
@@ -53,9 +56,11 @@ class RolloutTracker:
         found.last_activity_s = now_s
         return found, False
 
-    def on_spans(self, rollout_id: str, record: RawRecord, now_s: float) -> bool:
-        """Record span activity; True when the caller must hold this record's offset."""
-        return self._touch(rollout_id, record, now_s)[1]
+    def on_spans(self, rollout_id: str, record: RawRecord, now_s: float, spans: list[SpanNode]) -> bool:
+        """Add a record's spans; True when the caller must hold this record's offset."""
+        rollout, holds = self._touch(rollout_id, record, now_s)
+        rollout.spans.extend(spans)
+        return holds
 
     def on_event(self, event: dict[str, Any], record: RawRecord, now_s: float) -> bool:
         """Apply a RolloutEvent; True when the caller must hold this record's offset."""

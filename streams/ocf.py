@@ -57,16 +57,15 @@ def _read_varint(data: bytes, position: int) -> tuple[int, int]:
         shift += 7
 
 
-def container_blocks(data: bytes) -> list[tuple[int, bytes]]:
-    """The blocks of a container file: how many datums each holds and their concatenated bytes.
+def read_container(data: bytes) -> tuple[dict[str, Any], list[tuple[int, bytes]]]:
+    """The writer schema of a container file and its blocks: how many datums each holds and their bytes.
 
-    Concatenated datums preceded by their count and followed by a zero are an Avro array: the
-    body of a batch record, built without decoding a single datum. The writer's sync interval
-    bounds a block's size, and so the size of the record made from it.
+    Concatenated datums preceded by their count and followed by a zero are an Avro array, so
+    a block becomes the body of a batch record without decoding a single datum.
     """
     if data[:4] != MAGIC:
         raise ContainerError("not an Avro object container file")
-    position, codec = 4, b"null"
+    position, metadata = 4, {}
     while True:
         count, position = _read_varint(data, position)
         if count == 0:
@@ -79,9 +78,9 @@ def container_blocks(data: bytes) -> list[tuple[int, bytes]]:
             key = data[position:position + key_length]
             position += key_length
             value_length, position = _read_varint(data, position)
-            if key == b"avro.codec":
-                codec = data[position:position + value_length]
+            metadata[key] = data[position:position + value_length]
             position += value_length
+    codec = metadata.get(b"avro.codec", b"null")
     if codec != b"null":
         raise ContainerError(f"container file is compressed with {codec.decode()}; ask for codec null")
     position += 16
@@ -91,4 +90,4 @@ def container_blocks(data: bytes) -> list[tuple[int, bytes]]:
         size, position = _read_varint(data, position)
         blocks.append((count, data[position:position + size]))
         position += size + 16
-    return blocks
+    return json.loads(metadata[b"avro.schema"]), blocks

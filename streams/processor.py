@@ -1,15 +1,21 @@
 """The span processor: the spans topic in; ClickHouse rows, transitions and group results out.
 
 Kafka Streams shape: ``process(records)`` consumes a batch of the spans topic and ``tick(now)``
-fires on a timer; both write to the outputs and update explicit state (:class:`RolloutTracker`
-plus the rollouts waiting for a late reward). Nothing is acknowledged before what it produced
-is in ClickHouse and on Kafka, so a crash replays and deterministic ids make the replay harmless.
+fires on a timer; both write to the outputs and update explicit state (:class:`RolloutTracker`,
+which keeps every open rollout's spans, plus the rollouts waiting for a late reward). Nothing
+is acknowledged before what it produced is in ClickHouse and on Kafka, so a crash replays and
+deterministic ids make the replay harmless.
 
-    spans ─► spans_ingest (ClickHouse decodes the Avro: spans, rollout_spans)
-          ─► rollout lifecycle ─► trajectory ─► credit ─┬► transitions topic + table
-                                                        ├► rollouts table
-                                                        └► groups topic (grpo, keyed by group)
+    spans ─► spans_ingest (ClickHouse decodes the Avro into `spans`)
+          ─► span reader (scalars; token arrays kept encoded) ─► rollout lifecycle
+          ─► trajectory ─► credit ─┬► transitions topic, then the transitions table
+                                   ├► rollouts table
+                                   └► groups topic (grpo, keyed by group, with transition drafts)
     undecodable records ─► dlq topic
+
+A rollout completed by its end event is assembled from memory. One completed by silence (it
+may have been reopened by a span that came after it was written out) and one whose late
+reward arrived are assembled from the `spans` table, which holds every span it ever had.
 """
 
 from __future__ import annotations
@@ -17,31 +23,25 @@ from __future__ import annotations
 import datetime
 import logging
 import time
-import uuid
 from collections.abc import Callable
 from dataclasses import dataclass
 from typing import Any, Protocol
 
 from infra.config import Config
 from infra.kafka import topic_name
-from schemas import DEAD_LETTER, ROLLOUT_RESULT, TRANSITION_BATCH, AvroCodec
+from schemas import DEAD_LETTER, ROLLOUT_RESULT, AvroCodec
 from streams.credit import Credit, matching_rule, strategy_for
 from streams.lifecycle import OpenRollout, RolloutTracker
-from streams.ocf import container_blocks, container_file, varint
+from streams.ocf import container_file, read_container
 from streams.records import RawRecord, sort_records
-from streams.trajectory import SpanNode, Trajectory, assemble, span_node
-from streams.transitions import transition_id
+from streams.sink import ROLLOUT_COLUMNS, Completion, CompletionSink
+from streams.spanreader import MalformedSpan, SpanReader
+from streams.trajectory import SpanNode, Trajectory, assemble
+from streams.transitions import Draft, batch_records, draft
 from streams.warehouse import RejectedData, Warehouse
 
 log = logging.getLogger("agentstream.streams")
 
-ROLLOUT_COLUMNS = (
-    "rollout_id", "attempt_id", "task_id", "group_id", "agent_name", "model", "status", "start_time", "end_time",
-    "span_count", "llm_calls", "llm_calls_without_tokens", "final_reward", "total_reward", "reward_dimensions",
-    "policy_versions", "updated_at",
-)
-SPAN_FIELDS = ("rollout_id, attempt_id, span_id, parent_id, name, kind, start_us, end_us, status, agent_name, "
-               "task_id, group_id, model, policy_version, has_token_ids, reward, reward_dimensions")
 FAILED_STATUSES = {"FAILED", "TIMED_OUT", "CANCELLED"}
 
 
@@ -102,35 +102,56 @@ def now_us() -> int:
 class Stage:
     """What every processor stage shares: configuration, its outputs, its offset holder and counters."""
 
-    def __init__(self, config: Config, warehouse: Warehouse, emitter: Emitter, holder: Holder,
+    def __init__(self, config: Config, emitter: Emitter, holder: Holder, sink: CompletionSink,
                  codec: AvroCodec | None = None, clock: Callable[[], float] = time.monotonic) -> None:
         self.config = config
-        self.warehouse = warehouse
         self.emitter = emitter
         self.holder = holder
+        self.sink = sink
         self.codec = codec or AvroCodec()
         self.clock = clock
         self.database = config.clickhouse.database
         self.transitions_topic = topic_name(config.topics, "transitions")
         self.counters = Counters()
 
+    async def ingest(self, batch: Any) -> None:
+        """Store what a read batch carries, outside the state lock (nothing, unless a stage says otherwise)."""
+
+
+@dataclass
+class SpanBatch:
+    """A batch of the spans topic, read: each record's spans (token arrays still encoded), events, dead letters."""
+
+    spans: dict[int, list[tuple[RawRecord, bytes, list[SpanNode]]]]  # by writer schema id
+    schemas: dict[int, dict]
+    events: list[tuple[RawRecord, dict[str, Any]]]
+    dead: list[tuple[RawRecord, Exception]]
+
 
 class SpanProcessor(Stage):
-    """spans topic → ClickHouse (spans, rollouts, transitions) + transitions/groups/dlq topics."""
+    """spans topic → ClickHouse (spans, rollouts, transitions) + transitions/groups/dlq topics.
 
-    def __init__(self, config: Config, warehouse: Warehouse, emitter: Emitter, holder: Holder,
-                 codec: AvroCodec | None = None, clock: Callable[[], float] = time.monotonic) -> None:
-        super().__init__(config, warehouse, emitter, holder, codec, clock)
+    ``reads`` serves ticks (restore, spans of rollouts assembled from storage), ``span_writes``
+    the span inserts; two connections, so neither waits for the other in this process.
+    """
+
+    def __init__(self, config: Config, reads: Warehouse, span_writes: Warehouse, emitter: Emitter, holder: Holder,
+                 sink: CompletionSink, codec: AvroCodec | None = None,
+                 clock: Callable[[], float] = time.monotonic) -> None:
+        super().__init__(config, emitter, holder, sink, codec, clock)
+        self.reads = reads
+        self.span_writes = span_writes
         self.tracker = RolloutTracker(config.streams.grace_s, config.streams.idle_timeout_s)
         self.awaiting: dict[str, Awaiting] = {}
         self.closed: set[str] = set()  # expired rollouts: a reward after expiry does not revive them
-        self.recheck: set[str] = set()
+        self.recheck: dict[str, list[SpanNode]] = {}  # awaiting rollouts that got new spans, and those spans
+        self.readers: dict[int, SpanReader] = {}
         self.groups_topic = topic_name(config.topics, "streams.groups")
         self.dlq_topic = topic_name(config.topics, "dlq")
 
     async def restore(self) -> None:
         """Load the rollouts that wait for a late reward (or expired) from ClickHouse: state a replay cannot rebuild."""
-        result = await self.warehouse.query(
+        result = await self.reads.query(
             f"SELECT {', '.join(ROLLOUT_COLUMNS)} FROM {self.database}.rollouts "
             "FINAL WHERE status IN ('AWAITING_REWARD', 'EXPIRED') "
             "AND updated_at > now64(6) - toIntervalSecond({horizon:UInt64})",
@@ -144,54 +165,80 @@ class SpanProcessor(Stage):
                 waited = wall - row[updated_at].timestamp()
                 self.awaiting[row[0]] = Awaiting(tuple(row), mono + self.config.streams.reward_expiry_s - waited)
 
-    async def process(self, records: list[RawRecord]) -> None:
-        """Ingest a batch: spans into ClickHouse, events into the lifecycle, bad records to the dead letter topic."""
-        now = self.clock()
+    def read(self, records: list[RawRecord]) -> SpanBatch:
+        """Sort a batch and read its spans; a record that cannot be read is set aside as a dead letter."""
         sorted_records = sort_records(records, self.codec)
+        spans: dict[int, list[tuple[RawRecord, bytes, list[SpanNode]]]] = {}
+        for schema_id, items in sorted_records.span_bodies.items():
+            reader = self._reader(schema_id, sorted_records.schemas[schema_id])
+            for record, body in items:
+                try:
+                    spans.setdefault(schema_id, []).append((record, body, reader.batch(body)))
+                except MalformedSpan as error:
+                    sorted_records.dead.append((record, error))
         self.counters.records += len(records)
-        good_spans = await self._ingest_spans(sorted_records.span_bodies, sorted_records.schemas, sorted_records.dead)
-        for record, error in sorted_records.dead:
-            await self._dead_letter(record, error)
-        for record in good_spans:
-            rollout_id = record.key.decode("utf-8", "replace")
-            self.counters.spans_records += 1
-            if rollout_id in self.awaiting:
-                self.recheck.add(rollout_id)
-            elif rollout_id not in self.closed and self.tracker.on_spans(rollout_id, record, now):
-                self.holder.hold(record)
-        for record, event in sorted_records.events:
+        return SpanBatch(spans, sorted_records.schemas, sorted_records.events, sorted_records.dead)
+
+    def apply(self, batch: SpanBatch) -> None:
+        """Take a read batch into the state: spans to their open rollouts, events to the lifecycle.
+
+        This comes before the batch is stored: a rollout may be completed (and its first record
+        released) meanwhile, but the batch's own records are acknowledged only after ``ingest``,
+        so no commit passes a span that is not in ClickHouse.
+        """
+        now = self.clock()
+        for read in batch.spans.values():
+            for record, _, nodes in read:
+                rollout_id = record.key.decode("utf-8", "replace")
+                self.counters.spans_records += 1
+                if rollout_id in self.awaiting:
+                    self.recheck.setdefault(rollout_id, []).extend(nodes)
+                elif rollout_id not in self.closed and self.tracker.on_spans(rollout_id, record, now, nodes):
+                    self.holder.hold(record)
+        for record, event in batch.events:
             self.counters.events += 1
             if event["rollout_id"] in self.closed:
                 continue
             self.awaiting.pop(event["rollout_id"], None)  # a new attempt supersedes the wait
+            self.recheck.pop(event["rollout_id"], None)
             if self.tracker.on_event(event, record, now):
                 self.holder.hold(record)
-        if sorted_records.dead:
+
+    async def ingest(self, batch: SpanBatch) -> None:
+        """Store a batch's spans in ClickHouse and send its dead letters; touches no state."""
+        await self._ingest_spans(batch.spans, batch.schemas, batch.dead)
+        for record, error in batch.dead:
+            await self._dead_letter(record, error)
+        if batch.dead:
             await self.emitter.flush()
 
-    async def _ingest_spans(self, bodies: dict[int, list[tuple[RawRecord, bytes]]], schemas: dict[int, dict],
-                            dead: list[tuple[RawRecord, Exception]]) -> list[RawRecord]:
-        accepted: list[RawRecord] = []
-        for schema_id, items in bodies.items():
+    def _reader(self, schema_id: int, schema: dict) -> SpanReader:
+        reader = self.readers.get(schema_id)
+        if reader is None:
+            reader = self.readers[schema_id] = SpanReader(schema)
+        return reader
+
+    async def _ingest_spans(self, spans: dict[int, list[tuple[RawRecord, bytes, list[SpanNode]]]],
+                            schemas: dict[int, dict], dead: list[tuple[RawRecord, Exception]]) -> None:
+        """Insert span bodies, one container file per writer schema."""
+        for schema_id, read in spans.items():
             try:
-                await self.warehouse.insert_container(f"{self.database}.spans_ingest",
-                                                      container_file(schemas[schema_id], [b for _, b in items]))
-                accepted.extend(record for record, _ in items)
+                await self.span_writes.insert_container(f"{self.database}.spans_ingest",
+                                                        container_file(schemas[schema_id], [b for _, b, _ in read]))
             except RejectedData:
-                accepted.extend(await self._ingest_one_by_one(items, schemas[schema_id], dead))
-        return accepted
+                await self._ingest_one_by_one([(record, body) for record, body, _ in read], schemas[schema_id], dead)
 
     async def _ingest_one_by_one(self, items: list[tuple[RawRecord, bytes]], schema: dict,
-                                 dead: list[tuple[RawRecord, Exception]]) -> list[RawRecord]:
-        """The slow path after ClickHouse refused a batch: find the records it refuses, dead-letter only those."""
-        accepted = []
+                                 dead: list[tuple[RawRecord, Exception]]) -> None:
+        """The slow path after ClickHouse refused a batch: find the records it refuses, dead-letter only those.
+
+        Their spans are already in the state; the transitions they lead to are kept (the dead
+        letter holds the record for whoever fixes what ClickHouse refused)."""
         for record, body in items:
             try:
-                await self.warehouse.insert_container(f"{self.database}.spans_ingest", container_file(schema, [body]))
-                accepted.append(record)
+                await self.span_writes.insert_container(f"{self.database}.spans_ingest", container_file(schema, [body]))
             except RejectedData as error:
                 dead.append((record, error))
-        return accepted
 
     async def _dead_letter(self, record: RawRecord, error: Exception) -> None:
         self.counters.dead_letters += 1
@@ -205,31 +252,31 @@ class SpanProcessor(Stage):
         """Complete the rollouts that are due, re-check the ones a late reward arrived for, expire the stale."""
         now = self.clock()
         due = self.tracker.pop_due(now)
-        rechecked = [self.recheck.pop() for _ in range(len(self.recheck))]
+        rechecked, self.recheck = self.recheck, {}
         expired = [rid for rid, waiting in self.awaiting.items() if waiting.expires_at_s <= now and rid not in rechecked]
         if not (due or rechecked or expired):
             return
-        spans = await read_spans(self.warehouse, self.database, [r.rollout_id for r in due] + rechecked)
+        stored_ids = [rollout.rollout_id for rollout in due if not rollout.managed] + list(rechecked)
+        stored = await read_stored_spans(self.reads, self.database, stored_ids) if stored_ids else {}
         rows: list[tuple] = []
-        finished: list[tuple[Trajectory, list[Credit], Any]] = []
+        finished: list[tuple[Trajectory, list[Credit] | None, Any]] = []
         for rollout in due:
-            status = self._status_of(rollout)
-            trajectory = assemble(rollout.rollout_id, spans.get(rollout.rollout_id, []), status, rollout.attempt_id,
+            spans = rollout.spans if rollout.managed else union(stored.get(rollout.rollout_id, []), rollout.spans)
+            trajectory = assemble(rollout.rollout_id, spans, self._status_of(rollout), rollout.attempt_id,
                                   rollout.error)
             rows.append(self._decide(trajectory, finished, now))
-        for rollout_id in rechecked:
+        for rollout_id, new_spans in rechecked.items():
             waiting = self.awaiting.pop(rollout_id)
-            trajectory = assemble(rollout_id, spans.get(rollout_id, []), "SUCCEEDED", waiting.attempt_id)
+            trajectory = assemble(rollout_id, union(stored.get(rollout_id, []), new_spans), "SUCCEEDED",
+                                  waiting.attempt_id)
             rows.append(self._decide(trajectory, finished, now))
         for rollout_id in expired:
             waiting = self.awaiting.pop(rollout_id)
             self.closed.add(rollout_id)
             self.counters.rollouts_expired += 1
             rows.append(self._expired_row(waiting.row))
-        await self._emit_transitions(finished)
-        await self.warehouse.insert_rows(f"{self.database}.rollouts", ROLLOUT_COLUMNS, rows)
-        for rollout in due:
-            self.holder.release(rollout.held)
+        datums = await self._emit_transitions(finished)
+        await self.sink.put(Completion(rows, datums, [rollout.held for rollout in due]))
 
     def _status_of(self, rollout: OpenRollout) -> str:
         if rollout.terminal:
@@ -237,7 +284,7 @@ class SpanProcessor(Stage):
         return "TIMED_OUT" if rollout.managed else "COMPLETED"
 
     def _decide(self, trajectory: Trajectory, finished: list, now: float) -> tuple:
-        """Route one assembled rollout: not trainable, waiting for a reward, grouped, or credited now."""
+        """Route one assembled rollout: not trainable, waiting for a reward, grouped (credits None), or credited now."""
         status = trajectory.status
         self.counters.calls_without_tokens += len(trajectory.llm_calls) - len(trajectory.trainable_calls)
         if status in FAILED_STATUSES or not trajectory.spans:
@@ -254,22 +301,29 @@ class SpanProcessor(Stage):
         if rule is None or not rule.train:
             self.counters.rollouts_not_selected += 1
         elif strategy_for(rule).grouped and trajectory.group_id:
-            finished.append((trajectory, [], rule))
+            finished.append((trajectory, None, rule))
         else:
             finished.append((trajectory, strategy_for(rule).assign(trajectory), rule))
         return self._rollout_row(trajectory, status)
 
-    async def _emit_transitions(self, finished: list[tuple[Trajectory, list[Credit], Any]]) -> None:
-        grouped = [(t, rule) for t, credits, rule in finished if not credits and strategy_for(rule).grouped]
-        for trajectory, _ in grouped:
+    async def _emit_transitions(self, finished: list[tuple[Trajectory, list[Credit] | None, Any]]) -> list[bytes]:
+        """Send the group results and the transitions to Kafka; returns the transitions for ClickHouse."""
+        created = now_us()
+        datums: list[tuple[Draft, bytes]] = []
+        for trajectory, credits, rule in finished:
+            if credits is not None:
+                group = trajectory.group_id or None
+                datums.extend((d, d.complete(c.reward, c.return_value, c.advantage, group, created))
+                              for d, c in zip(drafts(trajectory, rule), credits))
+                continue
             self.counters.group_results += 1
             await self.emitter.send(self.groups_topic, trajectory.group_id.encode(), self.codec.encode(ROLLOUT_RESULT, {
                 "rollout_id": trajectory.rollout_id, "attempt_id": trajectory.attempt_id,
                 "group_id": trajectory.group_id, "agent_name": trajectory.agent_name, "status": trajectory.status,
-                "final_reward": trajectory.final_reward, "completed_at_us": now_us()}))
-        credited = [(t, c, rule) for t, c, rule in finished if c]
-        await publish_transitions(self, credited)
-        await self.emitter.flush()
+                "final_reward": trajectory.final_reward, "completed_at_us": created,
+                "drafts": [{"model": d.model, "head": d.head} for d in drafts(trajectory, rule)]}))
+        await publish_transitions(self, datums)
+        return [datum for _, datum in datums]
 
     def _rollout_row(self, trajectory: Trajectory, status: str) -> tuple:
         calls = trajectory.llm_calls
@@ -290,77 +344,64 @@ class SpanProcessor(Stage):
         return tuple(expired)
 
 
-async def read_spans(warehouse: Warehouse, database: str, rollout_ids: list[str]) -> dict[str, list[SpanNode]]:
-    """The spans of these rollouts (every attempt), without token arrays, grouped by rollout id."""
-    if not rollout_ids:
-        return {}
-    result = await warehouse.query(
-        f"SELECT {SPAN_FIELDS} FROM {database}.rollout_spans FINAL WHERE rollout_id IN {{ids:Array(String)}}",
-        {"ids": rollout_ids})
+def drafts(trajectory: Trajectory, rule: Any) -> list[Draft]:
+    """A draft transition per trainable call, in call order, keyed by the model it trains."""
+    return [draft(trajectory.rollout_id, trajectory.attempt_id, trajectory.agent_name, rule.train_as or call.model,
+                  index, call)
+            for index, call in enumerate(trajectory.trainable_calls)]
+
+
+STORED_SPANS_SQL = """
+SELECT span_id, rollout_id, attempt_id, parent_id, name, kind, toUnixTimestamp64Micro(start_time) AS start_time_us,
+       toUnixTimestamp64Micro(end_time) AS end_time_us, status, agent_name, task_id, group_id, model,
+       prompt_token_ids, response_token_ids, response_logprobs, reward, reward_dimensions, policy_version
+FROM {database}.spans FINAL
+WHERE rollout_id IN {ids:Array(String)}
+FORMAT Avro
+"""
+# Rows named and typed like Span fields, so the span reader walks them; strings as Avro strings, not bytes.
+STORED_SPANS_SETTINGS = {"output_format_avro_codec": "null", "output_format_avro_string_column_pattern": ".*"}
+
+
+async def read_stored_spans(warehouse: Warehouse, database: str, rollout_ids: list[str]) -> dict[str, list[SpanNode]]:
+    """Every stored span of these rollouts (every attempt), token arrays still encoded, grouped by rollout id."""
+    container = await warehouse.call("stored spans", lambda client: client.raw_query(
+        STORED_SPANS_SQL.replace("{database}", database), parameters={"ids": rollout_ids},
+        settings=STORED_SPANS_SETTINGS))
     spans: dict[str, list[SpanNode]] = {}
-    for row in result.named_results():
-        spans.setdefault(row["rollout_id"], []).append(span_node(row))
+    if not container:
+        return spans
+    schema, blocks = read_container(container)
+    reader = SpanReader(schema)
+    for count, datums in blocks:
+        for node in reader.rows(count, datums):
+            spans.setdefault(node.rollout_id, []).append(node)
     return spans
 
 
-TRANSITIONS_SQL = """
-SELECT c.transition_id AS transition_id, c.rollout_id AS rollout_id, c.span_id AS span_id, c.agent_name AS agent_name,
-       c.model AS model, ifNull(s.policy_version, 0) AS policy_version, c.step_index AS step_index,
-       s.prompt_token_ids AS prompt_token_ids, s.response_token_ids AS response_token_ids,
-       s.response_logprobs AS behaviour_logprobs, c.reward AS reward, c.return_value AS return_value,
-       c.advantage AS advantage, c.group_id AS group_id, c.created_at_us AS created_at_us
-FROM {database}.credit_staging AS c
-INNER JOIN (SELECT rollout_id, span_id, policy_version, prompt_token_ids, response_token_ids, response_logprobs
-            FROM {database}.rollout_spans FINAL
-            WHERE rollout_id IN (SELECT rollout_id FROM {database}.credit_staging WHERE batch_id = {batch:String})
-              AND has_token_ids) AS s
-ON s.rollout_id = c.rollout_id AND s.span_id = c.span_id
-WHERE c.batch_id = {batch:String} AND c.model = {model:String}
-ORDER BY rollout_id, step_index
-"""
-STAGED_COLUMNS = ("batch_id", "transition_id", "rollout_id", "span_id", "agent_name", "model", "step_index", "reward",
-                  "return_value", "advantage", "group_id", "created_at_us")
-# Blocks of at most ~256 KB: each becomes one Kafka record, well under brokers' 1 MB default limit.
-AVRO_OUTPUT = {"output_format_avro_codec": "null", "output_format_avro_sync_interval": 256 * 1024}
+def union(stored: list[SpanNode], received: list[SpanNode]) -> list[SpanNode]:
+    """Spans from ClickHouse plus those received since that it may not hold yet, each (attempt, span id) once."""
+    seen = {(node.attempt_id, node.span_id) for node in stored}
+    return stored + [node for node in received if (node.attempt_id, node.span_id) not in seen]
 
 
-def staged_rows(batch: str, credited: list[tuple[Trajectory, list[Credit], Any]], created_us: int) -> list[tuple]:
-    """One credit_staging row per credited call: the scalars ClickHouse joins with the call's token ids."""
-    return [(batch, transition_id(trajectory.rollout_id, trajectory.attempt_id, credit.call.span_id),
-             trajectory.rollout_id, credit.call.span_id, trajectory.agent_name, rule.train_as or credit.call.model,
-             credit.step_index, credit.reward, credit.return_value, credit.advantage, trajectory.group_id or None,
-             created_us)
-            for trajectory, credits, rule in credited for credit in credits]
+async def publish_transitions(stage: Stage, datums: list[tuple[Draft, bytes]]) -> None:
+    """Send transitions as TransitionBatch records keyed by the model they train, and wait for the broker.
 
-
-async def publish_transitions(processor: Stage, credited: list[tuple[Trajectory, list[Credit], Any]]) -> None:
-    """Publish (one TransitionBatch per trained model, keyed by it) and store the transitions of credited trajectories.
-
-    ClickHouse joins the credit with the token ids it already holds and writes both the
-    transitions table and the Avro datums of the Kafka record: token arrays never pass
-    through Python here.
+    A record's ``agentstream-rollouts`` header names the rollouts it carries, for observers
+    that do not want to decode it.
     """
-    created = now_us()
-    batch = uuid.uuid4().hex
-    rows = staged_rows(batch, credited, created)
-    if not rows:
+    if not datums:
         return
-    database = processor.database
-    await processor.warehouse.insert_rows(f"{database}.credit_staging", STAGED_COLUMNS, rows)
-    select = TRANSITIONS_SQL.replace("{database}", database)
-    for model in sorted({row[5] for row in rows}):
-        parameters = {"batch": batch, "model": model}
-        container = await processor.warehouse.call("transitions", lambda client: client.raw_query(
-            select + " FORMAT Avro", parameters=parameters, settings=AVRO_OUTPUT))
-        count = 0
-        rollouts = ",".join(sorted({row[2] for row in rows if row[5] == model}))
-        for block_count, datums in container_blocks(container):
-            body = processor.codec.header(TRANSITION_BATCH) + varint(block_count) + datums + b"\x00"
-            await processor.emitter.send(processor.transitions_topic, model.encode(), body,
-                                         headers=[("agentstream-rollouts", rollouts.encode())])
-            count += block_count
-        if count:
-            await processor.warehouse.insert_container(f"{database}.transitions_ingest", container)
-        processor.counters.transitions += count
-        processor.counters.calls_without_tokens += sum(1 for row in rows if row[5] == model) - count
-    await processor.emitter.flush()
+    by_model: dict[str, list[tuple[Draft, bytes]]] = {}
+    for item in datums:
+        by_model.setdefault(item[0].model, []).append(item)
+    for model, items in sorted(by_model.items()):
+        start = 0
+        for count, value in batch_records(stage.codec, [datum for _, datum in items]):
+            rollouts = ",".join(sorted({d.rollout_id for d, _ in items[start:start + count]}))
+            await stage.emitter.send(stage.transitions_topic, model.encode(), value,
+                                     headers=[("agentstream-rollouts", rollouts.encode())])
+            start += count
+    await stage.emitter.flush()
+    stage.counters.transitions += len(datums)

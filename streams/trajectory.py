@@ -3,7 +3,6 @@
 from __future__ import annotations
 
 from dataclasses import dataclass, field
-from typing import Any
 
 
 @dataclass
@@ -26,6 +25,8 @@ class SpanNode:
     reward: float | None = None
     reward_dimensions: dict[str, float] = field(default_factory=dict)
     status: str = "OK"
+    rollout_id: str = ""
+    tokens: bytes = b""  # LLM calls: the Avro of prompt ids, response ids and logprobs, as a Transition holds them
     children: list[SpanNode] = field(default_factory=list)
 
 
@@ -119,14 +120,3 @@ def _tightest_envelope(orphan: SpanNode, candidates: list[SpanNode]) -> SpanNode
     containing = [c for c in candidates if c is not orphan and c.start_us <= orphan.start_us
                   and c.end_us >= orphan.end_us and c.end_us > c.start_us]
     return min(containing, key=lambda c: c.end_us - c.start_us, default=None)
-
-
-def span_node(row: dict[str, Any]) -> SpanNode:
-    """A SpanNode from a rollout_spans row."""
-    return SpanNode(
-        span_id=row["span_id"], parent_id=row["parent_id"], kind=row["kind"], name=row["name"],
-        start_us=int(row["start_us"]), end_us=int(row["end_us"]), attempt_id=row["attempt_id"],
-        agent_name=row["agent_name"], task_id=row["task_id"], group_id=row["group_id"], model=row["model"],
-        policy_version=row["policy_version"], has_token_ids=bool(row["has_token_ids"]), reward=row["reward"],
-        reward_dimensions=dict(row["reward_dimensions"] or {}), status=row["status"],
-    )

@@ -1,10 +1,77 @@
-"""Transition identity: deterministic ids, so replays after a crash are harmless."""
+"""Transitions as Avro bytes: deterministic ids, drafts built from a call's encoded token arrays, and their outputs.
+
+A Transition's fields up to its token arrays (ids, names, policy version, step, tokens) are
+known when a rollout is assembled; reward, return and advantage come from credit assignment,
+for GRPO only once the whole group is in. So a transition is built as a *draft* (the leading
+fields' bytes) plus a *tail* (the credit). The token arrays are copied from the span's bytes,
+never decoded.
+"""
 
 from __future__ import annotations
 
 import hashlib
+import struct
+from collections.abc import Iterator
+from dataclasses import dataclass
+
+from schemas import TRANSITION, TRANSITION_BATCH, AvroCodec, current_schemas
+from schemas.spanwriter import write_long
+from streams.ocf import container_file
+from streams.trajectory import SpanNode
+
+_CREDIT = struct.Struct("<ddd")
+RECORD_BYTES = 256 * 1024  # a Kafka record of the transitions topic stays well under brokers' 1 MB default limit
 
 
 def transition_id(rollout_id: str, attempt_id: str, span_id: str) -> str:
     """Same call, same id: a replay after a crash produces the same transition, which ClickHouse and the trainer dedupe."""
     return hashlib.sha1(f"{rollout_id}/{attempt_id}/{span_id}".encode()).hexdigest()[:32]
+
+
+def _string(value: str) -> bytes:
+    encoded = value.encode()
+    return write_long(len(encoded)) + encoded
+
+
+@dataclass(frozen=True)
+class Draft:
+    """A transition waiting for its credit: the model it trains and the Avro of its fields up to the logprobs."""
+
+    model: str
+    rollout_id: str
+    head: bytes
+
+    def complete(self, reward: float, return_value: float, advantage: float, group_id: str | None,
+                 created_at_us: int) -> bytes:
+        """The Transition datum: the draft, then reward, return, advantage, group and creation time."""
+        group = b"\x02" + _string(group_id) if group_id else b"\x00"
+        return self.head + _CREDIT.pack(reward, return_value, advantage) + group + write_long(created_at_us)
+
+
+def draft(rollout_id: str, attempt_id: str, agent_name: str, model: str, step_index: int, call: SpanNode) -> Draft:
+    """The draft of the transition of ``call``, the ``step_index``-th trainable call of its rollout."""
+    head = b"".join((
+        _string(transition_id(rollout_id, attempt_id, call.span_id)), _string(rollout_id), _string(call.span_id),
+        _string(agent_name), _string(model), write_long(call.policy_version or 0), write_long(step_index),
+        call.tokens,
+    ))
+    return Draft(model, rollout_id, head)
+
+
+def batch_records(codec: AvroCodec, datums: list[bytes]) -> Iterator[tuple[int, bytes]]:
+    """TransitionBatch record values of at most about RECORD_BYTES each, with how many transitions each holds."""
+    header = codec.header(TRANSITION_BATCH)
+    start, size = 0, 0
+    for index, datum in enumerate(datums):
+        if size and size + len(datum) > RECORD_BYTES:
+            yield index - start, header + write_long(index - start) + b"".join(datums[start:index]) + b"\x00"
+            start, size = index, 0
+        size += len(datum)
+    if start < len(datums):
+        count = len(datums) - start
+        yield count, header + write_long(count) + b"".join(datums[start:]) + b"\x00"
+
+
+def transitions_container(datums: list[bytes]) -> bytes:
+    """An Avro object container file of Transition datums, for ClickHouse's transitions_ingest table."""
+    return container_file(current_schemas()[TRANSITION], datums)

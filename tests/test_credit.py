@@ -107,11 +107,14 @@ def test_lifecycle_completes_on_end_event_plus_grace_or_idle_timeout():
     tracker = RolloutTracker(grace_s=1.0, idle_timeout_s=10.0)
     record = RawRecord("t", 0, 0, b"k", b"")
     assert tracker.on_event({"rollout_id": "a", "attempt_id": "a1", "event": "STARTED"}, record, 0.0) is True
-    assert tracker.on_spans("a", record, 1.0) is False, "only the first record of a rollout is held"
-    assert tracker.on_spans("b", record, 1.0) is True
+    first, second = node("s1", "LLM", 10, 20), node("s2", "LLM", 20, 30)
+    assert tracker.on_spans("a", record, 1.0, [first]) is False, "only the first record of a rollout is held"
+    assert tracker.on_spans("b", record, 1.0, []) is True
+    tracker.on_spans("a", record, 1.5, [second])
     tracker.on_event({"rollout_id": "a", "attempt_id": "a1", "event": "SUCCEEDED"}, record, 2.0)
     assert tracker.pop_due(2.5) == []
-    assert [r.rollout_id for r in tracker.pop_due(3.0)] == ["a"]
+    done = tracker.pop_due(3.0)
+    assert [r.rollout_id for r in done] == ["a"] and done[0].spans == [first, second]
     assert tracker.pop_due(10.9) == []
     assert [r.rollout_id for r in tracker.pop_due(11.0)] == ["b"]
 

@@ -57,7 +57,7 @@ PINNED_IDS = {
     CHECKPOINT: 1836988109,
     DEAD_LETTER: 208212813,
     ROLLOUT_EVENT: 1187672618,
-    ROLLOUT_RESULT: 154576568,
+    ROLLOUT_RESULT: 1881895367,
     SPAN: 1310064008,
     SPAN_BATCH: 692827969,
     TASK: 87156492,
@@ -181,6 +181,7 @@ SAMPLES: dict[str, dict[str, Any]] = {
         "status": "SUCCEEDED",
         "final_reward": 0.75,
         "completed_at_us": T0,
+        "drafts": [{"model": "m", "head": b"\x08tr-1"}],
     },
     DEAD_LETTER: {
         "source_topic": "agentstream.spans",

@@ -105,7 +105,10 @@ def test_credit_strategies_late_rewards_expiry_and_dead_letters(setup, stack):
     add("expires", agent="online", started=False, terminal=None)
     garbage = [(b"g1", b"\x07not avro at all"), (b"g2", b"\x00" + struct.pack(">I", 12345) + b"\x02x"),
                (b"g3", AvroCodec().encode(TASK, {"task_id": "t", "rollout_id": "r", "input": "{}", "timeout_s": 1.0,
-                                                 "enqueued_at_us": 0}))]
+                                                 "enqueued_at_us": 0})),
+               (b"g4", CODEC.encode_span_batch([{  # a known writer schema, but the body is cut short
+                   "span_id": "cut", "rollout_id": "g4", "attempt_id": "g4-1", "name": "n", "kind": "LLM",
+                   "start_time_us": 1, "end_time_us": 2, "attributes": {}, "prompt_token_ids": [1, 2, 3]}])[:-6])]
     asyncio.run(produce(stack.bootstrap_servers, spans_topic, items + garbage))
 
     def statuses():
@@ -159,11 +162,12 @@ def test_credit_strategies_late_rewards_expiry_and_dead_letters(setup, stack):
     assert fin["behaviour_logprobs"] == [-0.5, -0.25]
 
     dead = [CODEC.decode(r.value)[1] for r in read_all(stack.bootstrap_servers, f"s{tag}.dlq", 1)]
-    assert sorted(d["key"] for d in dead) == [b"g1", b"g2", b"g3"]
+    assert sorted(d["key"] for d in dead) == [b"g1", b"g2", b"g3", b"g4"]
     by_key = {d["key"]: d for d in dead}
     assert by_key[b"g1"]["error_type"] == "NotWireFormat" and by_key[b"g1"]["value"] == b"\x07not avro at all"
     assert by_key[b"g2"]["error_type"] == "UnknownSchemaId"
     assert by_key[b"g3"]["error_type"] == "UnexpectedRecord"
+    assert by_key[b"g4"]["error_type"] == "MalformedSpan" and "cut short" in by_key[b"g4"]["error"]
     assert all(d["source_topic"] == spans_topic and d["offset"] >= 0 for d in dead)
     assert statuses()["expires"] == "EXPIRED", "a reward after expiry does not revive the rollout"
 

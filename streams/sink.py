@@ -1,0 +1,79 @@
+"""Writing completed work to ClickHouse off the hot path: rollouts rows and transitions, coalesced.
+
+A tick publishes its transitions to Kafka at once (trainers wait for them) and hands the
+ClickHouse writes here. One writer task gathers the completions of ``interval_s`` (ticks come
+every 50 ms; an insert per tick would make ClickHouse create and merge parts all day), stores
+them with one insert per table, then releases the records those completions held, so an
+offset is committed only after what it produced is stored. The queue is bounded: while
+ClickHouse is down, ticks wait here, the spans agent waits for them, and offsets stay put.
+"""
+
+from __future__ import annotations
+
+import asyncio
+from dataclasses import dataclass, field
+from typing import Protocol
+
+from streams.records import RawRecord
+from streams.transitions import transitions_container
+from streams.warehouse import Warehouse
+
+ROLLOUT_COLUMNS = (
+    "rollout_id", "attempt_id", "task_id", "group_id", "agent_name", "model", "status", "start_time", "end_time",
+    "span_count", "llm_calls", "llm_calls_without_tokens", "final_reward", "total_reward", "reward_dimensions",
+    "policy_versions", "updated_at",
+)
+
+
+class Releaser(Protocol):
+    """What releases a held record (the framework's acknowledgement)."""
+
+    def release(self, record: RawRecord) -> None: ...
+
+
+@dataclass
+class Completion:
+    """One tick's ClickHouse writes and the records to release once they are stored."""
+
+    rollouts: list[tuple] = field(default_factory=list)
+    transitions: list[bytes] = field(default_factory=list)
+    release: list[RawRecord] = field(default_factory=list)
+
+
+class CompletionSink:
+    """A bounded queue of completions and the task that stores them (run it with :meth:`run`)."""
+
+    def __init__(self, warehouse: Warehouse, database: str, holder: Releaser, interval_s: float = 0.5,
+                 max_queued: int = 256) -> None:
+        self.warehouse = warehouse
+        self.database = database
+        self.holder = holder
+        self.interval_s = interval_s
+        self.queue: asyncio.Queue[Completion] = asyncio.Queue(max_queued)
+
+    async def put(self, completion: Completion) -> None:
+        """Queue a completion; waits while the queue is full (ClickHouse slow or down)."""
+        if completion.rollouts or completion.transitions or completion.release:
+            await self.queue.put(completion)
+
+    async def run(self) -> None:
+        """Store queued completions for as long as the worker runs; a failure other than an outage stops it."""
+        while True:
+            batch = [await self.queue.get()]
+            await asyncio.sleep(self.interval_s)
+            while not self.queue.empty():
+                batch.append(self.queue.get_nowait())
+            await self.store(batch)
+            for _ in batch:
+                self.queue.task_done()
+
+    async def store(self, batch: list[Completion]) -> None:
+        transitions = [datum for completion in batch for datum in completion.transitions]
+        rollouts = [row for completion in batch for row in completion.rollouts]
+        if transitions:
+            await self.warehouse.insert_container(f"{self.database}.transitions_ingest",
+                                                  transitions_container(transitions))
+        await self.warehouse.insert_rows(f"{self.database}.rollouts", ROLLOUT_COLUMNS, rollouts)
+        for completion in batch:
+            for record in completion.release:
+                self.holder.release(record)

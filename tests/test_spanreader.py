@@ -1,0 +1,112 @@
+"""The span reader and transition drafts: what fastavro reads, without decoding token arrays, and back to Avro."""
+
+from __future__ import annotations
+
+import io
+import random
+
+import fastavro
+import pytest
+
+from schemas import TRANSITION, TRANSITION_BATCH, AvroCodec, current_schemas
+from streams.ocf import read_container
+from streams.spanreader import MalformedSpan, SpanReader
+from streams.transitions import RECORD_BYTES, batch_records, draft, transitions_container
+
+CODEC = AvroCodec()
+
+
+def random_span(rng: random.Random, index: int) -> dict:
+    llm = index % 3 != 2
+    span = {"span_id": f"s{index}", "rollout_id": "r", "attempt_id": rng.choice(["a1", "a2"]), "name": "chat é",
+            "kind": "LLM" if llm else "REWARD", "start_time_us": rng.randrange(1 << 52),
+            "end_time_us": rng.randrange(1 << 52), "status": rng.choice(["OK", "ERROR", "UNSET"]),
+            "attributes": {f"k{i}": "v" * rng.randrange(200) for i in range(rng.randrange(4))},
+            "parent_id": rng.choice([None, "root"]), "agent_name": rng.choice([None, "agent"]),
+            "group_id": rng.choice([None, "g"]), "model": "m" if llm else None,
+            "policy_version": rng.choice([None, rng.randrange(1 << 40)]),
+            "reward": None if llm else rng.uniform(-1, 1),
+            "reward_dimensions": None if llm else {"format": 0.5}}
+    if llm:
+        size = rng.choice([0, 1, 63, 64, 300])  # counts around the one-byte varint limit
+        span["prompt_token_ids"] = [rng.randrange(-(1 << 31), 1 << 31) for _ in range(size)]
+        span["response_token_ids"] = [rng.randrange(1 << 17) for _ in range(rng.randrange(1, 80))]
+        span["response_logprobs"] = [-rng.random() for _ in span["response_token_ids"]]
+    return span
+
+
+def test_reader_agrees_with_fastavro_and_keeps_token_arrays_as_transition_bytes():
+    rng = random.Random(11)
+    spans = [random_span(rng, i) for i in range(60)]
+    record = CODEC.encode_span_batch(spans)
+    _, _, schema = CODEC.writer_schema(record)
+    nodes = SpanReader(schema).batch(record[5:])
+    assert len(nodes) == len(spans)
+    transition_schema = current_schemas()[TRANSITION]
+    for node, span in zip(nodes, spans):
+        assert (node.span_id, node.attempt_id, node.kind, node.name, node.status) == (
+            span["span_id"], span["attempt_id"], span["kind"], span["name"], span["status"])
+        assert (node.start_us, node.end_us, node.policy_version, node.reward) == (
+            span["start_time_us"], span["end_time_us"], span["policy_version"], span["reward"])
+        assert (node.parent_id, node.agent_name, node.group_id) == (
+            span["parent_id"] or "", span["agent_name"] or "", span["group_id"] or "")
+        assert node.reward_dimensions == (span["reward_dimensions"] or {})
+        trainable = bool(span.get("prompt_token_ids")) and bool(span.get("response_token_ids"))
+        assert node.has_token_ids == trainable
+        if not trainable:
+            assert node.tokens == b""
+            continue
+        datum = draft("r", node.attempt_id, "agent", "m", 3, node).complete(0.5, 0.25, -1.5, None, 7)
+        value = fastavro.schemaless_reader(io.BytesIO(datum), transition_schema)
+        assert value["prompt_token_ids"] == span["prompt_token_ids"]
+        assert value["response_token_ids"] == span["response_token_ids"]
+        assert value["behaviour_logprobs"] == pytest.approx(span["response_logprobs"], abs=1e-6)
+        assert (value["step_index"], value["reward"], value["return_value"], value["advantage"]) == (3, 0.5, 0.25, -1.5)
+        assert value["group_id"] is None and value["policy_version"] == (span["policy_version"] or 0)
+
+
+def test_reader_skips_blocks_written_with_byte_sizes():
+    """Avro writers may write a negative block count followed by the block's size; the reader honours both forms."""
+    schema = {"type": "record", "name": "row", "fields": [
+        {"name": "span_id", "type": "string"}, {"name": "attempt_id", "type": "string"},
+        {"name": "name", "type": "string"}, {"name": "kind", "type": "string"},
+        {"name": "start_time_us", "type": "long"}, {"name": "end_time_us", "type": "long"},
+        {"name": "prompt_token_ids", "type": {"type": "array", "items": "int"}},
+        {"name": "response_token_ids", "type": {"type": "array", "items": "int"}},
+        {"name": "response_logprobs", "type": {"type": "array", "items": "float"}}]}
+    sized_ids = b"\x05\x06\x02\x04\x06" + b"\x02\x80\x01" + b"\x00"  # a block of 3 items in 3 bytes, then 1 item
+    row = b"\x04s1\x04a1\x02n\x06LLM\x02\x04" + sized_ids + b"\x02\x0e\x00" + b"\x02\x00\x00\x80\xbf\x00"
+    [node] = SpanReader(fastavro.parse_schema(schema)).rows(1, row)
+    assert node.has_token_ids and node.tokens.startswith(sized_ids)
+    value = fastavro.schemaless_reader(io.BytesIO(b"\x02x" * 5 + b"\x00\x00" + node.tokens + b"\x00" * 24 + b"\x00\x00"),
+                                       current_schemas()[TRANSITION])
+    assert value["prompt_token_ids"] == [1, 2, 3, 64] and value["response_token_ids"] == [7]
+    assert value["behaviour_logprobs"] == [-1.0]
+
+
+@pytest.mark.parametrize("cut", [1, 7, 40, 300])
+def test_cut_short_or_corrupt_batches_raise_malformed_span(cut):
+    record = CODEC.encode_span_batch([random_span(random.Random(cut), i) for i in range(4)])
+    _, _, schema = CODEC.writer_schema(record)
+    with pytest.raises(MalformedSpan):
+        SpanReader(schema).batch(record[5:-cut])
+    with pytest.raises(MalformedSpan):
+        SpanReader(schema).batch(record[5:] + b"\x00")
+
+
+def test_transition_records_are_bounded_and_the_container_reads_back():
+    rng = random.Random(5)
+    span = random_span(rng, 0) | {"prompt_token_ids": list(range(3000)), "response_token_ids": [1, 2]}
+    record = CODEC.encode_span_batch([span])
+    _, _, schema = CODEC.writer_schema(record)
+    [node] = SpanReader(schema).batch(record[5:])
+    datums = [draft(f"r{i}", "a1", "agent", "m", 0, node).complete(1.0, 1.0, 1.0, "g", i) for i in range(200)]
+    records = list(batch_records(CODEC, datums))
+    assert sum(count for count, _ in records) == 200 and len(records) > 1
+    assert all(len(value) <= RECORD_BYTES + len(datums[0]) + 16 for _, value in records)
+    decoded = [t for _, value in records for t in CODEC.decode(value)[1]["transitions"]]
+    assert CODEC.decode(records[0][1])[0] == TRANSITION_BATCH
+    assert [t["rollout_id"] for t in decoded] == [f"r{i}" for i in range(200)]
+    assert decoded[7]["prompt_token_ids"] == list(range(3000)) and decoded[7]["group_id"] == "g"
+    schema, blocks = read_container(transitions_container(datums))
+    assert schema["name"].endswith("Transition") and sum(count for count, _ in blocks) == 200
