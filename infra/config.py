@@ -113,6 +113,7 @@ class StreamsConfig:
     clickhouse_retry_max_s: float = 10.0
     session_timeout_s: float = 10.0
     fetch_max_wait_ms: int = 50  # tansu answers a fetch only after this wait when it had nothing at first
+    ingest_interval_s: float = 0.25  # span batches read meanwhile are inserted together
     store_interval_s: float = 0.5  # rollouts and transitions rows are written to ClickHouse this often
 
 

@@ -33,10 +33,11 @@ class OpenRollout:
     managed: bool = False  # a runner or SDK rollout (it sent STARTED): silence means it died
     spans: list[SpanNode] = field(default_factory=list)
 
-    def due(self, now_s: float, grace_s: float, idle_timeout_s: float) -> bool:
+    def due_at(self, grace_s: float, idle_timeout_s: float) -> float:
+        """When it completes: grace after its end event, else after a silence of idle_timeout_s."""
         if self.terminal_at_s is not None:
-            return now_s >= self.terminal_at_s + grace_s
-        return now_s >= self.last_activity_s + idle_timeout_s
+            return self.terminal_at_s + grace_s
+        return self.last_activity_s + idle_timeout_s
 
 
 class RolloutTracker:
@@ -46,12 +47,14 @@ class RolloutTracker:
         self.grace_s = grace_s
         self.idle_timeout_s = idle_timeout_s
         self.open: dict[str, OpenRollout] = {}
+        self.next_due_s = float("inf")  # no open rollout is due before this (a due time only moves later)
 
     def _touch(self, rollout_id: str, record: RawRecord, now_s: float) -> tuple[OpenRollout, bool]:
         """The open rollout (opened now if new) and whether this record is the one it holds."""
         found = self.open.get(rollout_id)
         if found is None:
             found = self.open[rollout_id] = OpenRollout(rollout_id, record, now_s, now_s)
+            self.next_due_s = min(self.next_due_s, now_s + self.idle_timeout_s)
             return found, True
         found.last_activity_s = now_s
         return found, False
@@ -80,10 +83,19 @@ class RolloutTracker:
             rollout.terminal = kind
             rollout.terminal_at_s = now_s
             rollout.error = event.get("error")
+            self.next_due_s = min(self.next_due_s, now_s + self.grace_s)
         return holds
 
     def pop_due(self, now_s: float) -> list[OpenRollout]:
-        due = [r for r in self.open.values() if r.due(now_s, self.grace_s, self.idle_timeout_s)]
-        for rollout in due:
-            del self.open[rollout.rollout_id]
+        """Remove and return the rollouts due by ``now_s``; cheap when none can be (ticks come every 20 ms)."""
+        if now_s < self.next_due_s:
+            return []
+        due, self.next_due_s = [], float("inf")
+        for rollout in list(self.open.values()):
+            due_at = rollout.due_at(self.grace_s, self.idle_timeout_s)
+            if due_at <= now_s:
+                due.append(rollout)
+                del self.open[rollout.rollout_id]
+            else:
+                self.next_due_s = min(self.next_due_s, due_at)
         return due

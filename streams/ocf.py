@@ -35,9 +35,8 @@ def container_file(schema: dict[str, Any], bodies: Sequence[bytes | memoryview])
     sync = os.urandom(16)
     metadata = {b"avro.schema": json.dumps(schema, separators=(",", ":")).encode(), b"avro.codec": b"null"}
     header = MAGIC + varint(len(metadata)) + b"".join(_bytes(k) + _bytes(v) for k, v in metadata.items())
-    header += varint(0) + sync
-    payload = b"".join(bodies)
-    return header + varint(len(bodies)) + varint(len(payload)) + payload + sync
+    size = sum(len(body) for body in bodies)
+    return b"".join([header, varint(0), sync, varint(len(bodies)), varint(size), *bodies, sync])  # one copy
 
 
 class ContainerError(ValueError):

@@ -114,8 +114,8 @@ class Stage:
         self.transitions_topic = topic_name(config.topics, "transitions")
         self.counters = Counters()
 
-    async def ingest(self, batch: Any) -> None:
-        """Store what a read batch carries, outside the state lock (nothing, unless a stage says otherwise)."""
+    async def ingest(self, batches: list[Any]) -> None:
+        """Store what read batches carry, outside the state lock (nothing, unless a stage says otherwise)."""
 
 
 @dataclass
@@ -145,6 +145,7 @@ class SpanProcessor(Stage):
         self.awaiting: dict[str, Awaiting] = {}
         self.closed: set[str] = set()  # expired rollouts: a reward after expiry does not revive them
         self.recheck: dict[str, list[SpanNode]] = {}  # awaiting rollouts that got new spans, and those spans
+        self.next_expiry_s = float("inf")  # no waiting rollout expires before this
         self.readers: dict[int, SpanReader] = {}
         self.groups_topic = topic_name(config.topics, "streams.groups")
         self.dlq_topic = topic_name(config.topics, "dlq")
@@ -164,6 +165,7 @@ class SpanProcessor(Stage):
             else:
                 waited = wall - row[updated_at].timestamp()
                 self.awaiting[row[0]] = Awaiting(tuple(row), mono + self.config.streams.reward_expiry_s - waited)
+        self.next_expiry_s = 0.0
 
     def read(self, records: list[RawRecord]) -> SpanBatch:
         """Sort a batch and read its spans; a record that cannot be read is set aside as a dead letter."""
@@ -204,12 +206,19 @@ class SpanProcessor(Stage):
             if self.tracker.on_event(event, record, now):
                 self.holder.hold(record)
 
-    async def ingest(self, batch: SpanBatch) -> None:
-        """Store a batch's spans in ClickHouse and send its dead letters; touches no state."""
-        await self._ingest_spans(batch.spans, batch.schemas, batch.dead)
-        for record, error in batch.dead:
+    async def ingest(self, batches: list[SpanBatch]) -> None:
+        """Store the batches' spans in ClickHouse (one insert per writer schema) and send their dead letters."""
+        spans: dict[int, list[tuple[RawRecord, bytes, list[SpanNode]]]] = {}
+        schemas: dict[int, dict] = {}
+        dead = [item for batch in batches for item in batch.dead]
+        for batch in batches:
+            schemas.update(batch.schemas)
+            for schema_id, read in batch.spans.items():
+                spans.setdefault(schema_id, []).extend(read)
+        await self._ingest_spans(spans, schemas, dead)
+        for record, error in dead:
             await self._dead_letter(record, error)
-        if batch.dead:
+        if dead:
             await self.emitter.flush()
 
     def _reader(self, schema_id: int, schema: dict) -> SpanReader:
@@ -253,7 +262,7 @@ class SpanProcessor(Stage):
         now = self.clock()
         due = self.tracker.pop_due(now)
         rechecked, self.recheck = self.recheck, {}
-        expired = [rid for rid, waiting in self.awaiting.items() if waiting.expires_at_s <= now and rid not in rechecked]
+        expired = self._expired(now, rechecked)
         if not (due or rechecked or expired):
             return
         stored_ids = [rollout.rollout_id for rollout in due if not rollout.managed] + list(rechecked)
@@ -278,6 +287,20 @@ class SpanProcessor(Stage):
         datums = await self._emit_transitions(finished)
         await self.sink.put(Completion(rows, datums, [rollout.held for rollout in due]))
 
+    def _expired(self, now: float, rechecked: dict[str, list[SpanNode]]) -> list[str]:
+        """The waiting rollouts whose wait is over; the scan runs only once the earliest expiry has come."""
+        if now < self.next_expiry_s:
+            return []
+        expired, self.next_expiry_s = [], float("inf")
+        for rollout_id, waiting in self.awaiting.items():
+            if rollout_id in rechecked:
+                continue
+            if waiting.expires_at_s <= now:
+                expired.append(rollout_id)
+            else:
+                self.next_expiry_s = min(self.next_expiry_s, waiting.expires_at_s)
+        return expired
+
     def _status_of(self, rollout: OpenRollout) -> str:
         if rollout.terminal:
             return rollout.terminal
@@ -294,6 +317,7 @@ class SpanProcessor(Stage):
             self.counters.rollouts_awaiting_reward += 1
             row = self._rollout_row(trajectory, "AWAITING_REWARD")
             self.awaiting[trajectory.rollout_id] = Awaiting(row, now + self.config.streams.reward_expiry_s)
+            self.next_expiry_s = min(self.next_expiry_s, now + self.config.streams.reward_expiry_s)
             return row
         self.counters.rollouts_completed += 1
         model = trajectory.models[0] if trajectory.models else ""

@@ -24,6 +24,10 @@ Reader = Callable[[bytes, int], tuple[Any, int]]
 
 TOKEN_FIELDS = ("prompt_token_ids", "response_token_ids", "response_logprobs")
 SKIPPED_FIELDS = frozenset({"attributes", "status_message"})  # stored by ClickHouse, not needed for credit
+SPAN_MARKERS = frozenset({"span_id", "attempt_id", "kind", "start_time_us", "end_time_us"})  # a record that is a span
+SPAN_NODE_FIELDS = frozenset({
+    "span_id", "rollout_id", "attempt_id", "parent_id", "name", "kind", "start_time_us", "end_time_us", "status",
+    "agent_name", "task_id", "group_id", "model", "policy_version", "reward", "reward_dimensions", *TOKEN_FIELDS})
 EMPTY_ARRAY = b"\x00"
 _DOUBLE = struct.Struct("<d")
 _FLOAT = struct.Struct("<f")
@@ -52,10 +56,10 @@ def read_long(buffer: bytes, position: int) -> tuple[int, int]:
 
 
 def _skip_varints(buffer: bytes, position: int, count: int) -> int:
-    """The position after ``count`` varints; a regular expression walks them at C speed."""
+    """The position after ``count`` varints; a regular expression walks them at C speed (possessive: no backtracking)."""
     run = _VARINT_RUNS.get(count)
     if run is None:
-        run = _VARINT_RUNS[count] = re.compile(rb"(?:[\x80-\xff]*[\x00-\x7f]){%d}" % count, re.DOTALL)
+        run = _VARINT_RUNS[count] = re.compile(rb"(?:[\x80-\xff]*+[\x00-\x7f]){%d}" % count, re.DOTALL)
     match = run.match(buffer, position)
     if match is None:
         raise MalformedSpan("array of ints cut short")
@@ -216,6 +220,8 @@ def compile_reader(schema: Any, raw_arrays: frozenset[str] = frozenset(), field:
     if isinstance(schema, list):
         return _union([compile_reader(branch, raw_arrays, field) for branch in schema])
     kind = schema["type"]
+    if kind == "record" and SPAN_MARKERS <= {f["name"] for f in schema["fields"]}:
+        return _span_reader(schema, raw_arrays, skipped)
     if kind == "record":
         return _record([(f["name"], compile_reader(f["type"], raw_arrays, f["name"], skipped))
                         for f in schema["fields"]])
@@ -237,21 +243,83 @@ def compile_reader(schema: Any, raw_arrays: frozenset[str] = frozenset(), field:
     return compile_reader(kind, raw_arrays, field)  # {"type": "long", "logicalType": ...}
 
 
-def span_node(values: dict[str, Any]) -> SpanNode:
-    """A SpanNode from a span's values as the reader returns them (token arrays still encoded)."""
-    prompt = values.get("prompt_token_ids") or EMPTY_ARRAY
-    response = values.get("response_token_ids") or EMPTY_ARRAY
-    logprobs = values.get("response_logprobs") or EMPTY_ARRAY
-    has_tokens = prompt != EMPTY_ARRAY and response != EMPTY_ARRAY
+_STRING = """\
+    size = buf[pos]
+    if size < 0x80:
+        pos += 1
+        size >>= 1
+    else:
+        size, pos = read_long(buf, pos)
+    {var} = buf[pos:pos + size].decode()
+    pos += size
+"""
+_LONG = """\
+    byte = buf[pos]
+    if byte < 0x80:
+        {var} = (byte >> 1) ^ -(byte & 1)
+        pos += 1
+    else:
+        {var}, pos = read_long(buf, pos)
+"""
+_DOUBLE_VALUE = """\
+    {var} = unpack_double(buf, pos)[0]
+    pos += 8
+"""
+_INLINE = {"string": _STRING, "long": _LONG, "int": _LONG, "double": _DOUBLE_VALUE}
+
+
+def _inline(schema: Any) -> str | None:
+    """Source that reads a value of ``schema`` into {var}, for the types spans are made of; None for the rest."""
+    if isinstance(schema, dict) and schema["type"] in _INLINE and len(schema) <= 2 + ("logicalType" in schema):
+        schema = schema["type"]
+    if isinstance(schema, str):
+        return _INLINE.get(schema)
+    if isinstance(schema, list) and len(schema) == 2 and schema[0] == "null" and _inline(schema[1]):
+        body = _inline(schema[1]).replace("\n    ", "\n        ")
+        return ("    branch = buf[pos]\n    pos += 1\n    if branch == 0:\n        {var} = None\n"
+                "    elif branch == 2:\n    " + body +
+                "    else:\n        raise MalformedSpan(f'union branch byte {branch} does not name a branch')\n")
+    return None
+
+
+def _span_reader(schema: dict[str, Any], raw_arrays: frozenset[str], skipped: frozenset[str]) -> Reader:
+    """A reader for a span record straight into a SpanNode, generated as Python source for this writer schema.
+
+    The span fields' scalars are read inline (a call per field costs more than reading it);
+    maps, token arrays and anything unusual go through the compiled readers above.
+    """
+    names = {f["name"] for f in schema["fields"]}
+    lines, scope = ["def read(buf, pos):"], {"read_long": read_long, "MalformedSpan": MalformedSpan,
+                                              "SpanNode": SpanNode, "EMPTY": EMPTY_ARRAY,
+                                              "unpack_double": _DOUBLE.unpack_from}
+    for index, spec in enumerate(schema["fields"]):
+        variable = f"v_{index}"
+        source = None if spec["name"] in skipped or spec["name"] in raw_arrays else _inline(spec["type"])
+        if source is None:
+            scope[f"read_{index}"] = compile_reader(spec["type"], raw_arrays, spec["name"], skipped)
+            lines.append(f"    {variable}, pos = read_{index}(buf, pos)")
+        else:
+            lines.append(source.replace("{var}", variable).rstrip("\n"))
+    value = {f["name"]: f"v_{i}" for i, f in enumerate(schema["fields"])}
+    for name in SPAN_NODE_FIELDS - names:
+        value[name] = "None"
+    lines.append(f"""\
+    if pos > len(buf):
+        raise IndexError('span runs past the end of its datum')
+    prompt = {value['prompt_token_ids']} or EMPTY
+    response = {value['response_token_ids']} or EMPTY
+    has_tokens = prompt != EMPTY and response != EMPTY
     return SpanNode(
-        span_id=values["span_id"], rollout_id=values.get("rollout_id") or "", parent_id=values.get("parent_id") or "", kind=values["kind"],
-        name=values["name"], start_us=values["start_time_us"], end_us=values["end_time_us"],
-        attempt_id=values["attempt_id"], agent_name=values.get("agent_name") or "",
-        task_id=values.get("task_id") or "", group_id=values.get("group_id") or "", model=values.get("model") or "",
-        policy_version=values.get("policy_version"), has_token_ids=has_tokens, reward=values.get("reward"),
-        reward_dimensions=values.get("reward_dimensions") or {}, status=values.get("status") or "UNSET",
-        tokens=prompt + response + logprobs if has_tokens else b"",
-    )
+        span_id={value['span_id']}, rollout_id={value['rollout_id']} or '', parent_id={value['parent_id']} or '',
+        kind={value['kind']}, name={value['name']}, start_us={value['start_time_us']}, end_us={value['end_time_us']},
+        attempt_id={value['attempt_id']}, agent_name={value['agent_name']} or '', task_id={value['task_id']} or '',
+        group_id={value['group_id']} or '', model={value['model']} or '', policy_version={value['policy_version']},
+        has_token_ids=has_tokens, reward={value['reward']}, reward_dimensions={value['reward_dimensions']} or {{}},
+        status={value['status']} or 'UNSET',
+        tokens=prompt + response + ({value['response_logprobs']} or EMPTY) if has_tokens else b'',
+    ), pos""")
+    exec(compile("\n".join(lines), f"<span reader {schema.get('name', '')}>", "exec"), scope)
+    return scope["read"]
 
 
 class SpanReader:
@@ -269,17 +337,15 @@ class SpanReader:
             raise _malformed("span batch", error) from None
         if end != len(body):
             raise MalformedSpan(f"{len(body) - end} bytes left after the span batch")
-        if not self._batch:
-            return [span_node(values)]
-        return [span_node(span) for span in values["spans"]]
+        return values["spans"] if self._batch else [values]
 
     def rows(self, count: int, datums: bytes) -> list[SpanNode]:
         """``count`` concatenated span rows (a block of an Avro container file)."""
         nodes, position = [], 0
         try:
             for _ in range(count):
-                values, position = self._read(datums, position)
-                nodes.append(span_node(values))
+                node, position = self._read(datums, position)
+                nodes.append(node)
         except (IndexError, struct.error, UnicodeDecodeError) as error:
             raise _malformed("span row", error) from None
         return nodes
