@@ -31,6 +31,7 @@ class OpenRollout:
     terminal_at_s: float | None = None
     error: str | None = None
     managed: bool = False  # a runner or SDK rollout (it sent STARTED): silence means it died
+    seen_from_start: bool = False  # opened by its STARTED event: ``spans`` holds every span it has
     spans: list[SpanNode] = field(default_factory=list)
 
     def due_at(self, grace_s: float, idle_timeout_s: float) -> float:
@@ -71,6 +72,7 @@ class RolloutTracker:
         kind = event["event"]
         if kind == "STARTED":
             rollout.managed = True
+            rollout.seen_from_start = rollout.seen_from_start or holds
             if rollout.attempt_id not in (None, event["attempt_id"]) and rollout.terminal is not None:
                 # a retry started before the previous attempt was written out: restart the clock
                 rollout.terminal = rollout.terminal_at_s = rollout.error = None

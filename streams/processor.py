@@ -1,8 +1,9 @@
 """The span processor: the spans topic in; ClickHouse rows, transitions and group results out.
 
-Kafka Streams shape: ``process(records)`` consumes a batch of the spans topic and ``tick(now)``
-fires on a timer; both write to the outputs and update explicit state (:class:`RolloutTracker`,
-which keeps every open rollout's spans, plus the rollouts waiting for a late reward). Nothing
+Kafka Streams shape: a batch of the spans topic is ``read``, ``apply``-ed to the state and
+``ingest``-ed into ClickHouse; ``tick()`` fires on a timer. They write to the outputs and
+update explicit state (:class:`RolloutTracker`, which keeps every open rollout's spans, plus
+the rollouts waiting for a late reward). Nothing
 is acknowledged before what it produced is in ClickHouse and on Kafka, so a crash replays and
 deterministic ids make the replay harmless.
 
@@ -13,9 +14,11 @@ deterministic ids make the replay harmless.
                                    └► groups topic (grpo, keyed by group, with transition drafts)
     undecodable records ─► dlq topic
 
-A rollout completed by its end event is assembled from memory. One completed by silence (it
-may have been reopened by a span that came after it was written out) and one whose late
-reward arrived are assembled from the `spans` table, which holds every span it ever had.
+A rollout this worker saw from its STARTED event on is assembled from memory. Any other (one
+first seen mid-way after a restart replayed from an earlier rollout's offset, one reopened by
+a span that came after it was written out, one without events) and one whose late reward
+arrived are assembled from the `spans` table, which holds every span it ever had, plus the
+spans received that may not be stored yet.
 """
 
 from __future__ import annotations
@@ -265,12 +268,13 @@ class SpanProcessor(Stage):
         expired = self._expired(now, rechecked)
         if not (due or rechecked or expired):
             return
-        stored_ids = [rollout.rollout_id for rollout in due if not rollout.managed] + list(rechecked)
+        stored_ids = [rollout.rollout_id for rollout in due if not rollout.seen_from_start] + list(rechecked)
         stored = await read_stored_spans(self.reads, self.database, stored_ids) if stored_ids else {}
         rows: list[tuple] = []
         finished: list[tuple[Trajectory, list[Credit] | None, Any]] = []
         for rollout in due:
-            spans = rollout.spans if rollout.managed else union(stored.get(rollout.rollout_id, []), rollout.spans)
+            spans = (rollout.spans if rollout.seen_from_start
+                     else union(stored.get(rollout.rollout_id, []), rollout.spans))
             trajectory = assemble(rollout.rollout_id, spans, self._status_of(rollout), rollout.attempt_id,
                                   rollout.error)
             rows.append(self._decide(trajectory, finished, now))

@@ -115,8 +115,10 @@ def test_lifecycle_completes_on_end_event_plus_grace_or_idle_timeout():
     assert tracker.pop_due(2.5) == []
     done = tracker.pop_due(3.0)
     assert [r.rollout_id for r in done] == ["a"] and done[0].spans == [first, second]
+    assert done[0].seen_from_start, "opened by its STARTED event: every span it has is in memory"
     assert tracker.pop_due(10.9) == []
-    assert [r.rollout_id for r in tracker.pop_due(11.0)] == ["b"]
+    [late] = tracker.pop_due(11.0)
+    assert late.rollout_id == "b" and not late.seen_from_start, "opened by a span: earlier ones may be missing"
 
 
 def test_container_file_of_raw_bodies_reads_back():

@@ -11,6 +11,7 @@ from aiokafka import AIOKafkaConsumer, TopicPartition
 
 from infra.clickhouse import connect
 from schemas import TASK, AvroCodec
+from streams.ocf import container_file
 from tests.streams_harness import (CODEC, Worker, create_topics, now_us, produce, rollout_records, wait_for,
                                    worker_env)
 
@@ -222,6 +223,27 @@ def test_sigkill_mid_stream_loses_nothing_and_counts_once(setup, stack):
                 for t in CODEC.decode(r.value)[1]["transitions"]]
     assert len(set(on_topic)) == 600, "every transition reached the topic (replays may repeat some, never lose one)"
     assert "Ready" in workers[-1].log() and workers[-1].process.poll() is None
+
+
+def test_rollout_first_seen_mid_way_is_assembled_from_clickhouse_and_what_arrived(setup, stack):
+    """After a restart the replay may begin inside a rollout: its STARTED event and first spans lie before the
+    committed offset (already in ClickHouse), the rest arrive. It must be credited whole, not from its tail."""
+    env, tag, client, workers = setup
+    db, spans_topic = f"streams_{tag}", f"s{tag}.spans"
+    workers.append(Worker(env, env_path(env) / "worker.log").start())
+    _, batch, succeeded = rollout_records("mid", agent="math", llm_at=[0, 20_000, 40_000], rewards=[(50_000, 1.0)])
+    spans = CODEC.decode(batch)[1]["spans"]
+    stored = CODEC.encode_span_batch(spans[:2])
+    _, _, schema = CODEC.writer_schema(stored)
+    client.raw_insert(f"{db}.spans_ingest", None, container_file(schema, [stored[5:]]), fmt="Avro",
+                      settings={"input_format_avro_allow_missing_fields": 1})
+    asyncio.run(produce(stack.bootstrap_servers, spans_topic,
+                        [(b"mid", CODEC.encode_span_batch(spans[2:])), (b"mid", succeeded)]))
+    wait_for(lambda: query(client, f"SELECT count() FROM {db}.transitions FINAL"), 30, what="transitions",
+             equals=[(3,)])
+    assert query(client, f"SELECT span_id, step_index, reward FROM {db}.transitions FINAL ORDER BY step_index") == [
+        ("mid-llm0", 0, 1.0), ("mid-llm1", 1, 1.0), ("mid-llm2", 2, 1.0)]
+    assert query(client, f"SELECT status, span_count, llm_calls FROM {db}.rollouts FINAL") == [("SUCCEEDED", 4, 3)]
 
 
 def test_two_workers_split_the_partitions(setup, stack):
