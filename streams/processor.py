@@ -127,7 +127,7 @@ class SpanBatch:
 
     spans: dict[int, list[tuple[RawRecord, bytes, list[SpanNode]]]]  # by writer schema id
     schemas: dict[int, dict]
-    events: list[tuple[RawRecord, dict[str, Any]]]
+    in_order: list[tuple[RawRecord, list[SpanNode] | dict[str, Any]]]  # spans and events, as the topic has them
     dead: list[tuple[RawRecord, Exception]]
 
 
@@ -182,7 +182,11 @@ class SpanProcessor(Stage):
                 except MalformedSpan as error:
                     sorted_records.dead.append((record, error))
         self.counters.records += len(records)
-        return SpanBatch(spans, sorted_records.schemas, sorted_records.events, sorted_records.dead)
+        payloads: dict[int, list[SpanNode] | dict[str, Any]] = {id(record): event
+                                                                for record, event in sorted_records.events}
+        payloads.update((id(record), nodes) for read in spans.values() for record, _, nodes in read)
+        in_order = [(record, payloads[id(record)]) for record in records if id(record) in payloads]
+        return SpanBatch(spans, sorted_records.schemas, in_order, sorted_records.dead)
 
     def apply(self, batch: SpanBatch) -> None:
         """Take a read batch into the state: spans to their open rollouts, events to the lifecycle.
@@ -192,22 +196,25 @@ class SpanProcessor(Stage):
         so no commit passes a span that is not in ClickHouse.
         """
         now = self.clock()
-        for read in batch.spans.values():
-            for record, _, nodes in read:
-                rollout_id = record.key.decode("utf-8", "replace")
-                self.counters.spans_records += 1
-                if rollout_id in self.awaiting:
-                    self.recheck.setdefault(rollout_id, []).extend(nodes)
-                elif rollout_id not in self.closed and self.tracker.on_spans(rollout_id, record, now, nodes):
-                    self.holder.hold(record)
-        for record, event in batch.events:
-            self.counters.events += 1
-            if event["rollout_id"] in self.closed:
+        for record, payload in batch.in_order:
+            if isinstance(payload, dict):
+                self._apply_event(record, payload, now)
                 continue
-            self.awaiting.pop(event["rollout_id"], None)  # a new attempt supersedes the wait
-            self.recheck.pop(event["rollout_id"], None)
-            if self.tracker.on_event(event, record, now):
+            rollout_id = record.key.decode("utf-8", "replace")
+            self.counters.spans_records += 1
+            if rollout_id in self.awaiting:
+                self.recheck.setdefault(rollout_id, []).extend(payload)
+            elif rollout_id not in self.closed and self.tracker.on_spans(rollout_id, record, now, payload):
                 self.holder.hold(record)
+
+    def _apply_event(self, record: RawRecord, event: dict[str, Any], now: float) -> None:
+        self.counters.events += 1
+        if event["rollout_id"] in self.closed:
+            return
+        self.awaiting.pop(event["rollout_id"], None)  # a new attempt supersedes the wait
+        self.recheck.pop(event["rollout_id"], None)
+        if self.tracker.on_event(event, record, now):
+            self.holder.hold(record)
 
     async def ingest(self, batches: list[SpanBatch]) -> None:
         """Store the batches' spans in ClickHouse (one insert per writer schema) and send their dead letters."""

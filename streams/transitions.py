@@ -30,6 +30,8 @@ def transition_id(rollout_id: str, attempt_id: str, span_id: str) -> str:
 
 def _string(value: str) -> bytes:
     encoded = value.encode()
+    if len(encoded) < 64:  # a one-byte length
+        return bytes((len(encoded) << 1,)) + encoded
     return write_long(len(encoded)) + encoded
 
 
