@@ -204,10 +204,12 @@ def create_app(config: Config, bootstrap_servers: str, clickhouse_url: str) -> f
     @app.timer(interval=10.0)
     async def report() -> None:
         counters = spans.counters
-        log.info("records %d, spans records %d, rollouts completed %d (awaiting reward %d, expired %d), "
-                 "transitions %d, calls without token ids %d, dead letters %d, groups %d credited / %d uninformative",
+        log.info("records %d, spans records %d, rollouts completed %d (awaiting reward %d, expired %d, read back "
+                 "from ClickHouse %d), transitions %d, calls without token ids %d, dead letters %d, "
+                 "groups %d credited / %d uninformative",
                  counters.records, counters.spans_records, counters.rollouts_completed,
-                 counters.rollouts_awaiting_reward, counters.rollouts_expired, counters.transitions + groups.counters.transitions,
+                 counters.rollouts_awaiting_reward, counters.rollouts_expired, counters.rollouts_read_back,
+                 counters.transitions + groups.counters.transitions,
                  counters.calls_without_tokens, counters.dead_letters, groups.groups_credited,
                  groups.groups_uninformative)
         spent = {**spans.span_writes.seconds, **spans.reads.seconds, **sink.warehouse.seconds}

@@ -77,6 +77,7 @@ class Counters:
     rollouts_awaiting_reward: int = 0
     rollouts_expired: int = 0
     rollouts_not_selected: int = 0
+    rollouts_read_back: int = 0  # assembled from ClickHouse (not seen from their start, or a late reward)
     transitions: int = 0
     calls_without_tokens: int = 0
     group_results: int = 0
@@ -277,6 +278,7 @@ class SpanProcessor(Stage):
             return
         stored_ids = [rollout.rollout_id for rollout in due if not rollout.seen_from_start] + list(rechecked)
         stored = await read_stored_spans(self.reads, self.database, stored_ids) if stored_ids else {}
+        self.counters.rollouts_read_back += len(stored_ids)
         rows: list[tuple] = []
         finished: list[tuple[Trajectory, list[Credit] | None, Any]] = []
         for rollout in due:
