@@ -24,7 +24,7 @@ from infra.kafka import TopicSpec, client_options, create_topics, topic_name
 from streams.groups import GroupProcessor
 from streams.processor import SpanProcessor
 from streams.records import RawRecord
-from streams.sink import CompletionSink
+from streams.sink import CompletionSink, gather
 from streams.transport import ShortFetchTransport
 from streams.warehouse import Warehouse
 
@@ -83,10 +83,7 @@ class Ingestion:
 
     async def run(self) -> None:
         while True:
-            queued = [await self.queue.get()]
-            await asyncio.sleep(self.interval_s)
-            while not self.queue.empty():
-                queued.append(self.queue.get_nowait())
+            queued = await gather(self.queue, self.interval_s)
             await self.processor.ingest([batch for _, batch in queued])
             for records, _ in queued:
                 for record in records:

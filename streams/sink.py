@@ -25,6 +25,15 @@ ROLLOUT_COLUMNS = (
 )
 
 
+async def gather(queue: asyncio.Queue, interval_s: float) -> list:
+    """Wait for an item, then for ``interval_s`` more; return everything queued by then, in order."""
+    items = [await queue.get()]
+    await asyncio.sleep(interval_s)
+    while not queue.empty():
+        items.append(queue.get_nowait())
+    return items
+
+
 class Releaser(Protocol):
     """What releases a held record (the framework's acknowledgement)."""
 
@@ -59,13 +68,7 @@ class CompletionSink:
     async def run(self) -> None:
         """Store queued completions for as long as the worker runs; a failure other than an outage stops it."""
         while True:
-            batch = [await self.queue.get()]
-            await asyncio.sleep(self.interval_s)
-            while not self.queue.empty():
-                batch.append(self.queue.get_nowait())
-            await self.store(batch)
-            for _ in batch:
-                self.queue.task_done()
+            await self.store(await gather(self.queue, self.interval_s))
 
     async def store(self, batch: list[Completion]) -> None:
         transitions = [datum for completion in batch for datum in completion.transitions]
