@@ -25,7 +25,7 @@ from streams.groups import GroupProcessor
 from streams.processor import SpanProcessor
 from streams.records import RawRecord
 from streams.sink import CompletionSink, gather
-from streams.transport import ShortFetchTransport
+from streams.transport import StreamsTransport
 from streams.warehouse import Warehouse
 
 log = logging.getLogger("agentstream.streams")
@@ -143,7 +143,7 @@ def create_app(config: Config, bootstrap_servers: str, clickhouse_url: str) -> f
         topic_replication_factor=config.topics.replication_factor, web_enabled=False, store="memory://",
         stream_wait_empty=False, broker_commit_every=1000, broker_commit_interval=0.5, producer_acks=-1,
     )
-    app.transport = ShortFetchTransport(app.conf.broker_consumer, app, fetch_max_wait_ms=settings.fetch_max_wait_ms)
+    app.transport = StreamsTransport(app.conf.broker_consumer, app, fetch_max_wait_ms=settings.fetch_max_wait_ms)
     options = client_options(config.kafka, bootstrap_servers)
     emitter = KafkaEmitter(options)
     holder = FaustHolder()

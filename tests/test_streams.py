@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import asyncio
 import struct
+import time
 import uuid
 
 import pytest
@@ -195,7 +196,6 @@ def _counts(client, db: str) -> tuple[int, int, int]:
 
 
 def _produce_in_waves(bootstrap: str, topic: str, items: list, waves: int, between, pause_s: float = 0.3) -> None:
-    import time
 
     size = len(items) // waves + 1
     for wave in range(waves):
@@ -223,6 +223,34 @@ def test_sigkill_mid_stream_loses_nothing_and_counts_once(setup, stack):
                 for t in CODEC.decode(r.value)[1]["transitions"]]
     assert len(set(on_topic)) == 600, "every transition reached the topic (replays may repeat some, never lose one)"
     assert "Ready" in workers[-1].log() and workers[-1].process.poll() is None
+
+
+def test_commits_never_pass_the_first_record_of_an_open_rollout(setup, stack):
+    """Rollouts kept open (a long grace) while their spans and end events are stored and acknowledged: the
+    group's committed offsets must stay at their STARTED records, the first in each partition, so a crash
+    replays them (faust alone committed past a held record at the head of a partition)."""
+    env, tag, client, workers = setup
+    config_path = env_path(env) / "agentstream.toml"
+    config_path.write_text(config_path.read_text().replace("grace_s = 0.2", "grace_s = 30"))
+    workers.append(Worker(env, env_path(env) / "worker.log").start())
+    items = _rollout_items("open", 12)
+    asyncio.run(produce(stack.bootstrap_servers, f"s{tag}.spans", items))
+    wait_for(lambda: query(client, f"SELECT count() FROM streams_{tag}.spans FINAL"), 30, what="spans stored",
+             equals=[(36,)])
+    time.sleep(2)  # several commit intervals (0.5 s) after every span and end event was acknowledged
+
+    async def committed() -> dict[int, int | None]:
+        consumer = AIOKafkaConsumer(bootstrap_servers=stack.bootstrap_servers, group_id=f"streams-{tag}",
+                                    enable_auto_commit=False)
+        await consumer.start()
+        try:
+            return {p: await consumer.committed(TopicPartition(f"s{tag}.spans", p)) for p in range(4)}
+        finally:
+            await consumer.stop()
+
+    offsets = asyncio.run(committed())
+    assert all(offset in (None, 0) for offset in offsets.values()), offsets
+    assert query(client, f"SELECT count() FROM streams_{tag}.rollouts FINAL") == [(0,)]
 
 
 def test_rollout_first_seen_mid_way_is_assembled_from_clickhouse_and_what_arrived(setup, stack):
@@ -268,7 +296,6 @@ def test_two_workers_split_the_partitions(setup, stack):
 def test_clickhouse_outage_holds_and_retries(setup, stack, stack_config, tmp_path):
     import subprocess
     import sys
-    import time
 
     from infra.processes import free_port, wait_for_port
 
