@@ -2,7 +2,7 @@
 
 A tick publishes its transitions to Kafka at once (trainers wait for them) and hands the
 ClickHouse writes here. One writer task gathers the completions of ``interval_s`` (ticks come
-every 50 ms; an insert per tick would make ClickHouse create and merge parts all day), stores
+every 20 ms; an insert per tick would make ClickHouse create and merge parts all day), stores
 them with one insert per table, then releases the records those completions held, so an
 offset is committed only after what it produced is stored. The queue is bounded: while
 ClickHouse is down, ticks wait here, the spans agent waits for them, and offsets stay put.
