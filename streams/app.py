@@ -12,7 +12,6 @@ first record of every open rollout or pending group until what they started is w
 from __future__ import annotations
 
 import asyncio
-import gc
 import logging
 
 import faust
@@ -130,11 +129,6 @@ def _credentials(config: Config):
 def create_app(config: Config, bootstrap_servers: str, clickhouse_url: str) -> faust.App:
     """The streams application: spans and groups agents, their timers, their processors."""
     settings = config.streams
-    # A worker makes a few container objects per span and keeps open rollouts' spans alive: with the
-    # default thresholds the cycle collector runs hundreds of times a second over all of them
-    # (measured: a third of the completion work). Cycles are rare here; collect seldom, skip startup's objects.
-    gc.freeze()
-    gc.set_threshold(100_000, 50, 100)
     app = faust.App(
         settings.app_id, broker=[f"kafka://{server}" for server in bootstrap_servers.split(",")],
         broker_credentials=_credentials(config), key_serializer="raw", value_serializer="raw",

@@ -1,8 +1,9 @@
 """The group processor: gathers GRPO groups from the groups topic and credits each group at once.
 
 Completed rollouts that belong to a group arrive keyed by group id, so one worker sees a whole
-group; each carries its transitions as drafts, which get their advantage here. A group is credited when ``group_size`` members arrived or ``group_timeout_s`` after its
-first one (stragglers are left out). A group whose rewards are all equal carries no learning
+group; each carries its transitions as drafts, which get their advantage here. A group is
+credited when ``group_size`` members arrived or ``group_timeout_s`` after its first one
+(stragglers are left out). A group whose rewards are all equal carries no learning
 signal: it is counted and skipped. The first record of every pending group is held, so a crash
 replays the group.
 """

@@ -350,15 +350,19 @@ class SpanProcessor(Stage):
         for trajectory, credits, rule in finished:
             if credits is not None:
                 group = trajectory.group_id or None
-                datums.extend((d, d.complete(c.reward, c.return_value, c.advantage, group, created))
-                              for d, c in zip(drafts(trajectory, rule), credits))
+                for credit in credits:
+                    pending = draft_of(trajectory, rule, credit.call, credit.step_index)
+                    datums.append((pending, pending.complete(credit.reward, credit.return_value, credit.advantage,
+                                                             group, created)))
                 continue
             self.counters.group_results += 1
+            group_drafts = [draft_of(trajectory, rule, call, index)
+                            for index, call in enumerate(trajectory.trainable_calls)]
             await self.emitter.send(self.groups_topic, trajectory.group_id.encode(), self.codec.encode(ROLLOUT_RESULT, {
                 "rollout_id": trajectory.rollout_id, "attempt_id": trajectory.attempt_id,
                 "group_id": trajectory.group_id, "agent_name": trajectory.agent_name, "status": trajectory.status,
                 "final_reward": trajectory.final_reward, "completed_at_us": created,
-                "drafts": [{"model": d.model, "head": d.head} for d in drafts(trajectory, rule)]}))
+                "drafts": [{"model": d.model, "head": d.head} for d in group_drafts]}))
         await publish_transitions(self, datums)
         return [datum for _, datum in datums]
 
@@ -381,11 +385,10 @@ class SpanProcessor(Stage):
         return tuple(expired)
 
 
-def drafts(trajectory: Trajectory, rule: Any) -> list[Draft]:
-    """A draft transition per trainable call, in call order, keyed by the model it trains."""
-    return [draft(trajectory.rollout_id, trajectory.attempt_id, trajectory.agent_name, rule.train_as or call.model,
-                  index, call)
-            for index, call in enumerate(trajectory.trainable_calls)]
+def draft_of(trajectory: Trajectory, rule: Any, call: SpanNode, step_index: int) -> Draft:
+    """The draft transition of one trainable call, keyed by the model it trains."""
+    return draft(trajectory.rollout_id, trajectory.attempt_id, trajectory.agent_name, rule.train_as or call.model,
+                 step_index, call)
 
 
 STORED_SPANS_SQL = """

@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 from dataclasses import dataclass, field
+from functools import cached_property
 
 
 @dataclass
@@ -55,11 +56,11 @@ class Trajectory:
     def total_reward(self) -> float:
         return sum(r.reward or 0.0 for r in self.rewards)
 
-    @property
+    @cached_property
     def trainable_calls(self) -> list[SpanNode]:
         return [call for call in self.llm_calls if call.has_token_ids]
 
-    @property
+    @cached_property
     def models(self) -> list[str]:
         return sorted({call.model for call in self.llm_calls if call.model})
 
