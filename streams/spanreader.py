@@ -68,21 +68,25 @@ def _skip_varints(buffer: bytes, position: int, count: int) -> int:
 
 def _read_string(buffer: bytes, position: int) -> tuple[str, int]:
     size = buffer[position]
-    if size < 0x80:  # most strings are shorter than 64 bytes: a one-byte length
+    if size < 0x80 and not size & 1:  # most strings are shorter than 64 bytes: a one-byte length
         position, size = position + 1, size >> 1
     else:
         size, position = read_long(buffer, position)
     end = position + size
-    if size < 0 or end > len(buffer):
+    if size < 0:
+        raise MalformedSpan(f"negative string length {size}")
+    if end > len(buffer):
         raise MalformedSpan("string runs past the end of the datum")
     return buffer[position:end].decode("utf-8"), end
 
 
 def _skip_string(buffer: bytes, position: int) -> tuple[None, int]:
     size = buffer[position]
-    if size < 0x80:
+    if size < 0x80 and not size & 1:
         return None, position + 1 + (size >> 1)
     size, position = read_long(buffer, position)
+    if size < 0:
+        raise MalformedSpan(f"negative string length {size}")
     return None, position + size
 
 
@@ -245,11 +249,13 @@ def compile_reader(schema: Any, raw_arrays: frozenset[str] = frozenset(), field:
 
 _STRING = """\
     size = buf[pos]
-    if size < 0x80:
+    if size < 0x80 and not size & 1:
         pos += 1
         size >>= 1
     else:
         size, pos = read_long(buf, pos)
+        if size < 0:
+            raise MalformedSpan(f'negative string length {size}')
     {var} = buf[pos:pos + size].decode()
     pos += size
 """

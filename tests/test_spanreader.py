@@ -94,6 +94,16 @@ def test_cut_short_or_corrupt_batches_raise_malformed_span(cut):
         SpanReader(schema).batch(record[5:] + b"\x00")
 
 
+def test_a_negative_string_length_is_malformed():
+    record = CODEC.encode_span_batch([random_span(random.Random(3), 0)])
+    _, _, schema = CODEC.writer_schema(record)
+    body = bytearray(record[5:])
+    assert body[0] == 2 and body[1] == 2 * len("s0"), "a batch of one span, then the span_id's length"
+    body[1] = 3  # the zigzag varint of -2
+    with pytest.raises(MalformedSpan, match="negative string length -2"):
+        SpanReader(schema).batch(bytes(body))
+
+
 def test_transition_records_are_bounded_and_the_container_reads_back():
     rng = random.Random(5)
     span = random_span(rng, 0) | {"prompt_token_ids": list(range(3000)), "response_token_ids": [1, 2]}
