@@ -1,6 +1,6 @@
 """Learning speed: time until held-out greedy accuracy reaches the target, streamed pipeline vs a plain loop.
 
-Ours is the demo itself (``pipeline.demo.run_demo``): runners, proxy, dev server, Kafka,
+Ours is the demo itself (``agentstream.demo.run_demo``): runners, proxy, dev server, Kafka,
 streams, trainer and hot swap as separate processes, generation overlapping training. The
 peer is the plain synchronous loop on the same machine, model, task split and hyperparameters:
 generate 4 prompts x 8 samples, group-normalise rewards, skip groups without spread, one
@@ -22,10 +22,10 @@ import torch
 from bench.common import emit
 from examples import arithmetic
 from infra.config import Config, load_config
-from pipeline.demo import run_demo
-from pipeline.generation import BatchRequest, SamplingParams, generate_batch
-from pipeline.models import LoadedModel, eos_token_ids
-from pipeline.tool_format import render_prompt, renders_tools
+from agentstream.demo import run_demo
+from serving.generation import BatchRequest, SamplingParams, generate_batch
+from models import LoadedModel, eos_token_ids
+from serving.tool_format import render_prompt, renders_tools
 from streams.credit import GroupNormalized
 from trainer.batching import Batch, Counts, Sample
 from trainer.policy import build_policy

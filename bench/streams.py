@@ -63,7 +63,7 @@ class Workload:
 
 def start_worker(env: dict, log_path: Path) -> subprocess.Popen:
     log = open(log_path, "ab")
-    process = subprocess.Popen([sys.executable, "-m", "pipeline", "streams"], env=env,
+    process = subprocess.Popen([sys.executable, "-m", "agentstream", "streams"], env=env,
                                stdout=log, stderr=subprocess.STDOUT)
     return process
 

@@ -113,7 +113,7 @@ class Process:
 
     def __init__(self, args: list[str], env: dict, log: Path) -> None:
         self._log = open(log, "wb")  # noqa: SIM115 - closed in stop()
-        self.process = subprocess.Popen([sys.executable, "-m", "pipeline", *args], env=env, stdout=self._log,
+        self.process = subprocess.Popen([sys.executable, "-m", "agentstream", *args], env=env, stdout=self._log,
                                         stderr=subprocess.STDOUT)
 
     def stop(self) -> None:

@@ -18,6 +18,14 @@ from pipeline.publisher import SpanPublisher
 from pipeline.sdk import set_sink
 
 
+def pytest_collection_modifyitems(items: list[pytest.Item]) -> None:
+    """Mark each test by its folder: tests/unit needs nothing running, tests/integration a stack or processes."""
+    for item in items:
+        kind = item.path.parent.name
+        if kind in ("unit", "integration"):
+            item.add_marker(kind)
+
+
 def stack_environment(home: Path) -> dict[str, str]:
     """Environment for an isolated stack: its own state folder and free ports, no external services."""
     env = {key: value for key, value in os.environ.items()

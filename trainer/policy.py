@@ -14,7 +14,7 @@ from typing import Any
 import torch
 
 from infra.config import TrainerConfig
-from pipeline.models import (
+from models import (
     WeightsError,
     assign_weights,
     check_weights,

@@ -1,0 +1,47 @@
+"""agentstream: reinforcement learning for any AI agent, as an event stream over Kafka and ClickHouse.
+
+What an agent needs, in one import::
+
+    import agentstream as ags
+
+    with ags.rollout(agent="support-bot") as r:       # or let `agentstream run` open it
+        with ags.span("plan", kind="AGENT"):
+            ...
+        ags.emit_reward(1.0)
+
+LLM calls are captured by the proxy (``agentstream proxy``); everything else is the CLI
+(``agentstream --help``).
+"""
+
+from pipeline.publisher import FlushTimeout, PublisherClosed, PublisherError, SpanPublisher
+from pipeline.sdk import (
+    NoRollout,
+    NoSink,
+    Rollout,
+    current_rollout,
+    emit_exception,
+    emit_message,
+    emit_object,
+    emit_reward,
+    rollout,
+    set_sink,
+    span,
+)
+
+__all__ = [
+    "FlushTimeout",
+    "NoRollout",
+    "NoSink",
+    "PublisherClosed",
+    "PublisherError",
+    "Rollout",
+    "SpanPublisher",
+    "current_rollout",
+    "emit_exception",
+    "emit_message",
+    "emit_object",
+    "emit_reward",
+    "rollout",
+    "set_sink",
+    "span",
+]

@@ -1,0 +1,491 @@
+"""The `agentstream` command line: the local stack, SQL over ClickHouse, and (later) runners and training."""
+
+from __future__ import annotations
+
+import asyncio
+import gc
+import json
+import logging
+import signal
+import sys
+from pathlib import Path
+
+import click
+
+from infra.clickhouse import ClickHouseError, connect, server_message
+from infra.config import Config, ConfigError, describe, load_config
+from infra.kafka import KafkaSetupError
+from infra.processes import ServiceError
+from infra.stack import Stack
+from pipeline.runner import AgentLoadError
+from pipeline.tasks import TaskFileError
+
+KNOWN_ERRORS = (ConfigError, ServiceError, ClickHouseError, KafkaSetupError, AgentLoadError, TaskFileError)
+
+
+class AgentstreamGroup(click.Group):
+    """A click group that turns our named errors into one clear line and exit status 1."""
+
+    def invoke(self, ctx: click.Context):
+        try:
+            return super().invoke(ctx)
+        except KNOWN_ERRORS as error:
+            click.secho(f"error: {error}", fg="red", err=True)
+            sys.exit(1)
+
+
+@click.group(cls=AgentstreamGroup)
+@click.option("--config", "config_path", type=click.Path(path_type=Path), default=None,
+              help="TOML config file (default: ./agentstream.toml if present, or $AGENTSTREAM_CONFIG).")
+@click.pass_context
+def main(ctx: click.Context, config_path: Path | None) -> None:
+    """agentstream: reinforcement learning for any agent, streamed over Kafka."""
+    logging.basicConfig(level=logging.WARNING, format="%(levelname)s %(name)s: %(message)s")
+    for noisy in ("aiokafka", "clickhouse_connect"):  # their retry chatter; our errors say what failed
+        logging.getLogger(noisy).setLevel(logging.CRITICAL)
+    ctx.obj = config_path
+
+
+def _config(ctx: click.Context) -> Config:
+    return load_config(ctx.obj)
+
+
+@main.command()
+@click.option("--timeout", default=60.0, show_default=True, help="Seconds to wait for each service to answer.")
+@click.pass_context
+def up(ctx: click.Context, timeout: float) -> None:
+    """Start the local broker and ClickHouse (unless external ones are configured), create topics and tables."""
+    endpoints = Stack(_config(ctx)).up(timeout_s=timeout)
+    click.echo(f"ready: KAFKA_BOOTSTRAP_SERVERS={endpoints.bootstrap_servers} CLICKHOUSE_URL={endpoints.clickhouse_url}")
+
+
+@main.command()
+@click.pass_context
+def status(ctx: click.Context) -> None:
+    """Show broker reachability, topics, consumer groups, ClickHouse version and table row counts."""
+    config = _config(ctx)
+    report = Stack(config).status()
+    click.echo(f"kafka       {report.endpoints.bootstrap_servers}  "
+               + ("reachable" if report.broker_reachable else f"UNREACHABLE ({report.broker_error})")
+               + f"  [{report.services['broker']}]")
+    for name, (partitions, messages) in report.topics.items():
+        click.echo(f"  topic {name:<32} partitions {partitions:>3}  messages {messages:>10}")
+    if report.broker_reachable:
+        click.echo("  consumer groups: " + (", ".join(report.groups) if report.groups else "none"))
+    click.echo(f"clickhouse  {report.endpoints.clickhouse_url}  "
+               + (f"version {report.clickhouse_version}" if report.clickhouse_version
+                  else f"UNREACHABLE ({report.clickhouse_error})")
+               + f"  [{report.services['clickhouse']}]")
+    for table, rows in report.tables.items():
+        click.echo(f"  table {config.clickhouse.database}.{table:<24} rows {rows:>10}" if rows >= 0
+                   else f"  table {config.clickhouse.database}.{table:<24} missing (run `agentstream up`)")
+    if not (report.broker_reachable and report.clickhouse_version):
+        sys.exit(1)
+
+
+@main.command()
+@click.pass_context
+def down(ctx: click.Context) -> None:
+    """Stop exactly the services `agentstream up` started from this state folder."""
+    Stack(_config(ctx)).down()
+
+
+@main.command()
+@click.argument("query", required=False)
+@click.option("--file", "query_file", type=click.File("r"), help="Read the query from a file ('-' for stdin).")
+@click.option("--format", "output_format", type=click.Choice(["table", "csv", "json"]), default="table", show_default=True)
+@click.option("--write", is_flag=True, help="Allow statements that change data (queries are read-only by default).")
+@click.pass_context
+def sql(ctx: click.Context, query: str | None, query_file, output_format: str, write: bool) -> None:
+    """Run SQL against the configured ClickHouse (database defaults to the agentstream one)."""
+    if query_file is not None:
+        query = query_file.read()
+    if not query:
+        raise click.UsageError("give a QUERY or --file")
+    config = _config(ctx)
+    client = connect(config.clickhouse, Stack(config).endpoints().clickhouse_url,
+                     database=config.clickhouse.database, readonly=not write)
+    try:
+        result = client.query(query)
+    except Exception as error:
+        raise ClickHouseError(server_message(error)) from None
+    click.echo(render(result.column_names, result.result_rows, output_format), nl=False)
+
+
+def render(columns, rows, output_format: str) -> str:
+    """Rows as an aligned text table, CSV, or JSON lines."""
+    if output_format == "json":
+        return "".join(json.dumps(dict(zip(columns, row)), default=str) + "\n" for row in rows)
+    if output_format == "csv":
+        import csv
+        import io
+
+        buffer = io.StringIO()
+        writer = csv.writer(buffer)
+        writer.writerow(columns)
+        writer.writerows(rows)
+        return buffer.getvalue()
+    cells = [[str(c) for c in columns]] + [[_cell(v) for v in row] for row in rows]
+    widths = [max(len(row[i]) for row in cells) for i in range(len(columns))]
+    lines = ["  ".join(value.ljust(width) for value, width in zip(row, widths)).rstrip() for row in cells]
+    lines.insert(1, "  ".join("-" * width for width in widths))
+    return "\n".join(lines) + f"\n({len(rows)} row{'s' if len(rows) != 1 else ''})\n"
+
+
+def _cell(value) -> str:
+    if isinstance(value, float):
+        return f"{value:.6g}"
+    text = str(value)
+    return text if len(text) <= 80 else text[:77] + "..."
+
+
+@main.command("report")
+@click.option("--format", "output_format", type=click.Choice(["table", "csv", "json"]), default="table", show_default=True)
+@click.option("--agent", default=None, help="Only this agent's rollouts and spans.")
+@click.option("--model", default=None, help="Only rows of this model (its LLM spans, rollouts and train steps).")
+@click.option("--since", default=None, help="Only the last DURATION, e.g. 30m, 1h, 2d (default: all time).")
+@click.option("--bucket", default="1m", show_default=True, help="Throughput bucket size, e.g. 30s, 1m, 1h.")
+@click.option("--buckets", default=30, show_default=True, type=click.IntRange(1, 10_000),
+              help="Throughput buckets shown, ending at the newest activity.")
+@click.pass_context
+def report_command(ctx: click.Context, output_format: str, agent: str | None, model: str | None, since: str | None,
+                   bucket: str, buckets: int) -> None:
+    """Analytics over the configured ClickHouse (read-only): reward by policy version, LLM tokens and latency,
+    rollout status, training staleness, throughput."""
+    from agentstream import report as analytics
+
+    try:
+        since_s = analytics.parse_duration(since) if since else 0
+    except ValueError as error:
+        raise click.BadParameter(str(error), param_hint="--since") from None
+    try:
+        bucket_s = analytics.parse_duration(bucket)
+    except ValueError as error:
+        raise click.BadParameter(str(error), param_hint="--bucket") from None
+    filters = analytics.ReportFilters(agent=agent or "", model=model or "", since_s=since_s, bucket_s=bucket_s,
+                                      buckets=buckets)
+    logging.getLogger("urllib3").setLevel(logging.ERROR)  # its retry warning; our error line says what failed
+    config = _config(ctx)
+    client = connect(config.clickhouse, Stack(config).endpoints().clickhouse_url,
+                     database=config.clickhouse.database, readonly=True)
+    try:
+        sections = analytics.build_report(client, filters)
+    finally:
+        client.close()
+    if output_format == "json":
+        click.echo(analytics.render_json(sections), nl=False)
+    elif output_format == "csv":
+        click.echo(analytics.render_csv(sections), nl=False)
+    else:
+        analytics.print_tables(sections)
+
+
+def _publisher(config: Config, component: str):
+    from pipeline.publisher import SpanPublisher
+
+    bootstrap = Stack(config).endpoints().bootstrap_servers
+    return SpanPublisher(config, bootstrap, journal_dir=config.stack.home.resolve() / "journal" / component)
+
+
+@main.command("proxy")
+@click.option("--upstream", required=True, help="Base URL of the OpenAI-compatible model server (vLLM or serve-model).")
+@click.option("--host", default="127.0.0.1", show_default=True)
+@click.option("--port", default=8080, show_default=True, type=int)
+@click.option("--agent-name", default=None, help="Agent name for calls that do not say (X-Agentstream-Agent).")
+@click.pass_context
+def proxy_command(ctx: click.Context, upstream: str, host: str, port: int, agent_name: str | None) -> None:
+    """Serve the OpenAI-compatible LLM proxy that records every call as a span with exact token ids."""
+    import uvloop
+
+    from pipeline.proxy import LLMProxy, serve_proxy
+
+    config = _config(ctx)
+
+    async def serve() -> None:
+        with _publisher(config, "proxy") as publisher:
+            runner = await serve_proxy(LLMProxy(upstream, publisher, agent_name=agent_name), host, port)
+            click.echo(f"proxy on http://{host}:{port} -> {upstream}; point OpenAI clients at "
+                       f"http://{host}:{port}/rollouts/<rollout_id>/v1")
+            try:
+                await _until_signalled()
+            finally:
+                await runner.cleanup()
+
+    uvloop.run(serve())
+
+
+@main.command("run")
+@click.argument("agent")
+@click.option("--concurrency", default=4, show_default=True, help="Rollouts run at once by this process.")
+@click.option("--group", "group_id", default="agentstream-runners", show_default=True, help="Consumer group of the runner pool.")
+@click.option("--proxy", "proxy_url", default=None, help="LLM proxy URL; rollouts get rollout.llm_base_url() under it.")
+@click.option("--max-tasks", default=None, type=int, help="Stop after this many rollouts (default: run until SIGTERM).")
+@click.option("--session-timeout-ms", default=10_000, show_default=True,
+              help="How long the group waits before a silent runner's tasks go to another runner.")
+@click.pass_context
+def run_command(ctx: click.Context, agent: str, concurrency: int, group_id: str, proxy_url: str | None,
+                max_tasks: int | None, session_timeout_ms: int) -> None:
+    """Run AGENT (module:function) on tasks from the tasks topic, as one member of a runner pool."""
+    import uvloop
+
+    from pipeline.runner import Runner, RunnerOptions, load_agent
+    from pipeline.sdk import set_sink
+
+    config = _config(ctx)
+    function = load_agent(agent)
+    options = RunnerOptions(concurrency=concurrency, group_id=group_id, proxy_url=proxy_url,
+                            session_timeout_ms=session_timeout_ms)
+
+    async def serve() -> None:
+        with _publisher(config, "runner") as publisher:
+            set_sink(publisher)
+            runner = Runner(function, config, Stack(config).endpoints().bootstrap_servers, publisher, options)
+            stop = asyncio.Event()
+            watcher = asyncio.create_task(_until_signalled(stop))
+            click.echo(f"runner {options.worker_id}: {agent} x{concurrency} in group {group_id}")
+            stats = await runner.run(stop, max_tasks)
+            watcher.cancel()
+            click.echo(f"finished {stats.finished} rollouts: {stats.succeeded} succeeded, {stats.failed} failed, "
+                       f"{stats.timed_out} timed out, {stats.retried} retried")
+
+    uvloop.run(serve())
+
+
+@main.command("enqueue")
+@click.argument("task_file", type=click.Path(exists=True, dir_okay=False, path_type=Path))
+@click.option("--group-size", default=1, show_default=True, help="Rollouts per task, compared as a group (GRPO).")
+@click.option("--agent-name", default=None)
+@click.option("--max-attempts", default=1, show_default=True)
+@click.option("--timeout", "timeout_s", default=300.0, show_default=True, help="Seconds a rollout may take.")
+@click.pass_context
+def enqueue_command(ctx: click.Context, task_file: Path, group_size: int, agent_name: str | None,
+                    max_attempts: int, timeout_s: float) -> None:
+    """Put the tasks of a JSONL file (one JSON object per line) on the tasks topic."""
+    from pipeline.tasks import enqueue, grouped_tasks, read_task_file
+
+    config = _config(ctx)
+    tasks = grouped_tasks(read_task_file(task_file), group_size=group_size, agent_name=agent_name,
+                          max_attempts=max_attempts, timeout_s=timeout_s)
+    count = asyncio.run(enqueue(config, Stack(config).endpoints().bootstrap_servers, tasks))
+    click.echo(f"enqueued {count} rollouts from {task_file}")
+
+
+@main.command("streams")
+@click.option("--loglevel", default="info", show_default=True, type=click.Choice(["debug", "info", "warning", "error"]))
+@click.pass_context
+def streams_command(ctx: click.Context, loglevel: str) -> None:
+    """Run a stream-processing worker (spans -> ClickHouse, trajectories, credit, transitions); run more to scale."""
+    import uvloop
+
+    asyncio.set_event_loop_policy(uvloop.EventLoopPolicy())
+    import faust
+
+    from infra.clickhouse import migrate, wait_for_clickhouse
+    from streams.app import create_app, prepare_topics
+
+    config = _config(ctx)
+    endpoints = Stack(config).endpoints()
+    client = wait_for_clickhouse(config.clickhouse, endpoints.clickhouse_url, timeout_s=30)
+    migrate(client, config.clickhouse.database)
+    client.close()
+    asyncio.run(prepare_topics(config, endpoints.bootstrap_servers))
+    app = create_app(config, endpoints.bootstrap_servers, endpoints.clickhouse_url)
+    # The worker makes a few container objects per span and keeps open rollouts' spans alive: with
+    # the default thresholds the cycle collector ran hundreds of times a second over all of them (a
+    # third of the completion work). Cycles are rare here: collect seldom, and never scan start-up's objects.
+    gc.freeze()
+    gc.set_threshold(100_000, 50, 100)
+    faust.Worker(app, loglevel=loglevel, quiet=True).execute_from_commandline()
+
+
+async def _until_signalled(stop: asyncio.Event | None = None) -> None:
+    """Wait for SIGTERM or SIGINT (then set ``stop``)."""
+    event = stop or asyncio.Event()
+    loop = asyncio.get_running_loop()
+    for sig in (signal.SIGTERM, signal.SIGINT):
+        loop.add_signal_handler(sig, event.set)
+    await event.wait()
+
+
+@main.command()
+@click.option("--quick", is_flag=True, default=None, help="The quick mode (same as DEMO_QUICK=1).")
+@click.option("--seconds", type=float, default=None, help="Seconds of training (default: demo.seconds, 900).")
+@click.pass_context
+def demo(ctx: click.Context, quick: bool | None, seconds: float | None) -> None:
+    """Train SmolLM2-135M-Instruct online on an arithmetic agent and show that it learned.
+
+    Starts the stack, the dev model server, proxy, streams, trainer, hot swap and runners;
+    measures held-out greedy accuracy before, during and after; writes demo-report.json, a
+    plot and a report under demo-output/; stops everything it started.
+    """
+    from dataclasses import replace
+
+    from agentstream.demo import run_demo
+    from agentstream.session import ChildFailed
+
+    config = _config(ctx)
+    if quick is not None or seconds is not None:
+        config = replace(config, demo=replace(config.demo, quick=bool(quick) or config.demo.quick,
+                                              **({"seconds": seconds, "quick_seconds": seconds} if seconds else {})))
+    signal.signal(signal.SIGTERM, _interrupt)  # stop like Ctrl-C: everything the demo started goes down
+    try:
+        run_demo(config)
+    except ChildFailed as error:
+        raise click.ClickException(str(error)) from None
+    except KeyboardInterrupt:
+        raise click.ClickException("interrupted; the processes the demo started were stopped") from None
+
+
+def _interrupt(signum: int, frame) -> None:
+    raise KeyboardInterrupt
+
+
+@main.command("train")
+@click.option("--agent", required=True, help="The agent to train, as module:function (called with task, rollout).")
+@click.option("--tasks", "task_file", required=True, type=click.Path(exists=True, dir_okay=False, path_type=Path),
+              help="JSON lines, one task payload per line.")
+@click.option("--agent-name", default=None, help="Agent name on its rollouts (default: the function's name).")
+@click.option("--model", "model_spec", default=None, help="Model to serve and train: tiny, smollm2 or a HF folder "
+              "(default: trainer.model).")
+@click.option("--server", "server_url", default=None, help="Use this running model server (vLLM) instead of starting one.")
+@click.option("--runners", default=1, show_default=True, help="Runner processes.")
+@click.option("--concurrency", default=8, show_default=True, help="Rollouts at once per runner.")
+@click.option("--strategy", type=click.Choice(["grpo", "final", "discounted"]), default="grpo", show_default=True)
+@click.option("--group-size", default=8, show_default=True, help="Rollouts per task, compared as a group (grpo).")
+@click.option("--epochs", default=1, show_default=True, help="Passes over the task file.")
+@click.option("--max-steps", default=None, type=int, help="Stop after this many optimizer steps.")
+@click.pass_context
+def train_command(ctx: click.Context, agent: str, task_file: Path, agent_name: str | None, model_spec: str | None,
+                  server_url: str | None, runners: int, concurrency: int, strategy: str, group_size: int,
+                  epochs: int, max_steps: int | None) -> None:
+    """Train an agent on a task file with one command: enqueue, run, train, hot-swap, until done."""
+    from pipeline.runner import AgentLoadError, load_agent
+    from agentstream.session import ChildFailed
+    from pipeline.tasks import TaskFileError
+    from agentstream.train import TrainRequest, run_training
+
+    try:
+        function = load_agent(agent)
+    except AgentLoadError as error:
+        raise click.BadParameter(str(error), param_hint="--agent") from None
+    config = _config(ctx)
+    request = TrainRequest(agent=agent, tasks=task_file, agent_name=agent_name or function.__name__,
+                           model=model_spec or config.trainer.model, server_url=server_url, runners=runners,
+                           concurrency=concurrency, group_size=group_size, strategy=strategy, epochs=epochs,
+                           max_steps=max_steps)
+    try:
+        run_training(config, request, progress=click.echo)
+    except (ChildFailed, TaskFileError, ValueError) as error:
+        raise click.ClickException(str(error)) from None
+
+
+@main.command("config")
+@click.pass_context
+def show_config(ctx: click.Context) -> None:
+    """Print the effective configuration (secrets masked)."""
+    click.echo(json.dumps(describe(_config(ctx)), indent=2, default=str))
+
+
+@main.command("serve-model")
+@click.option("--model", "model_spec", default="smollm2", show_default=True,
+              help="'tiny', 'smollm2' (SmolLM2-135M-Instruct, offline) or a HF model folder.")
+@click.option("--host", default="127.0.0.1", show_default=True)
+@click.option("--port", default=8000, show_default=True, type=int)
+@click.option("--served-model-name", default=None, help="The model name clients use (default: the model's name).")
+@click.option("--threads", default=2, show_default=True, help="CPU threads torch may use.")
+def serve_model_command(model_spec: str, host: str, port: int, served_model_name: str | None, threads: int) -> None:
+    """Serve a model on CPU with vLLM's OpenAI-compatible API (token ids, logprobs, LoRA and weight updates)."""
+    import uvloop
+
+    try:
+        from serving.server import serve
+        from models import ModelLoadError, load_model
+    except ImportError as error:
+        raise click.ClickException(f"serve-model needs {error.name}: pip install 'agentstream[train]'") from None
+    logging.getLogger("agentstream").setLevel(logging.INFO)
+    try:
+        loaded = load_model(model_spec, threads=threads)
+    except ModelLoadError as error:
+        raise click.ClickException(str(error)) from None
+    try:
+        uvloop.run(serve(loaded, host=host, port=port, served_model_name=served_model_name))
+    except KeyboardInterrupt:
+        pass
+
+
+# ---------------------------------------------------------------- trainer and hot swap
+
+
+@main.command("train-worker")
+@click.option("--model", "model_spec", default=None, help="Model spec to train (overrides trainer.model).")
+@click.option("--max-steps", default=None, type=int, help="Stop after this many optimizer steps (default: run until SIGTERM).")
+@click.pass_context
+def train_worker_command(ctx: click.Context, model_spec: str | None, max_steps: int | None) -> None:
+    """Train one model from the transitions topic; checkpoints go to the store and the checkpoints topic."""
+    from dataclasses import replace
+
+    import uvloop
+
+    from infra.clickhouse import migrate, wait_for_clickhouse
+    from infra.kafka import create_topics
+
+    try:
+        from trainer.checkpoints import CheckpointError
+        from trainer.metrics import MetricsWriter
+        from trainer.policy import PolicyError
+        from trainer.worker import TrainerWorker
+    except ImportError as error:
+        raise click.ClickException(f"train-worker needs {error.name}: pip install 'agentstream[train]'") from None
+    config = _config(ctx)
+    if model_spec:
+        config = replace(config, trainer=replace(config.trainer, model=model_spec))
+    endpoints = Stack(config).endpoints()
+    database = config.clickhouse.database
+    client = wait_for_clickhouse(config.clickhouse, endpoints.clickhouse_url, timeout_s=30)
+    migrate(client, database)
+
+    async def serve() -> None:
+        await create_topics(config, endpoints.bootstrap_servers)
+        worker = TrainerWorker(config, endpoints.bootstrap_servers, metrics=MetricsWriter(client, database),
+                               progress=click.echo)
+        stop = asyncio.Event()
+        watcher = asyncio.create_task(_until_signalled(stop))
+        summary = await worker.run(stop, max_steps)
+        watcher.cancel()
+        click.echo(f"trained {summary.steps} steps on {summary.transitions} transitions ({summary.tokens} tokens), "
+                   f"{summary.checkpoints} checkpoints; now at version {worker.version}")
+
+    try:
+        uvloop.run(serve())
+    except (CheckpointError, PolicyError) as error:
+        raise click.ClickException(str(error)) from None
+    finally:
+        client.close()
+
+
+@main.command("hotswap")
+@click.option("--server", "server_url", required=True, help="Base URL of the model server (serve-model or vLLM).")
+@click.option("--model", "model_name", required=True, help="The trained model whose checkpoints to load.")
+@click.option("--no-verify", is_flag=True, help="Do not check the weights' sha256 before loading.")
+@click.pass_context
+def hotswap_command(ctx: click.Context, server_url: str, model_name: str, no_verify: bool) -> None:
+    """Follow the checkpoints topic and hot-swap each new version of MODEL into a model server."""
+    import uvloop
+
+    from serving.hotswap import HotSwapper
+
+    config = _config(ctx)
+    logging.getLogger("agentstream.hotswap").setLevel(logging.INFO)
+    swapper = HotSwapper(config, Stack(config).endpoints().bootstrap_servers, server_url, model_name,
+                         verify=not no_verify,
+                         on_swap=lambda swap: click.echo(f"{swap.model} v{swap.version} ({swap.format}) serving as "
+                                                         f"{swap.served_name}"))
+
+    async def serve() -> None:
+        stop = asyncio.Event()
+        watcher = asyncio.create_task(_until_signalled(stop))
+        click.echo(f"hot swap: checkpoints of {model_name} -> {server_url}")
+        await swapper.run(stop)
+        watcher.cancel()
+
+    uvloop.run(serve())

@@ -1,0 +1,322 @@
+"""The main job: train SmolLM2-135M-Instruct online on the arithmetic agent, end to end, and prove it learned.
+
+Stack up; the agent in ``examples/arithmetic.py`` (plain OpenAI SDK) runs in runner processes
+through the capturing proxy against the dev model server; streams assign GRPO credit; the
+trainer steps and checkpoints; hot swap loads every checkpoint into the server while the
+runners keep going. Held-out greedy accuracy is measured before, every ``eval_every_s`` and
+after, through the same proxy under a separate agent name (captured, never trained on).
+Writes ``demo-report.json``, a plot and a Markdown report, then stops what it started.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import json
+import random
+import time
+import urllib.request
+import uuid
+from collections import deque
+from contextlib import nullcontext
+from dataclasses import asdict, dataclass, field, replace
+from pathlib import Path
+
+from rich.console import Console
+from rich.live import Live
+from rich.table import Table
+
+from examples import arithmetic
+from infra.clickhouse import connect, migrate
+from infra.config import Config, CreditRule
+from infra.stack import Stack
+from pipeline.publisher import SpanPublisher
+from pipeline.sdk import emit_reward, rollout, set_sink
+from agentstream.session import SessionPlan, TrainingSession
+from pipeline.tasks import PacedQueue, grouped_tasks
+
+TRAIN_AGENT = "arithmetic"
+EVAL_AGENT = "arithmetic-eval"
+DATABASE = "agentstream_demo"
+RATE_WINDOW_S = 30.0
+
+
+@dataclass
+class Evaluation:
+    """Held-out greedy accuracy of the policy version the server held."""
+
+    seconds: float  # since training started (negative: before)
+    policy_version: int
+    accuracy: float
+    correct: int
+    total: int
+
+
+@dataclass
+class DemoReport:
+    """What ``demo-report.json`` holds."""
+
+    heldout_before: float
+    heldout_after: float
+    policy_versions: int
+    seconds: float
+    training_seconds: float
+    time_to_target_s: float | None
+    target: float
+    evaluations: list[Evaluation] = field(default_factory=list)
+    reward_per_version: list[dict] = field(default_factory=list)
+    rollouts: int = 0
+    spans: int = 0
+    train_steps: int = 0
+    quick: bool = False
+
+
+def demo_config(config: Config, run_id: str, workdir: Path) -> Config:
+    """The demo's settings on top of the user's: its own topics and database, GRPO on the train agent only."""
+    demo = config.demo
+    wave = demo.group_size * demo.prompts_per_wave
+    return replace(
+        config,
+        topics=replace(config.topics, prefix=f"demo-{run_id}.", partitions=1),
+        clickhouse=replace(config.clickhouse, database=DATABASE),
+        streams=replace(config.streams, app_id=f"agentstream-demo-{run_id}"),
+        credit=(CreditRule(agent=TRAIN_AGENT, strategy="grpo", group_size=demo.group_size, group_timeout_s=120),
+                CreditRule(agent="*", train=False)),
+        trainer=replace(config.trainer, model="smollm2", device="cpu", dtype="float32", threads=demo.trainer_threads,
+                        lr=demo.lr, temperature=1.0, batch_transitions=wave * 3 // 4, batch_tokens=0, batch_wait_s=15.0,
+                        max_policy_lag=3, checkpoint_every_steps=1, keep_checkpoints=3,
+                        checkpoint_dir=str(workdir / "checkpoints"), session_timeout_s=6.0),
+    )
+
+
+def server_version(server_url: str) -> int:
+    """The policy version the model server holds now (every response carries it)."""
+    with urllib.request.urlopen(server_url + "/health", timeout=10) as response:
+        return int(response.headers["X-Policy-Version"])
+
+
+async def evaluate(tasks: list[dict], proxy_url: str, server_url: str, started: float) -> Evaluation:
+    """Greedy accuracy on ``tasks``, each a captured rollout of the eval agent."""
+    version = await asyncio.to_thread(server_version, server_url)
+
+    async def one(task: dict) -> float:
+        async with rollout(EVAL_AGENT, task_id=task["id"], proxy_url=proxy_url) as state:
+            reward = await arithmetic.solve(task, state, temperature=0.0)
+            emit_reward(reward)  # so held-out accuracy per policy version is queryable too
+            return reward
+
+    rewards = await asyncio.gather(*(one(task) for task in tasks))
+    correct = int(sum(rewards))
+    return Evaluation(round(time.monotonic() - started, 1), version, correct / len(tasks), correct, len(tasks))
+
+
+def _waves(train: list[dict], group_size: int, wave_size: int):
+    """Endless shuffled passes over the train tasks, as waves of GRPO groups for the train agent."""
+    rng = random.Random(0)
+    while True:
+        epoch = list(train)
+        rng.shuffle(epoch)
+        tasks = grouped_tasks(epoch, group_size=group_size, agent_name=TRAIN_AGENT, timeout_s=600)
+        for start in range(0, len(tasks) - wave_size + 1, wave_size):
+            yield tasks[start:start + wave_size]
+
+
+class Dashboard:
+    """Live numbers from ClickHouse: the same tables `agentstream sql` and `report` read."""
+
+    def __init__(self, client, console: Console, seconds: float) -> None:
+        self.client, self.console, self.seconds = client, console, seconds
+        self.evaluations: list[Evaluation] = []
+        self.history: deque[tuple[float, int, int]] = deque()
+        self.rates = (0.0, 0.0)
+
+    def snapshot(self) -> dict:
+        rollouts, spans = self.client.query(
+            f"SELECT (SELECT count() FROM rollouts FINAL WHERE agent_name = '{TRAIN_AGENT}'), "
+            "(SELECT count() FROM spans)").result_rows[0]
+        steps = self.client.query(
+            "SELECT count(), (SELECT max(version) FROM checkpoints FINAL), argMax(staleness_mean, step), "
+            "argMax(reward_mean, step) FROM train_steps FINAL").result_rows[0]
+        now = time.monotonic()
+        self.history.append((now, rollouts, spans))
+        while len(self.history) > 2 and now - self.history[1][0] >= RATE_WINDOW_S:
+            self.history.popleft()
+        then, rollouts_then, spans_then = self.history[0]
+        if now > then:
+            self.rates = ((rollouts - rollouts_then) / (now - then), (spans - spans_then) / (now - then))
+        return {"rollouts": rollouts, "spans": spans, "steps": steps[0], "version": steps[1] if steps[0] else 0,
+                "staleness": steps[2] if steps[0] else 0.0, "last_reward": steps[3] if steps[0] else None}
+
+    def reward_per_version(self) -> list[dict]:
+        rows = self.client.query(
+            "SELECT arrayMin(policy_versions) AS version, count() AS rollouts, avg(final_reward) AS reward "
+            f"FROM rollouts FINAL WHERE agent_name = '{TRAIN_AGENT}' AND notEmpty(policy_versions) "
+            "GROUP BY version ORDER BY version").result_rows
+        return [{"policy_version": v, "rollouts": n, "reward_mean": round(r, 4)} for v, n, r in rows]
+
+    def render(self, elapsed: float, numbers: dict, per_version: list[dict]) -> Table:
+        table = Table(title=f"agentstream demo: training {elapsed:.0f} / {self.seconds:.0f} s", show_header=False)
+        table.add_row("rollouts/s, spans/s", f"{self.rates[0]:.1f}, {self.rates[1]:.1f}  "
+                      f"({numbers['rollouts']} rollouts, {numbers['spans']} spans)")
+        table.add_row("policy version", f"v{numbers['version']}  ({numbers['steps']} optimizer steps)")
+        table.add_row("lag (versions behind, last step)", f"{numbers['staleness']:.2f}")
+        recent = "  ".join(f"v{row['policy_version']}:{row['reward_mean']:.2f}" for row in per_version[-8:])
+        table.add_row("sampled reward per version", recent or "-")
+        table.add_row("held-out greedy accuracy", "  ".join(
+            f"v{e.policy_version}:{e.accuracy:.0%}" for e in self.evaluations) or "-")
+        return table
+
+    def line(self, elapsed: float, numbers: dict, per_version: list[dict]) -> str:
+        reward = per_version[-1]["reward_mean"] if per_version else float("nan")
+        held = self.evaluations[-1].accuracy if self.evaluations else float("nan")
+        return (f"[{elapsed:5.0f}s] {numbers['rollouts']} rollouts ({self.rates[0]:.1f}/s), {numbers['spans']} spans "
+                f"({self.rates[1]:.0f}/s), policy v{numbers['version']}, lag {numbers['staleness']:.2f}, "
+                f"sampled reward {reward:.2f}, held-out {held:.0%}")
+
+
+def write_plot(path: Path, report: DemoReport) -> None:
+    """Sampled reward per policy version, with the held-out evaluations on top."""
+    import matplotlib
+
+    matplotlib.use("Agg")
+    import matplotlib.pyplot as plt
+
+    figure, axis = plt.subplots(figsize=(8, 4.5))
+    versions = [row["policy_version"] for row in report.reward_per_version]
+    axis.plot(versions, [row["reward_mean"] for row in report.reward_per_version], marker=".",
+              label="sampled reward (train rollouts, T=1)")
+    axis.plot([e.policy_version for e in report.evaluations], [e.accuracy for e in report.evaluations],
+              marker="o", label="held-out greedy accuracy")
+    axis.axhline(report.target, color="grey", linestyle=":", label=f"target {report.target:.0%}")
+    axis.set_xlabel("policy version")
+    axis.set_ylabel("reward / accuracy")
+    axis.set_ylim(0, 1.02)
+    axis.set_title("SmolLM2-135M-Instruct learning 'Compute a+b.' online through agentstream")
+    axis.legend(loc="lower right")
+    figure.tight_layout()
+    figure.savefig(path, dpi=110)
+    plt.close(figure)
+
+
+def write_markdown(path: Path, report: DemoReport) -> None:
+    reached = "not reached" if report.time_to_target_s is None else f"{report.time_to_target_s:.0f} s"
+    lines = ["# agentstream demo report", "",
+             f"- held-out greedy accuracy: {report.heldout_before:.1%} before -> {report.heldout_after:.1%} after",
+             (f"- {report.policy_versions} policy versions in {report.training_seconds:.0f} s of training "
+              f"({report.seconds:.0f} s in all); {report.rollouts} train rollouts, {report.spans} spans"),
+             f"- time to {report.target:.0%} held-out: {reached}",
+             "", "| seconds | policy version | held-out accuracy |", "|---|---|---|",
+             *(f"| {e.seconds:.0f} | v{e.policy_version} | {e.accuracy:.1%} ({e.correct}/{e.total}) |"
+               for e in report.evaluations),
+             "", "![reward per policy version](reward_per_version.png)", ""]
+    path.write_text("\n".join(lines))
+
+
+async def train_and_watch(session: TrainingSession, config: Config, endpoints, client, console: Console,
+                          started: float) -> tuple[list[Evaluation], float]:
+    """Enqueue the train tasks, run until the time is up (or the target is reached), evaluating as it goes."""
+    demo = config.demo
+    train, heldout = arithmetic.split()
+    publisher = SpanPublisher(config, endpoints.bootstrap_servers, journal_dir=session.workdir / "journal").start()
+    set_sink(publisher)
+    try:
+        before = await evaluate(heldout, session.proxy_url, session.server_url, started)
+        before.seconds = 0.0  # training starts now
+        console.print(f"held-out before training: {before.accuracy:.1%} ({before.correct}/{before.total}, "
+                      f"greedy, policy v{before.policy_version})")
+        wave_size = demo.group_size * demo.prompts_per_wave
+        queue = PacedQueue(config, endpoints.bootstrap_servers, _waves(train, demo.group_size, wave_size), ahead=2)
+        await queue.top_up(0)
+        session.start_runners(progress=console.print)
+        dashboard = Dashboard(client, console, demo.training_seconds)
+        dashboard.evaluations.append(before)
+        training_started = time.monotonic()
+        next_eval = training_started + demo.eval_every_s
+        pending: asyncio.Task | None = None
+        last_line = 0.0
+        with Live(console=console, refresh_per_second=2, transient=False) if console.is_terminal else nullcontext() as live:
+            while (elapsed := time.monotonic() - training_started) < demo.training_seconds:
+                session.check()
+                numbers, per_version = dashboard.snapshot(), dashboard.reward_per_version()
+                await queue.top_up(numbers["version"])
+                if console.is_terminal:
+                    live.update(dashboard.render(elapsed, numbers, per_version))
+                elif time.monotonic() - last_line >= 15:
+                    console.print(dashboard.line(elapsed, numbers, per_version))
+                    last_line = time.monotonic()
+                if pending is not None and pending.done():
+                    result = pending.result()
+                    result.seconds = round(result.seconds - (training_started - started), 1)
+                    dashboard.evaluations.append(result)
+                    console.print(f"held-out at {result.seconds:.0f} s: {result.accuracy:.1%} (policy v{result.policy_version})")
+                    pending = None
+                    if demo.stop_at_target and result.accuracy >= demo.target:
+                        break
+                if pending is None and time.monotonic() >= next_eval:
+                    pending = asyncio.create_task(evaluate(heldout, session.proxy_url, session.server_url, started))
+                    next_eval = time.monotonic() + demo.eval_every_s
+                await asyncio.sleep(3.0)
+        training_seconds = time.monotonic() - training_started
+        if pending is not None:
+            result = await pending
+            result.seconds = round(result.seconds - (training_started - started), 1)
+            dashboard.evaluations.append(result)
+        console.print("stopping runners and trainer, then the final held-out evaluation")
+        session.stop(*(name for name in session.children if name.startswith("runner")), "trainer")
+        await asyncio.sleep(2.0)  # the last announced checkpoint reaches the server
+        after = await evaluate(heldout, session.proxy_url, session.server_url, started)
+        after.seconds = round(training_seconds, 1)
+        dashboard.evaluations.append(after)
+        console.print(f"held-out after training: {after.accuracy:.1%} ({after.correct}/{after.total}, "
+                      f"greedy, policy v{after.policy_version})")
+        return dashboard.evaluations, training_seconds
+    finally:
+        set_sink(None)
+        await asyncio.to_thread(publisher.close)
+
+
+def run_demo(config: Config, console: Console | None = None) -> DemoReport:
+    """The whole demo; returns (and writes) its report."""
+    console = console or Console()
+    started = time.monotonic()
+    run_id = uuid.uuid4().hex[:8]
+    workdir = config.stack.home.resolve() / "demo" / run_id
+    workdir.mkdir(parents=True, exist_ok=True)
+    config = demo_config(config, run_id, workdir)
+    demo = config.demo
+    console.rule(f"agentstream demo ({'quick, ' if demo.quick else ''}{demo.training_seconds:.0f} s of training)")
+    stack = Stack(config)
+    endpoints = stack.up(progress=console.print)
+    session = TrainingSession(config, endpoints, workdir, SessionPlan(
+        agent="examples.arithmetic:solve", model="smollm2", concurrency=demo.group_size * demo.prompts_per_wave,
+        server_threads=demo.server_threads))
+    try:
+        client = connect(config.clickhouse, endpoints.clickhouse_url, database=DATABASE)
+        client.command(f"DROP DATABASE IF EXISTS {DATABASE}")  # the demo's own database, fresh each run
+        migrate(client, DATABASE)
+        session.start(progress=console.print)
+        evaluations, training_seconds = asyncio.run(
+            train_and_watch(session, config, endpoints, client, console, started))
+        dashboard = Dashboard(client, console, demo.training_seconds)
+        numbers = dashboard.snapshot()
+        reached = [e.seconds for e in evaluations if e.seconds >= 0 and e.accuracy >= demo.target]
+        report = DemoReport(
+            heldout_before=evaluations[0].accuracy, heldout_after=evaluations[-1].accuracy,
+            policy_versions=numbers["version"], seconds=round(time.monotonic() - started, 1),
+            training_seconds=round(training_seconds, 1), time_to_target_s=min(reached) if reached else None,
+            target=demo.target, evaluations=evaluations, reward_per_version=dashboard.reward_per_version(),
+            rollouts=numbers["rollouts"], spans=numbers["spans"], train_steps=numbers["steps"], quick=demo.quick)
+    finally:
+        session.stop()
+        stack.down(progress=console.print)
+    output = Path(demo.output_dir)
+    output.mkdir(parents=True, exist_ok=True)
+    Path(demo.report_path).write_text(json.dumps(asdict(report), indent=2) + "\n")
+    write_plot(output / "reward_per_version.png", report)
+    write_markdown(output / "report.md", report)
+    console.print(f"held-out greedy accuracy {report.heldout_before:.1%} -> {report.heldout_after:.1%} "
+                  f"over {report.policy_versions} policy versions in {report.training_seconds:.0f} s of training "
+                  f"({report.seconds:.0f} s in all)")
+    console.print(f"wrote {demo.report_path}, {output / 'report.md'}, {output / 'reward_per_version.png'}; "
+                  f"logs in {workdir}")
+    console.print(f"explore the run: agentstream up && CLICKHOUSE_DATABASE={DATABASE} agentstream report")
+    return report

@@ -1,0 +1,164 @@
+"""Online training as a set of processes around a running stack: model server, proxy, streams, trainer, hot swap, runners.
+
+Each part is the ordinary ``agentstream`` command in its own process, configured by one TOML
+file written from the caller's effective configuration, with its output in a log file. This
+is what ``agentstream train`` and the demo start; in production the same commands run as
+separate deployments.
+"""
+
+from __future__ import annotations
+
+import os
+import signal
+import subprocess
+import sys
+import time
+import urllib.error
+import urllib.request
+from dataclasses import dataclass
+from pathlib import Path
+
+from infra.config import Config, dump_toml
+from infra.processes import free_port, wait_for_port
+from infra.stack import Endpoints
+from models import model_display_name
+
+
+class ChildFailed(RuntimeError):
+    """A process of the session exited or did not become ready; the message ends with its log."""
+
+
+class Child:
+    """One ``agentstream`` command in a subprocess, its output appended to a log file."""
+
+    def __init__(self, name: str, args: list[str], env: dict[str, str], log_path: Path) -> None:
+        self.name, self.args, self.env, self.log_path = name, args, env, log_path
+        self.process: subprocess.Popen | None = None
+
+    def start(self) -> Child:
+        with open(self.log_path, "ab") as log:
+            self.process = subprocess.Popen([sys.executable, "-m", "agentstream", *self.args], env=self.env,
+                                            stdout=log, stderr=subprocess.STDOUT, start_new_session=True)
+        return self
+
+    @property
+    def running(self) -> bool:
+        return self.process is not None and self.process.poll() is None
+
+    def log_tail(self, characters: int = 3000) -> str:
+        try:
+            return self.log_path.read_text(errors="replace")[-characters:]
+        except FileNotFoundError:
+            return ""
+
+    def check(self) -> None:
+        """Raise ChildFailed if the process has exited."""
+        if self.process is not None and self.process.poll() is not None:
+            raise ChildFailed(f"{self.name} exited with code {self.process.returncode}; "
+                              f"its log ({self.log_path}) ends with:\n{self.log_tail()}")
+
+    def stop(self, timeout_s: float = 30.0) -> None:
+        """SIGTERM, then SIGKILL after ``timeout_s``."""
+        if not self.running:
+            return
+        self.process.send_signal(signal.SIGTERM)
+        try:
+            self.process.wait(timeout_s)
+        except subprocess.TimeoutExpired:
+            self.process.kill()
+            self.process.wait()
+
+
+@dataclass(frozen=True)
+class SessionPlan:
+    """What to run: the agent, the model it calls and trains, and how many rollouts at once.
+
+    ``server_url`` points at a model server that is already running (vLLM, or a dev server);
+    without it the session starts ``agentstream serve-model --model {model}``.
+    """
+
+    agent: str
+    model: str = "smollm2"
+    runners: int = 1
+    concurrency: int = 32
+    server_url: str | None = None
+    server_threads: int = 1
+
+
+class TrainingSession:
+    """Starts, watches and stops the processes of one online-training session."""
+
+    def __init__(self, config: Config, endpoints: Endpoints, workdir: Path, plan: SessionPlan) -> None:
+        self.config, self.endpoints, self.workdir, self.plan = config, endpoints, workdir, plan
+        self.children: dict[str, Child] = {}
+        self.server_url = plan.server_url or f"http://127.0.0.1:{free_port()}"
+        self.proxy_url = f"http://127.0.0.1:{free_port()}"
+
+    def _env(self, threads: int) -> dict[str, str]:
+        env = dict(os.environ)
+        # PASSIVE: a torch thread that waits yields its core, since the model server and the trainer share them
+        env.update(AGENTSTREAM_CONFIG=str(self.workdir / "agentstream.toml"), OMP_NUM_THREADS=str(threads),
+                   OMP_WAIT_POLICY="PASSIVE",
+                   KAFKA_BOOTSTRAP_SERVERS=self.endpoints.bootstrap_servers,
+                   CLICKHOUSE_URL=self.endpoints.clickhouse_url, PYTHONUNBUFFERED="1")
+        return env
+
+    def _start(self, name: str, args: list[str], threads: int = 1) -> Child:
+        child = Child(name, args, self._env(threads), self.workdir / f"{name}.log").start()
+        self.children[name] = child
+        return child
+
+    def start(self, progress=print, model_timeout_s: float = 300.0) -> None:
+        """Start every process and wait until the model server and the proxy answer."""
+        self.workdir.mkdir(parents=True, exist_ok=True)
+        config_path = self.workdir / "agentstream.toml"
+        config_path.write_text(dump_toml(self.config))
+        config_path.chmod(0o600)  # it may hold credentials
+        if self.plan.server_url is None:
+            port = self.server_url.rsplit(":", 1)[1]
+            self._start("model-server", ["serve-model", "--model", self.plan.model, "--port", port,
+                                         "--threads", str(self.plan.server_threads)], self.plan.server_threads)
+            progress(f"model server  {self.plan.model} at {self.server_url} (loading)")
+        self._start("proxy", ["proxy", "--upstream", self.server_url, "--port", self.proxy_url.rsplit(":", 1)[1]])
+        self._start("streams", ["streams", "--loglevel", "warning"])
+        self._start("trainer", ["train-worker"], self.config.trainer.threads)
+        trained = self.config.trainer.model_name or model_display_name(self.plan.model)
+        self._start("hotswap", ["hotswap", "--server", self.server_url, "--model", trained])
+        self.wait_until_healthy(self.server_url + "/health", "model-server", model_timeout_s)
+        wait_for_port("127.0.0.1", int(self.proxy_url.rsplit(":", 1)[1]), 30)
+        progress(f"proxy         {self.proxy_url} -> {self.server_url}; streams, trainer and hot swap started")
+
+    def start_runners(self, progress=print) -> None:
+        """Start the runner processes that take tasks from the queue."""
+        for number in range(self.plan.runners):
+            self._start(f"runner-{number}", ["run", self.plan.agent, "--proxy", self.proxy_url,
+                                             "--concurrency", str(self.plan.concurrency)])
+        progress(f"runners       {self.plan.runners} x {self.plan.concurrency} rollouts at once of {self.plan.agent}")
+
+    def wait_until_healthy(self, url: str, name: str, timeout_s: float) -> None:
+        deadline = time.monotonic() + timeout_s
+        while True:
+            if name in self.children:
+                self.children[name].check()
+            try:
+                with urllib.request.urlopen(url, timeout=2):
+                    return
+            except (urllib.error.URLError, OSError):
+                if time.monotonic() > deadline:
+                    raise ChildFailed(f"{name} did not answer at {url} within {timeout_s:.0f} s") from None
+                time.sleep(0.5)
+
+    def check(self) -> None:
+        """Raise ChildFailed if any process of the session has exited."""
+        for child in self.children.values():
+            child.check()
+
+    def stop(self, *names: str) -> None:
+        """Stop the named processes (all of them, runners first, when none are named)."""
+        order = names or [*(n for n in self.children if n.startswith("runner")), "trainer", "hotswap", "streams",
+                          "proxy", "model-server"]
+        for name in order:
+            if name in self.children:
+                self.children[name].stop()
+
+

@@ -1,0 +1,33 @@
+"""An aiohttp application served on a free loopback port from a background thread (tests, benches, demos)."""
+
+from __future__ import annotations
+
+import asyncio
+import threading
+
+import uvloop
+from aiohttp import web
+
+
+class ServerThread:
+    """An aiohttp app on a free loopback port, served by a uvloop loop in a background thread."""
+
+    def __init__(self, app: web.Application):
+        self.app = app
+        self.loop = uvloop.new_event_loop()
+        self.thread = threading.Thread(target=self.loop.run_forever, daemon=True)
+        self.thread.start()
+        self.runner = web.AppRunner(app, access_log=None)
+        self.call(self.runner.setup())
+        site = web.TCPSite(self.runner, "127.0.0.1", 0)
+        self.call(site.start())
+        host, port = self.runner.addresses[0][:2]
+        self.url = f"http://{host}:{port}"
+
+    def call(self, coroutine):
+        return asyncio.run_coroutine_threadsafe(coroutine, self.loop).result(timeout=60)
+
+    def stop(self) -> None:
+        self.call(self.runner.cleanup())
+        self.loop.call_soon_threadsafe(self.loop.stop)
+        self.thread.join(timeout=10)

@@ -1,0 +1,55 @@
+"""Models shared by the dev model server and the trainer: loading, weights files, teacher-forced logprobs.
+
+A leaf package: it imports only torch/transformers and the standard library, so serving and
+trainer can both depend on it without depending on each other.
+"""
+
+from models.loading import (
+    SMOLLM2_NAME,
+    LoadedModel,
+    ModelLoadError,
+    context_length,
+    eos_token_ids,
+    load_model,
+    model_cache_root,
+    model_display_name,
+    tiny_tokenizer,
+)
+from models.logprobs import teacher_forced_logprobs
+from models.weights import (
+    ADAPTER_CONFIG_FILE,
+    ADAPTER_WEIGHTS_FILE,
+    FULL_WEIGHTS_FILE,
+    WEIGHTS_FILES,
+    WeightsError,
+    assign_weights,
+    check_weights,
+    local_path,
+    read_weights,
+    sha256_file,
+    verify_sha256,
+)
+
+__all__ = [
+    "ADAPTER_CONFIG_FILE",
+    "ADAPTER_WEIGHTS_FILE",
+    "FULL_WEIGHTS_FILE",
+    "SMOLLM2_NAME",
+    "WEIGHTS_FILES",
+    "LoadedModel",
+    "ModelLoadError",
+    "WeightsError",
+    "assign_weights",
+    "check_weights",
+    "context_length",
+    "eos_token_ids",
+    "load_model",
+    "local_path",
+    "model_cache_root",
+    "model_display_name",
+    "read_weights",
+    "sha256_file",
+    "teacher_forced_logprobs",
+    "tiny_tokenizer",
+    "verify_sha256",
+]

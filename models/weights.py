@@ -1,0 +1,87 @@
+"""Weights files and checkpoint folders, as the trainer writes them and the model server reads them.
+
+One definition of the file names, the sha256 a Checkpoint event carries, checkpoint URIs and
+the state-dict checks, so writer and reader cannot drift apart.
+"""
+
+from __future__ import annotations
+
+import hashlib
+from pathlib import Path
+from urllib.parse import unquote, urlsplit
+
+import torch
+
+FULL_WEIGHTS_FILE = "model.safetensors"
+ADAPTER_WEIGHTS_FILE = "adapter_model.safetensors"
+ADAPTER_CONFIG_FILE = "adapter_config.json"
+WEIGHTS_FILES = {"full": FULL_WEIGHTS_FILE, "lora": ADAPTER_WEIGHTS_FILE}
+"""The weights file of a checkpoint folder, by checkpoint format."""
+
+
+class WeightsError(Exception):
+    """A weights folder does not fit the served model, or its file does not match its sha256."""
+
+
+def local_path(uri: str) -> Path:
+    """The local path of a ``file://`` URI or a plain path."""
+    parts = urlsplit(uri)
+    return Path(unquote(parts.path)) if parts.scheme == "file" else Path(uri)
+
+
+def sha256_file(path: Path) -> str:
+    """The hex sha256 of a file, read in 1 MiB chunks."""
+    digest = hashlib.sha256()
+    with open(path, "rb") as handle:
+        for chunk in iter(lambda: handle.read(1 << 20), b""):
+            digest.update(chunk)
+    return digest.hexdigest()
+
+
+def verify_sha256(folder: Path, format: str, expected: str) -> None:
+    """Raise WeightsError when the folder's weights file is present and its digest differs from ``expected``."""
+    path = folder / WEIGHTS_FILES.get(format, "")
+    if not path.is_file():
+        return
+    actual = sha256_file(path)
+    if actual != expected:
+        raise WeightsError(f"{path} has sha256 {actual}, the checkpoint says {expected}")
+
+
+def read_weights(path: Path) -> dict[str, torch.Tensor]:
+    """All tensors of the ``*.safetensors`` files in a HF weights folder."""
+    from safetensors.torch import load_file
+
+    files = sorted(path.glob("*.safetensors")) if path.is_dir() else []
+    if not files:
+        raise WeightsError(f"no *.safetensors files in {path}")
+    state: dict[str, torch.Tensor] = {}
+    for file in files:
+        state.update(load_file(file))
+    return state
+
+
+def check_weights(model: torch.nn.Module, state: dict[str, torch.Tensor]) -> None:
+    """Refuse a state dict that does not cover the model exactly (tied weights may be absent)."""
+    expected = model.state_dict()
+    unexpected = sorted(set(state) - set(expected))
+    tied = {name for name in expected if name not in state and _is_tied(model, name)}
+    missing = sorted(set(expected) - set(state) - tied)
+    mismatched = sorted(name for name, tensor in state.items()
+                        if name in expected and tensor.shape != expected[name].shape)
+    if unexpected or missing or mismatched:
+        raise WeightsError(f"weights do not fit the served model: missing {missing[:5]}, "
+                           f"unexpected {unexpected[:5]}, shape mismatch {mismatched[:5]}")
+
+
+def _is_tied(model: torch.nn.Module, name: str) -> bool:
+    """Whether parameter ``name`` shares storage with another parameter (e.g. tied embeddings)."""
+    tensors = model.state_dict(keep_vars=True)
+    pointer = tensors[name].data_ptr()
+    return any(other != name and tensor.data_ptr() == pointer for other, tensor in tensors.items())
+
+
+def assign_weights(model: torch.nn.Module, state: dict[str, torch.Tensor]) -> None:
+    """Copy a checked state dict into the model's parameters in place."""
+    with torch.no_grad():
+        model.load_state_dict(state, strict=False)

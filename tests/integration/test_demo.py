@@ -1,0 +1,51 @@
+"""`agentstream demo` (what `make demo` runs), shortened to 45 s of training, on its own stack home and ports."""
+
+from __future__ import annotations
+
+import json
+import subprocess
+import sys
+from pathlib import Path
+
+import pytest
+
+from tests.conftest import stack_environment
+
+
+def processes_mentioning(text: str) -> list[int]:
+    """PIDs whose command line or environment mentions ``text`` (the demo's children carry its config path)."""
+    found = []
+    for proc in Path("/proc").glob("[0-9]*"):
+        try:
+            if text.encode() in (proc / "cmdline").read_bytes() + (proc / "environ").read_bytes():
+                found.append(int(proc.name))
+        except OSError:
+            continue
+    return found
+
+
+@pytest.mark.timeout(600)
+def test_the_demo_trains_evaluates_reports_and_stops_everything(tmp_path):
+    home = tmp_path / "home"
+    env = stack_environment(home)
+    (tmp_path / "agentstream.toml").write_text("[demo]\neval_every_s = 25\n")
+    result = subprocess.run([sys.executable, "-m", "agentstream", "demo", "--seconds", "45"], env=env, cwd=tmp_path,
+                            capture_output=True, text=True, timeout=540)
+    assert result.returncode == 0, result.stdout[-4000:] + result.stderr[-4000:]
+    out = result.stdout
+    assert "held-out before training:" in out and "held-out after training:" in out
+    assert " rollouts (" in out and "policy v" in out  # the progress lines
+    report = json.loads((tmp_path / "demo-report.json").read_text())
+    evaluations = report["evaluations"]
+    assert len(evaluations) >= 3 and all(e["total"] == 64 for e in evaluations)  # before, during, after
+    assert report["heldout_before"] == evaluations[0]["accuracy"] and evaluations[0]["policy_version"] == 0
+    assert 0.15 < report["heldout_before"] < 0.5  # SmolLM2-135M-Instruct's greedy level on the held-out split
+    assert report["heldout_after"] == evaluations[-1]["accuracy"]
+    assert report["policy_versions"] >= 1 and report["train_steps"] == report["policy_versions"]
+    assert evaluations[-1]["policy_version"] == report["policy_versions"]  # the server runs the newest checkpoint
+    assert report["rollouts"] >= 32 and report["spans"] > report["rollouts"]
+    assert report["reward_per_version"] and report["reward_per_version"][0]["policy_version"] == 0
+    assert (tmp_path / "demo-output" / "reward_per_version.png").read_bytes()[:8] == b"\x89PNG\r\n\x1a\n"
+    assert "held-out greedy accuracy" in (tmp_path / "demo-output" / "report.md").read_text()
+    assert "stopped (pid" in out and not list((home / "run").glob("*.json"))
+    assert processes_mentioning(str(home)) == [], "processes the demo started are still running"

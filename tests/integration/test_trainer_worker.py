@@ -1,0 +1,211 @@
+"""The trainer on the real broker and ClickHouse: consume, dedupe, staleness, checkpoints, commits, restart, crash."""
+
+from __future__ import annotations
+
+import asyncio
+import time
+import uuid
+from dataclasses import replace
+
+import pytest
+from aiokafka import AIOKafkaConsumer, AIOKafkaProducer, TopicPartition
+
+from infra.config import Config, TrainerConfig
+from infra.kafka import create_topics, topic_name
+from schemas import CHECKPOINT, TRANSITION, TRANSITION_BATCH, AvroCodec
+from tests.support.streams_harness import CliProcess, worker_env
+from trainer.checkpoints import manifests, open_store
+from trainer.metrics import MetricsWriter
+from trainer.worker import TrainerWorker
+
+CODEC = AvroCodec()
+
+
+def transition(transition_id: str, model: str, *, version: int = 0, advantage: float = 1.0,
+               reward: float = 1.0) -> dict:
+    """A Transition record with a short prompt and response (behaviour logprobs need not be the model's here)."""
+    seed = sum(map(ord, transition_id))
+    return {"transition_id": transition_id, "rollout_id": f"r-{transition_id}", "span_id": f"s-{transition_id}",
+            "agent_name": "agent", "model": model, "policy_version": version, "step_index": 0,
+            "prompt_token_ids": [60 + seed % 50, 61, 62, 63], "response_token_ids": [70 + seed % 40, 71],
+            "behaviour_logprobs": [-5.0, -5.5], "reward": reward, "return_value": reward, "advantage": advantage,
+            "group_id": None, "created_at_us": time.time_ns() // 1000}
+
+
+async def produce(options: dict, topic: str, records: list[dict], *, as_batch: bool = False) -> None:
+    """Transition records, or one TransitionBatch record holding them all (as the streams processors publish)."""
+    producer = AIOKafkaProducer(**options, acks="all", linger_ms=5)
+    await producer.start()
+    try:
+        if as_batch:
+            await producer.send(topic, key=records[0]["model"].encode(),
+                                value=CODEC.encode(TRANSITION_BATCH, {"transitions": records}))
+        for record in records if not as_batch else []:
+            await producer.send(topic, key=record["model"].encode(), value=CODEC.encode(TRANSITION, record))
+        await producer.flush()
+    finally:
+        await producer.stop()
+
+
+async def checkpoint_events(options: dict, config: Config) -> list[tuple[str, dict]]:
+    topic = topic_name(config.topics, "checkpoints")
+    consumer = AIOKafkaConsumer(topic, **options, group_id=None, auto_offset_reset="earliest", enable_auto_commit=False)
+    await consumer.start()
+    events = []
+    try:
+        while batch := await consumer.getmany(timeout_ms=1000):
+            for records in batch.values():
+                events += [(r.key.decode(), CODEC.decode(r.value, CHECKPOINT)[1]) for r in records]
+    finally:
+        await consumer.stop()
+    return events
+
+
+async def until(check, timeout_s: float = 60.0) -> None:
+    deadline = time.monotonic() + timeout_s
+    while not check():
+        assert time.monotonic() < deadline, "timed out"
+        await asyncio.sleep(0.05)
+
+
+@pytest.fixture
+def trainer_setup(topics_config, tmp_path, stack):
+    model = f"tiny-{uuid.uuid4().hex[:8]}"
+    trainer = TrainerConfig(model="tiny", model_name=model, device="cpu", threads=1, lr=1e-3, batch_transitions=4,
+                            batch_tokens=0, batch_wait_s=60, max_policy_lag=0, checkpoint_dir=str(tmp_path / "ckpt"),
+                            session_timeout_s=3)
+    config = replace(topics_config, trainer=trainer, stack=replace(topics_config.stack, home=tmp_path))
+    asyncio.run(create_topics(config, stack.bootstrap_servers))
+    return config, model
+
+
+def test_trains_from_kafka_drops_duplicates_and_stale_commits_after_checkpoints_and_resumes(
+        trainer_setup, stack, kafka_options, clickhouse, stack_config):
+    config, model = trainer_setup
+    database = stack_config.clickhouse.database
+    topic = topic_name(config.topics, "transitions")
+    lines: list[str] = []
+
+    def worker() -> TrainerWorker:
+        return TrainerWorker(config, stack.bootstrap_servers, metrics=MetricsWriter(clickhouse, database),
+                             progress=lines.append)
+
+    first = [transition(f"a{i}", model, advantage=1.0 if i % 2 else -1.0) for i in range(4)]
+    stale = [transition(f"s{i}", model, version=0) for i in range(3)]
+    second = [transition(f"b{i}", model, version=1) for i in range(4)]
+    third = [transition(f"c{i}", model, version=2) for i in range(4)]
+
+    async def first_run() -> TrainerWorker:
+        running = worker()
+        task = asyncio.create_task(running.run(max_steps=2))
+        others = [transition("x0", "another-model"), transition("x1", "another-model")]
+        await produce(kafka_options, topic, first + others)
+        await until(lambda: running.version == 1)
+        await produce(kafka_options, topic, stale + first[:2])  # stale at v1 (lag 1 > 0), and replays
+        await produce(kafka_options, topic, second, as_batch=True)
+        await asyncio.wait_for(task, 60)
+        return running
+
+    done = asyncio.run(first_run())
+    assert (done.version, done.step) == (2, 2)
+
+    async def second_run() -> TrainerWorker:  # a restart: resumes at v2 and knows what v1 and v2 learnt from
+        running = worker()
+        task = asyncio.create_task(running.run(max_steps=1))
+        await produce(kafka_options, topic, first + second + stale + third)
+        await asyncio.wait_for(task, 60)
+        return running
+
+    resumed = asyncio.run(second_run())
+    assert (resumed.version, resumed.step) == (3, 3)
+    assert any("resumed from version 2 (step 2)" in line for line in lines)
+
+    store = open_store(config.trainer.checkpoint_dir)
+    lineage = manifests(store, model)
+    assert [(m.version, m.step, sorted(m.trained_ids)) for m in lineage] == [
+        (1, 1, ["a0", "a1", "a2", "a3"]), (2, 2, ["b0", "b1", "b2", "b3"]), (3, 3, ["c0", "c1", "c2", "c3"])]
+    assert all(m.sha256 and m.uri.startswith("file://") for m in lineage)
+
+    rows = clickhouse.query(
+        f"SELECT step, policy_version, transitions, tokens, dropped_stale, staleness_max, reward_mean, "
+        f"importance_weight_mean FROM {database}.train_steps FINAL WHERE model = {{m:String}} ORDER BY step",
+        parameters={"m": model}).result_rows
+    assert [row[:6] for row in rows] == [(1, 0, 4, 24, 0, 0), (2, 1, 4, 24, 3, 0), (3, 2, 4, 24, 3, 0)]
+    assert all(row[6] == 1.0 and row[7] > 0 for row in rows)
+    checkpoints = clickhouse.query(f"SELECT version, step FROM {database}.checkpoints FINAL WHERE model = {{m:String}} "
+                                   "ORDER BY version", parameters={"m": model}).result_rows
+    assert checkpoints == [(1, 1), (2, 2), (3, 3)]
+
+    events = [event for key, event in asyncio.run(checkpoint_events(kafka_options, config)) if key == model]
+    assert sorted({e["version"] for e in events}) == [1, 2, 3]  # v2 announced again on resume: harmless
+    assert all(e["format"] == "full" and e["uri"].startswith("file://") for e in events)
+
+    async def committed() -> int:
+        consumer = AIOKafkaConsumer(**kafka_options, group_id=f"agentstream-trainer-{model}", enable_auto_commit=False)
+        await consumer.start()
+        try:
+            tps = [TopicPartition(topic, p) for p in range(config.topics.partitions)]
+            consumer.assign(tps)
+            return sum([await consumer.committed(tp) or 0 for tp in tps])
+        finally:
+            await consumer.stop()
+
+    # 4 + 6 + 15 records of this model landed; every one is trained, dropped or skipped, so all are committed
+    assert asyncio.run(committed()) >= 4 + 6 + 15
+
+
+CRASH_CONFIG = """
+[trainer]
+model = "tiny"
+model_name = "{model}"
+device = "cpu"
+threads = 1
+lr = 0.001
+batch_transitions = 4
+batch_tokens = 0
+batch_wait_s = 60
+max_policy_lag = 1000
+checkpoint_every_steps = 2
+checkpoint_dir = "{checkpoints}"
+session_timeout_s = 3
+"""
+
+
+def test_a_killed_trainer_resumes_from_its_checkpoint_and_trains_no_transition_twice(
+        topics_config, stack, kafka_options, tmp_path, clickhouse, stack_config):
+    model = f"tiny-crash-{uuid.uuid4().hex[:6]}"
+    database = f"trainer_{uuid.uuid4().hex[:8]}"
+    checkpoints = tmp_path / "checkpoints"
+    env = worker_env(tmp_path, stack, topics_config.topics.prefix, database,
+                  CRASH_CONFIG.format(model=model, checkpoints=checkpoints))
+    asyncio.run(create_topics(topics_config, stack.bootstrap_servers))
+    topic = topic_name(topics_config.topics, "transitions")
+    records = [transition(f"t{i:02d}", model, advantage=(-1.0) ** i) for i in range(40)]
+
+    trainer = CliProcess(["train-worker"], env, tmp_path / "trainer.log").start()
+    try:
+        asyncio.run(produce(kafka_options, topic, records[:20]))
+        trainer.wait_for("step     5")  # steps 1-4 checkpointed (v1, v2); step 5 trained, not checkpointed
+        trainer.wait_for("checkpoint v2")
+        time.sleep(0.3)
+        trainer.kill()
+        assert "checkpoint v3" not in trainer.log()
+        # after the crash: the rest, plus replays of transitions from checkpointed (t00..t03) and lost (t16) steps
+        asyncio.run(produce(kafka_options, topic, records[20:] + [records[0], records[3], records[16]]))
+        trainer = CliProcess(["train-worker"], env, tmp_path / "trainer.log").start()
+        trainer.wait_for("resumed from version 2 (step 4)")
+        trainer.wait_for("checkpoint v5 (step 10)")
+    finally:
+        trainer.stop()
+
+    lineage = manifests(open_store(str(checkpoints)), model)
+    assert [m.version for m in lineage] == [1, 2, 3, 4, 5]
+    trained = [transition_id for m in lineage for transition_id in m.trained_ids]
+    assert len(trained) == len(set(trained)) == 40  # every transition exactly once in the final model's lineage
+    assert set(trained) == {r["transition_id"] for r in records}
+    steps = clickhouse.query(f"SELECT step, transitions FROM {database}.train_steps FINAL WHERE model = {{m:String}} "
+                             "ORDER BY step", parameters={"m": model}).result_rows
+    assert steps == [(step, 4) for step in range(1, 11)]  # step 5 ran twice; its row was replaced
+    log = trainer.log()
+    print("\n".join(line for line in log.splitlines() if "resumed" in line or "checkpoint v" in line))
+    clickhouse.command(f"DROP DATABASE IF EXISTS {database}")

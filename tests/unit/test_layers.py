@@ -1,0 +1,116 @@
+"""The packages form layers: imports run down agentstream -> {pipeline, serving, streams, trainer} -> {models, schemas, infra}."""
+
+from __future__ import annotations
+
+import ast
+from pathlib import Path
+
+ROOT = Path(__file__).resolve().parents[2]
+
+LAYER = {
+    "agentstream": 3,
+    "pipeline": 2, "serving": 2, "streams": 2, "trainer": 2,
+    "models": 1, "infra": 1,
+    "schemas": 0,
+}
+"""A package may import packages of a lower layer; within a layer only itself (and infra may import schemas)."""
+
+ALLOWED_SAME_LAYER = {("infra", "schemas")}
+PRODUCT = tuple(LAYER)
+
+
+def imported_packages(path: Path) -> set[str]:
+    """Top-level project packages a module imports, at any depth of the file (lazy imports count too)."""
+    tree = ast.parse(path.read_text(), filename=str(path))
+    found: set[str] = set()
+    for node in ast.walk(tree):
+        if isinstance(node, ast.Import):
+            names = [alias.name for alias in node.names]
+        elif isinstance(node, ast.ImportFrom) and node.level == 0 and node.module:
+            names = [node.module]
+        else:
+            continue
+        found.update(name.split(".")[0] for name in names)
+    return found
+
+
+def package_graph(root: Path = ROOT) -> dict[str, set[str]]:
+    graph: dict[str, set[str]] = {}
+    for package in (*PRODUCT, "examples", "bench", "tests"):
+        edges = graph.setdefault(package, set())
+        for path in (root / package).rglob("*.py"):
+            edges.update(imported_packages(path) & {*PRODUCT, "examples", "bench", "tests"} - {package})
+    return graph
+
+
+def upward_imports(graph: dict[str, set[str]]) -> list[str]:
+    problems = []
+    for package, targets in graph.items():
+        if package not in LAYER:
+            continue
+        for target in targets:
+            if target == "examples" and package == "agentstream":
+                continue  # the demo runs an example agent; test_only_the_demo_imports_examples keeps it there
+            if target in ("examples", "bench", "tests"):
+                problems.append(f"{package} imports {target}")
+            elif LAYER[target] > LAYER[package] or (
+                    LAYER[target] == LAYER[package] and (package, target) not in ALLOWED_SAME_LAYER):
+                problems.append(f"{package} imports {target}")
+    return sorted(problems)
+
+
+def find_cycle(graph: dict[str, set[str]]) -> list[str] | None:
+    state: dict[str, int] = {}
+    path: list[str] = []
+
+    def visit(node: str) -> list[str] | None:
+        state[node] = 1
+        path.append(node)
+        for nxt in sorted(graph.get(node, ())):
+            if state.get(nxt) == 1:
+                return path[path.index(nxt):] + [nxt]
+            if nxt not in state and (cycle := visit(nxt)):
+                return cycle
+        path.pop()
+        state[node] = 2
+        return None
+
+    for node in sorted(graph):
+        if node not in state and (cycle := visit(node)):
+            return cycle
+    return None
+
+
+def test_no_package_imports_upward():
+    assert upward_imports(package_graph()) == []
+
+
+def test_no_import_cycle_between_packages():
+    assert find_cycle(package_graph()) is None
+
+
+def test_only_the_demo_imports_examples():
+    importers = sorted(str(path.relative_to(ROOT)) for package in PRODUCT for path in (ROOT / package).rglob("*.py")
+                       if "examples" in imported_packages(path))
+    assert all(name.startswith("agentstream/demo/") for name in importers), importers
+
+
+def test_bench_does_not_import_tests():
+    assert "tests" not in package_graph()["bench"]
+
+
+def test_the_runner_side_does_not_need_torch():
+    users = sorted(str(path.relative_to(ROOT)) for path in (ROOT / "pipeline").rglob("*.py")
+                   if {"torch", "transformers", "models", "serving"} & imported_packages(path))
+    assert users == []
+
+
+def test_the_checks_see_a_violation(tmp_path):
+    """The walk is not vacuous: an upward import and a cycle planted in a copy of the layout are found."""
+    for package in (*PRODUCT, "examples", "bench", "tests"):
+        (tmp_path / package).mkdir()
+    (tmp_path / "models" / "bad.py").write_text("def f():\n    from trainer.policy import Policy\n")
+    (tmp_path / "trainer" / "ok.py").write_text("import models\n")
+    graph = package_graph(tmp_path)
+    assert upward_imports(graph) == ["models imports trainer"]
+    assert find_cycle(graph) in (["models", "trainer", "models"], ["trainer", "models", "trainer"])

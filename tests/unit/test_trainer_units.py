@@ -1,0 +1,292 @@
+"""Trainer pieces without services: the loss against hand-computed numbers, batching, the step, checkpoint files."""
+
+from __future__ import annotations
+
+import math
+from dataclasses import replace
+
+import pytest
+import torch
+
+from infra.config import ConfigError, TrainerConfig, load_config
+from trainer.batching import (
+    Batch,
+    Batcher,
+    Counts,
+    Sample,
+    SeenIds,
+    TransitionError,
+    collate,
+)
+from trainer.checkpoints import (
+    FolderStore,
+    UnsupportedStore,
+    latest_manifest,
+    manifests,
+    open_store,
+    prune,
+    recent_trained_ids,
+    sha256_file,
+    write_checkpoint,
+)
+from trainer.loss import policy_loss
+from trainer.policy import build_policy, load_weights, save_weights
+from trainer.step import token_logprobs, train_step
+
+# ---------------------------------------------------------------- loss
+
+
+def test_each_branch_of_the_dual_clip_surrogate_by_hand():
+    # ratio ρ and advantage A per token; ε = 0.2, c = 2:
+    #   ρ=1.5 A=+1 -> min(1.5, 1.2)        = 1.2  loss -1.2  clipped, no gradient
+    #   ρ=0.5 A=+1 -> min(0.5, 0.8)        = 0.5  loss -0.5  d/dlogp = -ρA = -0.5
+    #   ρ=0.5 A=-1 -> min(-0.5, -0.8)      = -0.8 loss 0.8   clipped, no gradient
+    #   ρ=3.0 A=-1 -> max(min(-3,-1.2),-2) = -2   loss 2.0   truncated at c, no gradient
+    #   ρ=1.5 A=-1 -> max(min(-1.5,-1.2),-2) = -1.5 loss 1.5 d/dlogp = -ρA = +1.5
+    ratios = torch.tensor([[1.5, 0.5, 0.5, 3.0, 1.5]])
+    advantages = torch.tensor([[1.0, 1.0, -1.0, -1.0, -1.0]])
+    behaviour = torch.full((1, 5), -1.0)
+    logprobs = (behaviour + ratios.log()).requires_grad_()
+    out = policy_loss(logprobs, behaviour, advantages, torch.ones(1, 5), clip_eps=0.2, importance_cap=2.0)
+    assert out.loss.item() == pytest.approx((-1.2 - 0.5 + 0.8 + 2.0 + 1.5) / 5)
+    out.loss.backward()
+    assert logprobs.grad.tolist()[0] == pytest.approx([0.0, -0.5 / 5, 0.0, 0.0, 1.5 / 5])
+    assert out.stats.tokens == 5
+    assert out.stats.clipped == 2 and out.stats.truncated == 1
+    assert out.stats.mean("importance_weight") == pytest.approx((1.5 + 0.5 + 0.5 + 2.0 + 1.5) / 5)
+    assert out.stats.mean("pg_loss") == pytest.approx(2.6 / 5)
+
+
+def test_mask_per_sequence_advantages_and_the_normalizer():
+    behaviour = torch.log(torch.full((2, 3), 0.5))
+    advantages = torch.tensor([2.0, -1.0])  # broadcast over each sequence's tokens
+    mask = torch.tensor([[1, 1, 0], [1, 0, 0]])
+    # ratio 1 everywhere: tokens lose -2, -2 and +1; the masked ones count for nothing
+    out = policy_loss(behaviour.clone(), behaviour, advantages, mask)
+    assert out.loss.item() == pytest.approx(-3 / 3)
+    assert policy_loss(behaviour.clone(), behaviour, advantages, mask, normalizer=6).loss.item() == pytest.approx(-0.5)
+
+
+def test_kl_and_entropy_terms_by_hand():
+    logprobs = torch.log(torch.tensor([[0.25]]))
+    reference = torch.log(torch.tensor([[0.5]]))
+    # k3: exp(r - l) - (r - l) - 1 with r - l = ln 2  ->  2 - ln 2 - 1
+    kl = 1 - math.log(2)
+    out = policy_loss(logprobs, logprobs.clone(), torch.tensor([0.0]), torch.ones(1, 1), ref_logprobs=reference,
+                      kl_coef=0.1, entropy=torch.tensor([[1.5]]), entropy_coef=0.01)
+    assert out.loss.item() == pytest.approx(0.1 * kl - 0.01 * 1.5)
+    assert out.stats.mean("kl") == pytest.approx(kl)
+    assert out.stats.mean("entropy") == pytest.approx(1.5)
+
+
+# ---------------------------------------------------------------- batching
+
+
+def sample(tid: str, version: int = 0, prompt: int = 3, response: int = 2, advantage: float = 1.0,
+           position=None) -> Sample:
+    return Sample(tid, "r", version, list(range(10, 10 + prompt)), list(range(50, 50 + response)),
+                  [-0.5] * response, 1.0, advantage, position)
+
+
+def batcher(**overrides) -> Batcher:
+    options = {"batch_tokens": 0, "batch_transitions": 4, "batch_wait_s": 0, "max_policy_lag": 2,
+               "skip_zero_advantage": True, "seen": SeenIds(100)}
+    options.update(overrides)
+    return Batcher(**options)
+
+
+def test_transition_records_are_checked():
+    record = {"transition_id": "t", "rollout_id": "r", "policy_version": 1, "prompt_token_ids": [1],
+              "response_token_ids": [2, 3], "behaviour_logprobs": [-0.1], "reward": 1.0, "advantage": 0.5}
+    with pytest.raises(TransitionError, match="1 logprobs for 2"):
+        Sample.from_record(record)
+    with pytest.raises(TransitionError, match="no prompt"):
+        Sample.from_record({**record, "prompt_token_ids": []})
+    assert Sample.from_record({**record, "behaviour_logprobs": [-0.1, -0.2]}, ("t", 0, 7)).position == ("t", 0, 7)
+
+
+def test_duplicates_stale_and_flat_transitions_are_dropped_and_counted():
+    b = batcher()
+    assert b.offer(sample("a"), current_version=1, now=0)
+    assert not b.offer(sample("a"), current_version=1, now=0)  # queued already
+    assert not b.offer(sample("old", version=0), current_version=3, now=0)  # lag 3 > 2
+    assert not b.offer(sample("flat", advantage=0.0), current_version=1, now=0)
+    assert b.offer(sample("b", version=1), current_version=1, now=0)
+    batch = b.take(current_version=3)  # "a" (lag 3) went stale while it waited
+    assert [s.transition_id for s in batch.samples] == ["b"]
+    assert (batch.counts.duplicate, batch.counts.stale, batch.counts.uninformative) == (1, 2, 1)
+    assert batch.lags() == [2]
+    assert not b.offer(sample("b", version=1), current_version=3, now=0)  # trained already
+    assert b.counts.duplicate == 1
+
+
+def test_batches_close_on_count_token_budget_or_wait():
+    b = batcher(batch_transitions=3)
+    for name in "abc":
+        b.offer(sample(name), 0, now=0)
+    assert b.ready(now=0) and len(b.take(0).samples) == 3
+    b = batcher(batch_transitions=0, batch_tokens=20)  # padded size = count x longest (5 tokens each)
+    for name in "abcde":
+        b.offer(sample(name), 0, now=0)
+    assert b.ready(now=0) and len(b.take(0).samples) == 4
+    assert not b.ready(now=0)
+    b.offer(sample("long", prompt=30), 0, now=0)  # alone over budget: still taken, alone, after the queued one
+    assert [len(b.take(0).samples), len(b.take(0).samples)] == [1, 1]
+    b = batcher(batch_transitions=10, batch_wait_s=2.0)
+    b.offer(sample("a"), 0, now=10.0)
+    assert not b.ready(now=11.0) and b.ready(now=12.0)
+
+
+def test_pending_positions_hold_back_commits():
+    b = batcher()
+    b.offer(sample("a", position=("t", 0, 5)), 0, now=0)
+    b.offer(sample("b", position=("t", 1, 9)), 0, now=0)
+    assert sorted(b.pending_positions()) == [("t", 0, 5), ("t", 1, 9)]
+    b.take(0)
+    assert list(b.pending_positions()) == []
+
+
+def test_collate_right_pads_and_aligns_targets_with_response_tokens():
+    short, long = sample("s", prompt=2, response=1), sample("l", prompt=3, response=3)
+    micro, = collate([long, short], pad_id=0, device="cpu")
+    assert micro.input_ids.tolist() == [[10, 11, 50, 0, 0, 0], [10, 11, 12, 50, 51, 52]]
+    assert micro.attention_mask.tolist() == [[1, 1, 1, 0, 0, 0], [1] * 6]
+    # column c predicts the token at first + c + 1; first is the shortest prompt's last position
+    assert micro.first == 1 and micro.logits_to_keep == 5
+    assert micro.response_mask.tolist() == [[True, False, False, False],
+                                            [False, True, True, True]]
+    assert micro.targets[micro.response_mask].tolist() == [50, 50, 51, 52]
+    assert micro.behaviour_logprobs[micro.response_mask].tolist() == [-0.5] * 4
+    assert [m.input_ids.shape[0] for m in collate([long, short, long], 0, "cpu", micro_batches=2)] == [2, 1]
+
+
+# ---------------------------------------------------------------- step and policy
+
+
+@pytest.fixture(scope="module")
+def tiny_config() -> TrainerConfig:
+    return TrainerConfig(model="tiny", lr=1e-3, threads=1, device="cpu", grad_clip=1e9)
+
+
+def generated(policy, count: int, advantage: float) -> list[Sample]:
+    """Samples whose behaviour logprobs are the policy's own teacher-forced logprobs (ratio exactly 1)."""
+    from models import teacher_forced_logprobs
+
+    out = []
+    for index in range(count):
+        prompt, response = [5 + index, 6, 7, 8], [40 + index, 41, 42 + index]
+        logprobs = teacher_forced_logprobs(policy.model, prompt, response, 1.0)
+        out.append(Sample(f"s{index}", "r", 0, prompt, response, logprobs, 1.0, advantage))
+    return out
+
+
+def test_a_step_on_its_own_generations_has_ratio_one_and_raises_rewarded_logprobs(tiny_config):
+    policy = build_policy(tiny_config)
+    samples = generated(policy, 4, advantage=1.0)
+    result = train_step(policy, Batch(samples, 0, Counts()), tiny_config)
+    assert result.stats.mean("importance_weight") == pytest.approx(1.0, abs=1e-4)
+    assert result.stats.clipped == 0 and result.transitions == 4 and result.tokens == 4 * 7
+    micro, = collate(samples, policy.pad_id, "cpu")
+    with torch.no_grad():
+        after = token_logprobs(policy.model, micro, 1.0)[0][micro.response_mask]
+    assert after.sum() > micro.behaviour_logprobs[micro.response_mask].sum()
+
+
+def test_gradient_accumulation_matches_one_big_batch(tiny_config):
+    deltas = []
+    for micro_batches in (1, 3):
+        policy = build_policy(replace(tiny_config, accumulation_steps=micro_batches))
+        policy.optimizer = torch.optim.SGD(policy.trainable(), lr=1.0)
+        before = [p.detach().clone() for p in policy.trainable()]
+        samples = generated(policy, 5, advantage=0.0)
+        samples = [replace(s, advantage=a) for s, a in zip(samples, (1.0, -0.5, 2.0, -1.0, 0.3))]
+        train_step(policy, Batch(samples, 0, Counts()), replace(tiny_config, accumulation_steps=micro_batches))
+        deltas.append(torch.cat([(p.detach() - b).flatten() for p, b in zip(policy.trainable(), before)]))
+    assert torch.allclose(deltas[0], deltas[1], atol=1e-6)
+    assert deltas[0].abs().max() > 0
+
+
+@pytest.mark.parametrize("lora", [False, True])
+def test_kl_to_the_reference_starts_at_zero_and_grows_as_the_policy_moves(tiny_config, lora):
+    config = replace(tiny_config, kl_coef=0.1, entropy_coef=0.01, lr=1e-2, lora=lora, lora_r=4)
+    policy = build_policy(config)
+    assert (policy.reference is None) == lora  # LoRA's reference is its own base, adapter off
+    batch = Batch(generated(policy, 3, advantage=1.0), 0, Counts())
+    first = train_step(policy, batch, config)
+    second = train_step(policy, batch, config)
+    assert first.stats.mean("kl") == pytest.approx(0.0, abs=1e-6)
+    assert second.stats.mean("kl") > 1e-6
+    assert second.stats.mean("entropy") > 0
+
+
+# ---------------------------------------------------------------- checkpoints
+
+
+def test_full_weights_checkpoint_round_trips_and_fits_the_dev_server(tmp_path, tiny_config):
+    from models import check_weights, load_model, read_weights
+
+    policy = build_policy(tiny_config)
+    train_step(policy, Batch(generated(policy, 2, 1.0), 0, Counts()), tiny_config)
+    store = open_store(tmp_path.as_uri())
+    staging = store.staging()
+    weights = save_weights(policy, staging)
+    manifest = write_checkpoint(store, staging, weights, model="tiny", version=1, step=1, format="full",
+                                offsets={"x:0": 4}, trained_ids=["s0", "s1"], metrics={"loss": 0.5})
+    folder = store.get(manifest.uri)
+    assert manifest.uri.startswith("file://") and manifest.sha256 == sha256_file(folder / "model.safetensors")
+    assert latest_manifest(store, "tiny") == manifest
+    served = load_model("tiny", threads=None)
+    check_weights(served.model, read_weights(folder))  # what /v1/load_weights runs
+    restored = build_policy(tiny_config)
+    load_weights(restored, folder)
+    for name, tensor in policy.model.state_dict().items():
+        assert torch.equal(tensor, restored.model.state_dict()[name])
+    assert restored.optimizer.state_dict()["state"].keys() == policy.optimizer.state_dict()["state"].keys()
+
+
+def test_lora_checkpoint_is_a_peft_adapter_the_dev_server_loads(tmp_path, tiny_config):
+    from serving.lora import load_lora
+    from models import load_model
+
+    config = replace(tiny_config, lora=True, lora_r=4, lora_alpha=8, lr=1e-2)
+    policy = build_policy(config)
+    train_step(policy, Batch(generated(policy, 2, 1.0), 0, Counts()), config)
+    store = FolderStore(tmp_path)
+    staging = store.staging()
+    weights = save_weights(policy, staging)
+    assert weights.name == "adapter_model.safetensors"
+    manifest = write_checkpoint(store, staging, weights, model="a/b", version=3, step=7, format="lora", offsets={},
+                                trained_ids=[], metrics={})
+    folder = store.get(manifest.uri)
+    adapter = load_lora(folder, load_model("tiny", threads=None).model, "a/b@v3", 3)
+    assert len(adapter.layers) == 2 * 4  # q, k, v, o in both layers
+    restored = build_policy(config)
+    load_weights(restored, folder)
+    lora_state = {k: v for k, v in policy.model.state_dict().items() if "lora_" in k}
+    assert all(torch.equal(v, restored.model.state_dict()[k]) for k, v in lora_state.items())
+
+
+def test_store_lists_prunes_and_remembers_trained_ids(tmp_path):
+    store = FolderStore(tmp_path)
+    for version in range(1, 5):
+        staging = store.staging()
+        (staging / "model.safetensors").write_bytes(b"w%d" % version)
+        write_checkpoint(store, staging, staging / "model.safetensors", model="m", version=version, step=version,
+                         format="full", offsets={}, trained_ids=[f"t{version}a", f"t{version}b"], metrics={})
+    assert [m.version for m in manifests(store, "m")] == [1, 2, 3, 4]
+    assert recent_trained_ids(store, "m", limit=3) == ["t3a", "t3b", "t4a", "t4b"]
+    prune(store, "m", keep=2)
+    assert [m.version for m in manifests(store, "m")] == [3, 4]
+    with pytest.raises(UnsupportedStore):
+        open_store("s3://bucket/checkpoints")
+
+
+def test_trainer_config_section_is_typed_and_validated(tmp_path):
+    path = tmp_path / "agentstream.toml"
+    path.write_text('[trainer]\nmodel = "tiny"\nlr = 0.002\nlora = true\nbatch_transitions = 32\n')
+    config = load_config(path, environ={})
+    assert (config.trainer.model, config.trainer.lr, config.trainer.lora, config.trainer.batch_transitions) == \
+        ("tiny", 0.002, True, 32)
+    path.write_text('[trainer]\nclip_eps = 1.5\n')
+    with pytest.raises(ConfigError, match="clip_eps"):
+        load_config(path, environ={})
