@@ -65,6 +65,10 @@ def status(ctx: click.Context) -> None:
     """Show broker reachability, topics, consumer groups, ClickHouse version and table row counts."""
     config = _config(ctx)
     report = Stack(config).status()
+    if not report.broker_reachable and not report.clickhouse_version and report.nothing_running:
+        click.echo(f"the stack is down (kafka {report.endpoints.bootstrap_servers} and clickhouse "
+                   f"{report.endpoints.clickhouse_url} do not answer): start it with `agentstream up`")
+        sys.exit(1)
     click.echo(f"kafka       {report.endpoints.bootstrap_servers}  "
                + ("reachable" if report.broker_reachable else f"UNREACHABLE ({report.broker_error})")
                + f"  [{report.services['broker']}]")
@@ -359,10 +363,10 @@ def train_command(ctx: click.Context, agent: str, task_file: Path, agent_name: s
                   server_url: str | None, runners: int, concurrency: int, strategy: str, group_size: int,
                   epochs: int, max_steps: int | None) -> None:
     """Train an agent on a task file with one command: enqueue, run, train, hot-swap, until done."""
-    from pipeline.runner import AgentLoadError, load_agent
     from agentstream.session import ChildFailed
-    from pipeline.tasks import TaskFileError
     from agentstream.train import TrainRequest, run_training
+    from pipeline.runner import AgentLoadError, load_agent
+    from pipeline.tasks import TaskFileError
 
     try:
         function = load_agent(agent)
@@ -398,8 +402,8 @@ def serve_model_command(model_spec: str, host: str, port: int, served_model_name
     import uvloop
 
     try:
-        from serving.server import serve
         from models import ModelLoadError, load_model
+        from serving.server import serve
     except ImportError as error:
         raise click.ClickException(f"serve-model needs {error.name}: pip install 'agentstream[train]'") from None
     logging.getLogger("agentstream").setLevel(logging.INFO)

@@ -32,7 +32,7 @@ from typing import Any, TextIO
 
 from clickhouse_connect.driver.client import Client
 
-from infra.clickhouse import ClickHouseError, server_message
+from infra.clickhouse import ROLLOUT_POLICY_VERSION, ClickHouseError, server_message
 
 # Statuses of a rollout that ended well: SUCCEEDED (a managed rollout's runner said so) and
 # COMPLETED (an unmanaged one, e.g. online traffic, finished with a reward).
@@ -48,16 +48,19 @@ ROLLOUT_FILTERS = """
 SPAN_FILTERS = ROLLOUT_FILTERS  # spans carry the same agent_name, model and start_time columns
 
 # Tokens of an LLM call: the exact token ids when the model server returned them, else the usage
-# the API reported (OpenTelemetry GenAI attribute names, as the proxy records them).
-PROMPT_TOKENS = ("if(empty(prompt_token_ids), toUInt64OrZero(attributes['gen_ai.usage.input_tokens']), "
-                 "toUInt64(length(prompt_token_ids)))")
+# the API reported (OpenTelemetry GenAI attribute names, as the proxy records them). A call with
+# n > 1 choices has one span per choice: each counts its own completion tokens, and the prompt
+# is counted once, on the first choice's span (the proxy records input tokens only there).
+PROMPT_TOKENS = ("if(attributes['agentstream.choice.index'] NOT IN ('', '0'), toUInt64(0), "
+                 "if(empty(prompt_token_ids), toUInt64OrZero(attributes['gen_ai.usage.input_tokens']), "
+                 "toUInt64(length(prompt_token_ids))))")
 COMPLETION_TOKENS = ("if(empty(response_token_ids), toUInt64OrZero(attributes['gen_ai.usage.output_tokens']), "
                      "toUInt64(length(response_token_ids)))")
 
 REWARD_BY_VERSION_SQL = f"""
 SELECT
     agent_name AS agent,
-    if(empty(policy_versions), NULL, arrayMax(policy_versions)) AS policy_version,
+    {ROLLOUT_POLICY_VERSION} AS policy_version,
     count() AS rollouts,
     countIf(length(policy_versions) > 1) AS mixed_versions,
     count(final_reward) AS rewarded,

@@ -13,11 +13,11 @@ import time
 from dataclasses import dataclass, replace
 from pathlib import Path
 
+from agentstream.session import SessionPlan, TrainingSession
 from infra.clickhouse import connect
 from infra.config import Config, CreditRule
 from infra.stack import Stack
 from models import model_display_name
-from agentstream.session import SessionPlan, TrainingSession
 from pipeline.tasks import enqueue, grouped_tasks, read_task_file
 
 

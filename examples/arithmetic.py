@@ -14,7 +14,6 @@ import weakref
 
 from openai import AsyncOpenAI
 
-MODEL = "SmolLM2-135M-Instruct"
 MAX_TOKENS = 32
 HELDOUT_SIZE = 64
 _NUMBER = re.compile(r"-?\d+")
@@ -55,9 +54,26 @@ def client() -> AsyncOpenAI:
     return _clients[loop]
 
 
+_served: dict[str, str] = {}
+
+
+async def model_name(task: dict, llm: AsyncOpenAI) -> str:
+    """The task's ``model``, else the first model the server lists (asked once per server)."""
+    if task.get("model"):
+        return str(task["model"])
+    server = f"{llm.base_url.host}:{llm.base_url.port}"
+    if server not in _served:
+        models = await llm.models.list()
+        if not models.data:
+            raise RuntimeError(f"the model server behind {llm.base_url} serves no model")
+        _served[server] = models.data[0].id
+    return _served[server]
+
+
 async def solve(task: dict, rollout, *, temperature: float = 1.0) -> float:
     """One rollout: ask the model, score its final number."""
-    completion = await client().with_options(base_url=rollout.llm_base_url()).chat.completions.create(
-        model=task.get("model", MODEL), messages=[{"role": "user", "content": task["prompt"]}],
+    llm = client().with_options(base_url=rollout.llm_base_url())
+    completion = await llm.chat.completions.create(
+        model=await model_name(task, llm), messages=[{"role": "user", "content": task["prompt"]}],
         max_tokens=MAX_TOKENS, temperature=task.get("temperature", temperature))
     return reward(completion.choices[0].message.content or "", int(task["answer"]))

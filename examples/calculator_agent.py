@@ -20,7 +20,7 @@ import math
 import operator
 from typing import Any
 
-from examples.arithmetic import MODEL, client, reward
+from examples.arithmetic import client, model_name, reward
 
 MAX_TURNS = 3
 MAX_TOKENS = 128  # room for some reasoning and a tool call, even for a byte-level model
@@ -114,9 +114,10 @@ async def solve(task: dict, rollout, *, temperature: float = 1.0) -> float:
     messages: list[dict[str, Any]] = [{"role": "system", "content": SYSTEM},
                                       {"role": "user", "content": task["prompt"]}]
     answer = ""
+    model = await model_name(task, llm)
     for turn in range(MAX_TURNS):
         completion = await llm.chat.completions.create(
-            model=task.get("model", MODEL), messages=messages, tools=[CALCULATOR],
+            model=model, messages=messages, tools=[CALCULATOR],
             tool_choice="none" if turn == MAX_TURNS - 1 else "auto",
             max_tokens=MAX_TOKENS, temperature=task.get("temperature", temperature))
         message = completion.choices[0].message

@@ -21,7 +21,7 @@ import httpx
 from langchain_core.messages import HumanMessage
 from langchain_openai import ChatOpenAI
 
-from examples.arithmetic import MAX_TOKENS, MODEL, reward
+from examples.arithmetic import MAX_TOKENS, client, model_name, reward
 
 _async_http: weakref.WeakKeyDictionary = weakref.WeakKeyDictionary()
 _sync_http: list[httpx.Client] = []
@@ -41,7 +41,7 @@ def http_clients() -> tuple[httpx.Client, httpx.AsyncClient]:
     return _sync_http[0], _async_http[loop]
 
 
-def chat_model(base_url: str, *, model: str = MODEL, temperature: float = 1.0) -> ChatOpenAI:
+def chat_model(base_url: str, *, model: str, temperature: float = 1.0) -> ChatOpenAI:
     """A ChatOpenAI for one rollout, talking to ``base_url`` with a dummy key."""
     sync_http, async_http = http_clients()
     return ChatOpenAI(
@@ -58,7 +58,8 @@ def text_of(message) -> str:
 
 async def solve(task: dict, rollout, *, temperature: float = 1.0) -> float:
     """One rollout: ask the model through LangChain, score its final number."""
-    llm = chat_model(rollout.llm_base_url(), model=task.get("model", MODEL),
+    llm = chat_model(rollout.llm_base_url(), model=await model_name(task, client().with_options(
+        base_url=rollout.llm_base_url())),
                      temperature=task.get("temperature", temperature))
     reply = await llm.ainvoke([HumanMessage(content=task["prompt"])])
     return reward(text_of(reply), int(task["answer"]))

@@ -8,6 +8,7 @@ database and recorded in ``schema_migrations``. Statements are written to be ide
 from __future__ import annotations
 
 import hashlib
+import logging
 import re
 import time
 from dataclasses import dataclass
@@ -21,6 +22,8 @@ from infra.config import ClickHouseConfig
 
 MINIMUM_VERSION = (24, 3)
 PRODUCT_TABLES = ("spans", "rollouts", "transitions", "checkpoints", "train_steps")
+ROLLOUT_POLICY_VERSION = "if(empty(policy_versions), NULL, arrayMax(policy_versions))"
+"""SQL over ``rollouts``: the policy version a rollout counts under (the newest that generated any of its calls)."""
 MIGRATION_FILE = re.compile(r"^(\d{4})_([a-z0-9_]+)\.sql$")
 
 
@@ -45,6 +48,16 @@ class Migration:
     def statements(self, database: str) -> list[str]:
         body = "\n".join(line for line in self.sql.splitlines() if not line.lstrip().startswith("--"))
         return [s.strip().replace("{database}", database) for s in body.split(";") if s.strip()]
+
+
+class _NoRetryWarnings(logging.Filter):
+    """Drops urllib3's "Retrying ... Connection refused" warnings: connect() reports unreachability itself."""
+
+    def filter(self, record: logging.LogRecord) -> bool:
+        return not record.getMessage().startswith("Retrying")
+
+
+logging.getLogger("urllib3.connectionpool").addFilter(_NoRetryWarnings())
 
 
 def connect(config: ClickHouseConfig, url: str, *, database: str | None = None, readonly: bool = False,

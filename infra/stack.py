@@ -51,6 +51,11 @@ class StackStatus:
     clickhouse_error: str | None = None
     tables: dict[str, int] = field(default_factory=dict)
 
+    @property
+    def nothing_running(self) -> bool:
+        """Neither service is external or a live process that `up` started."""
+        return not any(state == "external" or state.endswith(" running") for state in self.services.values())
+
 
 class Stack:
     """The broker and ClickHouse for one configuration and state folder."""

@@ -20,6 +20,18 @@ import aiohttp
 from aiohttp import web
 
 from pipeline.sdk import Rollout, SpanSink, build_span, new_id, now_us
+from schemas.contracts import (
+    AGENT_HEADER,
+    ATTEMPT_HEADER,
+    GROUP_HEADER,
+    POLICY_VERSION_HEADER,
+    ROLLOUT_HEADER,
+    TASK_HEADER,
+    RewardError,
+    openai_error_body,
+    policy_version,
+    resolve_reward,
+)
 
 log = logging.getLogger("agentstream.proxy")
 
@@ -166,13 +178,12 @@ def spans_of(capture: CallCapture, ended_us: int) -> list[dict[str, Any]]:
         attributes["gen_ai.response.id"] = capture.response_id
     if capture.response_model:
         attributes["gen_ai.response.model"] = capture.response_model
-    if capture.usage:
-        attributes["gen_ai.usage.input_tokens"] = capture.usage.get("prompt_tokens")
-        attributes["gen_ai.usage.output_tokens"] = capture.usage.get("completion_tokens")
     attributes["agentstream.latency_ms"] = round((ended_us - capture.started_us) / 1000, 3)
     common = {"model": model, "policy_version": capture.policy_version}
     name = f"{'chat' if capture.operation == 'chat' else 'text_completion'} {model}"
     if capture.error is not None or not capture.choices:
+        if capture.usage:
+            attributes.update(_usage(capture.usage.get("prompt_tokens"), capture.usage.get("completion_tokens")))
         return [build_span(capture.owner, name, "LLM", capture.started_us, ended_us, attributes=attributes,
                            status="ERROR", status_message=capture.error or "upstream returned no choices", **common)]
     spans = []
@@ -185,6 +196,7 @@ def spans_of(capture: CallCapture, ended_us: int) -> list[dict[str, Any]]:
                                                          "tool_calls": choice.tool_calls or None}]}
         if prompt_ids is None or choice.token_ids is None:
             choice_attributes["agentstream.token_ids_missing"] = True
+        choice_attributes.update(_choice_usage(capture, choice, first=index == min(capture.choices)))
         spans.append(build_span(
             capture.owner, name, "LLM", capture.started_us, ended_us, attributes=choice_attributes,
             prompt_token_ids=prompt_ids, response_token_ids=choice.token_ids, response_logprobs=choice.logprobs,
@@ -192,13 +204,33 @@ def spans_of(capture: CallCapture, ended_us: int) -> list[dict[str, Any]]:
     return spans
 
 
+def _usage(input_tokens: Any, output_tokens: Any) -> dict[str, Any]:
+    return {name: value for name, value in (("gen_ai.usage.input_tokens", input_tokens),
+                                            ("gen_ai.usage.output_tokens", output_tokens)) if value is not None}
+
+
+def _choice_usage(capture: CallCapture, choice: ChoiceCapture, *, first: bool) -> dict[str, Any]:
+    """A choice's own token counts, summable in SQL: its completion tokens, and the prompt once per call.
+
+    The prompt was processed once for all ``n`` choices, so only the first choice's span carries
+    ``gen_ai.usage.input_tokens``; every span carries its own ``gen_ai.usage.output_tokens``
+    (the length of its token ids, or the call's usage when there is a single choice without ids).
+    """
+    usage = capture.usage or {}
+    single = len(capture.choices) == 1
+    output = len(choice.token_ids) if choice.token_ids is not None else (
+        usage.get("completion_tokens") if single else None)
+    prompt_ids = choice.prompt_token_ids if choice.prompt_token_ids is not None else capture.prompt_token_ids
+    prompt = usage.get("prompt_tokens", len(prompt_ids) if prompt_ids is not None else None)
+    return _usage(prompt if first else None, output)
+
+
 class UpstreamError(Exception):
     """The upstream model server could not be reached or answered something that is not a response."""
 
 
 def openai_error(status: int, message: str, error_type: str) -> web.Response:
-    return web.json_response({"error": {"message": message, "type": error_type, "param": None, "code": status}},
-                             status=status)
+    return web.json_response(openai_error_body(message, error_type, status), status=status)
 
 
 class LLMProxy:
@@ -234,37 +266,33 @@ class LLMProxy:
         return web.json_response({"status": "ok", "upstream": self.upstream})
 
     def _owner(self, request: web.Request) -> Rollout:
-        rollout_id = request.match_info.get("rollout_id") or request.headers.get("X-Agentstream-Rollout")
-        attempt_id = request.match_info.get("attempt_id") or request.headers.get("X-Agentstream-Attempt")
-        agent = (request.match_info.get("agent_name") or request.headers.get("X-Agentstream-Agent")
+        rollout_id = request.match_info.get("rollout_id") or request.headers.get(ROLLOUT_HEADER)
+        attempt_id = request.match_info.get("attempt_id") or request.headers.get(ATTEMPT_HEADER)
+        agent = (request.match_info.get("agent_name") or request.headers.get(AGENT_HEADER)
                  or self.agent_name)
         if not rollout_id:  # unattributed traffic is still recorded, as a rollout of its own
             rollout_id = f"unattributed-{new_id()}"
         return Rollout(rollout_id, attempt_id or f"{rollout_id}-1", agent_name=agent,
-                       task_id=request.headers.get("X-Agentstream-Task"),
-                       group_id=request.headers.get("X-Agentstream-Group"))
+                       task_id=request.headers.get(TASK_HEADER),
+                       group_id=request.headers.get(GROUP_HEADER))
 
     async def reward(self, request: web.Request) -> web.Response:
         """A late reward (production feedback, possibly hours later) for a rollout."""
         try:
             body = await request.json()
-        except (json.JSONDecodeError, UnicodeDecodeError):
-            return openai_error(400, "reward body must be JSON: {\"reward\": 1.0} or {\"dimensions\": {...}}",
+            if not isinstance(body, dict):
+                raise ValueError
+        except (json.JSONDecodeError, UnicodeDecodeError, ValueError):
+            return openai_error(400, "reward body must be a JSON object: {\"reward\": 1.0} or {\"dimensions\": {...}}",
                                 "invalid_request_error")
         owner = self._owner(request)
         if body.get("attempt_id"):
             owner.attempt_id = str(body["attempt_id"])
-        dimensions = body.get("dimensions")
         try:
-            if dimensions is not None:
-                dimensions = {str(k): float(v) for k, v in dimensions.items()}
-                primary = body.get("primary")
-                scalar = float(body["reward"]) if body.get("reward") is not None else (
-                    dimensions[primary] if primary else sum(dimensions.values()))
-            else:
-                scalar = float(body["reward"])
-        except (KeyError, TypeError, ValueError, AttributeError):
-            return openai_error(400, "reward must be a number, or dimensions a map of numbers", "invalid_request_error")
+            scalar, dimensions = resolve_reward(body.get("reward"), body.get("dimensions"), body.get("primary"))
+        except RewardError as error:
+            return openai_error(400, f"reward must be a number, or dimensions a map of numbers: {error}",
+                                "invalid_request_error")
         at = now_us()
         span = build_span(owner, "reward", "REWARD", at, at, attributes={"agentstream.reward.late": True},
                           reward=scalar, reward_dimensions=dimensions)
@@ -299,7 +327,7 @@ class LLMProxy:
             async with self.session.post(url, json=upstream_request(capture.request, capture.operation),
                                          headers=headers) as upstream:
                 raw = await upstream.read()
-                capture.policy_version = _policy_version(upstream.headers)
+                capture.policy_version = policy_version(upstream.headers)
                 if upstream.status != 200:
                     capture.error = f"upstream HTTP {upstream.status}: {raw[:500].decode(errors='replace')}"
                     return web.Response(status=upstream.status, body=raw,
@@ -324,7 +352,7 @@ class LLMProxy:
         except (aiohttp.ClientError, TimeoutError) as error:
             return self._upstream_failed(capture, error)
         async with upstream:
-            capture.policy_version = _policy_version(upstream.headers)
+            capture.policy_version = policy_version(upstream.headers)
             if upstream.status != 200:
                 raw = await upstream.read()
                 capture.error = f"upstream HTTP {upstream.status}: {raw[:500].decode(errors='replace')}"
@@ -393,16 +421,8 @@ def _forward_headers(headers) -> dict[str, str]:
             if k.lower() not in HOP_BY_HOP and not k.lower().startswith("x-agentstream-")}
 
 
-def _policy_version(headers) -> int | None:
-    value = headers.get("X-Policy-Version")
-    try:
-        return int(value) if value is not None else None
-    except ValueError:
-        return None
-
-
 def _policy_header(capture: CallCapture) -> dict[str, str]:
-    return {} if capture.policy_version is None else {"X-Policy-Version": str(capture.policy_version)}
+    return {} if capture.policy_version is None else {POLICY_VERSION_HEADER: str(capture.policy_version)}
 
 
 async def serve_proxy(proxy: LLMProxy, host: str, port: int) -> web.AppRunner:

@@ -24,6 +24,8 @@ from dataclasses import dataclass, field
 from typing import Any, Protocol
 from urllib.parse import quote
 
+from schemas.contracts import resolve_reward
+
 
 class SpanSink(Protocol):
     """Where spans and rollout events go: publish must not block for long (it buffers)."""
@@ -191,16 +193,15 @@ def _emit(kind: str, name: str, attributes: Mapping[str, Any] | None = None, **f
 def emit_reward(value: float | Mapping[str, float], *, primary: str | None = None) -> str:
     """Record a reward: a float, or named dimensions whose ``primary`` one (default: their sum) is the scalar.
 
+    Raises ``schemas.contracts.RewardError`` (a ValueError) for a non-number or an unknown primary.
+
     Call it as often as the task gives feedback: intermediate rewards are kept in order and
     credit assignment can honour them.
     """
     if isinstance(value, Mapping):
-        dimensions = {str(k): float(v) for k, v in value.items()}
-        if primary is not None and primary not in dimensions:
-            raise KeyError(f"primary reward {primary!r} is not one of {sorted(dimensions)}")
-        scalar = dimensions[primary] if primary else sum(dimensions.values())
+        scalar, dimensions = resolve_reward(dimensions=value, primary=primary)
     else:
-        dimensions, scalar = None, float(value)
+        scalar, dimensions = resolve_reward(value)
     _require_rollout().rewards.append(scalar)
     return _emit("REWARD", "reward", reward=scalar, reward_dimensions=dimensions)
 

@@ -10,7 +10,6 @@ checkpoint into a staging folder and renames it into place, so a crash never lea
 
 from __future__ import annotations
 
-import hashlib
 import json
 import shutil
 import tempfile
@@ -24,6 +23,7 @@ from aiokafka import AIOKafkaProducer
 
 from infra.config import Config
 from infra.kafka import client_options, topic_name
+from models.weights import local_path, sha256_file
 from schemas import CHECKPOINT, AvroCodec
 
 MANIFEST = "checkpoint.json"
@@ -97,8 +97,7 @@ class FolderStore:
         return self.uri(name)
 
     def get(self, uri: str) -> Path:
-        parts = urlsplit(uri)
-        path = Path(unquote(parts.path)) if parts.scheme == "file" else Path(uri)
+        path = local_path(uri)
         if not path.is_dir():
             raise CheckpointError(f"checkpoint {uri} does not exist")
         return path
@@ -132,14 +131,6 @@ def checkpoint_name(model: str, version: int) -> str:
 
 def model_folder(model: str) -> str:
     return quote(model, safe="")
-
-
-def sha256_file(path: Path) -> str:
-    digest = hashlib.sha256()
-    with open(path, "rb") as handle:
-        for chunk in iter(lambda: handle.read(1 << 20), b""):
-            digest.update(chunk)
-    return digest.hexdigest()
 
 
 def write_checkpoint(store: CheckpointStore, staging: Path, weights: Path, *, model: str, version: int, step: int,

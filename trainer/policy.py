@@ -15,6 +15,8 @@ import torch
 
 from infra.config import TrainerConfig
 from models import (
+    ADAPTER_WEIGHTS_FILE,
+    FULL_WEIGHTS_FILE,
     WeightsError,
     assign_weights,
     check_weights,
@@ -22,8 +24,6 @@ from models import (
     read_weights,
 )
 
-FULL_WEIGHTS = "model.safetensors"
-LORA_WEIGHTS = "adapter_model.safetensors"
 OPTIMIZER_STATE = "optimizer.pt"
 
 
@@ -50,7 +50,7 @@ class Policy:
 
     @property
     def weights_file(self) -> str:
-        return LORA_WEIGHTS if self.lora else FULL_WEIGHTS
+        return ADAPTER_WEIGHTS_FILE if self.lora else FULL_WEIGHTS_FILE
 
     @property
     def pad_id(self) -> int:
@@ -112,7 +112,7 @@ def save_weights(policy: Policy, folder: Path) -> Path:
     if policy.lora:
         policy.model.save_pretrained(folder, safe_serialization=True)
     else:
-        save_model(policy.model, str(folder / FULL_WEIGHTS))  # save_model copes with tied embeddings
+        save_model(policy.model, str(folder / FULL_WEIGHTS_FILE))  # save_model copes with tied embeddings
     torch.save(policy.optimizer.state_dict(), folder / OPTIMIZER_STATE)
     return folder / policy.weights_file
 
@@ -125,7 +125,7 @@ def load_weights(policy: Policy, folder: Path) -> None:
         if policy.lora:
             from peft import set_peft_model_state_dict
 
-            state = load_file(folder / LORA_WEIGHTS, device=str(policy.device))
+            state = load_file(folder / ADAPTER_WEIGHTS_FILE, device=str(policy.device))
             result = set_peft_model_state_dict(policy.model, state)
             if getattr(result, "unexpected_keys", None):
                 raise PolicyError(f"adapter in {folder} has keys this model lacks: {result.unexpected_keys[:3]}")

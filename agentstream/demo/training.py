@@ -25,14 +25,15 @@ from rich.console import Console
 from rich.live import Live
 from rich.table import Table
 
+from agentstream.session import SessionPlan, TrainingSession
 from examples import arithmetic
-from infra.clickhouse import connect, migrate
+from infra.clickhouse import ROLLOUT_POLICY_VERSION, connect, migrate
 from infra.config import Config, CreditRule
 from infra.stack import Stack
 from pipeline.publisher import SpanPublisher
 from pipeline.sdk import emit_reward, rollout, set_sink
-from agentstream.session import SessionPlan, TrainingSession
 from pipeline.tasks import PacedQueue, grouped_tasks
+from schemas.contracts import POLICY_VERSION_HEADER
 
 TRAIN_AGENT = "arithmetic"
 EVAL_AGENT = "arithmetic-eval"
@@ -91,7 +92,7 @@ def demo_config(config: Config, run_id: str, workdir: Path) -> Config:
 def server_version(server_url: str) -> int:
     """The policy version the model server holds now (every response carries it)."""
     with urllib.request.urlopen(server_url + "/health", timeout=10) as response:
-        return int(response.headers["X-Policy-Version"])
+        return int(response.headers[POLICY_VERSION_HEADER])
 
 
 async def evaluate(tasks: list[dict], proxy_url: str, server_url: str, started: float) -> Evaluation:
@@ -148,7 +149,7 @@ class Dashboard:
 
     def reward_per_version(self) -> list[dict]:
         rows = self.client.query(
-            "SELECT arrayMin(policy_versions) AS version, count() AS rollouts, avg(final_reward) AS reward "
+            f"SELECT {ROLLOUT_POLICY_VERSION} AS version, count() AS rollouts, avg(final_reward) AS reward "
             f"FROM rollouts FINAL WHERE agent_name = '{TRAIN_AGENT}' AND notEmpty(policy_versions) "
             "GROUP BY version ORDER BY version").result_rows
         return [{"policy_version": v, "rollouts": n, "reward_mean": round(r, 4)} for v, n, r in rows]

@@ -74,7 +74,10 @@ def test_up_status_down_as_a_user(user_env):
     stopped = agentstream(env, "down")
     assert stopped.returncode == 0
     assert not any(_alive(pid) for pid in pids), "down must leave no process of the stack"
-    assert agentstream(env, "status").returncode == 1
+    after = agentstream(env, "status")
+    assert after.returncode == 1
+    assert "the stack is down" in after.stdout and "agentstream up" in after.stdout
+    assert "Retrying" not in after.stdout + after.stderr, "no urllib3 retry noise before the plain answer"
 
     assert agentstream(env, "up").returncode == 0
     client = clickhouse_connect.get_client(host="127.0.0.1", port=int(env["AGENTSTREAM_CLICKHOUSE_PORT"]))

@@ -104,6 +104,13 @@ def test_n_samples_become_one_span_each_with_async_client(proxy, tiny, publisher
         assert_exact(tiny, tiny.model, span["prompt_token_ids"], span["response_token_ids"], choice.message.content,
                      span["response_logprobs"], 1.0)
     assert len({tuple(s["response_token_ids"]) for s in spans}) > 1
+    # Token counts sum without double counting: each choice its own completion, the prompt once per call.
+    outputs = [int(span["attributes"]["gen_ai.usage.output_tokens"]) for span in spans]
+    assert outputs == [len(span["response_token_ids"]) for span in spans]
+    assert sum(outputs) == response.usage.completion_tokens
+    inputs = [span["attributes"].get("gen_ai.usage.input_tokens") for span in spans]
+    assert [int(value) for value in inputs if value is not None] == [response.usage.prompt_tokens]
+    assert inputs[0] is not None, "the first choice's span carries the call's prompt tokens"
 
 
 def test_completions_and_models_pass_through(proxy, tiny, publisher, topics_config, kafka_options):

@@ -9,6 +9,7 @@ import pytest
 import torch
 
 from infra.config import ConfigError, TrainerConfig, load_config
+from models import sha256_file
 from trainer.batching import (
     Batch,
     Batcher,
@@ -26,7 +27,6 @@ from trainer.checkpoints import (
     open_store,
     prune,
     recent_trained_ids,
-    sha256_file,
     write_checkpoint,
 )
 from trainer.loss import policy_loss
@@ -245,8 +245,8 @@ def test_full_weights_checkpoint_round_trips_and_fits_the_dev_server(tmp_path, t
 
 
 def test_lora_checkpoint_is_a_peft_adapter_the_dev_server_loads(tmp_path, tiny_config):
-    from serving.lora import load_lora
     from models import load_model
+    from serving.lora import load_lora
 
     config = replace(tiny_config, lora=True, lora_r=4, lora_alpha=8, lr=1e-2)
     policy = build_policy(config)
