@@ -403,7 +403,7 @@ def serve_model_command(model_spec: str, host: str, port: int, served_model_name
 
     try:
         from models import ModelLoadError, load_model
-        from serving.server import serve
+        from serving.app import serve
     except ImportError as error:
         raise click.ClickException(f"serve-model needs {error.name}: pip install 'agentstream[train]'") from None
     logging.getLogger("agentstream").setLevel(logging.INFO)

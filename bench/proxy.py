@@ -15,7 +15,7 @@ from pathlib import Path
 import httpx
 
 from bench.common import emit, percentile, private_stack
-from serving.server import create_app
+from serving.app import create_app
 from models import load_model
 from pipeline.proxy import LLMProxy
 from pipeline.publisher import SpanPublisher

@@ -158,12 +158,12 @@ def token_logprobs(ids: torch.Tensor, logprobs: torch.Tensor, top: int) -> list[
     chosen = logprobs.gather(-1, ids[:, None]).squeeze(-1).tolist()
     if top > 0:
         best = torch.topk(logprobs, top, dim=-1)
-        alternatives = [tuple(zip(row_ids, row_lps)) for row_ids, row_lps
-                        in zip(best.indices.tolist(), best.values.tolist())]
+        alternatives = [tuple(zip(row_ids, row_lps, strict=True)) for row_ids, row_lps
+                        in zip(best.indices.tolist(), best.values.tolist(), strict=True)]
     else:
         alternatives = [()] * len(chosen)
     return [TokenLogprob(token_id, logprob, alts)
-            for token_id, logprob, alts in zip(ids.tolist(), chosen, alternatives)]
+            for token_id, logprob, alts in zip(ids.tolist(), chosen, alternatives, strict=True)]
 
 
 def make_generator(seed: int | None) -> torch.Generator:
@@ -225,7 +225,7 @@ def generate_batch(model: torch.nn.Module, tokenizer: Any, requests: Sequence[Ba
                 entries = (token_logprobs(chosen, logprobs, request.params.top_logprobs) if request.params.logprobs
                            else [None] * len(rows))
                 request.emit([states[number][index[row]].append(token_id, entry)
-                              for row, token_id, entry in zip(rows, chosen.tolist(), entries)])
+                              for row, token_id, entry in zip(rows, chosen.tolist(), entries, strict=True)])
             stopped = {number for number in rows_of if requests[number].cancelled()}
             keep = [row for row, number in enumerate(owner)
                     if number not in stopped and not states[number][index[row]].finished]

@@ -15,24 +15,21 @@ loading whenever the weights file is readable here.
 from __future__ import annotations
 
 import asyncio
-import hashlib
 import logging
 import time
 from collections.abc import Callable
 from dataclasses import dataclass
-from pathlib import Path
-from urllib.parse import unquote, urlsplit
 
 import aiohttp
 from aiokafka import AIOKafkaConsumer
 
 from infra.config import Config
 from infra.kafka import client_options, topic_name
+from models import WeightsError, local_path, verify_sha256
 from schemas import CHECKPOINT, AvroCodec, CodecError
+from schemas.contracts import policy_version
 
 log = logging.getLogger("agentstream.hotswap")
-
-WEIGHTS_FILES = {"full": "model.safetensors", "lora": "adapter_model.safetensors"}
 
 
 class HotSwapError(RuntimeError):
@@ -54,25 +51,6 @@ class Swap:
 def adapter_name(model: str, version: int) -> str:
     """The LoRA name a version is served under: clients name it in ``model`` to get that version."""
     return f"{model}@v{version}"
-
-
-def local_path(uri: str) -> Path:
-    """The local path of a ``file://`` URI or a plain path."""
-    parts = urlsplit(uri)
-    return Path(unquote(parts.path)) if parts.scheme == "file" else Path(uri)
-
-
-def verify_sha256(folder: Path, format: str, expected: str) -> None:
-    """Raise HotSwapError when the weights file is present and its digest differs from ``expected``."""
-    path = folder / WEIGHTS_FILES.get(format, "")
-    if not path.is_file():
-        return
-    digest = hashlib.sha256()
-    with open(path, "rb") as handle:
-        for chunk in iter(lambda: handle.read(1 << 20), b""):
-            digest.update(chunk)
-    if digest.hexdigest() != expected:
-        raise HotSwapError(f"{path} has sha256 {digest.hexdigest()}, the checkpoint says {expected}")
 
 
 class HotSwapper:
@@ -140,8 +118,7 @@ class HotSwapper:
         while not stop.is_set():
             try:
                 async with self._http().get(f"{self.server_url}/health") as response:
-                    value = response.headers.get("X-Policy-Version")
-                    return int(value) if value is not None and value.isdigit() else None
+                    return policy_version(response.headers)
             except aiohttp.ClientError:
                 await asyncio.sleep(self.retry_s)
         return None
@@ -166,7 +143,10 @@ class HotSwapper:
         """Load one Checkpoint event's weights into the server."""
         folder = local_path(checkpoint["uri"])
         if self.verify:
-            await asyncio.to_thread(verify_sha256, folder, checkpoint["format"], checkpoint["sha256"])
+            try:
+                await asyncio.to_thread(verify_sha256, folder, checkpoint["format"], checkpoint["sha256"])
+            except WeightsError as error:
+                raise HotSwapError(str(error)) from error
         version = checkpoint["version"]
         if checkpoint["format"] == "lora":
             served = adapter_name(self.model, version)

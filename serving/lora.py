@@ -12,15 +12,15 @@ from __future__ import annotations
 import json
 import math
 import re
+from collections.abc import Iterator
 from contextlib import contextmanager
 from dataclasses import dataclass
 from pathlib import Path
-from typing import Iterator
 
 import torch
 
-CONFIG_FILE = "adapter_config.json"
-WEIGHTS_FILE = "adapter_model.safetensors"
+from models import ADAPTER_CONFIG_FILE, ADAPTER_WEIGHTS_FILE
+
 KEY = re.compile(r"^(?:base_model\.model\.)?(?P<module>.+)\.lora_(?P<part>[AB])(?:\.[^.]+)?\.weight$")
 
 
@@ -55,22 +55,23 @@ def load_lora(path: Path, model: torch.nn.Module, name: str, version: int) -> Lo
     """Read a peft LoRA folder and check it against the model's modules."""
     from safetensors.torch import load_file
 
-    if not (path / CONFIG_FILE).is_file() or not (path / WEIGHTS_FILE).is_file():
-        raise LoraNotFound(f"No adapter found for {path} (need {CONFIG_FILE} and {WEIGHTS_FILE})")
-    config = json.loads((path / CONFIG_FILE).read_text())
+    if not (path / ADAPTER_CONFIG_FILE).is_file() or not (path / ADAPTER_WEIGHTS_FILE).is_file():
+        raise LoraNotFound(f"No adapter found for {path} (need {ADAPTER_CONFIG_FILE} and {ADAPTER_WEIGHTS_FILE})")
+    config = json.loads((path / ADAPTER_CONFIG_FILE).read_text())
     _check_supported(config)
     pairs: dict[str, dict[str, torch.Tensor]] = {}
-    for key, tensor in load_file(path / WEIGHTS_FILE).items():
+    for key, tensor in load_file(path / ADAPTER_WEIGHTS_FILE).items():
         match = KEY.match(key)
         if match is None:
-            raise LoraError(f"unsupported tensor {key!r} in {path / WEIGHTS_FILE} (only LoRA A/B of linear layers)")
+            raise LoraError(f"unsupported tensor {key!r} in {path / ADAPTER_WEIGHTS_FILE} "
+                            "(only LoRA A/B of linear layers)")
         pairs.setdefault(match["module"], {})[match["part"]] = tensor.to(torch.float32)
     modules = dict(model.named_modules())
     layers = {}
     for module_name, pair in pairs.items():
         layers[module_name] = _layer(module_name, pair, modules.get(module_name), config)
     if not layers:
-        raise LoraError(f"{path / WEIGHTS_FILE} holds no LoRA weights")
+        raise LoraError(f"{path / ADAPTER_WEIGHTS_FILE} holds no LoRA weights")
     return LoraAdapter(name=name, path=str(path), version=version, layers=layers)
 
 

@@ -17,7 +17,7 @@ from typing import Any
 TOOL_CALL_START = "<tool_call>"
 TOOL_CALL_END = "</tool_call>"
 BLOCK = re.compile(r"<tool_call>(.*?)</tool_call>|<tool_call>(.*)\Z", re.DOTALL)
-PROBE_TOOL = {"type": "function", "function": {"name": "agentstream_probe_tool_7f3a", "parameters": {}}}
+PROBE_TOOL: dict[str, Any] = {"type": "function", "function": {"name": "agentstream_probe_tool_7f3a", "parameters": {}}}
 
 
 class PromptError(Exception):

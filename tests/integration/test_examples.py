@@ -34,7 +34,7 @@ from infra.clickhouse import connect
 from infra.config import load_config
 from infra.kafka import topic_name
 from infra.processes import free_port
-from serving.server import create_app
+from serving.app import create_app
 from models import tiny_tokenizer
 from pipeline.proxy import LLMProxy
 from pipeline.sdk import Rollout

@@ -10,7 +10,7 @@ import openai
 import pytest
 
 from infra.kafka import topic_name
-from serving.server import create_app
+from serving.app import create_app
 from models import load_model
 from pipeline.proxy import LLMProxy
 from pipeline.publisher import SpanPublisher

@@ -15,7 +15,7 @@ import pytest
 import torch
 
 from serving.generation import SamplingParams, SequenceState, truncate
-from serving.server import create_app
+from serving.app import create_app
 from models import LoadedModel, ModelLoadError, load_model, tiny_tokenizer
 from serving.tool_format import ToolStreamFilter, parse_tool_calls, render_prompt, renders_tools
 from infra.http_thread import ServerThread
@@ -124,7 +124,7 @@ def test_seed_reproduces_and_differs_across_seeds(client):
 
 def test_concurrent_requests_are_batched_and_each_gets_what_it_would_alone(server, tiny):
     """A burst of different prompts, sampling settings, n and stops runs as one batch with per-request results."""
-    from serving.server import SERVER
+    from serving.handlers import SERVER
 
     requests = [dict(messages=[{"role": "user", "content": f"Count to {i}."}], max_tokens=8 + i, temperature=0)
                 for i in range(6)]

@@ -1,0 +1,92 @@
+"""The dev model server's aiohttp app: vLLM's OpenAI-compatible HTTP contract over transformers, for CPU machines.
+
+The proxy, runners and trainer talk to this server exactly as they talk to vLLM (>= 0.10.2):
+``/v1/chat/completions`` and ``/v1/completions`` (streaming too) with vLLM's ``return_token_ids``
+(top-level ``prompt_token_ids`` and ``choices[i].token_ids``; completions put
+``prompt_token_ids`` on each choice), ``/v1/models``, ``/v1/load_lora_adapter``,
+``/v1/unload_lora_adapter`` and ``/health``. The dev server adds ``/v1/load_weights`` for
+full-weight updates and an ``X-Policy-Version`` header on every response. This module is the
+router and the middleware that renders errors and stamps the version; ``handlers`` answers.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import logging
+
+from aiohttp import web
+from aiohttp.typedefs import Handler
+
+from models import LoadedModel
+from schemas.contracts import POLICY_VERSION_HEADER, openai_error_body
+from serving.engine import ModelServer
+from serving.handlers import (
+    SERVER,
+    chat_completions,
+    completions,
+    health,
+    list_models,
+    load_lora_adapter,
+    load_weights,
+    unload_lora_adapter,
+)
+from serving.protocol import RequestError, error_type_of
+
+log = logging.getLogger("agentstream.model_server")
+
+
+def _error_response(status: int, message: str, error_type: str | None = None, param: str | None = None) -> web.Response:
+    """vLLM's error response, its type named after the status unless given."""
+    return web.json_response(openai_error_body(message, error_type or error_type_of(status), status, param),
+                             status=status)
+
+
+@web.middleware
+async def _errors_and_version(request: web.Request, handler: Handler) -> web.StreamResponse:
+    """Render refusals as vLLM-style errors and stamp X-Policy-Version on every response."""
+    try:
+        response = await handler(request)
+    except RequestError as error:
+        response = _error_response(error.status, str(error), error.error_type, error.param)
+    except web.HTTPException as error:
+        response = _error_response(error.status, error.reason)
+    except Exception as error:
+        log.exception("request failed: %s %s", request.method, request.path)
+        response = _error_response(500, f"internal error: {error}")
+    if not response.prepared:
+        response.headers.setdefault(POLICY_VERSION_HEADER, str(request.app[SERVER].version))
+    return response
+
+
+def create_app(loaded: LoadedModel, *, served_model_name: str | None = None) -> web.Application:
+    """The aiohttp application serving ``loaded`` (used by ``serve`` and by tests)."""
+    loaded.model.eval()
+    server = ModelServer(loaded, served_model_name)
+    app = web.Application(middlewares=[_errors_and_version], client_max_size=64 * 1024 * 1024)
+    app[SERVER] = server
+    app.router.add_post("/v1/chat/completions", chat_completions)
+    app.router.add_post("/v1/completions", completions)
+    app.router.add_get("/v1/models", list_models)
+    app.router.add_post("/v1/load_lora_adapter", load_lora_adapter)
+    app.router.add_post("/v1/unload_lora_adapter", unload_lora_adapter)
+    app.router.add_post("/v1/load_weights", load_weights)
+    app.router.add_get("/health", health)
+
+    async def stop_generation(app: web.Application) -> None:
+        await asyncio.to_thread(server.batcher.close)
+
+    app.on_cleanup.append(stop_generation)
+    return app
+
+
+async def serve(loaded: LoadedModel, *, host: str = "127.0.0.1", port: int = 8000,
+                served_model_name: str | None = None) -> None:
+    """Serve until cancelled."""
+    runner = web.AppRunner(create_app(loaded, served_model_name=served_model_name), access_log=None)
+    await runner.setup()
+    try:
+        await web.TCPSite(runner, host, port).start()
+        log.info("serving %s at http://%s:%d/v1", served_model_name or loaded.name, host, port)
+        await asyncio.Event().wait()
+    finally:
+        await runner.cleanup()
