@@ -13,9 +13,12 @@ from __future__ import annotations
 
 import asyncio
 import logging
+from collections.abc import Set as AbstractSet
+from typing import Any
 
 import faust
 from aiokafka import AIOKafkaProducer
+from faust.types import TP
 from mode.supervisors import CrashingSupervisor
 
 from infra.config import Config
@@ -24,6 +27,7 @@ from streams.groups import GroupProcessor
 from streams.processor import SpanProcessor
 from streams.records import RawRecord
 from streams.sink import CompletionSink, gather
+from streams.stage import Stage
 from streams.transport import StreamsTransport
 from streams.warehouse import Warehouse
 
@@ -69,13 +73,13 @@ class Ingestion:
     short, so a slow or unavailable ClickHouse soon makes the agent wait too.
     """
 
-    def __init__(self, processor, holder: FaustHolder, interval_s: float, depth: int = 4) -> None:
+    def __init__(self, processor: Stage[Any], holder: FaustHolder, interval_s: float, depth: int = 4) -> None:
         self.processor = processor
         self.holder = holder
         self.interval_s = interval_s
         self.queue: asyncio.Queue = asyncio.Queue(depth)
 
-    async def put(self, records: list[RawRecord], batch) -> None:
+    async def put(self, records: list[RawRecord], batch: Any) -> None:
         for record in records:
             self.holder.hold(record)
         await self.queue.put((records, batch))
@@ -148,7 +152,8 @@ def create_app(config: Config, bootstrap_servers: str, clickhouse_url: str) -> f
     sink = CompletionSink(warehouse(), config.clickhouse.database, holder, settings.store_interval_s)
     spans = SpanProcessor(config, warehouse(), warehouse(), emitter, holder, sink)
     groups = GroupProcessor(config, emitter, holder, sink)
-    app.processors = {"spans": spans, "groups": groups}  # for introspection in tests and status
+    # for introspection in tests and status; faust.App declares no such attribute
+    app.processors = {"spans": spans, "groups": groups}  # type: ignore[attr-defined]
     lock = asyncio.Lock()
 
     spans_topic = app.topic(topic_name(config.topics, "spans"), key_type=bytes, value_type=bytes)
@@ -163,7 +168,7 @@ def create_app(config: Config, bootstrap_servers: str, clickhouse_url: str) -> f
     async def store_completions() -> None:
         await sink.run()
 
-    def consume(topic, processor) -> None:
+    def consume(topic: faust.TopicT, processor: Stage[Any]) -> None:
         """An agent that feeds ``topic`` to ``processor`` in batches; a crash stops the worker, which then replays."""
         ingestion = Ingestion(processor, holder, settings.ingest_interval_s)
 
@@ -209,12 +214,13 @@ def create_app(config: Config, bootstrap_servers: str, clickhouse_url: str) -> f
         log.info("ClickHouse calls: %s", timings)
 
     @app.on_partitions_assigned.connect
-    async def log_assignment(app, assigned, **kwargs) -> None:
+    async def log_assignment(app: faust.App, assigned: AbstractSet[TP] = frozenset(), /, *args: Any,
+                             **kwargs: Any) -> None:
         mine = sorted((tp.topic, tp.partition) for tp in assigned if tp.topic == spans_topic.get_topic_name())
         log.info("assigned %s partitions %s", spans_topic.get_topic_name(), [p for _, p in mine])
 
     @app.on_before_shutdown.connect
-    async def stop_emitter(app, **kwargs) -> None:
+    async def stop_emitter(app: faust.App, /, *args: Any, **kwargs: Any) -> None:
         await emitter.stop()
 
     return app

@@ -103,7 +103,7 @@ class GroupNormalized:
     def assign_group(self, trajectories: list[Trajectory]) -> dict[str, list[Credit]]:
         rewards = [t.final_reward or 0.0 for t in trajectories]
         credits = {}
-        for trajectory, reward, advantage in zip(trajectories, rewards, self.advantages(rewards)):
+        for trajectory, reward, advantage in zip(trajectories, rewards, self.advantages(rewards), strict=False):
             credits[trajectory.rollout_id] = [Credit(call, index, reward, reward, advantage)
                                               for index, call in enumerate(trajectory.trainable_calls)]
         return credits

@@ -18,10 +18,10 @@ from dataclasses import dataclass, field
 from infra.config import Config, CreditRule
 from schemas import AvroCodec, CodecError
 from streams.credit import GroupNormalized, matching_rule
-from streams.processor import Emitter, Holder, Stage, now_us, publish_transitions
 from streams.records import RawRecord
 from streams.sink import Completion, CompletionSink
-from streams.transitions import Draft
+from streams.stage import Emitter, Holder, Stage, now_us
+from streams.transitions import Draft, Transitions
 
 log = logging.getLogger("agentstream.streams.groups")
 
@@ -38,8 +38,11 @@ class PendingGroup:
         return len(self.members) >= self.rule.group_size or now_s >= self.first_seen_s + self.rule.group_timeout_s
 
 
-class GroupProcessor(Stage):
-    """groups topic → transitions (advantages normalised within each group)."""
+class GroupProcessor(Stage[list[tuple[RawRecord, dict]]]):
+    """groups topic → transitions topic and table (advantages normalised within each group).
+
+    State: ``pending``, the groups not credited yet, each holding its first record.
+    """
 
     def __init__(self, config: Config, emitter: Emitter, holder: Holder, sink: CompletionSink,
                  codec: AvroCodec | None = None, clock: Callable[[], float] = time.monotonic) -> None:
@@ -80,7 +83,7 @@ class GroupProcessor(Stage):
         for group in due:
             del self.pending[group.group_id]
         created = now_us()
-        datums = []
+        transitions = Transitions()
         for group in due:
             members = list(group.members.values())
             rewards = [member["final_reward"] or 0.0 for member in members]
@@ -88,10 +91,10 @@ class GroupProcessor(Stage):
                 self.groups_uninformative += 1
                 continue
             self.groups_credited += 1
-            for member, reward, advantage in zip(members, rewards, self.strategy.advantages(rewards)):
+            for member, reward, advantage in zip(members, rewards, self.strategy.advantages(rewards), strict=False):
                 for item in member["drafts"]:
                     pending = Draft(item["model"], member["rollout_id"], item["head"])
-                    datums.append((pending, pending.complete(reward, reward, advantage, group.group_id, created)))
-        await publish_transitions(self, datums)
-        await self.sink.put(Completion(transitions=[datum for _, datum in datums],
-                                       release=[group.held for group in due]))
+                    transitions.drafts.append(pending)
+                    transitions.datums.append(pending.complete(reward, reward, advantage, group.group_id, created))
+        await self.publish_transitions(transitions)
+        await self.sink.put(Completion(transitions=transitions.datums, release=[group.held for group in due]))

@@ -28,7 +28,7 @@ import logging
 import time
 from collections.abc import Callable
 from dataclasses import dataclass
-from typing import Any, Protocol
+from typing import Any
 
 from infra.config import Config
 from infra.kafka import topic_name
@@ -37,10 +37,11 @@ from streams.credit import Credit, matching_rule, strategy_for
 from streams.lifecycle import OpenRollout, RolloutTracker
 from streams.ocf import container_file, read_container
 from streams.records import RawRecord, sort_records
-from streams.sink import ROLLOUT_COLUMNS, Completion, CompletionSink
+from streams.sink import ROLLOUT_COLUMNS, Completion, CompletionSink, RolloutRow
 from streams.spanreader import MalformedSpan, SpanReader
+from streams.stage import Emitter, Holder, Stage, now_us
 from streams.trajectory import SpanNode, Trajectory, assemble
-from streams.transitions import Draft, batch_records, draft
+from streams.transitions import Draft, Transitions, draft
 from streams.warehouse import RejectedData, Warehouse
 
 log = logging.getLogger("agentstream.streams")
@@ -48,78 +49,20 @@ log = logging.getLogger("agentstream.streams")
 FAILED_STATUSES = {"FAILED", "TIMED_OUT", "CANCELLED"}
 
 
-class Emitter(Protocol):
-    """Where output records go (a Kafka producer): send buffers, flush waits for the acknowledgements."""
-
-    async def send(self, topic: str, key: bytes | None, value: bytes,
-                   headers: list[tuple[str, bytes]] | None = None) -> None: ...
-
-    async def flush(self) -> None: ...
-
-
-class Holder(Protocol):
-    """Keeps a record's offset from being committed until released (the framework's ack)."""
-
-    def hold(self, record: RawRecord) -> None: ...
-
-    def release(self, record: RawRecord) -> None: ...
-
-
-@dataclass
-class Counters:
-    """What the processor has done, for status lines, tests and benchmarks."""
-
-    records: int = 0
-    spans_records: int = 0
-    events: int = 0
-    dead_letters: int = 0
-    rollouts_completed: int = 0
-    rollouts_awaiting_reward: int = 0
-    rollouts_expired: int = 0
-    rollouts_not_selected: int = 0
-    rollouts_read_back: int = 0  # assembled from ClickHouse (not seen from their start, or a late reward)
-    transitions: int = 0
-    calls_without_tokens: int = 0
-    group_results: int = 0
-
-
 @dataclass
 class Awaiting:
     """A complete rollout with no reward yet: it waits (persisted as AWAITING_REWARD) until ``expires_at_s``."""
 
-    row: tuple  # its rollouts row, rewritten with status EXPIRED when the wait ends
+    row: RolloutRow  # its rollouts row, rewritten with status EXPIRED when the wait ends
     expires_at_s: float
 
     @property
     def attempt_id(self) -> str:
-        return self.row[1]
+        return self.row.attempt_id
 
 
 def utc(us: int) -> datetime.datetime:
-    return datetime.datetime.fromtimestamp(us / 1e6, tz=datetime.timezone.utc)
-
-
-def now_us() -> int:
-    return time.time_ns() // 1000
-
-
-class Stage:
-    """What every processor stage shares: configuration, its outputs, its offset holder and counters."""
-
-    def __init__(self, config: Config, emitter: Emitter, holder: Holder, sink: CompletionSink,
-                 codec: AvroCodec | None = None, clock: Callable[[], float] = time.monotonic) -> None:
-        self.config = config
-        self.emitter = emitter
-        self.holder = holder
-        self.sink = sink
-        self.codec = codec or AvroCodec()
-        self.clock = clock
-        self.database = config.clickhouse.database
-        self.transitions_topic = topic_name(config.topics, "transitions")
-        self.counters = Counters()
-
-    async def ingest(self, batches: list[Any]) -> None:
-        """Store what read batches carry, outside the state lock (nothing, unless a stage says otherwise)."""
+    return datetime.datetime.fromtimestamp(us / 1e6, tz=datetime.UTC)
 
 
 @dataclass
@@ -132,8 +75,11 @@ class SpanBatch:
     dead: list[tuple[RawRecord, Exception]]
 
 
-class SpanProcessor(Stage):
+class SpanProcessor(Stage[SpanBatch]):
     """spans topic → ClickHouse (spans, rollouts, transitions) + transitions/groups/dlq topics.
+
+    State: ``tracker`` (open rollouts and their spans), ``awaiting`` (complete rollouts waiting
+    for a late reward), ``recheck`` (those that got spans meanwhile), ``closed`` (expired ones).
 
     ``reads`` serves ticks (restore, spans of rollouts assembled from storage), ``span_writes``
     the span inserts; two connections, so neither waits for the other in this process.
@@ -162,13 +108,12 @@ class SpanProcessor(Stage):
             "AND updated_at > now64(6) - toIntervalSecond({horizon:UInt64})",
             {"horizon": int(self.config.streams.reward_expiry_s * 2)})
         wall, mono = time.time(), self.clock()
-        status_at, updated_at = ROLLOUT_COLUMNS.index("status"), ROLLOUT_COLUMNS.index("updated_at")
-        for row in result.result_rows:
-            if row[status_at] == "EXPIRED":
-                self.closed.add(row[0])
+        for row in map(RolloutRow._make, result.result_rows):
+            if row.status == "EXPIRED":
+                self.closed.add(row.rollout_id)
             else:
-                waited = wall - row[updated_at].timestamp()
-                self.awaiting[row[0]] = Awaiting(tuple(row), mono + self.config.streams.reward_expiry_s - waited)
+                waited = wall - row.updated_at.timestamp()
+                self.awaiting[row.rollout_id] = Awaiting(row, mono + self.config.streams.reward_expiry_s - waited)
         self.next_expiry_s = 0.0
 
     def read(self, records: list[RawRecord]) -> SpanBatch:
@@ -201,7 +146,8 @@ class SpanProcessor(Stage):
             if isinstance(payload, dict):
                 self._apply_event(record, payload, now)
                 continue
-            rollout_id = record.key.decode("utf-8", "replace")
+            # sort_records dead-letters a span record without a key, so it is bytes here (no per-span check)
+            rollout_id = record.key.decode("utf-8", "replace")  # type: ignore[union-attr]
             self.counters.spans_records += 1
             if rollout_id in self.awaiting:
                 self.recheck.setdefault(rollout_id, []).extend(payload)
@@ -279,7 +225,7 @@ class SpanProcessor(Stage):
         stored_ids = [rollout.rollout_id for rollout in due if not rollout.seen_from_start] + list(rechecked)
         stored = await read_stored_spans(self.reads, self.database, stored_ids) if stored_ids else {}
         self.counters.rollouts_read_back += len(stored_ids)
-        rows: list[tuple] = []
+        rows: list[RolloutRow] = []
         finished: list[tuple[Trajectory, list[Credit] | None, Any]] = []
         for rollout in due:
             spans = (rollout.spans if rollout.seen_from_start
@@ -319,7 +265,7 @@ class SpanProcessor(Stage):
             return rollout.terminal
         return "TIMED_OUT" if rollout.managed else "COMPLETED"
 
-    def _decide(self, trajectory: Trajectory, finished: list, now: float) -> tuple:
+    def _decide(self, trajectory: Trajectory, finished: list, now: float) -> RolloutRow:
         """Route one assembled rollout: not trainable, waiting for a reward, grouped (credits None), or credited now."""
         status = trajectory.status
         self.counters.calls_without_tokens += len(trajectory.llm_calls) - len(trajectory.trainable_calls)
@@ -346,14 +292,16 @@ class SpanProcessor(Stage):
     async def _emit_transitions(self, finished: list[tuple[Trajectory, list[Credit] | None, Any]]) -> list[bytes]:
         """Send the group results and the transitions to Kafka; returns the transitions for ClickHouse."""
         created = now_us()
-        datums: list[tuple[Draft, bytes]] = []
+        transitions = Transitions()
+        drafts, datums = transitions.drafts, transitions.datums
         for trajectory, credits, rule in finished:
             if credits is not None:
                 group = trajectory.group_id or None
                 for credit in credits:
                     pending = draft_of(trajectory, rule, credit.call, credit.step_index)
-                    datums.append((pending, pending.complete(credit.reward, credit.return_value, credit.advantage,
-                                                             group, created)))
+                    drafts.append(pending)
+                    datums.append(pending.complete(credit.reward, credit.return_value, credit.advantage, group,
+                                                   created))
                 continue
             self.counters.group_results += 1
             group_drafts = [draft_of(trajectory, rule, call, index)
@@ -363,26 +311,25 @@ class SpanProcessor(Stage):
                 "group_id": trajectory.group_id, "agent_name": trajectory.agent_name, "status": trajectory.status,
                 "final_reward": trajectory.final_reward, "completed_at_us": created,
                 "drafts": [{"model": d.model, "head": d.head} for d in group_drafts]}))
-        await publish_transitions(self, datums)
-        return [datum for _, datum in datums]
+        await self.publish_transitions(transitions)
+        return datums
 
-    def _rollout_row(self, trajectory: Trajectory, status: str) -> tuple:
+    def _rollout_row(self, trajectory: Trajectory, status: str) -> RolloutRow:
         calls = trajectory.llm_calls
         versions = sorted({c.policy_version for c in calls if c.policy_version is not None})
-        return (
-            trajectory.rollout_id, trajectory.attempt_id, trajectory.task_id, trajectory.group_id,
-            trajectory.agent_name, trajectory.models[0] if trajectory.models else "", status,
-            utc(trajectory.start_us), utc(trajectory.end_us), len(trajectory.spans), len(calls),
-            len(calls) - len(trajectory.trainable_calls), trajectory.final_reward, trajectory.total_reward,
-            trajectory.reward_dimensions, versions, utc(now_us()),
+        return RolloutRow(
+            rollout_id=trajectory.rollout_id, attempt_id=trajectory.attempt_id, task_id=trajectory.task_id,
+            group_id=trajectory.group_id, agent_name=trajectory.agent_name,
+            model=trajectory.models[0] if trajectory.models else "", status=status,
+            start_time=utc(trajectory.start_us), end_time=utc(trajectory.end_us), span_count=len(trajectory.spans),
+            llm_calls=len(calls), llm_calls_without_tokens=len(calls) - len(trajectory.trainable_calls),
+            final_reward=trajectory.final_reward, total_reward=trajectory.total_reward,
+            reward_dimensions=trajectory.reward_dimensions, policy_versions=versions, updated_at=utc(now_us()),
         )
 
     @staticmethod
-    def _expired_row(row: tuple) -> tuple:
-        expired = list(row)
-        expired[ROLLOUT_COLUMNS.index("status")] = "EXPIRED"
-        expired[ROLLOUT_COLUMNS.index("updated_at")] = utc(now_us())
-        return tuple(expired)
+    def _expired_row(row: RolloutRow) -> RolloutRow:
+        return row._replace(status="EXPIRED", updated_at=utc(now_us()))
 
 
 def draft_of(trajectory: Trajectory, rule: Any, call: SpanNode, step_index: int) -> Draft:
@@ -423,25 +370,3 @@ def union(stored: list[SpanNode], received: list[SpanNode]) -> list[SpanNode]:
     """Spans from ClickHouse plus those received since that it may not hold yet, each (attempt, span id) once."""
     seen = {(node.attempt_id, node.span_id) for node in stored}
     return stored + [node for node in received if (node.attempt_id, node.span_id) not in seen]
-
-
-async def publish_transitions(stage: Stage, datums: list[tuple[Draft, bytes]]) -> None:
-    """Send transitions as TransitionBatch records keyed by the model they train, and wait for the broker.
-
-    A record's ``agentstream-rollouts`` header names the rollouts it carries, for observers
-    that do not want to decode it.
-    """
-    if not datums:
-        return
-    by_model: dict[str, list[tuple[Draft, bytes]]] = {}
-    for item in datums:
-        by_model.setdefault(item[0].model, []).append(item)
-    for model, items in sorted(by_model.items()):
-        start = 0
-        for count, value in batch_records(stage.codec, [datum for _, datum in items]):
-            rollouts = ",".join(sorted({d.rollout_id for d, _ in items[start:start + count]}))
-            await stage.emitter.send(stage.transitions_topic, model.encode(), value,
-                                     headers=[("agentstream-rollouts", rollouts.encode())])
-            start += count
-    await stage.emitter.flush()
-    stage.counters.transitions += len(datums)

@@ -11,18 +11,38 @@ ClickHouse is down, ticks wait here, the spans agent waits for them, and offsets
 from __future__ import annotations
 
 import asyncio
+import datetime
 from dataclasses import dataclass, field
-from typing import Protocol
+from typing import NamedTuple, Protocol
 
 from streams.records import RawRecord
 from streams.transitions import transitions_container
 from streams.warehouse import Warehouse
 
-ROLLOUT_COLUMNS = (
-    "rollout_id", "attempt_id", "task_id", "group_id", "agent_name", "model", "status", "start_time", "end_time",
-    "span_count", "llm_calls", "llm_calls_without_tokens", "final_reward", "total_reward", "reward_dimensions",
-    "policy_versions", "updated_at",
-)
+
+class RolloutRow(NamedTuple):
+    """One row of the ``rollouts`` table: its fields are the table's columns, in their order (a tuple, for speed)."""
+
+    rollout_id: str
+    attempt_id: str
+    task_id: str
+    group_id: str
+    agent_name: str
+    model: str
+    status: str
+    start_time: datetime.datetime
+    end_time: datetime.datetime
+    span_count: int
+    llm_calls: int
+    llm_calls_without_tokens: int
+    final_reward: float | None
+    total_reward: float
+    reward_dimensions: dict[str, float]
+    policy_versions: list[int]
+    updated_at: datetime.datetime
+
+
+ROLLOUT_COLUMNS: tuple[str, ...] = RolloutRow._fields
 
 
 async def gather(queue: asyncio.Queue, interval_s: float) -> list:
@@ -44,7 +64,7 @@ class Releaser(Protocol):
 class Completion:
     """One tick's ClickHouse writes and the records to release once they are stored."""
 
-    rollouts: list[tuple] = field(default_factory=list)
+    rollouts: list[RolloutRow] = field(default_factory=list)
     transitions: list[bytes] = field(default_factory=list)
     release: list[RawRecord] = field(default_factory=list)
 

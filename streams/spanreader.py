@@ -56,7 +56,10 @@ def read_long(buffer: bytes, position: int) -> tuple[int, int]:
 
 
 def _skip_varints(buffer: bytes, position: int, count: int) -> int:
-    """The position after ``count`` varints; a regular expression walks them at C speed (possessive: no backtracking)."""
+    """The position after ``count`` varints.
+
+    A regular expression walks them at C speed (possessive: no backtracking).
+    """
     run = _VARINT_RUNS.get(count)
     if run is None:
         run = _VARINT_RUNS[count] = re.compile(rb"(?:[\x80-\xff]*+[\x00-\x7f]){%d}" % count, re.DOTALL)
@@ -224,7 +227,7 @@ def compile_reader(schema: Any, raw_arrays: frozenset[str] = frozenset(), field:
     if isinstance(schema, list):
         return _union([compile_reader(branch, raw_arrays, field) for branch in schema])
     kind = schema["type"]
-    if kind == "record" and SPAN_MARKERS <= {f["name"] for f in schema["fields"]}:
+    if kind == "record" and {f["name"] for f in schema["fields"]} >= SPAN_MARKERS:
         return _span_reader(schema, raw_arrays, skipped)
     if kind == "record":
         return _record([(f["name"], compile_reader(f["type"], raw_arrays, f["name"], skipped))
@@ -280,11 +283,13 @@ def _inline(schema: Any) -> str | None:
         schema = schema["type"]
     if isinstance(schema, str):
         return _INLINE.get(schema)
-    if isinstance(schema, list) and len(schema) == 2 and schema[0] == "null" and _inline(schema[1]):
-        body = _inline(schema[1]).replace("\n    ", "\n        ")
-        return ("    branch = buf[pos]\n    pos += 1\n    if branch == 0:\n        {var} = None\n"
-                "    elif branch == 2:\n    " + body +
-                "    else:\n        raise MalformedSpan(f'union branch byte {branch} does not name a branch')\n")
+    if isinstance(schema, list) and len(schema) == 2 and schema[0] == "null":
+        value = _inline(schema[1])
+        if value:
+            body = value.replace("\n    ", "\n        ")
+            return ("    branch = buf[pos]\n    pos += 1\n    if branch == 0:\n        {var} = None\n"
+                    "    elif branch == 2:\n    " + body +
+                    "    else:\n        raise MalformedSpan(f'union branch byte {branch} does not name a branch')\n")
     return None
 
 
@@ -295,9 +300,9 @@ def _span_reader(schema: dict[str, Any], raw_arrays: frozenset[str], skipped: fr
     maps, token arrays and anything unusual go through the compiled readers above.
     """
     names = {f["name"] for f in schema["fields"]}
-    lines, scope = ["def read(buf, pos):"], {"read_long": read_long, "MalformedSpan": MalformedSpan,
-                                              "SpanNode": SpanNode, "EMPTY": EMPTY_ARRAY,
-                                              "unpack_double": _DOUBLE.unpack_from}
+    lines = ["def read(buf, pos):"]
+    scope: dict[str, Any] = {"read_long": read_long, "MalformedSpan": MalformedSpan, "SpanNode": SpanNode,
+                             "EMPTY": EMPTY_ARRAY, "unpack_double": _DOUBLE.unpack_from}
     for index, spec in enumerate(schema["fields"]):
         variable = f"v_{index}"
         source = None if spec["name"] in skipped or spec["name"] in raw_arrays else _inline(spec["type"])

@@ -12,7 +12,7 @@ from __future__ import annotations
 import hashlib
 import struct
 from collections.abc import Iterator
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 
 from schemas import TRANSITION, TRANSITION_BATCH, AvroCodec, current_schemas
 from schemas.spanwriter import write_long
@@ -24,7 +24,7 @@ RECORD_BYTES = 256 * 1024  # a Kafka record of the transitions topic stays well 
 
 
 def transition_id(rollout_id: str, attempt_id: str, span_id: str) -> str:
-    """Same call, same id: a replay after a crash produces the same transition, which ClickHouse and the trainer dedupe."""
+    """Same call, same id: a replay after a crash makes the same transition, which ClickHouse and the trainer dedupe."""
     return hashlib.sha1(f"{rollout_id}/{attempt_id}/{span_id}".encode()).hexdigest()[:32]
 
 
@@ -48,6 +48,17 @@ class Draft:
         """The Transition datum: the draft, then reward, return, advantage, group and creation time."""
         group = b"\x02" + _string(group_id) if group_id else b"\x00"
         return self.head + _CREDIT.pack(reward, return_value, advantage) + group + write_long(created_at_us)
+
+
+@dataclass(slots=True)
+class Transitions:
+    """Credited transitions, in step: each one's draft (the model it trains, its rollout) and its Transition datum.
+
+    Two lists rather than an object per transition: thousands are made per second.
+    """
+
+    drafts: list[Draft] = field(default_factory=list)
+    datums: list[bytes] = field(default_factory=list)
 
 
 def draft(rollout_id: str, attempt_id: str, agent_name: str, model: str, step_index: int, call: SpanNode) -> Draft:

@@ -10,37 +10,50 @@ open rollout, and faust commits up to the first offset not acknowledged. Its che
 unacknowledged record at the head of a partition is off by one and skipped before the first
 commit, so a held record there could be committed past, and a crash then lost its rollout.
 Here no commit goes beyond the lowest offset still held.
+
+Both reach into faust and aiokafka internals, only through :mod:`streams.dependency_adapters`.
 """
 
 from __future__ import annotations
 
-from faust.transport.drivers.aiokafka import AIOKafkaConsumerThread, Consumer, Transport
-from faust.types import TP
+from typing import TYPE_CHECKING, Any, cast
+
+import aiokafka
+from faust.transport.drivers.aiokafka import Transport
+from faust.types import TP, AppT
+
+from streams.dependency_adapters import (
+    HookedConsumer,
+    WorkerConsumerThread,
+    acked_offsets,
+    set_fetch_max_wait,
+    unacked_offsets,
+)
+
+if TYPE_CHECKING:
+    from yarl import URL  # faust's broker URLs
 
 
-class _ConsumerThread(AIOKafkaConsumerThread):
-    def _create_worker_consumer(self, transport: StreamsTransport):
-        consumer = super()._create_worker_consumer(transport)
-        consumer._fetch_max_wait_ms = transport.fetch_max_wait_ms  # read by AIOKafkaConsumer.start()
-        return consumer
+class _ConsumerThread(WorkerConsumerThread):
+    def configure_worker_consumer(self, consumer: aiokafka.AIOKafkaConsumer, transport: Transport) -> None:
+        set_fetch_max_wait(consumer, cast(StreamsTransport, transport).fetch_max_wait_ms)
 
 
-class _Consumer(Consumer):
-    def _new_offset(self, tp: TP) -> int | None:
-        held = [message.offset for message in self._unacked_messages if message.tp == tp]
+class _Consumer(HookedConsumer):
+    consumer_thread = _ConsumerThread
+
+    def commit_offset(self, tp: TP) -> int | None:
+        held = unacked_offsets(self, tp)
         if not held:
-            return super()._new_offset(tp)
+            return super().commit_offset(tp)
         floor = min(held)
-        acked = self._acked[tp]
+        acked = acked_offsets(self, tp)
         above = [offset for offset in acked if offset >= floor]
         acked[:] = [offset for offset in acked if offset < floor]  # faust may only commit what lies below
         try:
-            return super()._new_offset(tp)
+            return super().commit_offset(tp)
         finally:
             acked.extend(above)
-
-    def _new_consumer_thread(self) -> AIOKafkaConsumerThread:
-        return _ConsumerThread(self, loop=self.loop, beacon=self.beacon)
 
 
 class StreamsTransport(Transport):
@@ -48,6 +61,6 @@ class StreamsTransport(Transport):
 
     Consumer = _Consumer
 
-    def __init__(self, url, app, fetch_max_wait_ms: int, **kwargs) -> None:
+    def __init__(self, url: list[URL], app: AppT, fetch_max_wait_ms: int, **kwargs: Any) -> None:
         super().__init__(url, app, **kwargs)
         self.fetch_max_wait_ms = fetch_max_wait_ms

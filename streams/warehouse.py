@@ -86,7 +86,8 @@ class Warehouse:
 
     async def insert_rows(self, table: str, columns: Sequence[str], rows: Sequence[Sequence[Any]]) -> None:
         if rows:
-            await self.call(f"insert into {table}", lambda client: client.insert(table, rows, column_names=list(columns)))
+            await self.call(f"insert into {table}",
+                            lambda client: client.insert(table, rows, column_names=list(columns)))
 
     async def query(self, sql: str, parameters: dict[str, Any] | None = None):
         return await self.call("query", lambda client: client.query(sql, parameters=parameters))

@@ -1,0 +1,88 @@
+"""Every private member of faust-streaming and aiokafka that the stream processors use, in one place.
+
+Written against faust-streaming 0.15.3 with aiokafka 0.14 (pinned in pyproject.toml). Neither
+library lets a worker set its consumer's fetch wait or bound how far a commit goes, and
+:mod:`streams.transport` needs both (its docstring says why). So it goes through the functions
+and the two hook classes here, and nothing else in ``streams/`` names a private member of
+either library. Each one below names the upstream member it relies on and what that member
+does in the pinned version.
+
+``tests/unit/test_dependency_adapters_faust.py`` checks the installed libraries against this
+list (no broker needed). When it fails after an upgrade, read the upstream code of the member
+it names, adapt this module (and only it), then move the pins and the versions below.
+"""
+
+from __future__ import annotations
+
+from typing import ClassVar
+
+import aiokafka
+from faust.transport.drivers.aiokafka import AIOKafkaConsumerThread, Consumer, Transport
+from faust.types import TP
+
+FAUST_VERSION = "0.15.3"
+AIOKAFKA_SERIES = "0.14"
+
+
+def set_fetch_max_wait(consumer: aiokafka.AIOKafkaConsumer, fetch_max_wait_ms: int) -> None:
+    """Set how long the broker may hold a fetch, on a consumer that has not started.
+
+    aiokafka: ``AIOKafkaConsumer.__init__`` keeps ``fetch_max_wait_ms`` in ``_fetch_max_wait_ms``,
+    which ``start()`` hands to the Fetcher it creates; there is no public setter.
+    """
+    consumer._fetch_max_wait_ms = fetch_max_wait_ms
+
+
+def unacked_offsets(consumer: Consumer, tp: TP) -> list[int]:
+    """The offsets of ``tp``'s messages delivered to a stream and not acknowledged yet (held ones among them).
+
+    faust: ``Consumer._unacked_messages``, the set of messages ``track_message`` added and
+    ``ack`` has not discarded yet.
+    """
+    return [message.offset for message in consumer._unacked_messages if message.tp == tp]
+
+
+def acked_offsets(consumer: Consumer, tp: TP) -> list[int]:
+    """``tp``'s acknowledged offsets not committed yet: faust's own list, edited in place to change what it commits.
+
+    faust: ``Consumer._acked`` (a defaultdict of lists by TP), which ``ack`` appends to and
+    ``_new_offset`` reads, sorts and consumes up to the first gap.
+    """
+    return consumer._acked[tp]
+
+
+class WorkerConsumerThread(AIOKafkaConsumerThread):
+    """faust's aiokafka consumer thread, with a public hook on the worker's AIOKafkaConsumer before it starts.
+
+    faust: ``AIOKafkaConsumerThread._create_worker_consumer(transport)`` builds that consumer
+    (with ``fetch_max_wait_ms=1500`` written in) when the app is a worker.
+    """
+
+    def _create_worker_consumer(self, transport: Transport) -> aiokafka.AIOKafkaConsumer:
+        consumer = super()._create_worker_consumer(transport)
+        self.configure_worker_consumer(consumer, transport)
+        return consumer
+
+    def configure_worker_consumer(self, consumer: aiokafka.AIOKafkaConsumer, transport: Transport) -> None:
+        """Adjust the worker's consumer before faust starts it (nothing, unless a subclass says otherwise)."""
+
+
+class HookedConsumer(Consumer):
+    """faust's aiokafka consumer, with its thread class and the offset of its next commit as public hooks.
+
+    faust: ``Consumer._new_consumer_thread()`` creates the thread (``AIOKafkaConsumerThread(self,
+    loop=self.loop, beacon=self.beacon)``); ``Consumer._new_offset(tp)`` says where a commit of
+    ``tp`` goes (None: no commit), consuming the acknowledged offsets below it.
+    """
+
+    consumer_thread: ClassVar[type[AIOKafkaConsumerThread]] = AIOKafkaConsumerThread
+
+    def _new_consumer_thread(self) -> AIOKafkaConsumerThread:
+        return self.consumer_thread(self, loop=self.loop, beacon=self.beacon)
+
+    def _new_offset(self, tp: TP) -> int | None:
+        return self.commit_offset(tp)
+
+    def commit_offset(self, tp: TP) -> int | None:
+        """The offset a commit of ``tp`` goes to, or None; faust's answer unless a subclass says otherwise."""
+        return super()._new_offset(tp)
