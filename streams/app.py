@@ -140,6 +140,7 @@ def create_app(config: Config, bootstrap_servers: str, clickhouse_url: str) -> f
         consumer_auto_offset_reset="earliest", topic_partitions=config.topics.partitions,
         topic_replication_factor=config.topics.replication_factor, web_enabled=False, store="memory://",
         stream_wait_empty=False, broker_commit_every=1000, broker_commit_interval=0.5, producer_acks=-1,
+        datadir=str(config.stack.home / "streams" / "{conf.name}-data"),  # faust's default is the current directory
     )
     app.transport = StreamsTransport(app.conf.broker_consumer, app, fetch_max_wait_ms=settings.fetch_max_wait_ms)
     options = client_options(config.kafka, bootstrap_servers)

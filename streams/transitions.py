@@ -9,18 +9,30 @@ never decoded.
 
 from __future__ import annotations
 
+import functools
 import hashlib
 import struct
 from collections.abc import Iterator
 from dataclasses import dataclass, field
 
-from schemas import TRANSITION, TRANSITION_BATCH, AvroCodec, current_schemas
+from schemas import TRANSITION, TRANSITION_BATCH, AvroCodec, EncodeError, current_schemas, schema_id
 from schemas.spanwriter import write_long
 from streams.ocf import container_file
 from streams.trajectory import SpanNode
 
 _CREDIT = struct.Struct("<ddd")
 RECORD_BYTES = 256 * 1024  # a Kafka record of the transitions topic stays well under brokers' 1 MB default limit
+TRANSITION_SCHEMA_ID = 571826264
+"""The id of the Transition schema whose field order ``draft`` and ``Draft.complete`` write by hand."""
+
+
+@functools.cache
+def check_layout() -> None:
+    """Refuse to write transitions if the bundled Transition schema is not the layout this module writes."""
+    actual = schema_id(current_schemas()[TRANSITION])
+    if actual != TRANSITION_SCHEMA_ID:
+        raise EncodeError(f"streams.transitions writes the Transition schema with id {TRANSITION_SCHEMA_ID}, but the "
+                          f"bundled Transition schema has id {actual}: update draft() and Draft.complete to it")
 
 
 def transition_id(rollout_id: str, attempt_id: str, span_id: str) -> str:
@@ -73,6 +85,7 @@ def draft(rollout_id: str, attempt_id: str, agent_name: str, model: str, step_in
 
 def batch_records(codec: AvroCodec, datums: list[bytes]) -> Iterator[tuple[int, bytes]]:
     """TransitionBatch record values of at most about RECORD_BYTES each, with how many transitions each holds."""
+    check_layout()
     header = codec.header(TRANSITION_BATCH)
     start, size = 0, 0
     for index, datum in enumerate(datums):
@@ -87,4 +100,5 @@ def batch_records(codec: AvroCodec, datums: list[bytes]) -> Iterator[tuple[int, 
 
 def transitions_container(datums: list[bytes]) -> bytes:
     """An Avro object container file of Transition datums, for ClickHouse's transitions_ingest table."""
+    check_layout()
     return container_file(current_schemas()[TRANSITION], datums)

@@ -156,3 +156,29 @@ def test_transitions_are_published_by_model_with_the_rollouts_they_carry():
     assert [[t["rollout_id"] for t in CODEC.decode(value)[1]["transitions"]] for _, _, value, _ in emitter.sent] == [
         ["r1"], ["r2", "r3", "r2"]]
     assert emitter.flushed == 1 and stage.counters.transitions == 4
+
+
+def test_transitions_refuse_a_transition_schema_they_do_not_write(monkeypatch):
+    """draft() writes the Transition fields by hand: a changed schema must stop it, not produce garbage."""
+    from schemas import EncodeError
+    from streams import transitions
+
+    transitions.check_layout.cache_clear()
+    transitions.check_layout()  # the bundled schema is the layout written
+    monkeypatch.setattr(transitions, "TRANSITION_SCHEMA_ID", transitions.TRANSITION_SCHEMA_ID + 1)
+    transitions.check_layout.cache_clear()
+    try:
+        with pytest.raises(EncodeError, match="update draft"):
+            transitions.transitions_container([])
+    finally:
+        transitions.check_layout.cache_clear()
+
+
+def test_the_streams_worker_keeps_its_state_under_the_stack_home(tmp_path, monkeypatch):
+    from infra.config import load_config
+    from streams.app import create_app
+
+    monkeypatch.chdir(tmp_path)
+    config = load_config(environ={"AGENTSTREAM_HOME": str(tmp_path / "home")})
+    app = create_app(config, "127.0.0.1:1", "http://127.0.0.1:2")
+    assert app.conf.datadir.is_relative_to(tmp_path / "home"), "not faust's default, the current directory"
