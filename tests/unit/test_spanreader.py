@@ -46,7 +46,7 @@ def test_reader_agrees_with_fastavro_and_keeps_token_arrays_as_transition_bytes(
     nodes = SpanReader(schema).batch(record[5:])
     assert len(nodes) == len(spans)
     transition_schema = current_schemas()[TRANSITION]
-    for node, span in zip(nodes, spans):
+    for node, span in zip(nodes, spans, strict=True):
         assert (node.span_id, node.attempt_id, node.kind, node.name, node.status) == (
             span["span_id"], span["attempt_id"], span["kind"], span["name"], span["status"])
         assert (node.start_us, node.end_us, node.policy_version, node.reward) == (
@@ -81,8 +81,8 @@ def test_reader_skips_blocks_written_with_byte_sizes():
     row = b"\x04s1\x04a1\x02n\x06LLM\x02\x04" + sized_ids + b"\x02\x0e\x00" + b"\x02\x00\x00\x80\xbf\x00"
     [node] = SpanReader(fastavro.parse_schema(schema)).rows(1, row)
     assert node.has_token_ids and node.tokens.startswith(sized_ids)
-    value = fastavro.schemaless_reader(io.BytesIO(b"\x02x" * 5 + b"\x00\x00" + node.tokens + b"\x00" * 24 + b"\x00\x00"),
-                                       current_schemas()[TRANSITION])
+    datum = b"\x02x" * 5 + b"\x00\x00" + node.tokens + b"\x00" * 24 + b"\x00\x00"
+    value = fastavro.schemaless_reader(io.BytesIO(datum), current_schemas()[TRANSITION])
     assert value["prompt_token_ids"] == [1, 2, 3, 64] and value["response_token_ids"] == [7]
     assert value["behaviour_logprobs"] == [-1.0]
 
