@@ -1,5 +1,13 @@
-"""Publishes spans and rollout events to Kafka from any thread, journaling them on disk while the broker is away."""
+"""Publishes spans and rollout events to Kafka from any thread, journaling them on disk while the broker is away.
 
-from pipeline.publisher.front import FlushTimeout, PublisherClosed, PublisherError, PublisherStats, SpanPublisher
+The public API is what ``__all__`` lists; the modules inside are the implementation:
+``front`` (SpanPublisher and its stats), ``errors``, ``accumulator`` (the queue shared by callers
+and the loop), ``sender`` (the background loop that delivers, journals and replays),
+``journal`` (the on-disk record format), ``exit_hooks`` (atexit and SIGTERM) and
+``aiokafka_compat`` (every use of aiokafka internals).
+"""
+
+from pipeline.publisher.errors import FlushTimeout, PublisherClosed, PublisherError
+from pipeline.publisher.front import PublisherStats, SpanPublisher
 
 __all__ = ["FlushTimeout", "PublisherClosed", "PublisherError", "PublisherStats", "SpanPublisher"]

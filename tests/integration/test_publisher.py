@@ -23,7 +23,8 @@ from infra.broker import find_tansu, tansu_command
 from infra.config import Config
 from infra.kafka import client_options, topic_name
 from infra.processes import free_port, wait_for_port
-from pipeline.publisher import Journal, PublisherClosed, SpanPublisher, _Record
+from pipeline.publisher import PublisherClosed, SpanPublisher
+from pipeline.publisher.journal import Journal, Record
 from schemas import AvroCodec, EncodeError
 
 ROOT = Path(__file__).resolve().parents[2]
@@ -274,7 +275,8 @@ def test_spans_published_during_an_outage_are_journaled_then_replayed_exactly_on
 
     assert stats.spans_journaled > 0 and stats.records_replayed > 0
     counts = read_spans_topic(client_options(topics_config.kafka, private_broker.bootstrap),
-                              topic_name(topics_config.topics, "spans"), at_least=published - first_after_kill).span_counts()
+                              topic_name(topics_config.topics, "spans"),
+                              at_least=published - first_after_kill).span_counts()
     after_kill = {index: counts[index] for index in range(first_after_kill, published)}
     assert set(after_kill.values()) == {1}, "every span published after the kill arrives exactly once"
     assert journal_files(journal_dir) == []
@@ -367,7 +369,7 @@ def test_spans_in_memory_are_flushed_on_sigterm_and_at_exit(
 
 
 def test_journal_round_trip_lock_and_torn_tail(tmp_path):
-    records = [_Record(f"ro-{n}".encode(), bytes([n]) * (n * 1000), spans=n) for n in range(1, 6)]
+    records = [Record(f"ro-{n}".encode(), bytes([n]) * (n * 1000), spans=n) for n in range(1, 6)]
     journal = Journal(tmp_path, "t.spans")
     assert journal.empty
     journal.append(records[:3])

@@ -1,0 +1,508 @@
+"""The publisher's background side: one uvloop loop in its own thread that delivers queued spans to Kafka.
+
+The loop takes the accumulator's queue in *waves*: it groups a wave's spans per rollout into
+SpanBatch records keyed by rollout_id (varint-encoding the token ids of the whole wave in one
+numpy pass), puts at most one producer batch per partition on the wire (acks=all) and waits for
+the broker's answer before it takes the next wave. One wave at a time is what keeps a rollout's
+records in order, also through failures: a RolloutEvent lands after every span of its rollout
+published before it.
+
+When a wave fails because the broker is unreachable (its address refuses connections while an
+answer is overdue, or requests time out), its unacknowledged records and everything published
+after them go to the :class:`~pipeline.publisher.journal.Journal`, with one warning. A probe
+watches for the broker; once it answers, the journal is replayed in order before anything new
+is sent, then deleted.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import enum
+import functools
+import logging
+import threading
+import time
+from collections.abc import Callable, Iterable
+from dataclasses import dataclass
+from pathlib import Path
+from typing import Any
+
+import uvloop
+from aiokafka import AIOKafkaProducer
+from aiokafka.errors import KafkaConnectionError, KafkaError, KafkaTimeoutError
+from aiokafka.partitioner import DefaultPartitioner
+
+from infra.config import KafkaConfig
+from infra.kafka import client_options
+from pipeline.publisher import aiokafka_compat
+from pipeline.publisher.accumulator import Accumulator
+from pipeline.publisher.errors import PublisherError
+from pipeline.publisher.journal import Journal, Record
+
+log = logging.getLogger(__name__)
+
+
+class _State(enum.Enum):
+    """Where fresh records go: to the broker, to the journal (broker away), or after the journal's replay."""
+
+    CONNECTED = "connected"
+    JOURNALING = "journaling"
+    REPLAYING = "replaying"
+
+
+@dataclass(frozen=True)
+class SenderSettings:
+    """Where the loop side sends, where it journals, and how it paces itself; fixed when the publisher is made."""
+
+    topic: str
+    bootstrap_servers: str
+    producer_options: dict[str, Any]
+    journal_dir: Path
+    wave_bytes: int
+    request_timeout_s: float
+    probe_interval_s: float
+
+    @classmethod
+    def create(cls, kafka: KafkaConfig, topic: str, bootstrap_servers: str, *, journal_dir: Path, batch_bytes: int,
+               request_timeout_ms: int, probe_interval_s: float) -> SenderSettings:
+        """The settings of a publisher of `topic`, with the producer options every publisher uses."""
+        producer_options = {
+            **client_options(kafka, bootstrap_servers),
+            "acks": "all",  # idempotence stays off: tansu refuses InitProducerId (see FACTS.md)
+            "max_batch_size": batch_bytes,
+            "request_timeout_ms": request_timeout_ms,
+            "retry_backoff_ms": 250,  # fewer retries (and fewer aiokafka log lines) while we find out a broker is gone
+        }
+        return cls(topic=topic, bootstrap_servers=bootstrap_servers, producer_options=producer_options,
+                   journal_dir=Path(journal_dir), wave_bytes=4 * batch_bytes,
+                   request_timeout_s=request_timeout_ms / 1000, probe_interval_s=probe_interval_s)
+
+
+class SenderThread:
+    """The thread that runs a :class:`Sender` on its own uvloop event loop, as the caller's side sees it.
+
+    It is the only way in from other threads: start, wake the loop, ask it to stop, join it.
+    """
+
+    def __init__(self, queue: Accumulator, settings: SenderSettings) -> None:
+        self._queue = queue
+        self._settings = settings
+        self._thread: threading.Thread | None = None
+        self._loop: asyncio.AbstractEventLoop | None = None
+        self._sender: Sender | None = None  # set in the loop thread, with _loop
+        self._ready = threading.Event()
+        self._startup_error: BaseException | None = None
+
+    @property
+    def started(self) -> bool:
+        """True once start() was called (whether or not the loop still runs)."""
+        return self._thread is not None
+
+    def is_alive(self) -> bool:
+        """True while the loop thread runs."""
+        return self._thread is not None and self._thread.is_alive()
+
+    def start(self) -> None:
+        """Start the thread and wait until the loop has connected or begun journaling; PublisherError if it failed."""
+        self._thread = threading.Thread(target=self._thread_main, name=f"agentstream-publisher-{self._settings.topic}",
+                                        daemon=True)
+        self._thread.start()
+        self._ready.wait()
+        if self._startup_error is not None:
+            raise PublisherError(f"publisher could not start: {self._startup_error}") from self._startup_error
+
+    def wake(self) -> None:
+        """Make the loop look at the queue now (a flush waits)."""
+        self._call_in_loop(Sender.wake)
+
+    def stop(self) -> None:
+        """Tell the loop the publisher is closing (the accumulator already refuses new spans)."""
+        self._call_in_loop(Sender.stop)
+
+    def join(self, timeout_s: float) -> bool:
+        """Wait for the thread to end; True when it did."""
+        if self._thread is None:
+            return True
+        self._thread.join(timeout_s)
+        return not self._thread.is_alive()
+
+    def state_name(self, closing: bool) -> str:
+        """"closed" once closing and the loop has stopped, else the loop's state (connected, journaling, replaying)."""
+        if closing and not self.is_alive():
+            return "closed"
+        sender = self._sender
+        return (sender.state if sender is not None else _State.CONNECTED).value
+
+    def _call_in_loop(self, callback: Callable[[Sender], object]) -> None:
+        loop, sender = self._loop, self._sender
+        if loop is not None and sender is not None:
+            try:
+                loop.call_soon_threadsafe(callback, sender)
+            except RuntimeError:  # the loop has stopped
+                pass
+
+    def _thread_main(self) -> None:
+        try:
+            with asyncio.Runner(loop_factory=uvloop.new_event_loop) as runner:
+                runner.run(self._main())
+        except BaseException as error:
+            log.exception("span publisher for %s stopped on an unexpected error", self._settings.topic)
+            self._startup_error = self._startup_error or error
+        finally:
+            self._queue.refuse(wake_waiters=True)
+            self._ready.set()
+
+    async def _main(self) -> None:
+        try:
+            journal = Journal(self._settings.journal_dir, self._settings.topic)
+            wakeup, closing = asyncio.Event(), asyncio.Event()
+            loop = asyncio.get_running_loop()
+            sender = Sender(self._queue, self._settings, journal, wakeup, closing)
+        except BaseException as error:
+            self._startup_error = error
+            raise
+        self._sender, self._loop = sender, loop
+        self._queue.attach(functools.partial(loop.call_soon_threadsafe, wakeup.set))
+        try:
+            await sender.connect()
+            self._ready.set()
+            await sender.serve()
+        finally:
+            await sender.shutdown()
+
+
+class Sender:
+    """The loop side: takes waves from the accumulator, delivers them, and journals and replays through outages.
+
+    Everything here belongs to the loop thread; other threads reach it only through
+    :class:`SenderThread` (``wake`` and ``stop`` run in the loop).
+    """
+
+    def __init__(self, queue: Accumulator, settings: SenderSettings, journal: Journal, wakeup: asyncio.Event,
+                 closing: asyncio.Event) -> None:
+        self.topic = settings.topic
+        self.bootstrap_servers = settings.bootstrap_servers
+        self._queue = queue
+        self._producer_options = settings.producer_options
+        self._wave_bytes = settings.wave_bytes
+        self._request_timeout_s = settings.request_timeout_s
+        self._probe_interval_s = settings.probe_interval_s
+        self._journal = journal
+        self._wakeup = wakeup  # set from other threads too, through SenderThread and the accumulator
+        self._closing_event = closing
+        self._partitioner = DefaultPartitioner()
+        self._partitions: dict[bytes, int] = {}
+        self._partition_list: list[int] = []
+        self._producer: AIOKafkaProducer | None = None
+        self.state = _State.CONNECTED
+        self._carry: list[Record] = []  # taken but did not fit this wave's producer batches
+        self._replay_head: list[Record] = []  # read from the journal, not yet acknowledged
+        self._replay_used = 0
+        self._replayed = [0, 0]  # records, spans since the outage began
+        self._probe: asyncio.Task | None = None
+
+    def wake(self) -> None:
+        """Look at the queue now."""
+        self._wakeup.set()
+
+    def stop(self) -> None:
+        """The publisher is closing: stop waiting for answers at the close deadline, and look at the queue now."""
+        self._closing_event.set()
+        self._wakeup.set()
+
+    async def connect(self) -> None:
+        """Start the producer (or journal from the start when the broker is away); replay a journal left behind."""
+        if await self._start_producer() is None:
+            await self._enter_outage("cannot connect")
+        elif not self._journal.empty:
+            log.info("replaying spans journaled by an earlier run from %s", self._journal.directory)
+            self.state = _State.REPLAYING
+
+    async def serve(self) -> None:
+        """Send, journal or replay wave after wave until the publisher closes."""
+        queue = self._queue
+        while True:
+            await self._wait_for_work()
+            if queue.closing and (self.state is not _State.CONNECTED or time.monotonic() >= queue.close_deadline):
+                self._journal_wave(self._carry + queue.build_records(queue.take(None)))
+                self._carry = []
+                return
+            if self.state is _State.REPLAYING:
+                await self._replay_some()
+                if self.state is _State.REPLAYING and (queue.half_full or queue.flush_waiting):
+                    self._journal_wave(queue.build_records(queue.take(None)))
+            else:
+                records = self._carry + queue.build_records(queue.take(self._wave_bytes))
+                self._carry = []
+                if self.state is _State.CONNECTED:
+                    await self._send_wave(records)
+                else:
+                    self._journal_wave(records)
+            if queue.closing and not queue.has_pending and not self._carry:
+                return
+
+    async def shutdown(self) -> None:
+        """Journal what is left (only after an unexpected error), stop the producer and release the journal."""
+        self._queue.refuse(wake_waiters=False)  # also when the loop stops on an error: publish() refuses from now on
+        leftovers = self._carry + self._queue.build_records(self._queue.take(None))
+        if leftovers:  # only after an unexpected error
+            self._journal_wave(leftovers)
+        if self._probe is not None:
+            self._probe.cancel()
+        if self._producer is not None:
+            try:
+                await asyncio.wait_for(self._producer.stop(),
+                                       max(1.0, self._queue.close_deadline - time.monotonic()))
+            except (TimeoutError, KafkaError, OSError) as error:
+                log.warning("span publisher for %s: the Kafka producer did not stop cleanly: %r", self.topic, error)
+        if not self._journal.empty:
+            log.warning("spans for %s stay journaled in %s; the next publisher started on that directory "
+                        "replays them", self.topic, self._journal.directory)
+        self._journal.close()
+
+    async def _wait_for_work(self) -> None:
+        """Until a wave is due: linger elapsed, a full wave queued, a flush or close asked, or a journal to replay."""
+        while True:
+            self._wakeup.clear()
+            if self._carry or self.state is _State.REPLAYING:
+                return
+            linger = self._queue.until_wave_due()
+            if linger is not None and linger <= 0:
+                return
+            try:
+                await asyncio.wait_for(self._wakeup.wait(), linger)
+            except TimeoutError:
+                return
+
+    async def _send_wave(self, records: list[Record]) -> None:
+        """Send fresh records; the acknowledged are settled, the rest carried, journaled or dropped."""
+        delivered, carried, failed, error = await self._deliver(records)
+        self._queue.count("spans_published", sum(r.spans for r in delivered))
+        self._queue.count("events_published", sum(1 for r in delivered if not r.spans))
+        if error is not None and _unreachable(error):
+            sent = {id(r) for r in delivered}
+            self._journal_wave([r for r in records if id(r) not in sent])
+            await self._enter_outage(error)
+            return
+        if error is not None:
+            self._drop(failed, error)
+        self._carry = carried
+        self._settle(delivered + failed)
+
+    async def _replay_some(self) -> None:
+        """Send the next part of the journal; when it is all acknowledged, delete it and connect directly again."""
+        if not self._replay_head:
+            self._replay_head, self._replay_used = self._journal.read(self._wave_bytes)
+        if self._replay_head:
+            delivered, carried, failed, error = await self._deliver(self._replay_head)
+            self._replayed[0] += len(delivered)
+            self._replayed[1] += sum(r.spans for r in delivered)
+            self._queue.count("records_replayed", len(delivered))
+            self._queue.count("spans_replayed", sum(r.spans for r in delivered))
+            if error is not None and _unreachable(error):
+                sent = {id(r) for r in delivered}
+                self._replay_head = [r for r in self._replay_head if id(r) not in sent]
+                await self._enter_outage(error)
+                return
+            if error is not None:
+                self._drop(failed, error)
+            self._replay_head = carried
+            if carried:
+                return
+            self._journal.consume(self._replay_used)
+        if self._journal.empty:
+            records, spans = self._replayed
+            log.info("Kafka broker %s is back: replayed %d records (%d spans) from the journal in %s",
+                     self.bootstrap_servers, records, spans, self._journal.directory)
+            self._replayed = [0, 0]
+            self.state = _State.CONNECTED
+
+    async def _deliver(self, records: list[Record]) -> tuple[list[Record], list[Record], list[Record],
+                                                              BaseException | None]:
+        """Put one producer batch per partition on the wire and wait for the broker's answers.
+
+        Returns the acknowledged records, those that did not fit their partition's batch (to go
+        first in the next wave), those that failed, and the first error.
+        """
+        delivered: list[Record] = []
+        carried: list[Record] = []
+        failed: list[Record] = []
+        error: BaseException | None = None
+        sent: dict[asyncio.Future, list[Record]] = {}
+        try:
+            producer = self._producer
+            assert producer is not None, "waves are sent only while connected or replaying, with a producer"
+            partitions = sorted(await asyncio.wait_for(producer.partitions_for(self.topic), self._request_timeout_s))
+            batches, carried = self._fill_batches(producer, records, partitions)
+            for partition, (builder, members) in batches.items():
+                sent[await producer.send_batch(builder, self.topic, partition=partition)] = members
+        except (TimeoutError, KafkaError, OSError) as problem:
+            error = problem
+            on_the_wire = {id(r) for members in sent.values() for r in members}
+            failed, carried = [r for r in records if id(r) not in on_the_wire], []
+        unanswered, gave_up = await self._wait_for_answers(sent)
+        for future, members in sent.items():
+            failure = gave_up if future in unanswered else future.exception()
+            if failure is None:
+                delivered += members
+            else:
+                failed += members
+                error = error or failure
+        return delivered, carried, failed, error
+
+    def _fill_batches(self, producer: AIOKafkaProducer, records: list[Record],
+                      partitions: list[int]) -> tuple[dict[int, tuple[Any, list[Record]]], list[Record]]:
+        """At most one producer batch per partition, filled in order; the records that do not fit are carried."""
+        batches: dict[int, tuple[Any, list[Record]]] = {}
+        carried: list[Record] = []
+        full: set[int] = set()
+        for record in records:
+            partition = self._partition(record.key, partitions)
+            if partition not in full:
+                batch = batches.get(partition)
+                if batch is None:
+                    batch = batches[partition] = (producer.create_batch(), [])
+                if batch[0].append(key=record.key, value=record.value, timestamp=None) is not None:
+                    batch[1].append(record)
+                    continue
+                full.add(partition)
+            carried.append(record)
+        return batches, carried
+
+    async def _wait_for_answers(self, futures: Iterable[asyncio.Future]) -> tuple[set[asyncio.Future],
+                                                                                    BaseException | None]:
+        """Wait for the broker's answers; returns those not answered and why we stopped waiting for them.
+
+        We stop when the bootstrap address refuses connections (checked whenever no answer came for
+        a probe interval: faster and quieter than aiokafka's retries until its request timeout) and,
+        once the publisher is closing, at the close deadline.
+        """
+        waiting = set(futures)
+        closing = asyncio.ensure_future(self._closing_event.wait())
+        try:
+            while waiting and not closing.done():
+                done, _ = await asyncio.wait(waiting | {closing}, timeout=self._probe_interval_s,
+                                             return_when=asyncio.FIRST_COMPLETED)
+                waiting = {future for future in waiting if not future.done()}
+                if waiting and not done and not await _port_open(self.bootstrap_servers):
+                    return waiting, KafkaConnectionError(f"cannot connect to {self.bootstrap_servers}")
+            if waiting:
+                _, waiting = await asyncio.wait(waiting,
+                                                timeout=max(0.0, self._queue.close_deadline - time.monotonic()))
+        finally:
+            closing.cancel()
+        return waiting, KafkaTimeoutError("no answer from the broker before the publisher had to close")
+
+    def _partition(self, key: bytes, partitions: list[int]) -> int:
+        """The default partitioner's choice (murmur2 of the key), cached: the pure-Python hash is slow."""
+        if partitions != self._partition_list or len(self._partitions) > 1 << 16:
+            self._partitions, self._partition_list = {}, partitions
+        partition = self._partitions.get(key)
+        if partition is None:
+            partition = self._partitions[key] = self._partitioner(key, partitions, partitions)
+        return partition
+
+    def _journal_wave(self, records: list[Record]) -> None:
+        """Append records to the journal (after everything in it) and settle them."""
+        if not records:
+            return
+        try:
+            self._journal.append(records)
+        except OSError as error:
+            self._drop(records, error)
+            return
+        self._queue.count("records_journaled", len(records))
+        self._queue.count("spans_journaled", sum(r.spans for r in records))
+        self._settle(records)
+
+    def _drop(self, records: list[Record], error: BaseException) -> None:
+        if records:
+            log.error("dropped %d records (%d spans) for %s: %r", len(records), sum(r.spans for r in records),
+                      self.topic, error)
+            self._queue.count("records_dropped", len(records))
+            self._settle(records)
+
+    def _settle(self, records: list[Record]) -> None:
+        """Settle records acknowledged, journaled or dropped; those carried to the next wave (as of now) stay open."""
+        self._queue.settle(records, self._carry)
+
+    async def _enter_outage(self, error: BaseException | str) -> None:
+        self.state = _State.JOURNALING
+        log.warning("Kafka broker %s is unreachable (%s): journaling spans to %s until it is back",
+                    self.bootstrap_servers, _describe(error), self._journal.location)
+        await self._abandon_producer()
+        if self._probe is None or self._probe.done():
+            self._probe = asyncio.get_running_loop().create_task(self._watch_broker())
+
+    async def _abandon_producer(self) -> None:
+        """Drop the producer and what it still holds (those records are journaled already).
+
+        Left alone, aiokafka would retry them until its request timeout, logging each attempt, and
+        could deliver them after the journal replay: out of order and twice. It has no public way
+        to drop queued batches, so this stops its sender task and closes its connections.
+        """
+        producer, self._producer = self._producer, None
+        if producer is None:
+            return
+        try:
+            await aiokafka_compat.abandon_producer(producer, self._request_timeout_s)
+        except (TimeoutError, KafkaError, OSError) as problem:
+            log.debug("abandoned Kafka producer did not stop cleanly: %r", problem)
+
+    async def _watch_broker(self) -> None:
+        """Probe the broker until it answers and has the topic, then switch to replaying the journal."""
+        while self.state is _State.JOURNALING and not self._queue.closing:
+            await asyncio.sleep(self._probe_interval_s)
+            if await self._broker_answers():
+                self.state = _State.REPLAYING
+                self._wakeup.set()
+
+    async def _broker_answers(self) -> bool:
+        if not await _port_open(self.bootstrap_servers):  # quiet, unlike a failing Kafka client
+            return False
+        producer = self._producer
+        if producer is None:
+            producer = await self._start_producer()
+            if producer is None:
+                return False
+        try:
+            metadata = await asyncio.wait_for(aiokafka_compat.fetch_all_metadata(producer), self._request_timeout_s)
+            if self.topic not in metadata.topics():
+                return False
+            await asyncio.wait_for(aiokafka_compat.force_metadata_update(producer), self._request_timeout_s)
+        except (TimeoutError, KafkaError, OSError):
+            return False
+        return True
+
+    async def _start_producer(self) -> AIOKafkaProducer | None:
+        """A started producer, kept as the one to send with; None when it could not connect."""
+        producer = AIOKafkaProducer(**self._producer_options)
+        try:
+            await producer.start()
+        except (TimeoutError, KafkaError, OSError):
+            await producer.stop()
+            return None
+        self._producer = producer
+        return producer
+
+
+def _unreachable(error: BaseException) -> bool:
+    """True for errors that mean the broker cannot be reached now (worth journaling), not a refused record."""
+    return isinstance(error, (KafkaTimeoutError, asyncio.TimeoutError, OSError)) or getattr(error, "retriable", False)
+
+
+def _describe(error: BaseException | str) -> str:
+    return error if isinstance(error, str) else (str(error) or type(error).__name__)
+
+
+async def _port_open(bootstrap_servers: str) -> bool:
+    """True when some bootstrap address accepts a TCP connection."""
+    for address in bootstrap_servers.split(","):
+        host, _, port = address.strip().rpartition(":")
+        try:
+            _, writer = await asyncio.wait_for(asyncio.open_connection(host.strip("[]"), int(port)), 2.0)
+        except (TimeoutError, OSError, ValueError):
+            continue
+        writer.close()
+        return True
+    return False
