@@ -15,10 +15,10 @@ from aiohttp import web
 from infra.config import TrainerConfig
 from infra.kafka import create_topics
 from infra.processes import free_port
-from serving.hotswap import HotSwapError, HotSwapper, Swap, adapter_name
+from models import load_model, teacher_forced_logprobs
 from serving.app import create_app
 from serving.handlers import SERVER
-from models import load_model, teacher_forced_logprobs
+from serving.hotswap import HotSwapError, HotSwapper, Swap, adapter_name
 from trainer.batching import Batch, Counts, Sample
 from trainer.checkpoints import CheckpointAnnouncer, open_store, write_checkpoint
 from trainer.policy import build_policy, save_weights

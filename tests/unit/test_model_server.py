@@ -14,11 +14,11 @@ import openai
 import pytest
 import torch
 
-from serving.generation import SamplingParams, SequenceState, truncate
-from serving.app import create_app
-from models import LoadedModel, ModelLoadError, load_model, tiny_tokenizer
-from serving.tool_format import ToolStreamFilter, parse_tool_calls, render_prompt, renders_tools
 from infra.http_thread import ServerThread
+from models import LoadedModel, ModelLoadError, load_model, tiny_tokenizer
+from serving.app import create_app
+from serving.generation import SamplingParams, SequenceState, truncate
+from serving.tool_format import ToolStreamFilter, parse_tool_calls, render_prompt, renders_tools
 from tests.support.servers import TOLERANCE, assert_exact, scripted
 
 HELLO = [{"role": "user", "content": "Say hello."}]
@@ -142,11 +142,11 @@ def test_concurrent_requests_are_batched_and_each_gets_what_it_would_alone(serve
     together = asyncio.run(burst())
     assert max(batches) >= 4 and sum(batches.values()) - before < len(requests)  # they did share batches
     alone_client = openai.OpenAI(base_url=server.url + "/v1", api_key="unused", max_retries=0)
-    for request, batched in zip(requests, together):
+    for request, batched in zip(requests, together, strict=True):
         alone = alone_client.chat.completions.create(model="tiny", logprobs=True,
                                                      extra_body={"return_token_ids": True}, **request)
         assert len(batched.choices) == request.get("n", 1)
-        for mine, reference in zip(batched.choices, alone.choices):
+        for mine, reference in zip(batched.choices, alone.choices, strict=True):
             assert mine.model_extra["token_ids"] == reference.model_extra["token_ids"]
             assert mine.message.content == reference.message.content
             assert chat_logprobs(mine) == pytest.approx(chat_logprobs(reference), abs=TOLERANCE)
@@ -229,7 +229,7 @@ def test_eos_and_stop_token_ids_end_sequences_and_stay_in_token_ids():
     tokenizer = tiny_tokenizer()
     eos = tokenizer.eos_token_id
     sequence = SequenceState(0, tokenizer, SamplingParams(max_tokens=10), {eos})
-    last = [sequence.append(i, None) for i in tokenizer.encode("hi", add_special_tokens=False) + [eos]][-1]
+    last = [sequence.append(i, None) for i in [*tokenizer.encode("hi", add_special_tokens=False), eos]][-1]
     assert (last.finish_reason, last.stop_reason, sequence.text, sequence.token_ids[-1]) == ("stop", None, "hi", eos)
     by_id = SequenceState(0, tokenizer, SamplingParams(max_tokens=10, stop_token_ids=(ord("x") + 3,)), {eos})
     assert by_id.append(ord("x") + 3, None).stop_reason == ord("x") + 3
@@ -282,7 +282,7 @@ def test_completions_with_string_and_token_prompts(client, tiny):
                  choice.logprobs.token_logprobs, 1.0)
     assert len(choice.logprobs.tokens) == len(choice.logprobs.text_offset) == 12
     for token, logprob, top in zip(choice.logprobs.tokens, choice.logprobs.token_logprobs,
-                                   choice.logprobs.top_logprobs):
+                                   choice.logprobs.top_logprobs, strict=True):
         assert max(top.values()) >= logprob and token in top  # the top alternatives plus the sampled token
     assert response.usage.completion_tokens == 12 and choice.finish_reason == "length"
 
@@ -410,8 +410,8 @@ def make_lora(folder: Path) -> torch.nn.Module:
 
 def test_lora_load_serve_unload(server, client, tiny, tmp_path):
     reference = make_lora(tmp_path / "adapter")
-    status, body, headers = post(server.url + "/v1/load_lora_adapter",
-                                 {"lora_name": "skill-v7", "lora_path": str(tmp_path / "adapter"), "version": 7})
+    status, body, _ = post(server.url + "/v1/load_lora_adapter",
+                           {"lora_name": "skill-v7", "lora_path": str(tmp_path / "adapter"), "version": 7})
     assert status == 200 and "skill-v7" in body
     try:
         models = {m.id: m for m in client.models.list().data}
@@ -529,6 +529,7 @@ def test_load_weights_waits_for_in_flight_generation_and_changes_outputs(tmp_pat
 
 def test_tiny_model_is_deterministic_and_bad_specs_fail(tiny):
     again = load_model("tiny")
-    assert all(torch.equal(a, b) for a, b in zip(tiny.model.state_dict().values(), again.model.state_dict().values()))
+    pairs = zip(tiny.model.state_dict().values(), again.model.state_dict().values(), strict=True)
+    assert all(torch.equal(a, b) for a, b in pairs)
     with pytest.raises(ModelLoadError):
         load_model("/nonexistent/model")
