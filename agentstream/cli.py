@@ -56,7 +56,8 @@ def _config(ctx: click.Context) -> Config:
 def up(ctx: click.Context, timeout: float) -> None:
     """Start the local broker and ClickHouse (unless external ones are configured), create topics and tables."""
     endpoints = Stack(_config(ctx)).up(timeout_s=timeout)
-    click.echo(f"ready: KAFKA_BOOTSTRAP_SERVERS={endpoints.bootstrap_servers} CLICKHOUSE_URL={endpoints.clickhouse_url}")
+    click.echo(f"ready: KAFKA_BOOTSTRAP_SERVERS={endpoints.bootstrap_servers} "
+               f"CLICKHOUSE_URL={endpoints.clickhouse_url}")
 
 
 @main.command()
@@ -97,7 +98,8 @@ def down(ctx: click.Context) -> None:
 @main.command()
 @click.argument("query", required=False)
 @click.option("--file", "query_file", type=click.File("r"), help="Read the query from a file ('-' for stdin).")
-@click.option("--format", "output_format", type=click.Choice(["table", "csv", "json"]), default="table", show_default=True)
+@click.option("--format", "output_format", type=click.Choice(["table", "csv", "json"]), default="table",
+              show_default=True)
 @click.option("--write", is_flag=True, help="Allow statements that change data (queries are read-only by default).")
 @click.pass_context
 def sql(ctx: click.Context, query: str | None, query_file, output_format: str, write: bool) -> None:
@@ -119,7 +121,7 @@ def sql(ctx: click.Context, query: str | None, query_file, output_format: str, w
 def render(columns, rows, output_format: str) -> str:
     """Rows as an aligned text table, CSV, or JSON lines."""
     if output_format == "json":
-        return "".join(json.dumps(dict(zip(columns, row)), default=str) + "\n" for row in rows)
+        return "".join(json.dumps(dict(zip(columns, row, strict=True)), default=str) + "\n" for row in rows)
     if output_format == "csv":
         import csv
         import io
@@ -131,7 +133,7 @@ def render(columns, rows, output_format: str) -> str:
         return buffer.getvalue()
     cells = [[str(c) for c in columns]] + [[_cell(v) for v in row] for row in rows]
     widths = [max(len(row[i]) for row in cells) for i in range(len(columns))]
-    lines = ["  ".join(value.ljust(width) for value, width in zip(row, widths)).rstrip() for row in cells]
+    lines = ["  ".join(value.ljust(width) for value, width in zip(row, widths, strict=True)).rstrip() for row in cells]
     lines.insert(1, "  ".join("-" * width for width in widths))
     return "\n".join(lines) + f"\n({len(rows)} row{'s' if len(rows) != 1 else ''})\n"
 
@@ -144,7 +146,8 @@ def _cell(value) -> str:
 
 
 @main.command("report")
-@click.option("--format", "output_format", type=click.Choice(["table", "csv", "json"]), default="table", show_default=True)
+@click.option("--format", "output_format", type=click.Choice(["table", "csv", "json"]), default="table",
+              show_default=True)
 @click.option("--agent", default=None, help="Only this agent's rollouts and spans.")
 @click.option("--model", default=None, help="Only rows of this model (its LLM spans, rollouts and train steps).")
 @click.option("--since", default=None, help="Only the last DURATION, e.g. 30m, 1h, 2d (default: all time).")
@@ -221,7 +224,8 @@ def proxy_command(ctx: click.Context, upstream: str, host: str, port: int, agent
 @main.command("run")
 @click.argument("agent")
 @click.option("--concurrency", default=4, show_default=True, help="Rollouts run at once by this process.")
-@click.option("--group", "group_id", default="agentstream-runners", show_default=True, help="Consumer group of the runner pool.")
+@click.option("--group", "group_id", default="agentstream-runners", show_default=True,
+              help="Consumer group of the runner pool.")
 @click.option("--proxy", "proxy_url", default=None, help="LLM proxy URL; rollouts get rollout.llm_base_url() under it.")
 @click.option("--max-tasks", default=None, type=int, help="Stop after this many rollouts (default: run until SIGTERM).")
 @click.option("--session-timeout-ms", default=10_000, show_default=True,
@@ -329,8 +333,10 @@ def demo(ctx: click.Context, quick: bool | None, seconds: float | None) -> None:
 
     config = _config(ctx)
     if quick is not None or seconds is not None:
-        config = replace(config, demo=replace(config.demo, quick=bool(quick) or config.demo.quick,
-                                              **({"seconds": seconds, "quick_seconds": seconds} if seconds else {})))
+        demo_config = replace(config.demo, quick=bool(quick) or config.demo.quick)
+        if seconds:
+            demo_config = replace(demo_config, seconds=seconds, quick_seconds=seconds)
+        config = replace(config, demo=demo_config)
     signal.signal(signal.SIGTERM, _interrupt)  # stop like Ctrl-C: everything the demo started goes down
     try:
         run_demo(config)
@@ -351,7 +357,8 @@ def _interrupt(signum: int, frame) -> None:
 @click.option("--agent-name", default=None, help="Agent name on its rollouts (default: the function's name).")
 @click.option("--model", "model_spec", default=None, help="Model to serve and train: tiny, smollm2 or a HF folder "
               "(default: trainer.model).")
-@click.option("--server", "server_url", default=None, help="Use this running model server (vLLM) instead of starting one.")
+@click.option("--server", "server_url", default=None,
+              help="Use this running model server (vLLM) instead of starting one.")
 @click.option("--runners", default=1, show_default=True, help="Runner processes.")
 @click.option("--concurrency", default=8, show_default=True, help="Rollouts at once per runner.")
 @click.option("--strategy", type=click.Choice(["grpo", "final", "discounted"]), default="grpo", show_default=True)
@@ -422,7 +429,8 @@ def serve_model_command(model_spec: str, host: str, port: int, served_model_name
 
 @main.command("train-worker")
 @click.option("--model", "model_spec", default=None, help="Model spec to train (overrides trainer.model).")
-@click.option("--max-steps", default=None, type=int, help="Stop after this many optimizer steps (default: run until SIGTERM).")
+@click.option("--max-steps", default=None, type=int,
+              help="Stop after this many optimizer steps (default: run until SIGTERM).")
 @click.pass_context
 def train_worker_command(ctx: click.Context, model_spec: str | None, max_steps: int | None) -> None:
     """Train one model from the transitions topic; checkpoints go to the store and the checkpoints topic."""

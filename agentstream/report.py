@@ -136,7 +136,8 @@ ORDER BY model, policy_version
 THROUGHPUT_NEWEST_SQL = f"""
 SELECT greatest(
     (SELECT max(toUnixTimestamp64Micro(start_time)) FROM spans WHERE {SPAN_FILTERS}),
-    (SELECT max(toUnixTimestamp64Micro(end_time)) FROM rollouts WHERE status != '{PENDING_STATUS}' AND {ROLLOUT_FILTERS})
+    (SELECT max(toUnixTimestamp64Micro(end_time)) FROM rollouts
+     WHERE status != '{PENDING_STATUS}' AND {ROLLOUT_FILTERS})
 ) AS newest_us
 """
 
@@ -203,11 +204,12 @@ class Section:
 
     def records(self) -> list[dict[str, Any]]:
         """Rows as JSON-ready objects: NaN and infinities become null, times ISO strings."""
-        return [{column: _json_value(value) for column, value in zip(self.columns, row)} for row in self.rows]
+        return [{column: _json_value(value) for column, value in zip(self.columns, row, strict=True)}
+                for row in self.rows]
 
 
 def parse_duration(text: str) -> int:
-    """Seconds in a duration such as ``30s``, ``5m``, ``1h30m``, ``2d`` (a bare number is seconds); ValueError if not one."""
+    """Seconds in a duration such as ``30s``, ``5m``, ``1h30m``, ``2d`` (a bare number is seconds), else ValueError."""
     cleaned = text.strip().lower()
     if cleaned.isdigit():
         seconds = int(cleaned)
@@ -224,7 +226,7 @@ def _query(client: Client, sql: str, parameters: dict[str, Any]) -> tuple[list[s
     """Run one read query; a server error becomes a ClickHouseError with ClickHouse's own message."""
     try:
         result = client.query(sql, parameters=parameters)
-    except Exception as error:  # noqa: BLE001 - clickhouse-connect raises several types; the server's text says why
+    except Exception as error:  # clickhouse-connect raises several types; the server's text says why
         raise ClickHouseError(server_message(error)) from None
     return list(result.column_names), [tuple(row) for row in result.result_rows]
 
@@ -346,6 +348,6 @@ def print_tables(sections: Sequence[Section], file: TextIO | None = None) -> Non
             numeric = any(isinstance(row[section.columns.index(column)], (int, float)) for row in section.rows)
             table.add_column(column, justify="right" if numeric else "left", no_wrap=True)
         for row in section.rows:
-            table.add_row(*(format_cell(column, value) for column, value in zip(section.columns, row)))
+            table.add_row(*(format_cell(column, value) for column, value in zip(section.columns, row, strict=True)))
         console.print(table)
         console.print()

@@ -1,4 +1,4 @@
-"""Online training as a set of processes around a running stack: model server, proxy, streams, trainer, hot swap, runners.
+"""Online training as processes around a running stack: model server, proxy, streams, trainer, hot swap, runners.
 
 Each part is the ordinary ``agentstream`` command in its own process, configured by one TOML
 file written from the caller's effective configuration, with its output in a log file. This
@@ -59,14 +59,15 @@ class Child:
 
     def stop(self, timeout_s: float = 30.0) -> None:
         """SIGTERM, then SIGKILL after ``timeout_s``."""
-        if not self.running:
+        process = self.process
+        if process is None or process.poll() is not None:  # not running
             return
-        self.process.send_signal(signal.SIGTERM)
+        process.send_signal(signal.SIGTERM)
         try:
-            self.process.wait(timeout_s)
+            process.wait(timeout_s)
         except subprocess.TimeoutExpired:
-            self.process.kill()
-            self.process.wait()
+            process.kill()
+            process.wait()
 
 
 @dataclass(frozen=True)

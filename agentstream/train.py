@@ -59,8 +59,8 @@ def session_config(config: Config, request: TrainRequest, workdir: Path) -> Conf
 
 def _progress(client, agent_name: str, since_us: int) -> tuple[int, int, int, float | None, float | None]:
     rollouts = client.query(
-        "SELECT count() FROM rollouts FINAL WHERE agent_name = {agent:String} AND start_time >= fromUnixTimestamp64Micro({since:Int64}) "
-        "AND status NOT IN ('RUNNING', 'AWAITING_REWARD')",
+        "SELECT count() FROM rollouts FINAL WHERE agent_name = {agent:String} "
+        "AND start_time >= fromUnixTimestamp64Micro({since:Int64}) AND status NOT IN ('RUNNING', 'AWAITING_REWARD')",
         parameters={"agent": agent_name, "since": since_us}).result_rows[0][0]
     steps, version, first, last = client.query(
         "SELECT count(), max(policy_version) + 1, argMin(reward_mean, step), argMax(reward_mean, step) "

@@ -18,8 +18,8 @@ VOCABULARY = 49152  # SmolLM2's
 
 def emit(bench: str, metric: str, value: float | None, unit: str, **extra: Any) -> None:
     """One figure as a JSON line: {"bench", "metric", "value", "unit", ...}; a figure not reached is null."""
-    print(json.dumps({"bench": bench, "metric": metric, "value": None if value is None else round(value, 3), "unit": unit,
-                      **extra}), flush=True)
+    print(json.dumps({"bench": bench, "metric": metric, "value": None if value is None else round(value, 3),
+                      "unit": unit, **extra}), flush=True)
 
 
 def percentile(values: list[float], q: float) -> float:

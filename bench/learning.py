@@ -19,12 +19,12 @@ from dataclasses import replace
 
 import torch
 
+from agentstream.demo import run_demo
 from bench.common import emit
 from examples import arithmetic
 from infra.config import Config, load_config
-from agentstream.demo import run_demo
-from serving.generation import BatchRequest, SamplingParams, generate_batch
 from models import LoadedModel, eos_token_ids
+from serving.generation import BatchRequest, SamplingParams, generate_batch
 from serving.tool_format import render_prompt, renders_tools
 from streams.credit import GroupNormalized
 from trainer.batching import Batch, Counts, Sample
@@ -52,7 +52,7 @@ def peer_run(config: Config) -> tuple[float | None, list[tuple[float, int, float
 
     def accuracy(tasks: list[dict]) -> float:
         results = generate(tasks, SamplingParams(max_tokens=arithmetic.MAX_TOKENS, temperature=0.0))
-        return sum(arithmetic.reward(r[0].text, t["answer"]) for r, t in zip(results, tasks)) / len(tasks)
+        return sum(arithmetic.reward(r[0].text, t["answer"]) for r, t in zip(results, tasks, strict=True)) / len(tasks)
 
     train, heldout = arithmetic.split()
     rng = random.Random(0)
@@ -66,11 +66,11 @@ def peer_run(config: Config) -> tuple[float | None, list[tuple[float, int, float
         tasks, order = order[:demo.prompts_per_wave], order[demo.prompts_per_wave:]
         sampling = SamplingParams(max_tokens=arithmetic.MAX_TOKENS, temperature=1.0, n=demo.group_size, logprobs=True)
         samples = []
-        for task, sequences in zip(tasks, generate(tasks, sampling)):
+        for task, sequences in zip(tasks, generate(tasks, sampling), strict=True):
             rewards = [arithmetic.reward(s.text, task["answer"]) for s in sequences]
             if not grpo.informative(rewards):
                 continue
-            for sequence, reward, advantage in zip(sequences, rewards, grpo.advantages(rewards)):
+            for sequence, reward, advantage in zip(sequences, rewards, grpo.advantages(rewards), strict=True):
                 samples.append(Sample(uuid.uuid4().hex, uuid.uuid4().hex, version, prompt(task), sequence.token_ids,
                                       [entry.logprob for entry in sequence.logprobs], reward, advantage))
         if samples:

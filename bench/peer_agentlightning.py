@@ -107,10 +107,10 @@ def run_peer(rollouts: int, spans_per_rollout: int, runners: int, timeout_s: flo
                               start_new_session=True)
     try:
         stdout, _ = driver.communicate(timeout=timeout_s + 60)  # the driver enforces timeout_s itself
-    except BaseException:
+    except BaseException as error:
         _kill_group(driver)
         raise RuntimeError(f"Agent Lightning peer driver (pid {driver.pid}) did not finish within "
-                           f"{timeout_s + 60:.0f} s; killed it")
+                           f"{timeout_s + 60:.0f} s; killed it") from error
     if driver.returncode != 0:
         raise RuntimeError(f"Agent Lightning peer driver failed (exit {driver.returncode}); see its stderr above")
     lines = [line for line in stdout.splitlines() if line.startswith("{")]
@@ -214,9 +214,8 @@ class SpanMaker:
         return self._proto_pool
 
     def otlp_request(self, rollout_id: str, attempt_id: str, count: int) -> bytes:
-        from opentelemetry.proto.collector.trace.v1.trace_service_pb2 import ExportTraceServiceRequest
-
         from agentlightning.semconv import LightningResourceAttributes
+        from opentelemetry.proto.collector.trace.v1.trace_service_pb2 import ExportTraceServiceRequest
 
         pool = self._protos()
         request = ExportTraceServiceRequest()
@@ -276,7 +275,7 @@ async def _post_otlp(session: Any, url: str, body: bytes) -> None:
                 if response.status == 200:
                     return
                 raise RuntimeError(f"OTLP export to {url} returned HTTP {response.status}: {payload[:300]!r}")
-        except (aiohttp.ClientConnectionError, asyncio.TimeoutError):
+        except (TimeoutError, aiohttp.ClientConnectionError):
             if attempt == 3:
                 raise
 
@@ -304,7 +303,6 @@ def _runner_main(index: int, endpoint: str, path: str, spans_per_rollout: int, g
         import asyncio
 
         import aiohttp
-
         from agentlightning.store.client_server import LightningStoreClient
 
         maker = SpanMaker(seed=1000 + index)
@@ -343,7 +341,7 @@ def _runner_main(index: int, endpoint: str, path: str, spans_per_rollout: int, g
         import traceback
 
         reports.put(("error", index, f"{error!r}\n{traceback.format_exc()}"))
-        raise SystemExit(1)
+        raise SystemExit(1) from None
 
 
 async def _probe_otlp(client: Any, spans_per_rollout: int) -> tuple[bool, str]:
@@ -363,7 +361,7 @@ async def _probe_otlp(client: Any, spans_per_rollout: int) -> tuple[bool, str]:
         if len(attributes.get("prompt_token_ids", ())) != 100 or len(attributes.get("response_logprobs", ())) != 100:
             return False, f"probe spans lost their token arrays: {sorted(attributes)}"
         return True, "ok"
-    except Exception as error:  # noqa: BLE001 - any failure means "use add_span"
+    except Exception as error:  # any failure means "use add_span"
         with contextlib.suppress(Exception):
             await client.update_attempt(rollout.rollout_id, rollout.attempt.attempt_id, status="failed")
         return False, repr(error)
@@ -413,7 +411,7 @@ def driver(args: argparse.Namespace) -> int:
             raise TimeoutError(f"Agent Lightning peer benchmark exceeded its {args.timeout:.0f} s timeout")
         return remaining
 
-    server_log = tempfile.NamedTemporaryFile(prefix="agentstream-peer-store-", suffix=".log", delete=False)
+    server_log_fd, server_log = tempfile.mkstemp(prefix="agentstream-peer-store-", suffix=".log")
     server: subprocess.Popen | None = None
     runners: list[Any] = []
     try:
@@ -424,7 +422,7 @@ def driver(args: argparse.Namespace) -> int:
         server = subprocess.Popen(
             [sys.executable, "-I", "-m", "agentlightning.cli.store", "--host", "127.0.0.1", "--port", str(port),
              "--backend", "memory", "--n-workers", "1", "--log-level", "WARNING"],
-            stdout=server_log, stderr=subprocess.STDOUT, env={**os.environ, **ENV}, preexec_fn=_die_with_parent,
+            stdout=server_log_fd, stderr=subprocess.STDOUT, env={**os.environ, **ENV}, preexec_fn=_die_with_parent,
         )
         log(f"store server pid {server.pid} on {endpoint}")
 
@@ -516,7 +514,7 @@ def driver(args: argparse.Namespace) -> int:
                         collect(1.0)
                         # One more look: the last update may have landed after this poll began.
                         spans, succeeded = (value - base for value, base in
-                                            zip(await _counts(client), (base_spans, base_succeeded)))
+                                            zip(await _counts(client), (base_spans, base_succeeded), strict=True))
                         if spans >= total_spans and succeeded >= args.rollouts:
                             return time.time(), spans, succeeded
                         raise RuntimeError(f"all runners exited but the store holds {spans}/{total_spans} spans "
@@ -525,14 +523,14 @@ def driver(args: argparse.Namespace) -> int:
                         left()
                     except TimeoutError as error:
                         spans, succeeded = (value - base for value, base in
-                                            zip(await _counts(client), (base_spans, base_succeeded)))
+                                            zip(await _counts(client), (base_spans, base_succeeded), strict=True))
                         raise TimeoutError(f"{error}: store holds {spans}/{total_spans} spans, "
                                            f"{succeeded}/{args.rollouts} succeeded rollouts") from None
                     await asyncio.sleep(0.1)
             finally:
                 await client.close()
 
-        finished, spans, succeeded = asyncio.run(wait_complete())
+        finished, _spans, _succeeded = asyncio.run(wait_complete())
         server_cpu = _cpu_seconds(server.pid) - server_cpu
         while any(kind != "done" for kind, _ in results.values()):
             collect(min(1.0, left()))
@@ -572,7 +570,7 @@ def driver(args: argparse.Namespace) -> int:
     except BaseException as error:
         log(f"FAILED: {error}")
         with contextlib.suppress(Exception):
-            tail = Path(server_log.name).read_text(errors="replace")[-2000:]
+            tail = Path(server_log).read_text(errors="replace")[-2000:]
             if tail.strip():
                 log(f"store server log tail:\n{tail}")
         return 1
@@ -592,9 +590,9 @@ def driver(args: argparse.Namespace) -> int:
             except subprocess.TimeoutExpired:
                 server.kill()
                 server.wait(timeout=10)
-        server_log.close()
+        os.close(server_log_fd)
         with contextlib.suppress(OSError):
-            os.unlink(server_log.name)
+            os.unlink(server_log)
 
 
 def main(argv: list[str] | None = None) -> int:

@@ -15,11 +15,11 @@ from pathlib import Path
 import httpx
 
 from bench.common import emit, percentile, private_stack
-from serving.app import create_app
+from infra.http_thread import ServerThread
 from models import load_model
 from pipeline.proxy import LLMProxy
 from pipeline.publisher import SpanPublisher
-from infra.http_thread import ServerThread
+from serving.app import create_app
 
 REQUESTS = 400
 BODY = {"model": "tiny", "messages": [{"role": "user", "content": "Hi"}], "max_tokens": 1, "temperature": 0}
@@ -42,7 +42,7 @@ def main() -> None:
                             sink.append(elapsed)
             proxy.stop()
             upstream.stop()
-        overhead = [p - d for p, d in zip(proxied, direct)]
+        overhead = [p - d for p, d in zip(proxied, direct, strict=True)]
         extra = {"requests": REQUESTS, "direct_p50_ms": round(statistics.median(direct), 3)}
         emit("proxy", "proxy_overhead_p50_ms", statistics.median(overhead), "ms", **extra)
         emit("proxy", "proxy_overhead_p99_ms", percentile(overhead, 0.99), "ms", **extra)

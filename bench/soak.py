@@ -51,7 +51,8 @@ def main() -> None:
             client = connect(config.clickhouse, endpoints.clickhouse_url, database=config.clickhouse.database)
             expected = sent * SPANS_PER_ROLLOUT
             deadline = time.monotonic() + 120
-            while client.query("SELECT count() FROM spans").result_rows[0][0] < expected and time.monotonic() < deadline:
+            while (client.query("SELECT count() FROM spans").result_rows[0][0] < expected
+                   and time.monotonic() < deadline):
                 time.sleep(0.5)
             arrived = client.query("SELECT count() FROM spans").result_rows[0][0]
             client.close()

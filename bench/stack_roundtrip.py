@@ -59,8 +59,8 @@ async def kafka_figures(options: dict) -> None:
     await producer.stop()
     emit("kafka_produce_msgs_per_s", count / elapsed, "msg/s", message_bytes=1024)
 
-    consumer = AIOKafkaConsumer("bench.flood", **options, auto_offset_reset="earliest", max_partition_fetch_bytes=8 << 20,
-                                fetch_max_bytes=32 << 20)
+    consumer = AIOKafkaConsumer("bench.flood", **options, auto_offset_reset="earliest",
+                                max_partition_fetch_bytes=8 << 20, fetch_max_bytes=32 << 20)
     await consumer.start()
     received, started = 0, time.perf_counter()
     while received < count:
@@ -75,7 +75,7 @@ def clickhouse_figures(config, url: str) -> None:
     client = connect(config.clickhouse, url)
     client.command("CREATE TABLE IF NOT EXISTS default.bench_rows (id UInt64, at DateTime64(6), name String, "
                    "value Float64, tokens Array(UInt32)) ENGINE = MergeTree ORDER BY id")
-    now = datetime.datetime.now(datetime.timezone.utc)
+    now = datetime.datetime.now(datetime.UTC)
     rows = [[i, now, f"span-{i % 100}", i * 0.5, list(range(i % 16))] for i in range(200_000)]
     started = time.perf_counter()
     for offset in range(0, len(rows), 20_000):

@@ -47,7 +47,8 @@ class Workload:
         rollout_id = f"b{self.count:09d}"
         attempt = f"{rollout_id}-1"
         now = time.time_ns() // 1000
-        event = {"rollout_id": rollout_id, "attempt_id": attempt, "task_id": f"t{self.count}", "agent_name": "math-agent"}
+        event = {"rollout_id": rollout_id, "attempt_id": attempt, "task_id": f"t{self.count}",
+                 "agent_name": "math-agent"}
         publisher.publish_event({**event, "event": "STARTED", "at_us": now})
         for index in range(SPANS_PER_ROLLOUT - 1):
             template = self.pool[(self.count * 7 + index) % len(self.pool)]
@@ -62,9 +63,9 @@ class Workload:
 
 
 def start_worker(env: dict, log_path: Path) -> subprocess.Popen:
-    log = open(log_path, "ab")
-    process = subprocess.Popen([sys.executable, "-m", "agentstream", "streams"], env=env,
-                               stdout=log, stderr=subprocess.STDOUT)
+    with open(log_path, "ab") as log:  # the child keeps its own copy of the descriptor
+        process = subprocess.Popen([sys.executable, "-m", "agentstream", "streams"], env=env,
+                                   stdout=log, stderr=subprocess.STDOUT)
     return process
 
 
@@ -127,7 +128,8 @@ def main() -> None:
             rss_start = rss_mb(worker.pid)
             if os.environ.get("BENCH_PROFILE"):  # py-spy's collapsed stacks of the worker, for looking at hot spots
                 subprocess.Popen(["py-spy", "record", "--pid", str(worker.pid), "--duration", "20", "--format", "raw",
-                                  "-o", os.environ["BENCH_PROFILE"]], stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL)
+                                  "-o", os.environ["BENCH_PROFILE"]],
+                                 stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL)
             workload = Workload()
             with SpanPublisher(config, endpoints.bootstrap_servers, journal_dir=Path(scratch) / "journal") as publisher:
                 total = args.rollouts * SPANS_PER_ROLLOUT

@@ -214,7 +214,7 @@ def main() -> None:
                 fresh = replace(config, topics=replace(config.topics, prefix=f"bench{round_}."),
                                 trainer=replace(settings, checkpoint_dir=str(home / f"checkpoints{round_}")))
                 kafka.append(asyncio.run(from_kafka(fresh, endpoints.bootstrap_servers, metrics, records)))
-            ratios = [k[0] / m[0] for k, m in zip(kafka, memory)]
+            ratios = [k[0] / m[0] for k, m in zip(kafka, memory, strict=True)]
             emit("trainer_tokens_per_s", statistics.median(k[0] for k in kafka), "tokens/s",
                  peer=round(statistics.median(m[0] for m in memory), 1), ratio=round(statistics.median(ratios), 3),
                  kafka_runs=[round(k[0]) for k in kafka], memory_runs=[round(m[0]) for m in memory],

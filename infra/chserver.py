@@ -154,7 +154,8 @@ class Engine:
     def _insert(conn, head: bytes, data: bytes) -> Outcome:
         match = INSERT_WITH_FORMAT.match(head)
         if match is None:
-            raise RequestError("Code: 62. DB::Exception: expected INSERT INTO ... FORMAT <format> before the data. (SYNTAX_ERROR)", 62)
+            raise RequestError("Code: 62. DB::Exception: expected INSERT INTO ... FORMAT <format> before the data. "
+                               "(SYNTAX_ERROR)", 62)
         target = match.group("target").decode("utf-8")
         fmt = match.group("format").decode("ascii")
         with conn.send_insert(f"INSERT INTO {target}", fmt) as inserter:
@@ -200,7 +201,8 @@ def _decode_body(body: bytes, encoding: str | None) -> bytes:
     except RequestError:
         raise
     except Exception as error:
-        raise RequestError(f"Code: 271. DB::Exception: cannot decompress {encoding} request body: {error}. (CANNOT_DECOMPRESS)", 271) from None
+        raise RequestError(f"Code: 271. DB::Exception: cannot decompress {encoding} request body: {error}. "
+                           "(CANNOT_DECOMPRESS)", 271) from None
 
 
 def _decompress(body: bytes, encoding: str) -> bytes:
@@ -256,10 +258,11 @@ async def _form_fields(request: web.Request) -> tuple[MultiDict, bytes]:
     params = MultiDict(request.query)
     reader = await request.multipart()
     async for part in reader:
-        if part.filename:
+        if part.filename:  # type: ignore[union-attr]  # aiohttp's stub: parts of a flat form are BodyPartReaders
             raise RequestError("Code: 48. DB::Exception: external data (file parts) is not supported by the embedded "
                                "server. (NOT_IMPLEMENTED)", 48, 501)
-        params[part.name] = (await part.read(decode=False)).decode("utf-8")
+        value = (await part.read(decode=False)).decode("utf-8")  # type: ignore[union-attr]  # as above
+        params[part.name] = value  # type: ignore[union-attr,index]  # as above; a form field has a name
     return params, b""
 
 

@@ -80,6 +80,7 @@ def connect(config: ClickHouseConfig, url: str, *, database: str | None = None, 
         )
     except Exception as error:  # clickhouse-connect raises several types for "cannot reach"
         raise ClickHouseError(f"cannot reach ClickHouse at {url}: {_first_line(error)}") from None
+    assert client.server_version is not None  # get_client connects, which reads the version
     check_version(client.server_version, url)
     return client
 
@@ -135,7 +136,8 @@ def migrate(client: Client, database: str) -> list[Migration]:
             try:
                 client.command(statement)
             except Exception as error:
-                raise ClickHouseError(f"migration {migration.version:04d}_{migration.name} failed: {_first_line(error)}") from None
+                raise ClickHouseError(f"migration {migration.version:04d}_{migration.name} failed: "
+                                      f"{_first_line(error)}") from None
         client.insert(f"{database}.schema_migrations", [[migration.version, migration.name, migration.checksum]],
                       column_names=["version", "name", "checksum"])
         done.append(migration)

@@ -198,7 +198,8 @@ class TrainerConfig:
             "temperature must be > 0": self.temperature > 0,
             "accumulation_steps must be >= 1": self.accumulation_steps >= 1,
             "batch_transitions and batch_tokens must be >= 0, and one of them > 0":
-                min(self.batch_transitions, self.batch_tokens) >= 0 and max(self.batch_transitions, self.batch_tokens) > 0,
+                min(self.batch_transitions, self.batch_tokens) >= 0
+                and max(self.batch_transitions, self.batch_tokens) > 0,
             "max_policy_lag must be >= 0": self.max_policy_lag >= 0,
             "checkpoint_every_steps must be >= 1": self.checkpoint_every_steps >= 1,
             "lora_r must be >= 1": self.lora_r >= 1,
@@ -307,8 +308,8 @@ def load_config(path: str | Path | None = None, environ: Mapping[str, str] | Non
         value = environ.get(variable)
         if value not in (None, ""):
             raw[section][key] = value
-    config = Config(**{name: _build_section(name, raw[name]) for name in SECTIONS},
-                    **{name: _build_rules(name, value) for name, value in rules.items()})
+    rule_lists: dict[str, Any] = {name: _build_rules(name, value) for name, value in rules.items()}
+    config = Config(**{name: _build_section(name, raw[name]) for name in SECTIONS}, **rule_lists)
     return _normalise(config)
 
 
@@ -406,7 +407,8 @@ def _normalise(config: Config) -> Config:
 def describe(config: Config) -> dict[str, Any]:
     """A printable view of the configuration with every secret masked."""
     view: dict[str, Any] = {
-        name: {key: ("***" if isinstance(value, Secret) else value) for key, value in dataclasses.asdict(getattr(config, name)).items()}
+        name: {key: ("***" if isinstance(value, Secret) else value)
+               for key, value in dataclasses.asdict(getattr(config, name)).items()}
         for name in SECTIONS
     }
     view.update({name: [dataclasses.asdict(rule) for rule in getattr(config, name)] for name in RULE_LISTS})

@@ -139,7 +139,8 @@ async def wait_for_broker(options: dict[str, Any], timeout_s: float) -> None:
             await asyncio.sleep(0.2)
         finally:
             await admin.close()
-    reason = "connection refused" if "Connect call failed" in str(last_error) or "Unable to bootstrap" in str(last_error) else last_error
+    refused = "Connect call failed" in str(last_error) or "Unable to bootstrap" in str(last_error)
+    reason = "connection refused" if refused else last_error
     raise KafkaSetupError(f"Kafka at {options['bootstrap_servers']} did not answer within {timeout_s:.0f}s ({reason})")
 
 

@@ -128,7 +128,8 @@ class ServiceDirectory:
         except ServiceError as error:
             _terminate(process.pid, timeout_s=5)
             raise ServiceError(f"{name} {error}") from None
-        record = ServiceRecord(name, process.pid, _start_ticks(process.pid) or 0, f"{host}:{port}", command, str(log_path))
+        record = ServiceRecord(name, process.pid, _start_ticks(process.pid) or 0, f"{host}:{port}", command,
+                               str(log_path))
         (self.run_dir / f"{name}.json").write_text(json.dumps(record.__dict__))
         return record
 

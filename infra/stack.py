@@ -120,7 +120,8 @@ class Stack:
             elif record is None:
                 services[name] = "not started by agentstream"
             else:
-                services[name] = f"pid {record.pid} " + ("running" if record.alive() else "DEAD (see " + record.log_path + ")")
+                services[name] = f"pid {record.pid} " + ("running" if record.alive()
+                                                         else "DEAD (see " + record.log_path + ")")
         report = StackStatus(endpoints, services, broker_reachable=False)
         try:
             asyncio.run(self._kafka_status(report))

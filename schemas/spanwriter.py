@@ -144,7 +144,8 @@ def _prepare_common(span: Mapping[str, Any]) -> PreparedSpan:
     """
     if type(span) is not dict or not _FIELD_NAMES.issuperset(span):
         raise _Unusual
-    get, strings, options = span.get, _STRINGS, _OPTIONAL_STRINGS
+    get, strings = span.get, _STRINGS
+    options: dict[Any, bytes] = _OPTIONAL_STRINGS  # looked up with a field's value: None misses like any uncached one
     start, end, version = get("start_time_us"), get("end_time_us"), get("policy_version")
     if type(start) is not int or type(end) is not int or not (_LONG_MIN <= start <= _LONG_MAX
                                                               and _LONG_MIN <= end <= _LONG_MAX):
@@ -290,7 +291,7 @@ class SpanBatchEncoder:
         position = 0
         records = []
         for batch, header in zip(batches, headers, strict=True):
-            parts = [header]
+            parts: list[bytes | memoryview] = [header]
             for head, prompt, middle, response, tail, _ in batch:
                 parts.append(head)
                 if prompt:

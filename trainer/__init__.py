@@ -1,1 +1,1 @@
-"""The trainer: transitions from Kafka, policy-gradient steps on the exact token ids, checkpoints the fleet hot-swaps."""
+"""The trainer: transitions from Kafka, policy-gradient steps on exact token ids, checkpoints the fleet hot-swaps."""

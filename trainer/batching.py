@@ -236,4 +236,5 @@ def _pad(samples: list[Sample], pad_id: int, device: torch.device | str) -> Micr
     advantages = torch.tensor([s.advantage for s in samples], dtype=torch.float32)
     first = min(len(s.prompt_ids) for s in samples) - 1
     return MicroBatch(input_ids.to(device), attention.to(device), input_ids[:, first + 1:].to(device),
-                      response_mask[:, first:].to(device), behaviour[:, first:].to(device), advantages.to(device), first)
+                      response_mask[:, first:].to(device), behaviour[:, first:].to(device), advantages.to(device),
+                      first)

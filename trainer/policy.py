@@ -110,7 +110,8 @@ def save_weights(policy: Policy, folder: Path) -> Path:
     from safetensors.torch import save_model
 
     if policy.lora:
-        policy.model.save_pretrained(folder, safe_serialization=True)
+        peft_model: Any = policy.model  # a PeftModel (torch types module attributes as Tensor | Module)
+        peft_model.save_pretrained(folder, safe_serialization=True)
     else:
         save_model(policy.model, str(folder / FULL_WEIGHTS_FILE))  # save_model copes with tied embeddings
     torch.save(policy.optimizer.state_dict(), folder / OPTIMIZER_STATE)
@@ -127,8 +128,9 @@ def load_weights(policy: Policy, folder: Path) -> None:
 
             state = load_file(folder / ADAPTER_WEIGHTS_FILE, device=str(policy.device))
             result = set_peft_model_state_dict(policy.model, state)
-            if getattr(result, "unexpected_keys", None):
-                raise PolicyError(f"adapter in {folder} has keys this model lacks: {result.unexpected_keys[:3]}")
+            unexpected = getattr(result, "unexpected_keys", None)
+            if unexpected:
+                raise PolicyError(f"adapter in {folder} has keys this model lacks: {unexpected[:3]}")
         else:
             state = read_weights(folder)
             check_weights(policy.model, state)

@@ -5,6 +5,7 @@ from __future__ import annotations
 import time
 from contextlib import nullcontext
 from dataclasses import dataclass
+from typing import Any
 
 import torch
 
@@ -44,7 +45,8 @@ def token_logprobs(model: torch.nn.Module, micro: MicroBatch, temperature: float
 def reference_logprobs(policy: Policy, micro: MicroBatch, temperature: float) -> torch.Tensor:
     """Target logprobs under the frozen reference: a separate model, or the LoRA base with the adapter off."""
     model = policy.reference or policy.model
-    adapter_off = policy.model.disable_adapter() if policy.reference is None else nullcontext()
+    peft_model: Any = policy.model  # a PeftModel when there is no reference (torch types its attributes as Tensor)
+    adapter_off = peft_model.disable_adapter() if policy.reference is None else nullcontext()
     with torch.no_grad(), adapter_off:
         return token_logprobs(model, micro, temperature)[0]
 

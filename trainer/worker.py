@@ -71,6 +71,7 @@ class _ResumePositions(ConsumerRebalanceListener):
 
     async def on_partitions_assigned(self, assigned) -> None:
         consumer = self.worker.consumer
+        assert consumer is not None  # the consumer this listener was subscribed with
         for tp in assigned:
             checkpointed = self.worker.resume_offsets.get(f"{tp.topic}:{tp.partition}")
             if checkpointed is None:
@@ -167,6 +168,7 @@ class TrainerWorker:
                       f"{manifest.uri}")
 
     async def _consume(self, stop: asyncio.Event, max_steps: int | None) -> None:
+        assert self.consumer is not None  # run() starts it first
         key = self.name.encode()
         while not stop.is_set() and (max_steps is None or self.summary.steps < max_steps):
             fetched = await self.consumer.getmany(timeout_ms=100, max_records=4096)
@@ -275,12 +277,14 @@ class TrainerWorker:
         return positions
 
     async def _commit(self, positions: dict[TopicPartition, int]) -> None:
+        consumer = self.consumer
+        assert consumer is not None  # only reached from run(), once the consumer has started
         changed = {tp: offset for tp, offset in positions.items()
-                   if self._committed.get(tp) != offset and tp in self.consumer.assignment()}
+                   if self._committed.get(tp) != offset and tp in consumer.assignment()}
         if not changed:
             return
         try:
-            await self.consumer.commit(changed)
+            await consumer.commit(changed)
             self._committed.update(changed)
         except KafkaError as error:  # a rebalance in progress: the checkpoint's positions still protect a restart
             log.warning("offset commit failed (%s); will retry", error)

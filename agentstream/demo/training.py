@@ -234,12 +234,13 @@ async def train_and_watch(session: TrainingSession, config: Config, endpoints, c
         next_eval = training_started + demo.eval_every_s
         pending: asyncio.Task | None = None
         last_line = 0.0
-        with Live(console=console, refresh_per_second=2, transient=False) if console.is_terminal else nullcontext() as live:
+        with (Live(console=console, refresh_per_second=2, transient=False) if console.is_terminal
+              else nullcontext()) as live:
             while (elapsed := time.monotonic() - training_started) < demo.training_seconds:
                 session.check()
                 numbers, per_version = dashboard.snapshot(), dashboard.reward_per_version()
                 await queue.top_up(numbers["version"])
-                if console.is_terminal:
+                if live is not None:  # a terminal
                     live.update(dashboard.render(elapsed, numbers, per_version))
                 elif time.monotonic() - last_line >= 15:
                     console.print(dashboard.line(elapsed, numbers, per_version))
@@ -248,7 +249,8 @@ async def train_and_watch(session: TrainingSession, config: Config, endpoints, c
                     result = pending.result()
                     result.seconds = round(result.seconds - (training_started - started), 1)
                     dashboard.evaluations.append(result)
-                    console.print(f"held-out at {result.seconds:.0f} s: {result.accuracy:.1%} (policy v{result.policy_version})")
+                    console.print(f"held-out at {result.seconds:.0f} s: {result.accuracy:.1%} "
+                                  f"(policy v{result.policy_version})")
                     pending = None
                     if demo.stop_at_target and result.accuracy >= demo.target:
                         break

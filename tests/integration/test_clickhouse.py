@@ -38,7 +38,8 @@ def test_migrations_applied_twice_are_harmless(clickhouse, stack_config):
     database = stack_config.clickhouse.database
     assert migrate(clickhouse, database) == [], "up already applied every migration"
     assert migrate(clickhouse, database) == []
-    versions = clickhouse.query(f"SELECT version, count() FROM {database}.schema_migrations GROUP BY version ORDER BY version").result_rows
+    versions = clickhouse.query(f"SELECT version, count() FROM {database}.schema_migrations "
+                                "GROUP BY version ORDER BY version").result_rows
     assert versions == [(m.version, 1) for m in load_migrations()]
     tables = {row[0] for row in clickhouse.query(
         "SELECT name FROM system.tables WHERE database = {db:String}", parameters={"db": database}).result_rows}
@@ -60,7 +61,7 @@ def test_replayed_insert_does_not_double_count(clickhouse, stack_config):
                "return_value", "advantage", "created_at"]
     import datetime
 
-    now = datetime.datetime.now(datetime.timezone.utc)
+    now = datetime.datetime.now(datetime.UTC)
     rows = [[f"replay-{i}", "r1", f"s{i}", "agent", "m-replay", 3, i, "", [1, 2], [3], [-0.5], 1.0, 1.0, 0.2, now]
             for i in range(10)]
     clickhouse.insert(f"{database}.transitions", rows, column_names=columns)
@@ -80,7 +81,7 @@ def test_read_only_client_refuses_writes(stack_config, stack):
 
 
 def test_version_check_refuses_old_servers():
-    with pytest.raises(UnsupportedClickHouse, match="18.16.1 .* too old"):
+    with pytest.raises(UnsupportedClickHouse, match=r"18\.16\.1 .* too old"):
         check_version("18.16.1", "http://old:8123")
     check_version("26.9.2.1", "http://new:8123")
 
@@ -94,7 +95,8 @@ def test_http_interface_speaks_clickhouse(stack):
     assert status == 400 and headers["X-ClickHouse-Exception-Code"] == "62"
     assert body.startswith(b"Code: 62. DB::Exception: Syntax error")
 
-    status, _, _ = _http(url, body=b"CREATE TABLE IF NOT EXISTS default.http_t (a UInt32, s String) ENGINE = MergeTree ORDER BY a")
+    status, _, _ = _http(url, body=b"CREATE TABLE IF NOT EXISTS default.http_t (a UInt32, s String) "
+                                   b"ENGINE = MergeTree ORDER BY a")
     assert status == 200
     rows = b"".join(json.dumps({"a": i, "s": f"row{i}"}).encode() + b"\n" for i in range(1000))
     status, headers, _ = _http(url, query="INSERT INTO default.http_t FORMAT JSONEachRow", body=gzip.compress(rows),
@@ -103,7 +105,8 @@ def test_http_interface_speaks_clickhouse(stack):
     status, _, _ = _http(url, body=b"INSERT INTO default.http_t FORMAT CSV\n5000,inline\n5001,inline\n")
     assert status == 200
 
-    status, headers, body = _http(url, query="SELECT toUInt32(count()), max(a) FROM default.http_t", default_format="JSONCompact")
+    status, headers, body = _http(url, query="SELECT toUInt32(count()), max(a) FROM default.http_t",
+                                  default_format="JSONCompact")
     assert status == 200 and headers["X-ClickHouse-Format"] == "JSONCompact"
     assert json.loads(body)["data"] == [[1002, 5001]]
 

@@ -32,15 +32,15 @@ from aiohttp import web
 from examples import arithmetic, calculator_agent, langchain_agent, make_tasks
 from infra.clickhouse import connect
 from infra.config import load_config
+from infra.http_thread import ServerThread
 from infra.kafka import topic_name
 from infra.processes import free_port
-from serving.app import create_app
 from models import tiny_tokenizer
 from pipeline.proxy import LLMProxy
 from pipeline.sdk import Rollout
 from pipeline.tasks import enqueue, grouped_tasks, read_task_file
+from serving.app import create_app
 from tests.support.readback import read_topic
-from infra.http_thread import ServerThread
 from tests.support.servers import scripted
 from tests.support.streams_harness import (
     CliProcess,
@@ -263,7 +263,8 @@ def test_task_files_are_the_seeded_split(tmp_path):
     train, heldout = arithmetic.split()
     for name, tasks in (("train", train), ("heldout", heldout)):
         committed = make_tasks.TASKS_DIR / make_tasks.FILES[name]
-        assert committed.read_text() == written[name].read_text(), f"{committed} is stale: python -m examples.make_tasks"
+        assert committed.read_text() == written[name].read_text(), (
+            f"{committed} is stale: python -m examples.make_tasks")
         assert read_task_file(committed) == tasks
     assert len(heldout) == arithmetic.HELDOUT_SIZE
     assert {t["id"] for t in train}.isdisjoint(t["id"] for t in heldout)
@@ -343,8 +344,9 @@ def test_agent_rollouts_are_captured_with_token_ids_and_rewards(name, fleet, sta
         wait_healthy(proxy_url, proxy)
         asyncio.run(enqueue(load_config(environ=fleet.env), stack.bootstrap_servers, tasks))
         runner = subprocess.run(
-            [sys.executable, "-m", "agentstream", "run", AGENTS[name], "--proxy", proxy_url, "--max-tasks", str(ROLLOUTS),
-             "--group", fleet.group, "--concurrency", str(ROLLOUTS), "--session-timeout-ms", "3000"],
+            [sys.executable, "-m", "agentstream", "run", AGENTS[name], "--proxy", proxy_url,
+             "--max-tasks", str(ROLLOUTS), "--group", fleet.group, "--concurrency", str(ROLLOUTS),
+             "--session-timeout-ms", "3000"],
             env=fleet.env, capture_output=True, text=True, timeout=120, check=False)
         assert runner.returncode == 0 and f"{ROLLOUTS} succeeded" in runner.stdout, runner.stdout + runner.stderr
         ran_s = time.monotonic() - started
@@ -377,7 +379,8 @@ def test_agent_rollouts_are_captured_with_token_ids_and_rewards(name, fleet, sta
             assert json.loads(attributes["gen_ai.input.messages"])[-1]["content"] == task["prompt"]
             output = json.loads(attributes["gen_ai.output.messages"])[0]
             if not output["tool_calls"]:
-                assert tokenizer.decode(response_ids, skip_special_tokens=True).strip() == (output["content"] or "").strip()
+                decoded = tokenizer.decode(response_ids, skip_special_tokens=True)
+                assert decoded.strip() == (output["content"] or "").strip()
             if name == "calculator":
                 assert "calculator" in attributes["gen_ai.tool.definitions"]
         answer = json.loads(llm[-1][9]["gen_ai.output.messages"])[0]["content"] or ""

@@ -9,13 +9,13 @@ import urllib.request
 import openai
 import pytest
 
+from infra.http_thread import ServerThread
 from infra.kafka import topic_name
-from serving.app import create_app
 from models import load_model
 from pipeline.proxy import LLMProxy
 from pipeline.publisher import SpanPublisher
+from serving.app import create_app
 from tests.support.readback import read_topic
-from infra.http_thread import ServerThread
 from tests.support.servers import assert_exact, scripted
 
 HELLO = [{"role": "user", "content": "Say hello."}]
@@ -99,7 +99,7 @@ def test_n_samples_become_one_span_each_with_async_client(proxy, tiny, publisher
 
     response = asyncio.run(go())
     spans = spans_of(publisher, topics_config, kafka_options, "r-n", 3)
-    for span, choice in zip(spans, sorted(response.choices, key=lambda c: c.index)):
+    for span, choice in zip(spans, sorted(response.choices, key=lambda c: c.index), strict=True):
         assert span["attributes"]["agentstream.choice.index"] == str(choice.index)
         assert_exact(tiny, tiny.model, span["prompt_token_ids"], span["response_token_ids"], choice.message.content,
                      span["response_logprobs"], 1.0)

@@ -13,9 +13,9 @@ from pathlib import Path
 
 import pytest
 
+from agentstream.report import format_duration, parse_duration
 from infra.clickhouse import migrate
 from infra.processes import free_port
-from agentstream.report import format_duration, parse_duration
 
 CLI = [sys.executable, "-m", "agentstream"]
 
@@ -114,7 +114,7 @@ def populated(clickhouse, database, tmp_path, stack):
 
     offsets_s = [5, 10, 65, 70, 190]  # minute 0: two calls, minute 1: two, minute 3: one
     spans = []
-    for index, (duration, offset) in enumerate(zip(DURATIONS_A, offsets_s)):
+    for index, (duration, offset) in enumerate(zip(DURATIONS_A, offsets_s, strict=True)):
         spans.append(span_row(f"a-llm-{index}", f"r{index + 1}", "LLM", BASE + timedelta(seconds=offset), duration,
                               model="policy-a", version=1 if index < 2 else 2, status="ERROR" if index == 4 else "OK",
                               prompt=range(10 + index), response=range(4)))

@@ -56,7 +56,7 @@ def test_sdk_attributes_spans_across_threads_and_tasks(publisher, topics_config,
     publisher.flush(10)
     landed = read_topic(kafka_options, _spans_topic(topics_config),
                         lambda got: sum(1 for e in got.events if e["event"] == "SUCCEEDED") >= 2)
-    for rollout_id, task in zip(ids, ("task-a", "task-b")):
+    for rollout_id, task in zip(ids, ("task-a", "task-b"), strict=True):
         spans, events = landed.of(rollout_id)
         assert [e["event"] for e in events] == ["STARTED", "SUCCEEDED"]
         kinds = sorted(s["kind"] for s in spans)
@@ -81,9 +81,8 @@ def test_emitting_outside_a_rollout_is_a_clear_error(publisher):
 
 
 def test_failed_rollout_records_the_exception(publisher, topics_config, kafka_options):
-    with pytest.raises(ZeroDivisionError):
-        with rollout("fragile") as state:
-            1 / 0
+    with pytest.raises(ZeroDivisionError), rollout("fragile") as state:
+        _ = 1 / 0
     publisher.flush(10)
     landed = read_topic(kafka_options, _spans_topic(topics_config),
                         lambda got: any(e["event"] == "FAILED" for e in got.events))
@@ -162,8 +161,8 @@ def test_a_crashed_runners_rollout_is_retried_by_another(topics_config, stack, k
     env = {k: v for k, v in os.environ.items() if not k.startswith(("KAFKA_", "CLICKHOUSE_", "AGENTSTREAM_"))}
     env.update({"KAFKA_BOOTSTRAP_SERVERS": stack.bootstrap_servers, "CLICKHOUSE_URL": stack.clickhouse_url,
                 "AGENTSTREAM_TOPIC_PREFIX": topics_config.topics.prefix, "AGENTSTREAM_HOME": str(tmp_path / "h")})
-    command = [sys.executable, "-m", "agentstream", "run", "tests.support.agents:slow_agent", "--group", "crash-runners",
-               "--session-timeout-ms", "3000"]
+    command = [sys.executable, "-m", "agentstream", "run", "tests.support.agents:slow_agent",
+               "--group", "crash-runners", "--session-timeout-ms", "3000"]
     task = make_task({"sleep": 4}, agent_name="slow", max_attempts=1, timeout_s=30)
     asyncio.run(enqueue(topics_config, stack.bootstrap_servers, [task]))
     spans_topic = _spans_topic(topics_config)

@@ -66,5 +66,6 @@ def test_train_refuses_a_bad_agent_or_task_file(tmp_path, stack):
     task_file.write_text('{"id": "ok"}\n[1, 2]\n')
     missing = train(env, "--agent", "no_such_module:solve", "--tasks", str(task_file), timeout_s=60)
     assert missing.returncode == 2 and "cannot import 'no_such_module'" in missing.stderr
-    bad_line = train(env, "--agent", "tests.integration.test_trainer_loop:letters_agent", "--tasks", str(task_file), timeout_s=60)
+    bad_line = train(env, "--agent", "tests.integration.test_trainer_loop:letters_agent", "--tasks", str(task_file),
+                     timeout_s=60)
     assert bad_line.returncode == 1 and "tasks.jsonl:2: expected a JSON object, got list" in bad_line.stderr

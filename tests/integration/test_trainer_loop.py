@@ -89,8 +89,8 @@ def test_the_whole_loop_learns_a_programmatic_reward(tmp_path, stack, clickhouse
         CliProcess(["proxy", "--upstream", server_url, "--port", str(proxy_port)], env, tmp_path / "proxy.log"),
         CliProcess(["train-worker"], env, tmp_path / "trainer.log"),
         CliProcess(["hotswap", "--server", server_url, "--model", "tiny"], env, tmp_path / "hotswap.log"),
-        CliProcess(["run", "tests.integration.test_trainer_loop:letters_agent", "--proxy", proxy_url, "--concurrency", "8"], env,
-                   tmp_path / "runner.log"),
+        CliProcess(["run", "tests.integration.test_trainer_loop:letters_agent", "--proxy", proxy_url,
+                    "--concurrency", "8"], env, tmp_path / "runner.log"),
     ]
     streams = Worker(env, tmp_path / "streams.log")
     try:
@@ -110,7 +110,7 @@ def test_the_whole_loop_learns_a_programmatic_reward(tmp_path, stack, clickhouse
         deadline = time.monotonic() + 240
         while True:
             rows = steps()
-            if len(rows) >= MAX_STEPS or len(rows) >= 10 and statistics.fmean(r[1] for r in rows[-3:]) >= GOOD_ENOUGH:
+            if len(rows) >= MAX_STEPS or (len(rows) >= 10 and statistics.fmean(r[1] for r in rows[-3:]) >= GOOD_ENOUGH):
                 break
             assert time.monotonic() < deadline, "\n".join(p.log()[-2000:] for p in processes)
             for process in processes:

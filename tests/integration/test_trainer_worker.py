@@ -191,7 +191,7 @@ def test_a_killed_trainer_resumes_from_its_checkpoint_and_trains_no_transition_t
         trainer.kill()
         assert "checkpoint v3" not in trainer.log()
         # after the crash: the rest, plus replays of transitions from checkpointed (t00..t03) and lost (t16) steps
-        asyncio.run(produce(kafka_options, topic, records[20:] + [records[0], records[3], records[16]]))
+        asyncio.run(produce(kafka_options, topic, [*records[20:], records[0], records[3], records[16]]))
         trainer = CliProcess(["train-worker"], env, tmp_path / "trainer.log").start()
         trainer.wait_for("resumed from version 2 (step 4)")
         trainer.wait_for("checkpoint v5 (step 10)")

@@ -20,13 +20,13 @@ def assert_exact(loaded: LoadedModel, model: torch.nn.Module, prompt_ids: list[i
         assert loaded.tokenizer.decode(token_ids, skip_special_tokens=True) == text
     assert len(logprobs) == len(token_ids)
     expected = teacher_forced_logprobs(model, prompt_ids, token_ids, temperature)
-    assert max(abs(a - b) for a, b in zip(expected, logprobs)) < TOLERANCE
+    assert max(abs(a - b) for a, b in zip(expected, logprobs, strict=True)) < TOLERANCE
 
 
 def scripted(text: str, gate: threading.Event | None = None) -> LoadedModel:
     """A server model that writes ``text`` then EOS whatever the prompt, optionally pausing after its first token."""
     tokenizer = tiny_tokenizer()
-    return LoadedModel(model=ScriptedLM(tokenizer.encode(text, add_special_tokens=False) + [tokenizer.eos_token_id],
+    return LoadedModel(model=ScriptedLM([*tokenizer.encode(text, add_special_tokens=False), tokenizer.eos_token_id],
                                         len(tokenizer), gate),
                        tokenizer=tokenizer, name="scripted", dtype=torch.float32)
 

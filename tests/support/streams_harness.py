@@ -10,9 +10,9 @@ from pathlib import Path
 
 from aiokafka import AIOKafkaProducer
 
+from agentstream.session import Child
 from infra import kafka
 from infra.config import load_config
-from agentstream.session import Child
 from schemas import ROLLOUT_EVENT, AvroCodec
 
 CODEC = AvroCodec()

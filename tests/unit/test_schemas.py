@@ -317,7 +317,8 @@ def test_ids_ignore_docs_and_defaults_but_not_structure() -> None:
     assert schema_id(self_contained(newer_span_schema())) != schema_id(self_contained(span))
 
 
-@pytest.mark.parametrize("file_name", sorted(p.name for p in AVRO_DIR.glob("*.avsc") if not p.name.endswith("_batch.avsc")))
+@pytest.mark.parametrize("file_name", sorted(p.name for p in AVRO_DIR.glob("*.avsc")
+                                             if not p.name.endswith("_batch.avsc")))
 def test_canonical_form_agrees_with_apache_avro(file_name: str) -> None:
     ours = to_parsing_canonical_form(self_contained(raw_schema(file_name)))
     theirs = avro.schema.parse((AVRO_DIR / file_name).read_text()).canonical_form

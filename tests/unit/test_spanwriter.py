@@ -48,7 +48,8 @@ def encoder() -> SpanBatchEncoder:
 
 def random_text(rng: random.Random) -> str:
     """Short text mixing ASCII, accented letters, CJK, emoji and other planes (no lone surrogates)."""
-    alphabets = ("abcxyz019-_. ", "éüßñçøå", "日本語中文한국어", "😀🚀🧪", "\u0000\u007f\u0080\u07ff\u0800\uffff\U00010000\U0010ffff")
+    alphabets = ("abcxyz019-_. ", "éüßñçøå", "日本語中文한국어", "😀🚀🧪",
+                 "\u0000\u007f\u0080\u07ff\u0800\uffff\U00010000\U0010ffff")
     length = rng.choice((0, 1, 2, 5, 17, 63, 64, 65, 200))
     return "".join(rng.choice(rng.choice(alphabets)) for _ in range(length))
 
@@ -165,7 +166,7 @@ def test_varints_match_the_definition_at_every_size_boundary() -> None:
     data, counts = zigzag_varints(np.array(values, dtype=np.int32))
     assert data == b"".join(map(reference, values))
     assert counts.tolist() == [len(reference(v)) for v in values]
-    for value in values[:500] + [INT64[0], INT64[1], 1_732_200_000_000_000, -1_732_200_000_000_000]:
+    for value in [*values[:500], INT64[0], INT64[1], 1_732_200_000_000_000, -1_732_200_000_000_000]:
         assert write_long(value) == reference(value)
 
 
@@ -214,7 +215,7 @@ def test_fastavro_and_apache_avro_read_back_the_values(codec: AvroCodec, encoder
     by_apache = apache_reader(SPAN_BATCH).read(avro.io.BinaryDecoder(io.BytesIO(data[5:])))
     assert same(by_apache["spans"], expected)
 
-    for span, value in zip(spans[:50], expected):
+    for span, value in zip(spans[:50], expected, strict=False):  # the first 50
         single = encoder.encode_span(span)
         assert same(codec.decode(single)[1], value)
         assert same(apache_reader(SPAN).read(avro.io.BinaryDecoder(io.BytesIO(single[5:]))), value)

@@ -199,9 +199,9 @@ def test_gradient_accumulation_matches_one_big_batch(tiny_config):
         policy.optimizer = torch.optim.SGD(policy.trainable(), lr=1.0)
         before = [p.detach().clone() for p in policy.trainable()]
         samples = generated(policy, 5, advantage=0.0)
-        samples = [replace(s, advantage=a) for s, a in zip(samples, (1.0, -0.5, 2.0, -1.0, 0.3))]
+        samples = [replace(s, advantage=a) for s, a in zip(samples, (1.0, -0.5, 2.0, -1.0, 0.3), strict=True)]
         train_step(policy, Batch(samples, 0, Counts()), replace(tiny_config, accumulation_steps=micro_batches))
-        deltas.append(torch.cat([(p.detach() - b).flatten() for p, b in zip(policy.trainable(), before)]))
+        deltas.append(torch.cat([(p.detach() - b).flatten() for p, b in zip(policy.trainable(), before, strict=True)]))
     assert torch.allclose(deltas[0], deltas[1], atol=1e-6)
     assert deltas[0].abs().max() > 0
 
