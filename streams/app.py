@@ -133,6 +133,8 @@ def _credentials(config: Config):
 def create_app(config: Config, bootstrap_servers: str, clickhouse_url: str) -> faust.App:
     """The streams application: spans and groups agents, their timers, their processors."""
     settings = config.streams
+    state_folder = config.stack.home / "streams"
+    state_folder.mkdir(parents=True, exist_ok=True)  # faust creates its data folder, not the folders above it
     app = faust.App(
         settings.app_id, broker=[f"kafka://{server}" for server in bootstrap_servers.split(",")],
         broker_credentials=_credentials(config), key_serializer="raw", value_serializer="raw",
@@ -140,7 +142,7 @@ def create_app(config: Config, bootstrap_servers: str, clickhouse_url: str) -> f
         consumer_auto_offset_reset="earliest", topic_partitions=config.topics.partitions,
         topic_replication_factor=config.topics.replication_factor, web_enabled=False, store="memory://",
         stream_wait_empty=False, broker_commit_every=1000, broker_commit_interval=0.5, producer_acks=-1,
-        datadir=str(config.stack.home / "streams" / "{conf.name}-data"),  # faust's default is the current directory
+        datadir=str(state_folder / "{conf.name}-data"),  # faust's default is the current directory
     )
     app.transport = StreamsTransport(app.conf.broker_consumer, app, fetch_max_wait_ms=settings.fetch_max_wait_ms)
     options = client_options(config.kafka, bootstrap_servers)
