@@ -4,7 +4,7 @@ VENV   := .venv
 BIN    := $(VENV)/bin
 STAMP  := $(VENV)/.installed
 
-.PHONY: install demo test bench bench-learning soak clean
+.PHONY: install demo test test-unit lint gpu-check bench bench-learning soak clean
 
 install: $(STAMP)
 
@@ -19,12 +19,27 @@ $(STAMP): pyproject.toml
 demo: install
 	$(BIN)/agentstream demo
 
-test: install
+# Lint first (seconds), then every test: unit (no services) and integration (a real broker and ClickHouse).
+test: install lint
 	$(BIN)/python -m pytest
+
+test-unit: install
+	$(BIN)/python -m pytest -m unit
+
+lint: install
+	$(BIN)/ruff check .
+	$(BIN)/mypy
 
 # Every benchmark prints one JSON line per figure (a few minutes in all; `streams` installs
 # Agent Lightning 0.3.0 into .venv-peer on its first run to compare with it).
-BENCHES := stack_roundtrip publish proxy streams trainer
+BENCHES := stack_roundtrip publish proxy streams trainer precision
+
+# On a machine with a CUDA GPU: the device tests on CUDA, then trainer and generation tokens/s in float32 and
+# bfloat16 (tiny model, then SmolLM2-135M at 64 x 512) and the first-step ratio check, as JSON lines.
+gpu-check: install
+	AGENTSTREAM_REQUIRE_CUDA=1 $(BIN)/python -m pytest tests/unit/test_devices.py -q
+	$(BIN)/python -m bench.precision --cuda
+	$(BIN)/python -m bench.precision --cuda --model smollm2 --batch 64 --length 512
 
 bench: install
 	@for name in $(BENCHES); do $(BIN)/python -m bench.$$name || exit 1; done

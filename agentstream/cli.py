@@ -403,21 +403,32 @@ def show_config(ctx: click.Context) -> None:
 @click.option("--host", default="127.0.0.1", show_default=True)
 @click.option("--port", default=8000, show_default=True, type=int)
 @click.option("--served-model-name", default=None, help="The model name clients use (default: the model's name).")
-@click.option("--threads", default=2, show_default=True, help="CPU threads torch may use.")
-def serve_model_command(model_spec: str, host: str, port: int, served_model_name: str | None, threads: int) -> None:
-    """Serve a model on CPU with vLLM's OpenAI-compatible API (token ids, logprobs, LoRA and weight updates)."""
+@click.option("--device", default=None,
+              help="auto (CUDA when present), cpu, cuda or cuda:N (default: [server] device, auto).")
+@click.option("--dtype", default=None, type=click.Choice(["auto", "float32", "bfloat16"]),
+              help="Compute dtype; weights stay float32 (default: [server] dtype, auto = bfloat16 autocast on CUDA).")
+@click.option("--threads", default=None, type=int, help="CPU threads torch may use, on the CPU (default: [server] "
+              "threads, 2).")
+@click.pass_context
+def serve_model_command(ctx: click.Context, model_spec: str, host: str, port: int, served_model_name: str | None,
+                        device: str | None, dtype: str | None, threads: int | None) -> None:
+    """Serve a model with vLLM's OpenAI-compatible API (token ids, logprobs, LoRA and weight updates)."""
     import uvloop
 
     try:
         from models import ModelLoadError, load_model
+        from models.precision import PrecisionError, resolve_precision
         from serving.app import serve
     except ImportError as error:
         raise click.ClickException(f"serve-model needs {error.name}: pip install 'agentstream[train]'") from None
     logging.getLogger("agentstream").setLevel(logging.INFO)
+    settings = _config(ctx).server
     try:
-        loaded = load_model(model_spec, threads=threads)
-    except ModelLoadError as error:
+        precision = resolve_precision(device or settings.device, dtype or settings.dtype)
+        loaded = load_model(model_spec, precision=precision, threads=settings.threads if threads is None else threads)
+    except (ModelLoadError, PrecisionError) as error:
         raise click.ClickException(str(error)) from None
+    click.echo(f"serving {loaded.name} on {precision.describe()}")
     try:
         uvloop.run(serve(loaded, host=host, port=port, served_model_name=served_model_name))
     except KeyboardInterrupt:

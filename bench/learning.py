@@ -35,7 +35,7 @@ from trainer.step import train_step
 def peer_run(config: Config) -> tuple[float | None, list[tuple[float, int, float]]]:
     """The plain loop; returns (seconds to the target or None, [(seconds, version, accuracy)])."""
     demo = config.demo
-    trainer = replace(config.trainer, model="smollm2", device="cpu", dtype="float32", threads=2, lr=demo.lr,
+    trainer = replace(config.trainer, model="smollm2", threads=2, lr=demo.lr,
                       temperature=1.0)
     policy = build_policy(trainer)
     tokenizer, model = policy.tokenizer, policy.model
@@ -48,7 +48,8 @@ def peer_run(config: Config) -> tuple[float | None, list[tuple[float, int, float
 
     def generate(tasks: list[dict], params: SamplingParams):
         model.eval()
-        return generate_batch(model, tokenizer, [BatchRequest(prompt(t), params) for t in tasks], eos, pad)
+        return generate_batch(model, tokenizer, [BatchRequest(prompt(t), params) for t in tasks], eos, pad,
+                              autocast=policy.precision.autocast)
 
     def accuracy(tasks: list[dict]) -> float:
         results = generate(tasks, SamplingParams(max_tokens=arithmetic.MAX_TOKENS, temperature=0.0))

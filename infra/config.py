@@ -153,12 +153,16 @@ class TrainerConfig:
     whichever comes first (0 disables a limit). ``checkpoint_dir`` is a folder or a ``file://`` URI
     (default: ``checkpoints`` under the stack home). ``threads`` is torch's CPU thread count (0: torch's
     default); ``importance_cap`` is the truncation c of the importance ratio (see ``trainer/loss.py``).
+    ``dtype`` is the compute dtype (``auto``: bfloat16 autocast on CUDA, float32 elsewhere);
+    weights and optimizer state stay ``weights_dtype``, float32 unless pure bfloat16 is asked for
+    (which loses updates below bfloat16's resolution, and warns). See ``models/precision.py``.
     """
 
     model: str = "smollm2"
     model_name: str | None = None
     device: str = "auto"
     dtype: str = "auto"
+    weights_dtype: str = "float32"
     threads: int = 2
     seed: int = 0
     lr: float = 1e-5
@@ -192,6 +196,7 @@ class TrainerConfig:
         checks = {
             "device must be auto, cpu or cuda[:N]": self.device in ("auto", "cpu") or self.device.startswith("cuda"),
             "dtype must be auto, float32 or bfloat16": self.dtype in ("auto", "float32", "bfloat16"),
+            "weights_dtype must be float32 or bfloat16": self.weights_dtype in ("float32", "bfloat16"),
             "lr must be > 0": self.lr > 0,
             "clip_eps must be within (0, 1)": 0 < self.clip_eps < 1,
             "importance_cap must be > 1": self.importance_cap > 1,
@@ -207,6 +212,28 @@ class TrainerConfig:
         for message, ok in checks.items():
             if not ok:
                 raise ConfigError(f"trainer.{message}")
+
+
+@dataclass(frozen=True)
+class ServerConfig:
+    """The dev model server (``agentstream serve-model``): where it runs and at what precision.
+
+    ``device`` and ``dtype`` follow the trainer's rule (``auto``: CUDA with bfloat16 autocast
+    over float32 weights when present, else float32 on the CPU), so on one machine the server's
+    behaviour logprobs and the trainer's recomputed ones agree. ``threads`` applies on the CPU only.
+    """
+
+    device: str = "auto"
+    dtype: str = "auto"
+    threads: int = 2
+
+    def __post_init__(self) -> None:
+        if not (self.device in ("auto", "cpu") or self.device.startswith("cuda")):
+            raise ConfigError("server.device must be auto, cpu or cuda[:N]")
+        if self.dtype not in ("auto", "float32", "bfloat16"):
+            raise ConfigError("server.dtype must be auto, float32 or bfloat16")
+        if self.threads < 0:
+            raise ConfigError("server.threads must be >= 0")
 
 
 @dataclass(frozen=True)
@@ -253,6 +280,7 @@ class Config:
     streams: StreamsConfig = field(default_factory=StreamsConfig)
     credit: tuple[CreditRule, ...] = (CreditRule(),)
     trainer: TrainerConfig = field(default_factory=TrainerConfig)
+    server: ServerConfig = field(default_factory=ServerConfig)
     demo: DemoConfig = field(default_factory=DemoConfig)
 
 
@@ -289,6 +317,7 @@ SECTIONS: dict[str, type] = {
     "stack": StackConfig,
     "streams": StreamsConfig,
     "trainer": TrainerConfig,
+    "server": ServerConfig,
     "demo": DemoConfig,
 }
 RULE_LISTS: dict[str, type] = {"credit": CreditRule}

@@ -17,11 +17,15 @@ import importlib.util
 import os
 import shutil
 import tempfile
+from contextlib import AbstractContextManager, nullcontext
 from dataclasses import dataclass
 from pathlib import Path
-from typing import Any
+from typing import TYPE_CHECKING, Any
 
-import torch
+from models.precision import Precision, configure_backends, resolve_precision
+
+if TYPE_CHECKING:
+    import torch
 
 SMOLLM2_GGUF = "SmolLM2-135M-Instruct.Q4_1.gguf"
 SMOLLM2_CACHE_NAME = "smollm2-135m-instruct"
@@ -70,6 +74,12 @@ class LoadedModel:
     name: str
     dtype: torch.dtype
     source: str = ""
+    precision: Precision | None = None
+    """Where the model runs and its compute dtype; None is float32 on the CPU."""
+
+    def autocast(self) -> AbstractContextManager:
+        """The context a forward pass of this model runs in (autocast under mixed precision)."""
+        return self.precision.autocast() if self.precision is not None else nullcontext()
 
 
 def model_cache_root() -> Path:
@@ -78,16 +88,22 @@ def model_cache_root() -> Path:
     return Path(configured).expanduser() if configured else Path.home() / ".cache" / "agentstream" / "models"
 
 
-def load_model(spec: str, *, threads: int | None = 2) -> LoadedModel:
-    """Load ``"tiny"``, ``"smollm2"`` or a HF folder path as a float32 CPU model in eval mode."""
-    if threads is not None:
-        torch.set_num_threads(threads)
+def load_model(spec: str, *, precision: Precision | None = None, threads: int | None = 2) -> LoadedModel:
+    """Load ``"tiny"``, ``"smollm2"`` or a HF folder path in eval mode, on the precision's device and weights dtype.
+
+    The default precision is float32 on the CPU. ``threads`` sets torch's CPU thread count, and
+    only when the model runs on the CPU.
+    """
+    precision = precision or resolve_precision("cpu", "float32")
+    configure_backends(precision, threads)
     if spec == "tiny":
         loaded = load_tiny()
     elif spec == "smollm2":
         loaded = load_smollm2()
     else:
         loaded = load_folder(Path(spec))
+    loaded.model.to(device=precision.device, dtype=precision.weights_dtype)
+    loaded.dtype, loaded.precision = precision.weights_dtype, precision
     loaded.model.eval()
     return loaded
 
@@ -108,6 +124,7 @@ def tiny_tokenizer() -> Any:
 
 def load_tiny() -> LoadedModel:
     """A deterministic random-init tiny Llama over bytes, for fast tests."""
+    import torch
     from transformers import LlamaConfig, LlamaForCausalLM
 
     tokenizer = tiny_tokenizer()
@@ -146,6 +163,7 @@ def load_smollm2() -> LoadedModel:
 
 def convert_smollm2(target: Path) -> None:
     """Dequantize the GGUF SmolLM2 into a plain float32 Llama folder at ``target`` (written atomically)."""
+    import torch
     from transformers import AutoModelForCausalLM, AutoTokenizer, LlamaForCausalLM
 
     source = smollm2_gguf_folder()
@@ -184,6 +202,7 @@ def convert_smollm2(target: Path) -> None:
 
 def load_folder(path: Path) -> LoadedModel:
     """A HF model folder (config, safetensors weights, tokenizer) as float32."""
+    import torch
     from transformers import AutoModelForCausalLM, AutoTokenizer
 
     if not (path / "config.json").is_file():

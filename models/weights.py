@@ -8,9 +8,11 @@ from __future__ import annotations
 
 import hashlib
 from pathlib import Path
+from typing import TYPE_CHECKING
 from urllib.parse import unquote, urlsplit
 
-import torch
+if TYPE_CHECKING:
+    import torch
 
 FULL_WEIGHTS_FILE = "model.safetensors"
 ADAPTER_WEIGHTS_FILE = "adapter_model.safetensors"
@@ -82,6 +84,8 @@ def _is_tied(model: torch.nn.Module, name: str) -> bool:
 
 
 def assign_weights(model: torch.nn.Module, state: dict[str, torch.Tensor]) -> None:
-    """Copy a checked state dict into the model's parameters in place."""
+    """Copy a checked state dict into the model's parameters in place (to their device and dtype)."""
+    import torch
+
     with torch.no_grad():
         model.load_state_dict(state, strict=False)

@@ -124,7 +124,7 @@ class Batcher:
                 try:
                     with applied(batch[0].job.adapter, self.loaded.model):
                         results = generate_batch(self.loaded.model, self.loaded.tokenizer, requests, self.eos_ids,
-                                                 self.pad_id)
+                                                 self.pad_id, autocast=self.loaded.autocast)
                 except Exception as error:
                     log.exception("generation failed for a batch of %d requests", len(batch))
                     for queued in batch:

@@ -18,6 +18,7 @@ from __future__ import annotations
 
 import random
 from collections.abc import Callable, Collection, Sequence
+from contextlib import AbstractContextManager, nullcontext
 from dataclasses import dataclass, field
 from typing import Any
 
@@ -166,9 +167,10 @@ def token_logprobs(ids: torch.Tensor, logprobs: torch.Tensor, top: int) -> list[
             for token_id, logprob, alts in zip(ids.tolist(), chosen, alternatives, strict=True)]
 
 
-def make_generator(seed: int | None) -> torch.Generator:
-    """A private RNG: seeded for reproducible sampling, else from system entropy."""
-    return torch.Generator().manual_seed(random.SystemRandom().getrandbits(63) if seed is None else seed % 2**63)
+def make_generator(seed: int | None, device: torch.device | str = "cpu") -> torch.Generator:
+    """A private RNG on ``device``: seeded for reproducible sampling, else from system entropy."""
+    seed = random.SystemRandom().getrandbits(63) if seed is None else seed % 2**63
+    return torch.Generator(device=device).manual_seed(seed)
 
 
 @dataclass
@@ -181,7 +183,7 @@ class BatchRequest:
     cancelled: Callable[[], bool] = lambda: False
 
 
-def _prefill(model: torch.nn.Module, prompts: list[Sequence[int]], pad_id: int):
+def _prefill(model: torch.nn.Module, prompts: list[Sequence[int]], pad_id: int, device: torch.device):
     """Left-pad the prompts into one batch and run it; returns (cache, last logits, attention mask, next positions)."""
     width = max(len(prompt) for prompt in prompts)
     ids = torch.full((len(prompts), width), pad_id, dtype=torch.long)
@@ -189,32 +191,36 @@ def _prefill(model: torch.nn.Module, prompts: list[Sequence[int]], pad_id: int):
     for row, prompt in enumerate(prompts):
         ids[row, width - len(prompt):] = torch.tensor(list(prompt), dtype=torch.long)
         mask[row, width - len(prompt):] = 1
+    ids, mask = ids.to(device), mask.to(device)
     positions = (mask.cumsum(-1) - 1).clamp(min=0)
     output = model(input_ids=ids, attention_mask=mask, position_ids=positions, use_cache=True, logits_to_keep=1)
     return output.past_key_values, output.logits[:, -1, :], mask, positions[:, -1] + 1
 
 
 def generate_batch(model: torch.nn.Module, tokenizer: Any, requests: Sequence[BatchRequest],
-                   eos_ids: Collection[int], pad_id: int = 0) -> list[list[SequenceState]]:
+                   eos_ids: Collection[int], pad_id: int = 0,
+                   autocast: Callable[[], AbstractContextManager] = nullcontext) -> list[list[SequenceState]]:
     """Sample every request's ``params.n`` continuations in one decode loop (requests may differ in prompt and params).
 
     Prompts are left-padded and prefilled once each, then each prompt's KV cache is repeated for
     its n samples. Every step samples each request's rows with that request's own parameters and
     RNG, so a request's numbers do not depend on what it was batched with (up to float rounding
-    of the padded matmuls). Finished or cancelled rows leave the batch.
+    of the padded matmuls). Finished or cancelled rows leave the batch. Every tensor lives on the
+    model's device; the forward passes run inside ``autocast()`` (the model's precision).
     """
+    device = next((parameter.device for parameter in model.parameters()), torch.device("cpu"))
     states = [[SequenceState(index, tokenizer, request.params, eos_ids) for index in range(request.params.n)]
               for request in requests]
-    generators = [make_generator(request.params.seed) for request in requests]
-    with torch.inference_mode():
-        cache, logits, mask, next_position = _prefill(model, [r.prompt_ids for r in requests], pad_id)
+    generators = [make_generator(request.params.seed, device) for request in requests]
+    with torch.inference_mode(), autocast():
+        cache, logits, mask, next_position = _prefill(model, [r.prompt_ids for r in requests], pad_id, device)
         owner = [number for number, request in enumerate(requests) for _ in range(request.params.n)]
         index = [sample for request in requests for sample in range(request.params.n)]
-        expand = torch.tensor(owner, dtype=torch.long)
+        expand = torch.tensor(owner, dtype=torch.long, device=device)
         cache.batch_select_indices(expand)
         logits, mask, next_position = logits[expand], mask[expand], next_position[expand]
         while owner:
-            ids = torch.empty(len(owner), dtype=torch.long)
+            ids = torch.empty(len(owner), dtype=torch.long, device=device)
             rows_of: dict[int, list[int]] = {}
             for row, number in enumerate(owner):
                 rows_of.setdefault(number, []).append(row)
@@ -232,11 +238,11 @@ def generate_batch(model: torch.nn.Module, tokenizer: Any, requests: Sequence[Ba
             if not keep:
                 break
             if len(keep) < len(owner):
-                selected = torch.tensor(keep, dtype=torch.long)
+                selected = torch.tensor(keep, dtype=torch.long, device=device)
                 cache.batch_select_indices(selected)
                 ids, mask, next_position = ids[selected], mask[selected], next_position[selected]
                 owner, index = [owner[row] for row in keep], [index[row] for row in keep]
-            mask = torch.cat([mask, torch.ones((len(owner), 1), dtype=torch.long)], dim=1)
+            mask = torch.cat([mask, torch.ones((len(owner), 1), dtype=torch.long, device=device)], dim=1)
             output = model(input_ids=ids[:, None], attention_mask=mask, position_ids=next_position[:, None],
                            past_key_values=cache, use_cache=True, logits_to_keep=1)
             cache, logits, next_position = output.past_key_values, output.logits[:, -1, :], next_position + 1

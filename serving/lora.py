@@ -102,7 +102,8 @@ def _layer(module_name: str, pair: dict[str, torch.Tensor], module: torch.nn.Mod
                         f"Linear({module.in_features}, {module.out_features})")
     alpha = _pattern_value(module_name, config.get("alpha_pattern") or {}, config.get("lora_alpha", 8))
     scale = alpha / math.sqrt(rank) if config.get("use_rslora") else alpha / rank
-    return LoraLayer(a=a, b=b, scale=float(scale))
+    device, dtype = module.weight.device, module.weight.dtype  # where and how the base layer lives
+    return LoraLayer(a=a.to(device=device, dtype=dtype), b=b.to(device=device, dtype=dtype), scale=float(scale))
 
 
 def _pattern_value(module_name: str, patterns: dict[str, float], default: float) -> float:

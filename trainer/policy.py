@@ -23,6 +23,7 @@ from models import (
     load_model,
     read_weights,
 )
+from models.precision import Precision, PrecisionError, resolve_precision
 
 OPTIMIZER_STATE = "optimizer.pt"
 
@@ -43,6 +44,8 @@ class Policy:
     lora: bool
     optimizer: torch.optim.Optimizer
     reference: torch.nn.Module | None
+    precision: Precision
+    """Where the forward pass runs and in which dtype; weights and optimizer state stay ``dtype``."""
 
     @property
     def format(self) -> str:
@@ -63,30 +66,16 @@ class Policy:
         return [p for p in self.model.parameters() if p.requires_grad]
 
 
-def resolve_device(spec: str) -> torch.device:
-    """``auto`` is CUDA when available, else CPU."""
-    if spec == "auto":
-        return torch.device("cuda" if torch.cuda.is_available() else "cpu")
-    if spec.startswith("cuda") and not torch.cuda.is_available():
-        raise PolicyError(f"trainer.device is {spec!r} but CUDA is not available")
-    return torch.device(spec)
-
-
-def resolve_dtype(spec: str, device: torch.device) -> torch.dtype:
-    """``auto`` is bfloat16 on a CUDA device that supports it, else float32."""
-    if spec == "auto":
-        bf16 = device.type == "cuda" and torch.cuda.is_bf16_supported()
-        return torch.bfloat16 if bf16 else torch.float32
-    return getattr(torch, spec)
-
-
 def build_policy(config: TrainerConfig) -> Policy:
     """Load the model spec, move it to the configured device and dtype, wrap it in LoRA if asked, add the optimizer."""
     torch.manual_seed(config.seed)
-    device = resolve_device(config.device)
-    dtype = resolve_dtype(config.dtype, device)
-    loaded = load_model(config.model, threads=config.threads or None)
-    model = loaded.model.to(device=device, dtype=dtype)
+    try:
+        precision = resolve_precision(config.device, config.dtype, config.weights_dtype)
+    except PrecisionError as error:
+        raise PolicyError(f"trainer: {error}") from None
+    loaded = load_model(config.model, precision=precision, threads=config.threads or None)
+    model = loaded.model
+    device, dtype = precision.device, precision.weights_dtype
     reference = None
     if config.lora:
         from peft import LoraConfig, get_peft_model
@@ -95,14 +84,13 @@ def build_policy(config: TrainerConfig) -> Policy:
         model = get_peft_model(model, LoraConfig(r=config.lora_r, lora_alpha=config.lora_alpha, lora_dropout=0.0,
                                                  target_modules=targets, bias="none"))
     if config.kl_coef > 0 and (config.reference_model or not config.lora):  # LoRA's reference is its base model
-        reference = load_model(config.reference_model or config.model, threads=None).model
-        reference = reference.to(device=device, dtype=dtype)
+        reference = load_model(config.reference_model or config.model, precision=precision, threads=None).model
         reference.requires_grad_(False).eval()
     trainable = [p for p in model.parameters() if p.requires_grad]
     optimizer = torch.optim.AdamW(trainable, lr=config.lr, betas=(config.beta1, config.beta2),
                                   weight_decay=config.weight_decay, foreach=device.type == "cuda")
     return Policy(model, loaded.tokenizer, config.model_name or loaded.name, device, dtype, config.lora, optimizer,
-                  reference)
+                  reference, precision)
 
 
 def save_weights(policy: Policy, folder: Path) -> Path:

@@ -47,7 +47,7 @@ def reference_logprobs(policy: Policy, micro: MicroBatch, temperature: float) ->
     model = policy.reference or policy.model
     peft_model: Any = policy.model  # a PeftModel when there is no reference (torch types its attributes as Tensor)
     adapter_off = peft_model.disable_adapter() if policy.reference is None else nullcontext()
-    with torch.no_grad(), adapter_off:
+    with torch.no_grad(), adapter_off, policy.precision.autocast():
         return token_logprobs(model, micro, temperature)[0]
 
 
@@ -57,7 +57,8 @@ def train_step(policy: Policy, batch: Batch, config: TrainerConfig) -> StepResul
     policy.model.train()
     stats, loss = TokenStats(), 0.0
     for micro in collate(batch.samples, policy.pad_id, policy.device, config.accumulation_steps):
-        logprobs, entropy = token_logprobs(policy.model, micro, config.temperature, config.entropy_coef > 0)
+        with policy.precision.autocast():  # bf16 compute over fp32 master weights under mixed precision
+            logprobs, entropy = token_logprobs(policy.model, micro, config.temperature, config.entropy_coef > 0)
         reference = reference_logprobs(policy, micro, config.temperature) if config.kl_coef > 0 else None
         out = policy_loss(logprobs, micro.behaviour_logprobs, micro.advantages, micro.response_mask,
                           clip_eps=config.clip_eps, importance_cap=config.importance_cap, ref_logprobs=reference,

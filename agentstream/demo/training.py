@@ -82,7 +82,7 @@ def demo_config(config: Config, run_id: str, workdir: Path) -> Config:
         streams=replace(config.streams, app_id=f"agentstream-demo-{run_id}"),
         credit=(CreditRule(agent=TRAIN_AGENT, strategy="grpo", group_size=demo.group_size, group_timeout_s=120),
                 CreditRule(agent="*", train=False)),
-        trainer=replace(config.trainer, model="smollm2", device="cpu", dtype="float32", threads=demo.trainer_threads,
+        trainer=replace(config.trainer, model="smollm2", threads=demo.trainer_threads,
                         lr=demo.lr, temperature=1.0, batch_transitions=wave * 3 // 4, batch_tokens=0, batch_wait_s=15.0,
                         max_policy_lag=3, checkpoint_every_steps=1, keep_checkpoints=3,
                         checkpoint_dir=str(workdir / "checkpoints"), session_timeout_s=6.0),

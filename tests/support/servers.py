@@ -3,11 +3,12 @@
 from __future__ import annotations
 
 import threading
+from pathlib import Path
 from types import SimpleNamespace
 
 import torch
 
-from models import LoadedModel, teacher_forced_logprobs, tiny_tokenizer
+from models import LoadedModel, load_model, teacher_forced_logprobs, tiny_tokenizer
 
 TOLERANCE = 1e-4
 
@@ -60,3 +61,15 @@ class ScriptedLM(torch.nn.Module):
         logits = torch.full((input_ids.shape[0], 1, self.vocab_size), -30.0)
         logits[:, :, self.script[min(step, len(self.script) - 1)]] = 30.0
         return SimpleNamespace(logits=logits, past_key_values=ScriptedCache(step))
+
+
+def make_lora(folder: Path) -> torch.nn.Module:
+    """A non-zero peft LoRA on a fresh tiny model, saved to ``folder``; returns the peft model for reference."""
+    from peft import LoraConfig, get_peft_model
+
+    with torch.random.fork_rng():
+        torch.manual_seed(0)
+        peft_model = get_peft_model(load_model("tiny").model, LoraConfig(
+            r=4, lora_alpha=8, target_modules=["q_proj", "v_proj", "down_proj"], init_lora_weights=False))
+    peft_model.save_pretrained(folder)
+    return peft_model.eval()

@@ -8,7 +8,6 @@ import threading
 import time
 import urllib.error
 import urllib.request
-from pathlib import Path
 
 import openai
 import pytest
@@ -19,7 +18,7 @@ from models import LoadedModel, ModelLoadError, load_model, tiny_tokenizer
 from serving.app import create_app
 from serving.generation import SamplingParams, SequenceState, truncate
 from serving.tool_format import ToolStreamFilter, parse_tool_calls, render_prompt, renders_tools
-from tests.support.servers import TOLERANCE, assert_exact, scripted
+from tests.support.servers import TOLERANCE, assert_exact, make_lora, scripted
 
 HELLO = [{"role": "user", "content": "Say hello."}]
 WEATHER_TOOL = {"type": "function", "function": {
@@ -394,18 +393,6 @@ def test_tool_calls_end_to_end():
 
 
 # ---------------------------------------------------------------- models, LoRA, weights, errors
-
-
-def make_lora(folder: Path) -> torch.nn.Module:
-    """A non-zero peft LoRA on a fresh tiny model, saved to ``folder``; returns the peft model for reference."""
-    from peft import LoraConfig, get_peft_model
-
-    with torch.random.fork_rng():
-        torch.manual_seed(0)
-        peft_model = get_peft_model(load_model("tiny").model, LoraConfig(
-            r=4, lora_alpha=8, target_modules=["q_proj", "v_proj", "down_proj"], init_lora_weights=False))
-    peft_model.save_pretrained(folder)
-    return peft_model.eval()
 
 
 def test_lora_load_serve_unload(server, client, tiny, tmp_path):

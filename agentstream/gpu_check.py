@@ -1,0 +1,85 @@
+"""Checks of a machine's device path: trainer and server agree on logprobs, and how fast each precision runs.
+
+``make gpu-check`` runs the device tests on CUDA and ``bench/precision.py``, which prints these
+figures; the tests use the same functions, so the bench measures what the tests assert.
+"""
+
+from __future__ import annotations
+
+import time
+
+import torch
+
+from infra.config import TrainerConfig
+from serving.generation import BatchRequest, SamplingParams, generate_batch
+from trainer.batching import Batch, Counts, Sample, collate
+from trainer.policy import Policy, build_policy
+from trainer.step import token_logprobs, train_step
+
+
+def _policy(model: str, device: str, dtype: str, threads: int = 2) -> Policy:
+    return build_policy(TrainerConfig(model=model, device=device, dtype=dtype, threads=threads))
+
+
+def _generate(policy: Policy, prompts: list[list[int]], max_tokens: int, seed: int = 0) -> list[Sample]:
+    """Sampled continuations as trainer samples whose behaviour logprobs are the server's, as the proxy records them."""
+    params = SamplingParams(max_tokens=max_tokens, temperature=1.0, seed=seed, logprobs=True)
+    policy.model.eval()
+    results = generate_batch(policy.model, policy.tokenizer, [BatchRequest(p, params) for p in prompts],
+                             eos_ids=set(), pad_id=policy.pad_id, autocast=policy.precision.autocast)
+    return [Sample(f"s{index}", "r", 0, prompt, states[0].token_ids, [e.logprob for e in states[0].logprobs], 1.0, 1.0)
+            for index, (prompt, states) in enumerate(zip(prompts, results, strict=True))]
+
+
+def _prompts(count: int, vocab: int, length: int = 12) -> list[list[int]]:
+    generator = torch.Generator().manual_seed(11)
+    return [torch.randint(5, min(vocab, 250), (length,), generator=generator).tolist() for _ in range(count)]
+
+
+def initial_ratio_max_abs_dev(model: str, device: str, dtype: str, *, prompts: int = 8, max_tokens: int = 32) -> float:
+    """max |log ratio| on a first step: the server's sampled logprobs vs the trainer's recomputation, same weights."""
+    policy = _policy(model, device, dtype)
+    samples = _generate(policy, _prompts(prompts, len(policy.tokenizer)), max_tokens)
+    (micro,) = collate(samples, policy.pad_id, policy.device)
+    with torch.no_grad(), policy.precision.autocast():
+        recomputed = token_logprobs(policy.model, micro, 1.0)[0]
+    mask = micro.response_mask.bool()
+    return float((recomputed[mask] - micro.behaviour_logprobs[mask]).abs().max())
+
+
+def generation_tokens_per_s(model: str, device: str, dtype: str, *, batch: int = 16, max_tokens: int = 64) -> float:
+    """Sampled tokens per second for a batch of prompts (after one warm-up batch)."""
+    policy = _policy(model, device, dtype)
+    prompts = _prompts(batch, len(policy.tokenizer))
+    _generate(policy, prompts[:2], 4)
+    started = time.perf_counter()
+    samples = _generate(policy, prompts, max_tokens)
+    _synchronize(policy)
+    return sum(len(s.response_ids) for s in samples) / (time.perf_counter() - started)
+
+
+def trainer_tokens_per_s(model: str, device: str, dtype: str, *, batch: int = 16, length: int = 256,
+                         steps: int = 3) -> float:
+    """Trained tokens per second of full optimizer steps on ``batch`` sequences of ``length`` tokens."""
+    policy = _policy(model, device, dtype)
+    config = TrainerConfig(model=model, device=device, dtype=dtype)
+    vocab = min(len(policy.tokenizer), 250)
+    generator = torch.Generator().manual_seed(5)
+    samples = []
+    for index in range(batch):
+        ids = torch.randint(5, vocab, (length,), generator=generator).tolist()
+        half = length // 2
+        samples.append(Sample(f"t{index}", "r", 0, ids[:half], ids[half:], [-5.0] * (length - half), 1.0,
+                              1.0 if index % 2 else -1.0))
+    train_step(policy, Batch(samples, 0, Counts()), config)  # warm-up
+    _synchronize(policy)
+    started = time.perf_counter()
+    for _ in range(steps):
+        train_step(policy, Batch(samples, 0, Counts()), config)
+    _synchronize(policy)
+    return steps * batch * length / (time.perf_counter() - started)
+
+
+def _synchronize(policy: Policy) -> None:
+    if policy.device.type == "cuda":
+        torch.cuda.synchronize(policy.device)

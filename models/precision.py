@@ -1,0 +1,111 @@
+"""Where and at what precision a model runs: one rule for the trainer and the model server, so their logprobs agree.
+
+The standard mixed-precision recipe: weights (and the trainer's optimizer state) stay float32,
+the forward pass runs under ``torch.autocast`` in bfloat16 where that is the compute dtype.
+``auto`` means bfloat16 compute on a CUDA device that supports it and float32 elsewhere, so a
+trainer and a server resolved from the same settings on the same machine compute the same
+numbers for the same tokens. float32 matmuls on CUDA use TF32. Pure bfloat16 weights (no
+float32 master copy) are only used when asked for explicitly: AdamW's small updates fall below
+bfloat16's resolution and are lost.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import logging
+from dataclasses import dataclass
+from typing import TYPE_CHECKING
+
+if TYPE_CHECKING:
+    import torch
+
+log = logging.getLogger("agentstream.models")
+
+DEVICES_HELP = "auto (CUDA when present), cpu, cuda or cuda:N"
+COMPUTE_DTYPES = ("auto", "float32", "bfloat16")
+INITIAL_RATIO_BOUND = {"float32": 1e-3, "bfloat16": 0.25}
+"""The largest |log ratio| a first step may show between the server's sampled logprobs and the trainer's
+recomputation of the same tokens with the same weights, by compute dtype. In float32 the two differ only in the
+summation order of batched, padded, KV-cached matmuls against one full forward (measured 5e-6 on the tiny model,
+2e-5 on SmolLM2-135M). Under bfloat16 autocast both sides round activations to bfloat16 in a different order
+(measured on the CPU: 0.03 on the tiny model, 0.17 on SmolLM2-135M over 96 sampled tokens, most tokens far
+below). Mixing precisions is what this module exists to avoid: an fp32 server against a bf16 trainer gave 0.24."""
+WEIGHTS_DTYPES = ("float32", "bfloat16")
+
+
+class PrecisionError(ValueError):
+    """A device or dtype setting that cannot be used on this machine."""
+
+
+@dataclass(frozen=True)
+class Precision:
+    """A resolved device, the dtype the forward pass computes in, and the dtype the weights are stored in."""
+
+    device: torch.device
+    compute_dtype: torch.dtype
+    weights_dtype: torch.dtype
+
+    @property
+    def mixed(self) -> bool:
+        """Whether the forward pass autocasts float32 weights to a lower compute dtype."""
+        return self.compute_dtype != self.weights_dtype
+
+    def autocast(self) -> contextlib.AbstractContextManager:
+        """The autocast context for a forward pass (a no-op when compute and weights dtypes are the same)."""
+        import torch
+
+        if not self.mixed:
+            return contextlib.nullcontext()
+        return torch.autocast(device_type=self.device.type, dtype=self.compute_dtype)
+
+    def describe(self) -> str:
+        names = {"torch.float32": "float32", "torch.bfloat16": "bfloat16"}
+        compute, weights = names.get(str(self.compute_dtype)), names.get(str(self.weights_dtype))
+        return f"{self.device} {compute}" + (f" autocast over {weights} weights" if self.mixed else "")
+
+
+def resolve_device(spec: str) -> torch.device:
+    """``auto`` is CUDA when available, else CPU; ``cuda`` without CUDA is an error, not a silent CPU run."""
+    import torch
+
+    if spec == "auto":
+        return torch.device("cuda" if torch.cuda.is_available() else "cpu")
+    if spec.startswith("cuda") and not torch.cuda.is_available():
+        raise PrecisionError(f"device {spec!r} asked for, but CUDA is not available on this machine")
+    try:
+        return torch.device(spec)
+    except RuntimeError as error:
+        raise PrecisionError(f"device {spec!r}: {error} (use {DEVICES_HELP})") from None
+
+
+def resolve_precision(device: str = "auto", dtype: str = "auto", weights_dtype: str = "float32") -> Precision:
+    """The precision for device/dtype settings (see the module docstring for what ``auto`` picks)."""
+    import torch
+
+    if dtype not in COMPUTE_DTYPES:
+        raise PrecisionError(f"dtype {dtype!r}: use one of {', '.join(COMPUTE_DTYPES)}")
+    if weights_dtype not in WEIGHTS_DTYPES:
+        raise PrecisionError(f"weights dtype {weights_dtype!r}: use one of {', '.join(WEIGHTS_DTYPES)}")
+    resolved = resolve_device(device)
+    if dtype == "auto":
+        bf16 = resolved.type == "cuda" and torch.cuda.is_bf16_supported()
+        compute = torch.bfloat16 if bf16 else torch.float32
+    else:
+        compute = getattr(torch, dtype)
+    weights = getattr(torch, weights_dtype)
+    if weights == torch.bfloat16:
+        log.warning("pure bfloat16 weights: optimizer updates smaller than bfloat16's resolution are lost "
+                    "(the default keeps float32 weights and computes in %s)", dtype)
+        compute = torch.bfloat16
+    return Precision(resolved, compute, weights)
+
+
+def configure_backends(precision: Precision, threads: int | None) -> None:
+    """TF32 for float32 matmuls on CUDA; the CPU thread count only where the model runs on the CPU."""
+    import torch
+
+    if precision.device.type == "cuda":
+        torch.backends.cuda.matmul.allow_tf32 = True
+        torch.backends.cudnn.allow_tf32 = True
+    elif threads:
+        torch.set_num_threads(threads)
