@@ -115,3 +115,14 @@ def test_the_checks_see_a_violation(tmp_path):
     graph = package_graph(tmp_path)
     assert upward_imports(graph) == ["models imports trainer"]
     assert find_cycle(graph) in (["models", "trainer", "models"], ["trainer", "models", "trainer"])
+
+
+def test_the_runner_side_hot_swap_and_model_files_import_without_torch():
+    """A runner, the proxy and hot swap (which may point at vLLM) must not need the [train] extra's torch."""
+    import subprocess
+    import sys
+
+    program = ("import sys, agentstream, pipeline.proxy, pipeline.runner, serving.hotswap, models, models.weights; "
+               "print(sorted(name for name in ('torch', 'transformers') if name in sys.modules))")
+    result = subprocess.run([sys.executable, "-c", program], cwd=ROOT, capture_output=True, text=True, check=True)
+    assert result.stdout.strip() == "[]"
