@@ -409,9 +409,12 @@ def show_config(ctx: click.Context) -> None:
               help="Compute dtype; weights stay float32 (default: [server] dtype, auto = bfloat16 autocast on CUDA).")
 @click.option("--threads", default=None, type=int, help="CPU threads torch may use, on the CPU (default: [server] "
               "threads, 2).")
+@click.option("--contract", default=None, type=click.Choice(["dev", "vllm"]),
+              help="dev: vLLM's API plus X-Policy-Version and /v1/load_weights; vllm: exactly vLLM's (no policy "
+              "versions, LoRA updates only) (default: [server] contract, dev).")
 @click.pass_context
 def serve_model_command(ctx: click.Context, model_spec: str, host: str, port: int, served_model_name: str | None,
-                        device: str | None, dtype: str | None, threads: int | None) -> None:
+                        device: str | None, dtype: str | None, threads: int | None, contract: str | None) -> None:
     """Serve a model with vLLM's OpenAI-compatible API (token ids, logprobs, LoRA and weight updates)."""
     import uvloop
 
@@ -419,6 +422,7 @@ def serve_model_command(ctx: click.Context, model_spec: str, host: str, port: in
         from models import ModelLoadError, load_model
         from models.precision import PrecisionError, resolve_precision
         from serving.app import serve
+        from serving.protocol import Contract
     except ImportError as error:
         raise click.ClickException(f"serve-model needs {error.name}: pip install 'agentstream[train]'") from None
     logging.getLogger("agentstream").setLevel(logging.INFO)
@@ -428,9 +432,11 @@ def serve_model_command(ctx: click.Context, model_spec: str, host: str, port: in
         loaded = load_model(model_spec, precision=precision, threads=settings.threads if threads is None else threads)
     except (ModelLoadError, PrecisionError) as error:
         raise click.ClickException(str(error)) from None
-    click.echo(f"serving {loaded.name} on {precision.describe()}")
+    served_contract = Contract(contract or settings.contract)
+    click.echo(f"serving {loaded.name} on {precision.describe()} ({served_contract} contract)")
     try:
-        uvloop.run(serve(loaded, host=host, port=port, served_model_name=served_model_name))
+        uvloop.run(serve(loaded, host=host, port=port, served_model_name=served_model_name,
+                         contract=served_contract))
     except KeyboardInterrupt:
         pass
 

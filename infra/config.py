@@ -216,16 +216,19 @@ class TrainerConfig:
 
 @dataclass(frozen=True)
 class ServerConfig:
-    """The dev model server (``agentstream serve-model``): where it runs and at what precision.
+    """The dev model server (``agentstream serve-model``): where it runs, at what precision, under which contract.
 
     ``device`` and ``dtype`` follow the trainer's rule (``auto``: CUDA with bfloat16 autocast
     over float32 weights when present, else float32 on the CPU), so on one machine the server's
     behaviour logprobs and the trainer's recomputed ones agree. ``threads`` applies on the CPU only.
+    ``contract`` is ``dev`` (vLLM's API plus ``X-Policy-Version`` and ``/v1/load_weights``) or
+    ``vllm`` (exactly what vLLM >= 0.10.2 answers: no policy versions, LoRA updates only).
     """
 
     device: str = "auto"
     dtype: str = "auto"
     threads: int = 2
+    contract: str = "dev"
 
     def __post_init__(self) -> None:
         if not (self.device in ("auto", "cpu") or self.device.startswith("cuda")):
@@ -234,6 +237,8 @@ class ServerConfig:
             raise ConfigError("server.dtype must be auto, float32 or bfloat16")
         if self.threads < 0:
             raise ConfigError("server.threads must be >= 0")
+        if self.contract not in ("dev", "vllm"):
+            raise ConfigError("server.contract must be dev or vllm")
 
 
 @dataclass(frozen=True)

@@ -4,9 +4,12 @@ The proxy, runners and trainer talk to this server exactly as they talk to vLLM 
 ``/v1/chat/completions`` and ``/v1/completions`` (streaming too) with vLLM's ``return_token_ids``
 (top-level ``prompt_token_ids`` and ``choices[i].token_ids``; completions put
 ``prompt_token_ids`` on each choice), ``/v1/models``, ``/v1/load_lora_adapter``,
-``/v1/unload_lora_adapter`` and ``/health``. The dev server adds ``/v1/load_weights`` for
-full-weight updates and an ``X-Policy-Version`` header on every response. This module is the
-router and the middleware that renders errors and stamps the version; ``handlers`` answers.
+``/v1/unload_lora_adapter`` and ``/health``. Under the dev contract (the default) the server
+adds ``/v1/load_weights`` for full-weight updates, an adapter ``version`` field and an
+``X-Policy-Version`` header on every response; under the vLLM contract it has none of these,
+so the pipeline can be run against exactly what vLLM offers. This module is the router (routes
+per contract), the middleware that renders errors and the hook that stamps the version (dev
+contract only); ``handlers`` answers.
 """
 
 from __future__ import annotations
@@ -21,6 +24,8 @@ from models import LoadedModel
 from schemas.contracts import POLICY_VERSION_HEADER, openai_error_body
 from serving.engine import ModelServer
 from serving.handlers import (
+    CONTRACT,
+    SERVED_VERSION,
     SERVER,
     chat_completions,
     completions,
@@ -30,7 +35,7 @@ from serving.handlers import (
     load_weights,
     unload_lora_adapter,
 )
-from serving.protocol import RequestError, error_type_of
+from serving.protocol import Contract, RequestError, error_type_of
 
 log = logging.getLogger("agentstream.model_server")
 
@@ -42,35 +47,51 @@ def _error_response(status: int, message: str, error_type: str | None = None, pa
 
 
 @web.middleware
-async def _errors_and_version(request: web.Request, handler: Handler) -> web.StreamResponse:
-    """Render refusals as vLLM-style errors and stamp X-Policy-Version on every response."""
+async def _errors(request: web.Request, handler: Handler) -> web.StreamResponse:
+    """Render refusals, unknown routes and failures as vLLM-style errors."""
     try:
-        response = await handler(request)
+        return await handler(request)
     except RequestError as error:
-        response = _error_response(error.status, str(error), error.error_type, error.param)
+        return _error_response(error.status, str(error), error.error_type, error.param)
     except web.HTTPException as error:
-        response = _error_response(error.status, error.reason)
+        return _error_response(error.status, error.reason)
     except Exception as error:
         log.exception("request failed: %s %s", request.method, request.path)
-        response = _error_response(500, f"internal error: {error}")
-    if not response.prepared:
-        response.headers.setdefault(POLICY_VERSION_HEADER, str(request.app[SERVER].version))
-    return response
+        return _error_response(500, f"internal error: {error}")
 
 
-def create_app(loaded: LoadedModel, *, served_model_name: str | None = None) -> web.Application:
-    """The aiohttp application serving ``loaded`` (used by ``serve`` and by tests)."""
+async def _stamp_version(request: web.Request, response: web.StreamResponse) -> None:
+    """Stamp X-Policy-Version as headers go out: a generation's batch version, else the server's current one."""
+    version = request.get(SERVED_VERSION)
+    response.headers[POLICY_VERSION_HEADER] = str(request.app[SERVER].version if version is None else version)
+
+
+def _routes(contract: Contract) -> list[web.RouteDef]:
+    """vLLM's endpoints, plus ``/v1/load_weights`` where the contract serves policy versions."""
+    routes = [
+        web.post("/v1/chat/completions", chat_completions),
+        web.post("/v1/completions", completions),
+        web.get("/v1/models", list_models),
+        web.post("/v1/load_lora_adapter", load_lora_adapter),
+        web.post("/v1/unload_lora_adapter", unload_lora_adapter),
+        web.get("/health", health),
+    ]
+    if contract.versioned:
+        routes.append(web.post("/v1/load_weights", load_weights))
+    return routes
+
+
+def create_app(loaded: LoadedModel, *, served_model_name: str | None = None,
+               contract: Contract = Contract.DEV) -> web.Application:
+    """The aiohttp application serving ``loaded`` under ``contract`` (used by ``serve`` and by tests)."""
     loaded.model.eval()
     server = ModelServer(loaded, served_model_name)
-    app = web.Application(middlewares=[_errors_and_version], client_max_size=64 * 1024 * 1024)
+    app = web.Application(middlewares=[_errors], client_max_size=64 * 1024 * 1024)
     app[SERVER] = server
-    app.router.add_post("/v1/chat/completions", chat_completions)
-    app.router.add_post("/v1/completions", completions)
-    app.router.add_get("/v1/models", list_models)
-    app.router.add_post("/v1/load_lora_adapter", load_lora_adapter)
-    app.router.add_post("/v1/unload_lora_adapter", unload_lora_adapter)
-    app.router.add_post("/v1/load_weights", load_weights)
-    app.router.add_get("/health", health)
+    app[CONTRACT] = contract
+    app.router.add_routes(_routes(contract))
+    if contract.versioned:
+        app.on_response_prepare.append(_stamp_version)
 
     async def stop_generation(app: web.Application) -> None:
         await asyncio.to_thread(server.batcher.close)
@@ -80,13 +101,15 @@ def create_app(loaded: LoadedModel, *, served_model_name: str | None = None) -> 
 
 
 async def serve(loaded: LoadedModel, *, host: str = "127.0.0.1", port: int = 8000,
-                served_model_name: str | None = None) -> None:
+                served_model_name: str | None = None, contract: Contract = Contract.DEV) -> None:
     """Serve until cancelled."""
-    runner = web.AppRunner(create_app(loaded, served_model_name=served_model_name), access_log=None)
+    runner = web.AppRunner(create_app(loaded, served_model_name=served_model_name, contract=contract),
+                           access_log=None)
     await runner.setup()
     try:
         await web.TCPSite(runner, host, port).start()
-        log.info("serving %s at http://%s:%d/v1", served_model_name or loaded.name, host, port)
+        log.info("serving %s at http://%s:%d/v1 (%s contract)", served_model_name or loaded.name, host, port,
+                 contract)
         await asyncio.Event().wait()
     finally:
         await runner.cleanup()

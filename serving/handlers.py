@@ -7,7 +7,8 @@ Choices where vLLM's behaviour needed pinning down (see ``generation`` for logpr
   that spelled it, so for stop-string endings the ids decode to more than the text.
   ``finish_reason`` is "stop" for EOS (``stop_reason`` null), stop strings and stop token ids
   (``stop_reason`` the id), "length" at max_tokens, "tool_calls" when tool calls were parsed.
-- ``X-Policy-Version`` on a generation is the version the request's batch ran with.
+- A generation notes the policy version its batch ran with (``SERVED_VERSION``); the dev
+  contract stamps it as ``X-Policy-Version``, the vLLM contract sends no version at all.
 - ``tool_choice`` "required" or a named function is treated like "auto" (no constrained
   decoding); "none" renders the tools but does not parse tool calls.
 """
@@ -27,7 +28,7 @@ from typing import Any
 from aiohttp import web
 
 from models import WeightsError, assign_weights, check_weights, read_weights
-from schemas.contracts import POLICY_VERSION_HEADER, openai_error_body
+from schemas.contracts import openai_error_body
 from serving.batcher import Job
 from serving.engine import ModelServer
 from serving.generation import Delta, SequenceState
@@ -35,6 +36,7 @@ from serving.lora import LoraError, LoraNotFound, load_lora
 from serving.protocol import (
     COMPLETIONS_DEFAULT_MAX_TOKENS,
     MAX_TOP_LOGPROBS,
+    Contract,
     RequestError,
     bool_field,
     int_field,
@@ -50,6 +52,12 @@ log = logging.getLogger("agentstream.model_server")
 
 SERVER = web.AppKey("model_server", ModelServer)
 """Where the handlers find the server's state in the application."""
+
+CONTRACT = web.AppKey("contract", Contract)
+"""The HTTP contract the application serves."""
+
+SERVED_VERSION: web.RequestKey[int | None] = web.RequestKey("served_version")
+"""The policy version a generation's batch ran with."""
 
 Frame = Callable[..., dict[str, Any]]
 """Wraps a stream's choices (and extra fields such as ``usage``) in its chunk envelope."""
@@ -69,8 +77,8 @@ async def _stream(request: web.Request, server: ModelServer, job: Job, *, name: 
                   opening: Sequence[dict[str, Any]] = ()) -> web.StreamResponse:
     """Stream a job as SSE: ``opening`` events, one event per choice per generated token, usage, then [DONE].
 
-    The headers go out when the job's batch starts, stamped with the policy version it runs
-    with. A failure before that is a plain error response; after it, vLLM's in-band error event.
+    The headers go out when the job's batch starts, once the policy version it runs with is
+    noted. A failure before that is a plain error response; after it, vLLM's in-band error event.
     """
     response: web.StreamResponse | None = None
     completion_tokens = 0
@@ -78,8 +86,9 @@ async def _stream(request: web.Request, server: ModelServer, job: Job, *, name: 
         async with aclosing(server.stream(job)) as steps:
             async for deltas in steps:
                 if response is None:  # the batch started: its policy version is known
+                    request[SERVED_VERSION] = job.version
                     response = web.StreamResponse(headers={"Content-Type": "text/event-stream",
-                                                           "Cache-Control": "no-cache", **_version_headers(job)})
+                                                           "Cache-Control": "no-cache"})
                     await response.prepare(request)
                     for event in opening:
                         await response.write(_sse(event))
@@ -100,11 +109,6 @@ async def _stream(request: web.Request, server: ModelServer, job: Job, *, name: 
     await response.write(_sse("[DONE]"))
     await response.write_eof()
     return response
-
-
-def _version_headers(job: Job) -> dict[str, str]:
-    """The policy version a generated response was served with."""
-    return {POLICY_VERSION_HEADER: str(job.version)}
 
 
 # ---------------------------------------------------------------- chat completions
@@ -148,7 +152,8 @@ async def chat_completions(request: web.Request) -> web.StreamResponse:
                 "usage": server.usage(job, sum(len(s.token_ids) for s in sequences))}
     if job.output.return_token_ids:
         response["prompt_token_ids"] = job.prompt_ids
-    return web.json_response(response, headers=_version_headers(job))
+    request[SERVED_VERSION] = job.version
+    return web.json_response(response)
 
 
 def _chat_choice(server: ModelServer, job: Job, sequence: SequenceState, parse_tools: bool) -> dict[str, Any]:
@@ -250,7 +255,8 @@ async def completions(request: web.Request) -> web.StreamResponse:
     response = {"id": f"cmpl-{uuid.uuid4().hex}", "object": "text_completion", "created": int(time.time()),
                 "model": job.model_name, "choices": choices,
                 "usage": server.usage(job, sum(len(s.token_ids) for s in sequences))}
-    return web.json_response(response, headers=_version_headers(job))
+    request[SERVED_VERSION] = job.version
+    return web.json_response(response)
 
 
 async def _stream_completion(request: web.Request, server: ModelServer, job: Job) -> web.StreamResponse:
@@ -296,13 +302,13 @@ async def list_models(request: web.Request) -> web.Response:
 
 
 async def load_lora_adapter(request: web.Request) -> web.Response:
-    """POST /v1/load_lora_adapter {"lora_name", "lora_path", "version"?, "load_inplace"?}."""
+    """POST /v1/load_lora_adapter {"lora_name", "lora_path", "version"? (dev contract only), "load_inplace"?}."""
     server = request.app[SERVER]
     body = await json_body(request)
     if not body.get("lora_name") or not body.get("lora_path"):
         raise RequestError("Both 'lora_name' and 'lora_path' must be provided.", error_type="InvalidUserInput")
     name, path = str_field(body, "lora_name"), str_field(body, "lora_path")
-    version = int_field(body, "version", 0, 0)
+    version = int_field(body, "version", 0, 0) if request.app[CONTRACT].versioned else 0
     if name == server.name:
         raise RequestError(f"'{name}' is the base model's name", error_type="InvalidUserInput", param="lora_name")
     if name in server.adapters and not bool_field(body, "load_inplace", False):

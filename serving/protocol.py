@@ -2,13 +2,15 @@
 
 Refusals are ``RequestError``; the app renders them as vLLM's error body
 ``{"error": {"message", "type", "param", "code"}}`` with code the HTTP status (400
-BadRequestError, 404 NotFoundError for an unknown model or adapter).
+BadRequestError, 404 NotFoundError for an unknown model or adapter). ``Contract`` names which
+server the app answers as: the dev server, or vLLM itself.
 """
 
 from __future__ import annotations
 
 import json
 from dataclasses import dataclass
+from enum import StrEnum
 from typing import Any, overload
 
 from aiohttp import web
@@ -21,6 +23,18 @@ GREEDY_BELOW = 1e-5  # vLLM treats smaller temperatures as greedy
 COMPLETIONS_DEFAULT_MAX_TOKENS = 16
 LOGPROB_FLOOR = -9999.0  # vLLM clamps -inf so the JSON stays valid
 ERROR_TYPES = {400: "BadRequestError", 404: "NotFoundError", 405: "MethodNotAllowed", 500: "InternalServerError"}
+
+
+class Contract(StrEnum):
+    """The HTTP contract served: the dev server's (vLLM's plus policy versions) or exactly vLLM's."""
+
+    DEV = "dev"
+    VLLM = "vllm"
+
+    @property
+    def versioned(self) -> bool:
+        """Whether policy versions are served: ``X-Policy-Version``, ``/v1/load_weights`` and adapters' ``version``."""
+        return self is Contract.DEV
 
 
 class RequestError(Exception):
