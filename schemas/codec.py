@@ -101,6 +101,8 @@ class AvroCodec:
 
     def writer_schema(self, data: bytes) -> tuple[int, str, Schema]:
         """The schema id, record full name and plain writer schema (no logical types) of a wire-format record."""
+        if data is None:
+            raise NotWireFormat("the record has no value (a tombstone): nothing to decode")
         if len(data) < HEADER_SIZE:
             raise NotWireFormat(f"{len(data)} bytes is shorter than the {HEADER_SIZE}-byte header")
         magic, writer_id = _HEADER.unpack_from(data)

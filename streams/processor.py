@@ -211,7 +211,8 @@ class SpanProcessor(Stage[SpanBatch]):
         log.warning("dead letter from %s[%d]@%d: %s", record.topic, record.partition, record.offset, error)
         await self.emitter.send(self.dlq_topic, record.key, self.codec.encode(DEAD_LETTER, {
             "source_topic": record.topic, "partition": record.partition, "offset": record.offset, "key": record.key,
-            "value": bytes(record.value), "error": str(error), "error_type": type(error).__name__, "at_us": now_us(),
+            "value": bytes(record.value or b""),  # a tombstone has no value: its dead letter holds empty bytes
+            "error": str(error), "error_type": type(error).__name__, "at_us": now_us(),
         }))
 
     async def tick(self) -> None:

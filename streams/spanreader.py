@@ -31,6 +31,7 @@ SPAN_NODE_FIELDS = frozenset({
 EMPTY_ARRAY = b"\x00"
 _DOUBLE = struct.Struct("<d")
 _FLOAT = struct.Struct("<f")
+VARINT_RUN_CACHE = 1024  # distinct array lengths whose patterns are kept; others are compiled (and cached by re)
 _VARINT_RUNS: dict[int, re.Pattern[bytes]] = {}
 
 
@@ -55,14 +56,25 @@ def read_long(buffer: bytes, position: int) -> tuple[int, int]:
             raise MalformedSpan("varint longer than 10 bytes")
 
 
+def varint_run_cache_size() -> int:
+    """How many compiled varint-run patterns are cached (bounded by VARINT_RUN_CACHE)."""
+    return len(_VARINT_RUNS)
+
+
 def _skip_varints(buffer: bytes, position: int, count: int) -> int:
     """The position after ``count`` varints.
 
-    A regular expression walks them at C speed (possessive: no backtracking).
+    A regular expression walks them at C speed (possessive: no backtracking). Every varint takes
+    at least one byte, so a count larger than the bytes left is malformed before any pattern is
+    built (a huge count would overflow the pattern's repetition limit).
     """
+    if count > len(buffer) - position:
+        raise MalformedSpan(f"array of {count} ints in {max(len(buffer) - position, 0)} bytes")
     run = _VARINT_RUNS.get(count)
     if run is None:
-        run = _VARINT_RUNS[count] = re.compile(rb"(?:[\x80-\xff]*+[\x00-\x7f]){%d}" % count, re.DOTALL)
+        run = re.compile(rb"(?:[\x80-\xff]*+[\x00-\x7f]){%d}" % count, re.DOTALL)
+        if len(_VARINT_RUNS) < VARINT_RUN_CACHE:
+            _VARINT_RUNS[count] = run
     match = run.match(buffer, position)
     if match is None:
         raise MalformedSpan("array of ints cut short")
@@ -137,6 +149,8 @@ def _blocks(items: Reader | None, item_size: int | None, keyed: bool) -> Reader:
             if count < 0:  # a negative count is followed by the block's size in bytes
                 count = -count
                 size, position = read_long(buffer, position)
+                if size < 0:
+                    raise MalformedSpan(f"negative block size {size}")
                 if items is None:
                     position += size
                     continue
@@ -208,6 +222,8 @@ def _skip_string_map(buffer: bytes, position: int) -> tuple[None, int]:
             return None, position
         if count < 0:
             size, position = read_long(buffer, position)
+            if size < 0:
+                raise MalformedSpan(f"negative block size {size}")
             position += size
             continue
         for _ in range(2 * count):

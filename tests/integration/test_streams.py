@@ -118,7 +118,8 @@ def test_credit_strategies_late_rewards_expiry_and_dead_letters(setup, stack):
                                                  "enqueued_at_us": 0})),
                (b"g4", CODEC.encode_span_batch([{  # a known writer schema, but the body is cut short
                    "span_id": "cut", "rollout_id": "g4", "attempt_id": "g4-1", "name": "n", "kind": "LLM",
-                   "start_time_us": 1, "end_time_us": 2, "attributes": {}, "prompt_token_ids": [1, 2, 3]}])[:-6])]
+                   "start_time_us": 1, "end_time_us": 2, "attributes": {}, "prompt_token_ids": [1, 2, 3]}])[:-6]),
+               (b"g5", None)]  # a tombstone: it used to kill every worker that met it
     asyncio.run(produce(stack.bootstrap_servers, spans_topic, items + garbage))
 
     def statuses():
@@ -174,12 +175,14 @@ def test_credit_strategies_late_rewards_expiry_and_dead_letters(setup, stack):
     assert fin["behaviour_logprobs"] == [-0.5, -0.25]
 
     dead = [CODEC.decode(r.value)[1] for r in read_all(stack.bootstrap_servers, f"s{tag}.dlq", 1)]
-    assert sorted(d["key"] for d in dead) == [b"g1", b"g2", b"g3", b"g4"]
+    assert sorted(d["key"] for d in dead) == [b"g1", b"g2", b"g3", b"g4", b"g5"]
     by_key = {d["key"]: d for d in dead}
     assert by_key[b"g1"]["error_type"] == "NotWireFormat" and by_key[b"g1"]["value"] == b"\x07not avro at all"
     assert by_key[b"g2"]["error_type"] == "UnknownSchemaId"
     assert by_key[b"g3"]["error_type"] == "UnexpectedRecord"
     assert by_key[b"g4"]["error_type"] == "MalformedSpan" and "cut short" in by_key[b"g4"]["error"]
+    assert by_key[b"g5"]["error_type"] == "NotWireFormat" and "tombstone" in by_key[b"g5"]["error"]
+    assert by_key[b"g5"]["value"] == b""
     assert all(d["source_topic"] == spans_topic and d["offset"] >= 0 for d in dead)
     assert statuses()["expires"] == "EXPIRED", "a reward after expiry does not revive the rollout"
 

@@ -1,0 +1,63 @@
+"""Poison records on the spans topic end as dead letters with a reason: never an exception, never a hang."""
+
+from __future__ import annotations
+
+import threading
+
+import fastavro
+import pytest
+
+from schemas import AvroCodec, NotWireFormat
+from schemas.spanwriter import write_long
+from streams import spanreader
+from streams.records import RawRecord, sort_records
+from streams.spanreader import MalformedSpan, compile_reader
+
+IDS = fastavro.parse_schema({"type": "record", "name": "Ids", "fields": [
+    {"name": "ids", "type": {"type": "array", "items": "int"}},
+    {"name": "tags", "type": {"type": "map", "values": "string"}}]})
+
+
+def read_within(reader, body: bytes, seconds: float = 5.0):
+    """Run a reader in a thread; fail (rather than hang the suite) if it does not finish in time."""
+    outcome: dict = {}
+
+    def run() -> None:
+        try:
+            outcome["value"] = reader(body, 0)
+        except Exception as error:  # the test inspects it
+            outcome["error"] = error
+
+    worker = threading.Thread(target=run, daemon=True)
+    worker.start()
+    worker.join(seconds)
+    assert not worker.is_alive(), f"the reader did not finish within {seconds} s on {body[:16]!r}"
+    return outcome
+
+
+def test_a_tombstone_is_a_dead_letter_not_a_crash():
+    tombstone = RawRecord("agentstream.spans", 0, 7, b"rollout-1", None)  # type: ignore[arg-type]
+    out = sort_records([tombstone], AvroCodec())
+    assert [record for record, _ in out.dead] == [tombstone]
+    (_, error), = out.dead
+    assert isinstance(error, NotWireFormat) and "tombstone" in str(error)
+
+
+def test_a_huge_block_count_is_malformed_and_the_pattern_cache_stays_bounded():
+    reader = compile_reader(IDS, raw_arrays=frozenset({"ids"}))
+    body = write_long(2**40) + b"\x02\x04\x00" + b"\x00"
+    outcome = read_within(reader, body)
+    assert isinstance(outcome.get("error"), MalformedSpan), outcome
+    for count in range(1, 3000):
+        read_within(reader, write_long(count) + b"\x02" * count + b"\x00" + b"\x00", 5.0)
+    assert spanreader.varint_run_cache_size() <= spanreader.VARINT_RUN_CACHE
+
+
+@pytest.mark.parametrize("field", ["ids", "tags"])
+def test_a_negative_block_count_with_a_negative_size_ends(field):
+    raw = frozenset({"ids"}) if field == "ids" else frozenset()
+    reader = compile_reader(IDS, raw_arrays=raw, skipped=frozenset({"tags"}))
+    negative_block = write_long(-1) + write_long(-3)
+    body = (negative_block + b"\x00") if field == "ids" else (b"\x00" + negative_block)
+    outcome = read_within(reader, body * 4)
+    assert isinstance(outcome.get("error"), MalformedSpan), outcome
