@@ -17,8 +17,8 @@ from trainer.policy import Policy, build_policy
 from trainer.step import token_logprobs, train_step
 
 
-def _policy(model: str, device: str, dtype: str, threads: int = 2) -> Policy:
-    return build_policy(TrainerConfig(model=model, device=device, dtype=dtype, threads=threads))
+def _policy(model: str, device: str, dtype: str) -> Policy:
+    return build_policy(TrainerConfig(model=model, device=device, dtype=dtype))
 
 
 def _generate(policy: Policy, prompts: list[list[int]], max_tokens: int, seed: int = 0) -> list[Sample]:
@@ -61,8 +61,8 @@ def generation_tokens_per_s(model: str, device: str, dtype: str, *, batch: int =
 def trainer_tokens_per_s(model: str, device: str, dtype: str, *, batch: int = 16, length: int = 256,
                          steps: int = 3) -> float:
     """Trained tokens per second of full optimizer steps on ``batch`` sequences of ``length`` tokens."""
-    policy = _policy(model, device, dtype)
     config = TrainerConfig(model=model, device=device, dtype=dtype)
+    policy = build_policy(config)
     vocab = min(len(policy.tokenizer), 250)
     generator = torch.Generator().manual_seed(5)
     samples = []

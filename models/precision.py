@@ -59,8 +59,8 @@ class Precision:
         return torch.autocast(device_type=self.device.type, dtype=self.compute_dtype)
 
     def describe(self) -> str:
-        names = {"torch.float32": "float32", "torch.bfloat16": "bfloat16"}
-        compute, weights = names.get(str(self.compute_dtype)), names.get(str(self.weights_dtype))
+        """``cpu float32`` or ``cuda bfloat16 autocast over float32 weights``, for start-up lines."""
+        compute, weights = (str(dtype).removeprefix("torch.") for dtype in (self.compute_dtype, self.weights_dtype))
         return f"{self.device} {compute}" + (f" autocast over {weights} weights" if self.mixed else "")
 
 
