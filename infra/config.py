@@ -126,6 +126,12 @@ class CreditRule:
     discounted by ``gamma``) or ``grpo`` (advantages normalised within groups of ``group_size``
     rollouts of one task, waiting at most ``group_timeout_s`` for stragglers). ``train_as``
     renames the trained model (the transitions topic key); ``train = false`` excludes.
+
+    ``sample_rate`` (0 to 1, default 1) is the share of the matching rollouts trained on; every
+    rollout is still captured and stored for analytics. The choice is a hash of the group id (else
+    the rollout id), so it is the same on every worker and replay, and a GRPO group is kept or
+    dropped whole. A rollout's own ``agentstream.train`` flag (SDK ``train=``, proxy header
+    ``X-Agentstream-Train``) overrides it: false never trains, true trains whatever the rate.
     """
 
     agent: str = "*"
@@ -136,6 +142,7 @@ class CreditRule:
     group_timeout_s: float = 60.0
     train: bool = True
     train_as: str | None = None
+    sample_rate: float = 1.0
 
 
 STRATEGIES = ("final", "discounted", "grpo")
@@ -435,6 +442,8 @@ def _normalise(config: Config) -> Config:
             raise ConfigError(f"credit[{index}]: grpo needs group_size >= 2, got {rule.group_size}")
         if not 0.0 <= rule.gamma <= 1.0:
             raise ConfigError(f"credit[{index}].gamma must be within [0, 1], got {rule.gamma}")
+        if not 0.0 <= rule.sample_rate <= 1.0:
+            raise ConfigError(f"credit[{index}].sample_rate must be within [0, 1], got {rule.sample_rate}")
     return config
 
 

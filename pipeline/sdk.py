@@ -24,7 +24,7 @@ from dataclasses import dataclass, field
 from typing import Any, Protocol
 from urllib.parse import quote
 
-from schemas.contracts import resolve_reward
+from schemas.contracts import TRAIN_ATTRIBUTE, resolve_reward
 
 
 class SpanSink(Protocol):
@@ -45,7 +45,13 @@ class NoSink(RuntimeError):
 
 @dataclass
 class Rollout:
-    """One execution of an agent on one task (or one production request): the unit credit is assigned to."""
+    """One execution of an agent on one task (or one production request): the unit credit is assigned to.
+
+    ``train`` is this rollout's training choice: True opts it in, False opts it out (an evaluation
+    or a request that must not be learned from), None leaves it to the credit rules' sample rate.
+    Every span built for the rollout carries it as the ``agentstream.train`` attribute, so the
+    stream processors see it whichever span of the rollout they read.
+    """
 
     rollout_id: str
     attempt_id: str
@@ -57,6 +63,7 @@ class Rollout:
     root_span_id: str | None = None
     attempt: int = 1
     rewards: list[float] = field(default_factory=list)
+    train: bool | None = None
 
     def llm_base_url(self) -> str:
         """The OpenAI base URL that records this rollout's LLM calls (rollout, attempt and agent) at the proxy."""
@@ -118,7 +125,15 @@ def _attribute_text(value: Any) -> str:
 def build_span(owner: Rollout, name: str, kind: str, start_us: int, end_us: int, *, span_id: str | None = None,
                parent_id: str | None = None, attributes: Mapping[str, Any] | None = None, status: str = "OK",
                status_message: str | None = None, **fields: Any) -> dict[str, Any]:
-    """A Span record (schemas/avro/span.avsc) attributed to ``owner``."""
+    """A Span record (schemas/avro/span.avsc) attributed to ``owner``.
+
+    When the owner made a training choice (``owner.train`` not None) the span carries it as the
+    ``agentstream.train`` attribute ("true"/"false"), overriding one set by hand: a rollout's spans
+    never disagree about it.
+    """
+    texts = {key: _attribute_text(value) for key, value in (attributes or {}).items()}
+    if owner.train is not None:
+        texts[TRAIN_ATTRIBUTE] = "true" if owner.train else "false"
     return {
         "span_id": span_id or new_id(),
         "rollout_id": owner.rollout_id,
@@ -133,7 +148,7 @@ def build_span(owner: Rollout, name: str, kind: str, start_us: int, end_us: int,
         "agent_name": owner.agent_name,
         "task_id": owner.task_id,
         "group_id": owner.group_id,
-        "attributes": {key: _attribute_text(value) for key, value in (attributes or {}).items()},
+        "attributes": texts,
         **fields,
     }
 
@@ -230,14 +245,19 @@ class rollout:
 
     Emits a STARTED event on entry and SUCCEEDED or FAILED on exit, around a root AGENT span.
     Works as ``with`` and ``async with``; yields the :class:`Rollout`.
+
+    ``train=True`` trains on this rollout even where the rule samples only some; ``train=False``
+    keeps it out of training (it is still captured for analytics); None (the default) lets the
+    matching credit rule's ``sample_rate`` decide.
     """
 
     def __init__(self, agent_name: str | None = None, *, rollout_id: str | None = None, attempt_id: str | None = None,
                  task_id: str | None = None, group_id: str | None = None, sink: SpanSink | None = None,
-                 proxy_url: str | None = None, worker_id: str | None = None, attempt: int = 1) -> None:
+                 proxy_url: str | None = None, worker_id: str | None = None, attempt: int = 1,
+                 train: bool | None = None) -> None:
         rollout_id = rollout_id or new_id()
         self.state = Rollout(rollout_id, attempt_id or f"{rollout_id}-{attempt}", agent_name, task_id, group_id, sink,
-                             proxy_url, root_span_id=new_id(), attempt=attempt)
+                             proxy_url, root_span_id=new_id(), attempt=attempt, train=train)
         self.worker_id = worker_id
         self._token: contextvars.Token | None = None
         self._start_us = 0

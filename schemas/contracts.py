@@ -16,6 +16,37 @@ ATTEMPT_HEADER = "X-Agentstream-Attempt"
 AGENT_HEADER = "X-Agentstream-Agent"
 TASK_HEADER = "X-Agentstream-Task"
 GROUP_HEADER = "X-Agentstream-Group"
+TRAIN_HEADER = "X-Agentstream-Train"
+"""A proxy request's opt-in ("true") or opt-out ("false") of training; absent, the credit rules' sampling decides."""
+TRAIN_ATTRIBUTE = "agentstream.train"
+"""The span attribute that carries a rollout's training choice ("true" or "false") from the SDK and proxy to streams."""
+
+TRAIN_TRUE = frozenset({"true", "1", "yes", "on"})
+TRAIN_FALSE = frozenset({"false", "0", "no", "off"})
+
+
+class TrainFlagError(ValueError):
+    """A training flag (header or attribute) that is neither true/1/yes/on nor false/0/no/off."""
+
+
+def parse_train_flag(value: str | None) -> bool | None:
+    """The training choice a header or attribute value states: True, False, or None when it states none.
+
+    Absent or empty means "no choice" (the credit rules' sample rate decides); the words are
+    case-insensitive. Anything else raises :class:`TrainFlagError`, so a typo is refused at the
+    edge instead of silently training (or dropping) a rollout.
+    """
+    if value is None:
+        return None
+    word = value.strip().lower()
+    if not word:
+        return None
+    if word in TRAIN_TRUE:
+        return True
+    if word in TRAIN_FALSE:
+        return False
+    raise TrainFlagError(f"a training flag ({TRAIN_HEADER} header or {TRAIN_ATTRIBUTE} attribute) must be one of "
+                         f"true, 1, yes, on, false, 0, no, off, or empty for no choice; got {value!r}")
 
 
 class RewardError(ValueError):

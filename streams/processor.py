@@ -24,13 +24,14 @@ spans received that may not be stored yet.
 from __future__ import annotations
 
 import datetime
+import hashlib
 import logging
 import time
 from collections.abc import Callable
 from dataclasses import dataclass
 from typing import Any
 
-from infra.config import Config
+from infra.config import Config, CreditRule
 from infra.kafka import topic_name
 from schemas import DEAD_LETTER, ROLLOUT_RESULT, AvroCodec
 from streams.credit import Credit, matching_rule, strategy_for
@@ -47,6 +48,38 @@ from streams.warehouse import RejectedData, Warehouse
 log = logging.getLogger("agentstream.streams")
 
 FAILED_STATUSES = {"FAILED", "TIMED_OUT", "CANCELLED"}
+
+OPTED_OUT, OPTED_IN, NOT_TRAINED = "opted_out", "opted_in", "not_trained"
+SAMPLED, SAMPLED_OUT = "sampled", "sampled_out"
+TRAINED = frozenset({OPTED_IN, SAMPLED})
+"""The ``training`` values of a rollouts row that produce transitions ('': the rollout failed or awaits a reward)."""
+
+
+def sample_point(key: str) -> float:
+    """A point in [0, 1) fixed by ``key``: the same on every worker, process and replay (blake2b, not hash())."""
+    digest = hashlib.blake2b(key.encode("utf-8"), digest_size=8).digest()
+    return int.from_bytes(digest, "big") / 2.0 ** 64
+
+
+def training_choice(trajectory: Trajectory, rule: CreditRule | None) -> str:
+    """Whether a completed, rewarded rollout is trained on, and why (the ``training`` column of its row).
+
+    No matching rule, or one with ``train = false``: ``not_trained``. Otherwise an explicit
+    ``agentstream.train = false`` on any span wins (``opted_out``: evaluation traffic never
+    trains), then ``true`` on any span (``opted_in``), then the rule's ``sample_rate`` decides on
+    a hash of the group id, else the rollout id (``sampled`` / ``sampled_out``), so a GRPO group
+    is kept or dropped whole and every worker and replay decides the same.
+    """
+    if rule is None or not rule.train:
+        return NOT_TRAINED
+    flags = {span.train for span in trajectory.spans}
+    if False in flags:
+        return OPTED_OUT
+    if True in flags:
+        return OPTED_IN
+    if rule.sample_rate >= 1.0:
+        return SAMPLED
+    return SAMPLED if sample_point(trajectory.group_id or trajectory.rollout_id) < rule.sample_rate else SAMPLED_OUT
 
 
 @dataclass
@@ -267,7 +300,8 @@ class SpanProcessor(Stage[SpanBatch]):
         return "TIMED_OUT" if rollout.managed else "COMPLETED"
 
     def _decide(self, trajectory: Trajectory, finished: list, now: float) -> RolloutRow:
-        """Route one assembled rollout: not trainable, waiting for a reward, grouped (credits None), or credited now."""
+        """Route one assembled rollout: not trainable, waiting for a reward, not selected for training (see
+        :func:`training_choice`), grouped (credits None), or credited now. Every one gets its rollouts row."""
         status = trajectory.status
         self.counters.calls_without_tokens += len(trajectory.llm_calls) - len(trajectory.trainable_calls)
         if status in FAILED_STATUSES or not trajectory.spans:
@@ -282,13 +316,14 @@ class SpanProcessor(Stage[SpanBatch]):
         self.counters.rollouts_completed += 1
         model = trajectory.models[0] if trajectory.models else ""
         rule = matching_rule(self.config.credit, trajectory.agent_name, model)
-        if rule is None or not rule.train:
+        training = training_choice(trajectory, rule)
+        if rule is None or training not in TRAINED:
             self.counters.rollouts_not_selected += 1
         elif strategy_for(rule).grouped and trajectory.group_id:
             finished.append((trajectory, None, rule))
         else:
             finished.append((trajectory, strategy_for(rule).assign(trajectory), rule))
-        return self._rollout_row(trajectory, status)
+        return self._rollout_row(trajectory, status, training)
 
     async def _emit_transitions(self, finished: list[tuple[Trajectory, list[Credit] | None, Any]]) -> list[bytes]:
         """Send the group results and the transitions to Kafka; returns the transitions for ClickHouse."""
@@ -315,7 +350,7 @@ class SpanProcessor(Stage[SpanBatch]):
         await self.publish_transitions(transitions)
         return datums
 
-    def _rollout_row(self, trajectory: Trajectory, status: str) -> RolloutRow:
+    def _rollout_row(self, trajectory: Trajectory, status: str, training: str = "") -> RolloutRow:
         calls = trajectory.llm_calls
         versions = sorted({c.policy_version for c in calls if c.policy_version is not None})
         return RolloutRow(
@@ -326,6 +361,7 @@ class SpanProcessor(Stage[SpanBatch]):
             llm_calls=len(calls), llm_calls_without_tokens=len(calls) - len(trajectory.trainable_calls),
             final_reward=trajectory.final_reward, total_reward=trajectory.total_reward,
             reward_dimensions=trajectory.reward_dimensions, policy_versions=versions, updated_at=utc(now_us()),
+            training=training,
         )
 
     @staticmethod
@@ -342,12 +378,14 @@ def draft_of(trajectory: Trajectory, rule: Any, call: SpanNode, step_index: int)
 STORED_SPANS_SQL = """
 SELECT span_id, rollout_id, attempt_id, parent_id, name, kind, toUnixTimestamp64Micro(start_time) AS start_time_us,
        toUnixTimestamp64Micro(end_time) AS end_time_us, status, agent_name, task_id, group_id, model,
-       prompt_token_ids, response_token_ids, response_logprobs, reward, reward_dimensions, policy_version
+       prompt_token_ids, response_token_ids, response_logprobs, reward, reward_dimensions, policy_version,
+       mapFilter((k, v) -> k = 'agentstream.train', attributes) AS attributes
 FROM {database}.spans FINAL
 WHERE rollout_id IN {ids:Array(String)}
 FORMAT Avro
 """
 # Rows named and typed like Span fields, so the span reader walks them; strings as Avro strings, not bytes.
+# Of the attributes only the training flag (agentstream.train) comes back: the reader reads nothing else there.
 STORED_SPANS_SETTINGS = {"output_format_avro_codec": "null", "output_format_avro_string_column_pattern": ".*"}
 
 

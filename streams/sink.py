@@ -40,6 +40,7 @@ class RolloutRow(NamedTuple):
     reward_dimensions: dict[str, float]
     policy_versions: list[int]
     updated_at: datetime.datetime
+    training: str = ""  # opted_out, opted_in, sampled, sampled_out, not_trained; '' failed or awaiting a reward
 
 
 ROLLOUT_COLUMNS: tuple[str, ...] = RolloutRow._fields

@@ -8,6 +8,10 @@ arrays have the same encoding, so a transition is built by concatenating them.
 
 The same reader walks a ClickHouse ``FORMAT Avro`` result whose columns are named after the
 Span fields, which is how rollouts that wait for a late reward get their spans back.
+
+Of the ``attributes`` map only one entry matters here, the rollout's training choice
+(``agentstream.train``): the reader steps over the map comparing key bytes only where a key has
+that length, and decodes nothing else.
 """
 
 from __future__ import annotations
@@ -17,13 +21,18 @@ import struct
 from collections.abc import Callable
 from typing import Any
 
+from schemas.contracts import TRAIN_ATTRIBUTE, TRAIN_FALSE, TRAIN_TRUE
 from streams.trajectory import SpanNode
 
 Reader = Callable[[bytes, int], tuple[Any, int]]
 """``reader(buffer, position) -> (value, next position)``."""
 
 TOKEN_FIELDS = ("prompt_token_ids", "response_token_ids", "response_logprobs")
-SKIPPED_FIELDS = frozenset({"attributes", "status_message"})  # stored by ClickHouse, not needed for credit
+SKIPPED_FIELDS = frozenset({"status_message"})  # stored by ClickHouse, not needed for credit
+FLAG_FIELD = "attributes"  # a span's attributes: only the training flag is read from them
+TRAIN_KEY = TRAIN_ATTRIBUTE.encode()
+TRAIN_KEY_SIZE = len(TRAIN_KEY)
+TRAIN_WORDS: dict[bytes, bool] = {**{w.encode(): True for w in TRAIN_TRUE}, **{w.encode(): False for w in TRAIN_FALSE}}
 SPAN_MARKERS = frozenset({"span_id", "attempt_id", "kind", "start_time_us", "end_time_us"})  # a record that is a span
 SPAN_NODE_FIELDS = frozenset({
     "span_id", "rollout_id", "attempt_id", "parent_id", "name", "kind", "start_time_us", "end_time_us", "status",
@@ -230,6 +239,54 @@ def _skip_string_map(buffer: bytes, position: int) -> tuple[None, int]:
             _, position = _skip_string(buffer, position)
 
 
+def _read_train_flag(buffer: bytes, position: int) -> tuple[bool | None, int]:
+    """Step over a map of strings, returning its ``agentstream.train`` value as a flag (None: absent or not a word).
+
+    Only a key of the flag's length is compared (a slice and a bytes compare); nothing is
+    decoded, so neither the other entries nor a garbage flag value can raise.
+    """
+    flag = None
+    while True:
+        count, position = read_long(buffer, position)
+        if count == 0:
+            return flag, position
+        if count < 0:  # a block with its byte size: its entries are still walked, to find the flag
+            count = -count
+            size, position = read_long(buffer, position)
+            if size < 0:
+                raise MalformedSpan(f"negative block size {size}")
+        for _ in range(count):
+            size = buffer[position]
+            if size < 0x80 and not size & 1:
+                position, size = position + 1, size >> 1
+            else:
+                size, position = read_long(buffer, position)
+                if size < 0:
+                    raise MalformedSpan(f"negative string length {size}")
+            if size == TRAIN_KEY_SIZE and buffer[position:position + size] == TRAIN_KEY:
+                value, position = _read_bytes(buffer, position + size)
+                flag = TRAIN_WORDS.get(value.strip().lower())
+                continue
+            position += size
+            size = buffer[position]
+            if size < 0x80 and not size & 1:
+                position += 1 + (size >> 1)
+            else:
+                size, position = read_long(buffer, position)
+                if size < 0:
+                    raise MalformedSpan(f"negative string length {size}")
+                position += size
+
+
+def _flag_reader(schema: Any) -> Reader:
+    """A reader for the ``attributes`` field that returns the training flag it holds (None where it has none)."""
+    if isinstance(schema, list):
+        return _union([_flag_reader(branch) for branch in schema])
+    if isinstance(schema, dict) and schema["type"] == "map" and schema["values"] == "string":
+        return _read_train_flag
+    return _skipper(schema)
+
+
 def compile_reader(schema: Any, raw_arrays: frozenset[str] = frozenset(), field: str = "",
                    skipped: frozenset[str] = frozenset()) -> Reader:
     """A reader for ``schema`` (parsed, self-contained); arrays of the fields named in ``raw_arrays``
@@ -322,13 +379,16 @@ def _span_reader(schema: dict[str, Any], raw_arrays: frozenset[str], skipped: fr
     for index, spec in enumerate(schema["fields"]):
         variable = f"v_{index}"
         source = None if spec["name"] in skipped or spec["name"] in raw_arrays else _inline(spec["type"])
-        if source is None:
+        if spec["name"] == FLAG_FIELD:
+            scope[f"read_{index}"] = _flag_reader(spec["type"])
+            lines.append(f"    {variable}, pos = read_{index}(buf, pos)")
+        elif source is None:
             scope[f"read_{index}"] = compile_reader(spec["type"], raw_arrays, spec["name"], skipped)
             lines.append(f"    {variable}, pos = read_{index}(buf, pos)")
         else:
             lines.append(source.replace("{var}", variable).rstrip("\n"))
     value = {f["name"]: f"v_{i}" for i, f in enumerate(schema["fields"])}
-    for name in SPAN_NODE_FIELDS - names:
+    for name in (SPAN_NODE_FIELDS | {FLAG_FIELD}) - names:
         value[name] = "None"
     lines.append(f"""\
     if pos > len(buf):
@@ -342,7 +402,7 @@ def _span_reader(schema: dict[str, Any], raw_arrays: frozenset[str], skipped: fr
         attempt_id={value['attempt_id']}, agent_name={value['agent_name']} or '', task_id={value['task_id']} or '',
         group_id={value['group_id']} or '', model={value['model']} or '', policy_version={value['policy_version']},
         has_token_ids=has_tokens, reward={value['reward']}, reward_dimensions={value['reward_dimensions']} or {{}},
-        status={value['status']} or 'UNSET',
+        status={value['status']} or 'UNSET', train={value[FLAG_FIELD]},
         tokens=prompt + response + ({value['response_logprobs']} or EMPTY) if has_tokens else b'',
     ), pos""")
     exec(compile("\n".join(lines), f"<span reader {schema.get('name', '')}>", "exec"), scope)

@@ -28,6 +28,7 @@ class SpanNode:
     status: str = "OK"
     rollout_id: str = ""
     tokens: bytes = b""  # LLM calls: the Avro of prompt ids, response ids and logprobs, as a Transition holds them
+    train: bool | None = None  # the span's agentstream.train attribute: the rollout's opt-in/out, None if it made none
     children: list[SpanNode] = field(default_factory=list)
 
 

@@ -93,6 +93,26 @@ def test_failed_rollout_records_the_exception(publisher, topics_config, kafka_op
     assert exception["status"] == "ERROR" and exception["attributes"]["exception.type"] == "ZeroDivisionError"
 
 
+def test_a_rollouts_training_choice_is_on_every_span_it_publishes(publisher, topics_config, kafka_options):
+    """train=False/True reaches the spans topic on every span, the root and the exception included; None adds none."""
+    ids = {}
+    for train in (False, True, None):
+        with pytest.raises(ValueError), rollout("chooser", train=train) as state:
+            ids[train] = state.rollout_id
+            with span("step", kind="TOOL"):
+                emit_message("hello")
+            emit_reward(1.0)
+            raise ValueError("after the reward")
+    publisher.flush(10)
+    landed = read_topic(kafka_options, _spans_topic(topics_config),
+                        lambda got: sum(1 for e in got.events if e["event"] == "FAILED"
+                                        and e["rollout_id"] in ids.values()) >= 3)
+    for train, expected in ((False, "false"), (True, "true"), (None, None)):
+        spans, _ = landed.of(ids[train])
+        assert sorted(s["kind"] for s in spans) == ["AGENT", "EXCEPTION", "MESSAGE", "REWARD", "TOOL"]
+        assert [s["attributes"].get("agentstream.train") for s in spans] == [expected] * 5
+
+
 def flaky_agent(task: dict, state) -> float:
     """Fails on the first attempt of odd tasks, sleeps past the timeout on 'slow', else returns a reward."""
     with span("work", kind="TOOL"):

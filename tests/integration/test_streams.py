@@ -12,6 +12,7 @@ from aiokafka import AIOKafkaConsumer, TopicPartition
 
 from infra.clickhouse import connect
 from schemas import TASK, AvroCodec
+from schemas.contracts import TRAIN_ATTRIBUTE
 from streams.ocf import container_file
 from tests.support.streams_harness import (
     CODEC,
@@ -46,6 +47,10 @@ agent = "grpo-*"
 strategy = "grpo"
 group_size = 4
 group_timeout_s = 3
+
+[[credit]]
+agent = "rare-*"
+sample_rate = 0.0
 
 [[credit]]
 agent = "*"
@@ -347,3 +352,70 @@ def test_clickhouse_outage_holds_and_retries(setup, stack, stack_config, tmp_pat
         workers[-1].stop()
         clickhouse.terminate()
         clickhouse.wait()
+
+
+def flagged_records(rollout_id: str, flags: list[str | None], **kwargs) -> list[tuple[bytes, bytes]]:
+    """``rollout_records`` with ``agentstream.train`` set on the LLM spans: ``flags[i]`` on call i (None: absent)."""
+    out = []
+    for value in rollout_records(rollout_id, llm_at=[index * 1000 for index in range(len(flags))], **kwargs):
+        name, datum = CODEC.decode(value)
+        if name.endswith("Batch"):
+            for span in datum["spans"]:
+                flag = flags[int(span["span_id"].rsplit("llm", 1)[1])] if span["kind"] == "LLM" else None
+                if flag is not None:
+                    span["attributes"] = {"gen_ai.system": "test", TRAIN_ATTRIBUTE: flag}
+            value = CODEC.encode_span_batch(datum["spans"])
+        out.append((rollout_id.encode(), value))
+    return out
+
+
+def test_training_selection_opt_out_opt_in_and_sampling(setup, stack):
+    """Every rollout keeps its rollouts row; only the selected ones produce transitions. An explicit
+    agentstream.train=false wins; true trains even where the rule samples none (rare-*: sample_rate 0). The
+    late ones are decided on spans read back from ClickHouse, so the stored spans must carry the flag."""
+    env, tag, client, workers = setup
+    db, spans_topic = f"streams_{tag}", f"s{tag}.spans"
+    workers.append(Worker(env, env_path(env) / "worker.log").start())
+    reward = {"rewards": [(5000, 1.0)]}
+    items = (flagged_records("out", ["false", None], agent="math", **reward)
+             + flagged_records("plain", [None, None], agent="math", **reward)
+             + flagged_records("rare", [None, None], agent="rare-a", **reward)
+             + flagged_records("rare-in", [None, "true"], agent="rare-a", **reward)
+             + flagged_records("rare-both", ["true", "false"], agent="rare-a", **reward)
+             + flagged_records("skip-in", ["true"], agent="skip-me", **reward)
+             + flagged_records("failed-in", ["true"], agent="math", terminal="FAILED", **reward)
+             + flagged_records("late-out", ["false"], agent="math", started=False, terminal=None)
+             + flagged_records("late-in", ["true"], agent="rare-a", started=False, terminal=None))
+    asyncio.run(produce(stack.bootstrap_servers, spans_topic, items))
+
+    def rows():
+        return {r[0]: r[1:] for r in query(client, f"SELECT rollout_id, status, training FROM {db}.rollouts FINAL")}
+
+    wait_for(lambda: len(rows()) == 9 and rows()["late-in"][0] == "AWAITING_REWARD", 60, what="9 rollouts rows")
+    assert rows()["late-out"] == rows()["late-in"] == ("AWAITING_REWARD", "")
+    late = [(rollout_id.encode(), CODEC.encode_span_batch([{  # the rewards carry no flag: the stored spans do
+        "span_id": f"{rollout_id}-reward", "rollout_id": rollout_id, "attempt_id": f"{rollout_id}-1", "name": "reward",
+        "kind": "REWARD", "start_time_us": now_us(), "end_time_us": now_us(), "attributes": {}, "reward": 1.0}]))
+        for rollout_id in ("late-out", "late-in")]
+    asyncio.run(produce(stack.bootstrap_servers, spans_topic, late))
+    wait_for(lambda: rows()["late-in"][0] == rows()["late-out"][0] == "SUCCEEDED", 30, what="late rewards")
+
+    assert rows() == {
+        "out": ("SUCCEEDED", "opted_out"), "plain": ("SUCCEEDED", "sampled"), "rare": ("SUCCEEDED", "sampled_out"),
+        "rare-in": ("SUCCEEDED", "opted_in"), "rare-both": ("SUCCEEDED", "opted_out"),
+        "skip-in": ("SUCCEEDED", "not_trained"), "failed-in": ("FAILED", ""),
+        "late-out": ("SUCCEEDED", "opted_out"), "late-in": ("SUCCEEDED", "opted_in")}
+
+    def trained() -> set[str]:
+        return {r[0] for r in query(client, f"SELECT DISTINCT rollout_id FROM {db}.transitions FINAL")}
+
+    wait_for(trained, 30, what="transitions", equals={"plain", "rare-in", "late-in"})
+    time.sleep(1.5)  # a few sink intervals more: nothing else arrives
+    assert trained() == {"plain", "rare-in", "late-in"}
+    assert query(client, f"SELECT count() FROM {db}.transitions FINAL") == [(5,)]
+    on_topic = {t["rollout_id"] for r in read_all(stack.bootstrap_servers, f"s{tag}.transitions", 4)
+                for t in CODEC.decode(r.value)[1]["transitions"]}
+    assert on_topic == {"plain", "rare-in", "late-in"}
+    stored = query(client, f"SELECT span_id, attributes['agentstream.train'] FROM {db}.spans FINAL "
+                           "WHERE rollout_id = 'out' ORDER BY span_id")
+    assert stored == [("out-llm0", "false"), ("out-llm1", ""), ("out-r0", "")], "every span is still captured"
