@@ -21,7 +21,7 @@ from clickhouse_connect.driver.client import Client
 from infra.config import ClickHouseConfig
 
 MINIMUM_VERSION = (24, 3)
-PRODUCT_TABLES = ("spans", "rollouts", "transitions", "checkpoints", "train_steps")
+PRODUCT_TABLES = ("spans", "rollouts", "transitions", "checkpoints", "train_steps", "deployments")
 ROLLOUT_POLICY_VERSION = "if(empty(policy_versions), NULL, arrayMax(policy_versions))"
 """SQL over ``rollouts``: the policy version a rollout counts under (the newest that generated any of its calls)."""
 MIGRATION_FILE = re.compile(r"^(\d{4})_([a-z0-9_]+)\.sql$")

@@ -249,6 +249,51 @@ class ServerConfig:
 
 
 @dataclass(frozen=True)
+class DeployConfig:
+    """How checkpoints reach live traffic: straight away, or through the gate (evaluation, canary, promotion).
+
+    Without the gate (``gate = false``) hot swap promotes every checkpoint to all traffic once
+    the server holds it. With it, each checkpoint is a candidate: ``eval_agent`` (module:function,
+    called with a task and a rollout, returning the reward; it must call the model the task's
+    ``model`` names) runs over ``eval_tasks`` (a JSONL task file; its first ``eval_limit`` tasks,
+    0 = all) pinned to the candidate and to the stable version, and a candidate more than
+    ``tolerance`` below the stable score is rejected. One that passes serves ``canary_share`` of
+    live rollouts for at least ``canary_min_s`` and ``canary_min_rollouts`` rewarded rollouts,
+    and is rolled back as soon as its live reward is below the stable version's by more than
+    ``tolerance`` at ``confidence`` (one-sided Welch test), promoted once the window is over
+    otherwise, and rolled back if ``canary_max_s`` passes without enough rewards. The gate
+    needs LoRA checkpoints (``trainer.lora``): full weights replace the only copy a server holds.
+    """
+
+    gate: bool = False
+    eval_agent: str = ""
+    eval_tasks: str = ""
+    eval_limit: int = 0
+    eval_concurrency: int = 8
+    tolerance: float = 0.05
+    canary_share: float = 0.1
+    canary_min_s: float = 120.0
+    canary_max_s: float = 900.0
+    canary_min_rollouts: int = 20
+    confidence: float = 0.95
+    load_timeout_s: float = 300.0
+
+    def __post_init__(self) -> None:
+        checks = {
+            "tolerance must be >= 0": self.tolerance >= 0,
+            "canary_share must be within (0, 1]": 0 < self.canary_share <= 1,
+            "canary_min_s must be >= 0 and canary_max_s >= canary_min_s":
+                0 <= self.canary_min_s <= self.canary_max_s,
+            "canary_min_rollouts must be >= 2": self.canary_min_rollouts >= 2,
+            "confidence must be within (0.5, 1)": 0.5 < self.confidence < 1,
+            "eval_limit must be >= 0 and eval_concurrency >= 1": self.eval_limit >= 0 and self.eval_concurrency >= 1,
+        }
+        for message, ok in checks.items():
+            if not ok:
+                raise ConfigError(f"deploy.{message}")
+
+
+@dataclass(frozen=True)
 class DemoConfig:
     """The training demo (``make demo``) and ``make bench-learning``: how long, how often to evaluate, how wide.
 
@@ -293,6 +338,7 @@ class Config:
     credit: tuple[CreditRule, ...] = (CreditRule(),)
     trainer: TrainerConfig = field(default_factory=TrainerConfig)
     server: ServerConfig = field(default_factory=ServerConfig)
+    deploy: DeployConfig = field(default_factory=DeployConfig)
     demo: DemoConfig = field(default_factory=DemoConfig)
 
 
@@ -330,6 +376,7 @@ SECTIONS: dict[str, type] = {
     "streams": StreamsConfig,
     "trainer": TrainerConfig,
     "server": ServerConfig,
+    "deploy": DeployConfig,
     "demo": DemoConfig,
 }
 RULE_LISTS: dict[str, type] = {"credit": CreditRule}

@@ -53,13 +53,14 @@ def topic_name(topics: TopicsConfig, role: str) -> str:
 
 
 def product_topics(topics: TopicsConfig) -> list[TopicSpec]:
-    """The five product topics: checkpoints is compacted (latest version per model wins)."""
+    """The product topics: checkpoints and deployments are compacted (the latest event per model wins)."""
     retention = {"cleanup.policy": "delete", "retention.ms": str(topics.retention_ms)}
     return [
         TopicSpec("tasks", topic_name(topics, "tasks"), topics.partitions, retention),
         TopicSpec("spans", topic_name(topics, "spans"), topics.partitions, retention),
         TopicSpec("transitions", topic_name(topics, "transitions"), topics.partitions, retention),
         TopicSpec("checkpoints", topic_name(topics, "checkpoints"), 1, {"cleanup.policy": "compact"}),
+        TopicSpec("deployments", topic_name(topics, "deployments"), 1, {"cleanup.policy": "compact"}),
         TopicSpec("dlq", topic_name(topics, "dlq"), 1, retention),
     ]
 

@@ -7,6 +7,10 @@ logprobs (vLLM's ``return_token_ids`` / ``logprobs`` contract), records one span
 choice with the ids exactly as generated, and strips from the response whatever the client
 did not ask for, so the client sees what it would have seen without the proxy. Streams are
 relayed chunk by chunk as they arrive. Late rewards arrive at ``POST /rollouts/{id}/reward``.
+
+Requests for a trained model go to the version deployed for it (``pipeline/routing.py``), and
+every LLM span records the version that served it. ``X-Agentstream-Train: true|false`` opts a
+request's rollout in or out of training (it is captured either way).
 """
 
 from __future__ import annotations
@@ -19,6 +23,8 @@ from typing import Any
 import aiohttp
 from aiohttp import web
 
+from infra.deployments import split_adapter_name
+from pipeline.routing import Route, RouteError, RoutingTable, resolve_route
 from pipeline.sdk import Rollout, SpanSink, build_span, new_id, now_us
 from schemas.contracts import (
     AGENT_HEADER,
@@ -27,8 +33,12 @@ from schemas.contracts import (
     POLICY_VERSION_HEADER,
     ROLLOUT_HEADER,
     TASK_HEADER,
+    TRAIN_HEADER,
+    VERSION_HEADER,
     RewardError,
+    TrainFlagError,
     openai_error_body,
+    parse_train_flag,
     policy_version,
     resolve_reward,
 )
@@ -61,6 +71,7 @@ class CallCapture:
     request: dict[str, Any]
     owner: Rollout
     started_us: int
+    route: Route | None = None
     policy_version: int | None = None
     response_id: str | None = None
     response_model: str | None = None
@@ -73,9 +84,11 @@ class CallCapture:
         return self.choices.setdefault(index, ChoiceCapture(index))
 
 
-def upstream_request(body: dict[str, Any], operation: str) -> dict[str, Any]:
-    """The request sent upstream: the client's, plus token ids and sampled-token logprobs."""
+def upstream_request(body: dict[str, Any], operation: str, route: Route | None = None) -> dict[str, Any]:
+    """The request sent upstream: the client's, on its routed model, plus token ids and sampled-token logprobs."""
     forwarded = dict(body)
+    if route is not None and route.reason != "unrouted":
+        forwarded["model"] = route.upstream_model
     forwarded["return_token_ids"] = True
     if operation == "chat":
         forwarded["logprobs"] = True
@@ -157,7 +170,8 @@ def _merge_tool_calls(into: list[dict[str, Any]], calls: list[dict[str, Any]], s
 def spans_of(capture: CallCapture, ended_us: int) -> list[dict[str, Any]]:
     """One LLM span per choice (n > 1 samples are separate trajectories' steps), or one error span."""
     request = capture.request
-    model = capture.response_model or request.get("model")
+    served = capture.response_model or request.get("model")
+    model = split_adapter_name(served)[0] if isinstance(served, str) else served  # the trained model, not its adapter
     attributes: dict[str, Any] = {
         "gen_ai.operation.name": capture.operation,
         "gen_ai.request.model": request.get("model"),
@@ -179,6 +193,8 @@ def spans_of(capture: CallCapture, ended_us: int) -> list[dict[str, Any]]:
     if capture.response_model:
         attributes["gen_ai.response.model"] = capture.response_model
     attributes["agentstream.latency_ms"] = round((ended_us - capture.started_us) / 1000, 3)
+    if capture.route is not None and capture.route.reason != "unrouted":
+        attributes["agentstream.route"] = capture.route.reason
     common: dict[str, Any] = {"model": model, "policy_version": capture.policy_version}
     name = f"{'chat' if capture.operation == 'chat' else 'text_completion'} {model}"
     if capture.error is not None or not capture.choices:
@@ -229,15 +245,27 @@ class UpstreamError(Exception):
     """The upstream model server could not be reached or answered something that is not a response."""
 
 
-def openai_error(status: int, message: str, error_type: str) -> web.Response:
-    return web.json_response(openai_error_body(message, error_type, status), status=status)
+def openai_error(status: int, message: str, error_type: str, param: str | None = None) -> web.Response:
+    return web.json_response(openai_error_body(message, error_type, status, param), status=status)
+
+
+def served_version(headers, capture: CallCapture) -> int | None:
+    """The version that served a call: the server's X-Policy-Version (the dev server), else the route's.
+
+    vLLM names no version, but the proxy chose the adapter, and an adapter is one version.
+    """
+    stated = policy_version(headers)
+    if stated is not None or capture.route is None:
+        return stated
+    return capture.route.version
 
 
 class LLMProxy:
     """The proxy application: routes, attribution, relay and capture."""
 
     def __init__(self, upstream: str, sink: SpanSink, *, agent_name: str | None = None,
-                 timeout_s: float = 600.0) -> None:
+                 timeout_s: float = 600.0, deployments: RoutingTable | None = None) -> None:
+        self.deployments = deployments
         self.upstream = upstream.rstrip("/")
         if self.upstream.endswith("/v1"):
             self.upstream = self.upstream[:-3]
@@ -274,7 +302,8 @@ class LLMProxy:
             rollout_id = f"unattributed-{new_id()}"
         return Rollout(rollout_id, attempt_id or f"{rollout_id}-1", agent_name=agent,
                        task_id=request.headers.get(TASK_HEADER),
-                       group_id=request.headers.get(GROUP_HEADER))
+                       group_id=request.headers.get(GROUP_HEADER),
+                       train=parse_train_flag(request.headers.get(TRAIN_HEADER)))
 
     async def reward(self, request: web.Request) -> web.Response:
         """A late reward (production feedback, possibly hours later) for a rollout."""
@@ -285,7 +314,10 @@ class LLMProxy:
         except (json.JSONDecodeError, UnicodeDecodeError, ValueError):
             return openai_error(400, "reward body must be a JSON object: {\"reward\": 1.0} or {\"dimensions\": {...}}",
                                 "invalid_request_error")
-        owner = self._owner(request)
+        try:
+            owner = self._owner(request)
+        except TrainFlagError as error:
+            return openai_error(400, str(error), "invalid_request_error")
         if body.get("attempt_id"):
             owner.attempt_id = str(body["attempt_id"])
         try:
@@ -311,7 +343,19 @@ class LLMProxy:
                 raise ValueError
         except (json.JSONDecodeError, UnicodeDecodeError, ValueError):
             return openai_error(400, "request body must be a JSON object", "invalid_request_error")
-        capture = CallCapture(operation, body, self._owner(request), now_us())
+        try:
+            owner = self._owner(request)
+        except TrainFlagError as error:
+            return openai_error(400, str(error), "invalid_request_error")
+        capture = CallCapture(operation, body, owner, now_us())
+        try:
+            capture.route = resolve_route(self.deployments, body.get("model"), request.headers.get(VERSION_HEADER),
+                                          capture.owner.rollout_id)
+        except RouteError as error:
+            capture.error = str(error)
+            self._record(capture)
+            return openai_error(error.status, str(error), "NotFoundError" if error.status == 404
+                                else "invalid_request_error", param="model")
         headers = _forward_headers(request.headers)
         url = f"{self.upstream}/v1/{tail}"
         try:
@@ -324,10 +368,10 @@ class LLMProxy:
     async def _relay_once(self, url: str, headers: dict[str, str], capture: CallCapture) -> web.Response:
         assert self.session is not None
         try:
-            async with self.session.post(url, json=upstream_request(capture.request, capture.operation),
+            async with self.session.post(url, json=upstream_request(capture.request, capture.operation, capture.route),
                                          headers=headers) as upstream:
                 raw = await upstream.read()
-                capture.policy_version = policy_version(upstream.headers)
+                capture.policy_version = served_version(upstream.headers, capture)
                 if upstream.status != 200:
                     capture.error = f"upstream HTTP {upstream.status}: {raw[:500].decode(errors='replace')}"
                     return web.Response(status=upstream.status, body=raw,
@@ -347,12 +391,12 @@ class LLMProxy:
         assert self.session is not None
         wants_usage = bool((capture.request.get("stream_options") or {}).get("include_usage"))
         try:
-            upstream = await self.session.post(url, json=upstream_request(capture.request, capture.operation),
-                                                headers=headers)
+            forwarded = upstream_request(capture.request, capture.operation, capture.route)
+            upstream = await self.session.post(url, json=forwarded, headers=headers)
         except (aiohttp.ClientError, TimeoutError) as error:
             return self._upstream_failed(capture, error)
         async with upstream:
-            capture.policy_version = policy_version(upstream.headers)
+            capture.policy_version = served_version(upstream.headers, capture)
             if upstream.status != 200:
                 raw = await upstream.read()
                 capture.error = f"upstream HTTP {upstream.status}: {raw[:500].decode(errors='replace')}"

@@ -3,6 +3,7 @@
 from .catalog import (
     CHECKPOINT,
     DEAD_LETTER,
+    DEPLOYMENT,
     NAMESPACE,
     ROLLOUT_EVENT,
     ROLLOUT_RESULT,
@@ -32,6 +33,7 @@ from .registry import BundledRegistry, SchemaRegistry, schema_id
 __all__ = [
     "CHECKPOINT",
     "DEAD_LETTER",
+    "DEPLOYMENT",
     "HEADER_SIZE",
     "MAGIC_BYTE",
     "NAMESPACE",

@@ -26,6 +26,7 @@ TRANSITION_BATCH = f"{NAMESPACE}.TransitionBatch"
 CHECKPOINT = f"{NAMESPACE}.Checkpoint"
 DEAD_LETTER = f"{NAMESPACE}.DeadLetter"
 ROLLOUT_RESULT = f"{NAMESPACE}.RolloutResult"
+DEPLOYMENT = f"{NAMESPACE}.Deployment"
 
 _AVRO_DIR = resources.files("schemas") / "avro"
 _HISTORY_DIR = _AVRO_DIR / "history"

@@ -1,15 +1,20 @@
-"""Hot swap: follow the compacted checkpoints topic and load every newer checkpoint of one model into a model server.
+"""Hot swap: keep a model server holding the versions of one model that the deployments say it should serve.
 
-Full weights go to ``POST /v1/load_weights {"path", "version"}`` (the dev server's endpoint;
-it waits for the generation in progress and serves everything after it with the new
-weights). LoRA adapters go through vLLM's runtime LoRA contract: ``POST /v1/load_lora_adapter
-{"lora_name": "<model>@v<version>", "lora_path", "version"}`` (vLLM needs
-``VLLM_ALLOW_RUNTIME_LORA_UPDATING=True`` and ``--enable-lora``, and ignores ``version``), one
-new name per version; older adapters are unloaded with ``/v1/unload_lora_adapter`` except the
-newest ``keep_adapters``, so requests still naming the previous one finish. The server stamps
-``X-Policy-Version`` on every response and the proxy records it on spans, so from the swap on
-every span carries the new version. The sha256 in the Checkpoint event is checked before
-loading whenever the weights file is readable here.
+It follows two topics: checkpoints (what versions exist, where their weights are) and
+deployments (which versions serve, see ``infra/deployments.py``). LoRA adapters go through
+vLLM's runtime LoRA contract: ``POST /v1/load_lora_adapter {"lora_name": "<model>@v<version>",
+"lora_path", "version"}`` (vLLM needs ``VLLM_ALLOW_RUNTIME_LORA_UPDATING=True`` and
+``--enable-lora``, and ignores ``version``), one name per version, unloaded with
+``/v1/unload_lora_adapter`` once no route names it (the version serving before the current
+stable one stays loaded, so requests routed just before a change finish). Full weights go to
+the dev server's ``POST /v1/load_weights {"path", "version"}``, which waits for the generation
+in progress. The sha256 in the Checkpoint event is checked before loading whenever the weights
+file is readable here.
+
+Without the gate (``deploy.gate = false``) hot swap also decides: each newer checkpoint is
+loaded and then promoted to all traffic (a PROMOTED decision by ``hotswap``), so the proxy
+routes to it only once the server holds it. With the gate, candidates, canaries and promotions
+are the gate's decisions (or a person's); hot swap loads what they name.
 """
 
 from __future__ import annotations
@@ -19,17 +24,30 @@ import logging
 import time
 from collections.abc import Callable
 from dataclasses import dataclass
+from typing import Any
 
 import aiohttp
 from aiokafka import AIOKafkaConsumer
 
 from infra.config import Config
+from infra.deployments import (
+    Action,
+    Decision,
+    DeploymentFollower,
+    DeploymentLog,
+    Routing,
+    adapter_name,
+    decide,
+    split_adapter_name,
+)
 from infra.kafka import client_options, topic_name
 from models import WeightsError, local_path, verify_sha256
 from schemas import CHECKPOINT, AvroCodec, CodecError
 from schemas.contracts import policy_version
 
 log = logging.getLogger("agentstream.hotswap")
+
+__all__ = ["HotSwapError", "HotSwapper", "Swap", "adapter_name"]
 
 
 class HotSwapError(RuntimeError):
@@ -48,27 +66,32 @@ class Swap:
     loaded_at_us: int
 
 
-def adapter_name(model: str, version: int) -> str:
-    """The LoRA name a version is served under: clients name it in ``model`` to get that version."""
-    return f"{model}@v{version}"
-
-
 class HotSwapper:
-    """Loads each checkpoint of ``model`` newer than what the server has; ``run`` follows the topic until stopped."""
+    """Loads into (and unloads from) a server the versions of ``model`` its routing needs; ``run`` follows.
+
+    ``deployments`` records the promotions hot swap makes when no gate runs (``config.deploy.gate``
+    false); without one (tests of loading alone) nothing is recorded.
+    """
 
     def __init__(self, config: Config, bootstrap_servers: str, server_url: str, model: str, *,
-                 verify: bool = True, keep_adapters: int = 2, on_swap: Callable[[Swap], None] | None = None,
-                 retry_s: float = 0.5) -> None:
+                 verify: bool = True, on_swap: Callable[[Swap], None] | None = None, retry_s: float = 0.5,
+                 deployments: DeploymentLog | None = None) -> None:
         self.config = config
         self.bootstrap_servers = bootstrap_servers
         self.server_url = server_url.rstrip("/").removesuffix("/v1")
         self.model = model
         self.verify = verify
-        self.keep_adapters = keep_adapters
         self.on_swap = on_swap
         self.retry_s = retry_s
-        self.version: int | None = None
-        self.adapters: list[str] = []
+        self.deployments = deployments
+        self.gated = config.deploy.gate
+        self.version: int | None = None  # full weights: the version the server holds
+        self.adapters: dict[int, str] = {}  # version -> adapter name loaded on the server
+        self.checkpoints: dict[int, dict] = {}
+        self.refused: set[int] = set()
+        self.routing = Routing(model)
+        self.previous_stable: int | None = None
+        self._routing_at_us = 0
         self.codec = AvroCodec()
         self._session: aiohttp.ClientSession | None = None
 
@@ -76,21 +99,24 @@ class HotSwapper:
         topic = topic_name(self.config.topics, "checkpoints")
         consumer = AIOKafkaConsumer(topic, **client_options(self.config.kafka, self.bootstrap_servers), group_id=None,
                                     enable_auto_commit=False, auto_offset_reset="earliest", fetch_max_wait_ms=50)
+        follower = DeploymentFollower(self.config, self.bootstrap_servers, on_decision=self._follow)
+        following = asyncio.create_task(follower.run(stop))
         await consumer.start()
         try:
             self.version = await self._server_version(stop)
+            await self._loaded_adapters()
             while not stop.is_set():
                 fetched = await consumer.getmany(timeout_ms=100)
-                newest = None
                 for records in fetched.values():
                     for record in records:
                         checkpoint = self._decode(record)
-                        if checkpoint and (newest is None or checkpoint["version"] > newest["version"]):
-                            newest = checkpoint
-                if newest is not None and (self.version is None or newest["version"] > self.version):
-                    await self._apply_until_done(newest, stop)
+                        if checkpoint is not None:
+                            self.checkpoints[checkpoint["version"]] = checkpoint
+                if follower.ready.is_set():
+                    await self._reconcile(stop)
         finally:
             await consumer.stop()
+            await following
             await self.close()
 
     async def close(self) -> None:
@@ -113,18 +139,60 @@ class HotSwapper:
             log.error("skipped an unreadable checkpoint event at offset %d: %s", record.offset, error)
             return None
 
-    async def _server_version(self, stop: asyncio.Event) -> int | None:
-        """The version the server reports (X-Policy-Version on /health; None if it does not say), once it answers."""
-        while not stop.is_set():
-            try:
-                async with self._http().get(f"{self.server_url}/health") as response:
-                    return policy_version(response.headers)
-            except aiohttp.ClientError:
-                await asyncio.sleep(self.retry_s)
-        return None
+    def _follow(self, decision: Decision) -> None:
+        """Take a decision about this model as the routing in force (decisions arrive in order)."""
+        if decision.model == self.model and decision.at_us >= self._routing_at_us:
+            self._set_routing(decision.routing, decision.at_us)
 
-    async def _apply_until_done(self, checkpoint: dict, stop: asyncio.Event) -> None:
-        """Apply one checkpoint, retrying while the server is unreachable; a refused one is logged and skipped."""
+    def _set_routing(self, routing: Routing, at_us: int) -> None:
+        if routing.stable_version != self.routing.stable_version:
+            self.previous_stable = self.routing.stable_version
+        self.routing, self._routing_at_us = routing, at_us
+
+    # -- reconciling the server with the routing
+
+    async def _reconcile(self, stop: asyncio.Event) -> None:
+        if not self.gated:
+            await self._promote_newest(stop)
+        routing = self.routing
+        if routing.format == "full":
+            if routing.stable_version and routing.stable_version != self.version:
+                await self._load_until_done(routing.stable_version, stop)
+            return
+        wanted = {v for v in routing.loaded_versions() if v}
+        for version in sorted(wanted - set(self.adapters)):
+            await self._load_until_done(version, stop)
+        keep = wanted | {self.previous_stable}
+        for version in sorted(set(self.adapters) - keep):
+            await self._unload(version)
+
+    async def _promote_newest(self, stop: asyncio.Event) -> None:
+        """No gate: load the newest checkpoint, then make it the stable version of all traffic."""
+        newest = max((v for v in self.checkpoints if v not in self.refused), default=None)
+        if newest is None or newest <= self.routing.stable_version:
+            return
+        checkpoint = self.checkpoints[newest]
+        if not await self._load_until_done(newest, stop):
+            return
+        decision = decide(self.routing, newest, Action.PROMOTED, "hotswap",
+                          "no gate (deploy.gate = false): promoted to all traffic once the server held it",
+                          stable_version=newest, stable_uri=checkpoint["uri"], format=checkpoint["format"],
+                          canary_version=None, canary_share=0.0, candidate_version=None)
+        self._set_routing(decision.routing, decision.at_us)
+        if self.deployments is not None:
+            await self.deployments.record(decision)
+
+    async def _load_until_done(self, version: int, stop: asyncio.Event) -> bool:
+        """Load one version, retrying while the server is unreachable; False if it is unknown or refused."""
+        if self._holds(version):
+            return True
+        if version in self.refused:
+            return False
+        checkpoint = self.checkpoints.get(version)
+        if checkpoint is None:
+            log.error("%s v%d is routed but no checkpoint event names it: cannot load it", self.model, version)
+            self.refused.add(version)
+            return False
         while not stop.is_set():
             try:
                 swap = await self.apply(checkpoint)
@@ -133,11 +201,17 @@ class HotSwapper:
                 await asyncio.sleep(self.retry_s)
                 continue
             except HotSwapError as error:
-                log.error("checkpoint %s v%d not loaded: %s", checkpoint["model"], checkpoint["version"], error)
-                return
+                log.error("checkpoint %s v%d not loaded: %s", checkpoint["model"], version, error)
+                self.refused.add(version)
+                return False
             if self.on_swap is not None:
                 self.on_swap(swap)
-            return
+            return True
+        return False
+
+    def _holds(self, version: int) -> bool:
+        return version in self.adapters or (self.version == version and self.checkpoints.get(version, {}).get(
+            "format") == "full")
 
     async def apply(self, checkpoint: dict) -> Swap:
         """Load one Checkpoint event's weights into the server."""
@@ -152,19 +226,49 @@ class HotSwapper:
             served = adapter_name(self.model, version)
             await self._post("/v1/load_lora_adapter", {"lora_name": served, "lora_path": str(folder),
                                                        "version": version}, tolerate="already been loaded")
-            self.adapters.append(served)
-            while len(self.adapters) > self.keep_adapters:
-                await self._post("/v1/unload_lora_adapter", {"lora_name": self.adapters.pop(0)},
-                                 tolerate="cannot be found")
+            self.adapters[version] = served
         else:
             served = self.model
             await self._post("/v1/load_weights", {"path": str(folder), "version": version})
-        self.version = version
+            self.version = version
         swap = Swap(self.model, version, checkpoint["format"], served, checkpoint["created_at_us"],
                     time.time_ns() // 1000)
         log.info("loaded %s v%d into %s as %s (%.3f s after it was written)", self.model, version, self.server_url,
                  served, (swap.loaded_at_us - swap.created_at_us) / 1e6)
         return swap
+
+    async def _unload(self, version: int) -> None:
+        try:
+            await self._post("/v1/unload_lora_adapter", {"lora_name": self.adapters[version]},
+                             tolerate="cannot be found")
+        except (aiohttp.ClientError, HotSwapError) as error:
+            log.warning("could not unload %s: %s (will retry)", self.adapters[version], error)
+            return
+        log.info("unloaded %s from %s", self.adapters.pop(version), self.server_url)
+
+    # -- what the server holds when we start
+
+    async def _server_version(self, stop: asyncio.Event) -> int | None:
+        """The version the server reports (X-Policy-Version on /health; None if it does not say), once it answers."""
+        while not stop.is_set():
+            try:
+                async with self._http().get(f"{self.server_url}/health") as response:
+                    return policy_version(response.headers)
+            except aiohttp.ClientError:
+                await asyncio.sleep(self.retry_s)
+        return None
+
+    async def _loaded_adapters(self) -> None:
+        """The adapters of this model the server already lists (after a restart of hot swap)."""
+        try:
+            async with self._http().get(f"{self.server_url}/v1/models") as response:
+                listed: Any = await response.json(content_type=None)
+        except (aiohttp.ClientError, ValueError):
+            return
+        for entry in (listed or {}).get("data") or ():
+            model, version = split_adapter_name(str(entry.get("id", "")))
+            if model == self.model and version is not None:
+                self.adapters[version] = entry["id"]
 
     async def _post(self, path: str, body: dict, tolerate: str | None = None) -> None:
         async with self._http().post(f"{self.server_url}{path}", json=body) as response:

@@ -12,7 +12,7 @@ from confluent_kafka.admin import AdminClient
 
 from infra.kafka import ensure_topics, message_counts, product_topics, topic_partitions
 
-PRODUCT_ROLES = {"tasks", "spans", "transitions", "checkpoints", "dlq"}
+PRODUCT_ROLES = {"tasks", "spans", "transitions", "checkpoints", "deployments", "dlq"}
 
 
 async def _create_topic(options: dict, name: str, partitions: int = 4) -> None:
@@ -42,6 +42,7 @@ def test_up_created_the_product_topics_with_their_layout(stack_config, kafka_opt
     assert layout[f"{stack_config.topics.prefix}spans"] == stack_config.topics.partitions
     assert layout[f"{stack_config.topics.prefix}checkpoints"] == 1
     assert next(s for s in specs if s.role == "checkpoints").configs["cleanup.policy"] == "compact"
+    assert next(s for s in specs if s.role == "deployments").configs["cleanup.policy"] == "compact"
     assert created_again == [], "ensuring existing topics must not create anything"
 
 
