@@ -199,24 +199,48 @@ def _publisher(config: Config, component: str):
 @click.option("--host", default="127.0.0.1", show_default=True)
 @click.option("--port", default=8080, show_default=True, type=int)
 @click.option("--agent-name", default=None, help="Agent name for calls that do not say (X-Agentstream-Agent).")
+@click.option("--no-deployments", is_flag=True,
+              help="Do not follow the deployments topic: forward every request's model unchanged.")
 @click.pass_context
-def proxy_command(ctx: click.Context, upstream: str, host: str, port: int, agent_name: str | None) -> None:
-    """Serve the OpenAI-compatible LLM proxy that records every call as a span with exact token ids."""
+def proxy_command(ctx: click.Context, upstream: str, host: str, port: int, agent_name: str | None,
+                  no_deployments: bool) -> None:
+    """Serve the OpenAI-compatible LLM proxy that records every call as a span with exact token ids.
+
+    It follows the deployments topic and sends each request for a trained model to the version
+    deployed for it (stable or canary; ``model@vN`` or X-Agentstream-Version pins one).
+    """
     import uvloop
 
+    from infra.deployments import DeploymentFollower
     from pipeline.proxy import LLMProxy, serve_proxy
 
     config = _config(ctx)
+    logging.getLogger("agentstream.deployments").setLevel(logging.INFO)
 
     async def serve() -> None:
+        stop = asyncio.Event()
+        follower = None if no_deployments else DeploymentFollower(
+            config, Stack(config).endpoints().bootstrap_servers,
+            on_decision=lambda d: click.echo(f"{d.model}: serving {d.routing.describe()}"))
+        following = asyncio.create_task(follower.run(stop)) if follower else None
+        if follower is not None:
+            try:
+                await asyncio.wait_for(follower.ready.wait(), 30)
+            except TimeoutError:
+                click.echo("warning: the deployments topic did not answer within 30 s; requests go to the model "
+                           "they name until it does", err=True)
         with _publisher(config, "proxy") as publisher:
-            runner = await serve_proxy(LLMProxy(upstream, publisher, agent_name=agent_name), host, port)
+            proxy = LLMProxy(upstream, publisher, agent_name=agent_name, deployments=follower)
+            runner = await serve_proxy(proxy, host, port)
             click.echo(f"proxy on http://{host}:{port} -> {upstream}; point OpenAI clients at "
                        f"http://{host}:{port}/rollouts/<rollout_id>/v1")
             try:
-                await _until_signalled()
+                await _until_signalled(stop)
             finally:
                 await runner.cleanup()
+                stop.set()
+                if following is not None:
+                    await following
 
     uvloop.run(serve())
 
@@ -498,23 +522,181 @@ def train_worker_command(ctx: click.Context, model_spec: str | None, max_steps: 
 @click.option("--no-verify", is_flag=True, help="Do not check the weights' sha256 before loading.")
 @click.pass_context
 def hotswap_command(ctx: click.Context, server_url: str, model_name: str, no_verify: bool) -> None:
-    """Follow the checkpoints topic and hot-swap each new version of MODEL into a model server."""
+    """Keep a model server holding the deployed versions of MODEL (without a gate: each new checkpoint, promoted)."""
     import uvloop
 
+    from infra.clickhouse import migrate, wait_for_clickhouse
+    from infra.deployments import DeploymentLog
     from serving.hotswap import HotSwapper
 
     config = _config(ctx)
     logging.getLogger("agentstream.hotswap").setLevel(logging.INFO)
-    swapper = HotSwapper(config, Stack(config).endpoints().bootstrap_servers, server_url, model_name,
-                         verify=not no_verify,
-                         on_swap=lambda swap: click.echo(f"{swap.model} v{swap.version} ({swap.format}) serving as "
-                                                         f"{swap.served_name}"))
+    logging.getLogger("agentstream.deployments").setLevel(logging.INFO)
+    endpoints = Stack(config).endpoints()
+    client = wait_for_clickhouse(config.clickhouse, endpoints.clickhouse_url, timeout_s=30)
+    migrate(client, config.clickhouse.database)
 
     async def serve() -> None:
+        deployments = DeploymentLog(config, endpoints.bootstrap_servers, client)
+        await deployments.start()
+        swapper = HotSwapper(config, endpoints.bootstrap_servers, server_url, model_name, verify=not no_verify,
+                             deployments=deployments,
+                             on_swap=lambda swap: click.echo(f"{swap.model} v{swap.version} ({swap.format}) loaded "
+                                                             f"as {swap.served_name}"))
         stop = asyncio.Event()
         watcher = asyncio.create_task(_until_signalled(stop))
-        click.echo(f"hot swap: checkpoints of {model_name} -> {server_url}")
-        await swapper.run(stop)
-        watcher.cancel()
+        mode = "the gate decides what serves" if config.deploy.gate else "no gate: each new checkpoint is promoted"
+        click.echo(f"hot swap: checkpoints of {model_name} -> {server_url} ({mode})")
+        try:
+            await swapper.run(stop)
+        finally:
+            watcher.cancel()
+            await deployments.stop()
 
-    uvloop.run(serve())
+    try:
+        uvloop.run(serve())
+    finally:
+        client.close()
+
+
+# ---------------------------------------------------------------- deployments
+
+
+@main.command("gate")
+@click.option("--model", "model_name", required=True, help="The trained model whose checkpoints the gate decides on.")
+@click.option("--server", "server_url", required=True, help="Base URL of the model server hot swap loads into.")
+@click.option("--proxy", "proxy_url", required=True, help="The LLM proxy the evaluation runs through.")
+@click.pass_context
+def gate_command(ctx: click.Context, model_name: str, server_url: str, proxy_url: str) -> None:
+    """Run the promotion gate: evaluate each new checkpoint, canary it on live traffic, promote or roll back.
+
+    Settings are the [deploy] table (eval_agent, eval_tasks, tolerance, canary_share, canary_min_s, ...);
+    hot swap must run with deploy.gate = true so that it loads what the gate names.
+    """
+    import uvloop
+
+    from agentstream.deploy import task_evaluator
+    from infra.clickhouse import migrate, wait_for_clickhouse
+    from infra.deployments import DeploymentError, DeploymentLog
+    from trainer.gate import Gate
+
+    config = _config(ctx)
+    for name in ("agentstream.gate", "agentstream.deployments"):
+        logging.getLogger(name).setLevel(logging.INFO)
+    endpoints = Stack(config).endpoints()
+    client = wait_for_clickhouse(config.clickhouse, endpoints.clickhouse_url, timeout_s=30)
+    migrate(client, config.clickhouse.database)
+
+    async def serve() -> None:
+        with _publisher(config, "gate") as publisher:
+            evaluate = task_evaluator(config, proxy_url, model_name, publisher)
+            deployments = DeploymentLog(config, endpoints.bootstrap_servers, client)
+            await deployments.start()
+            gate = Gate(config, endpoints.bootstrap_servers, model_name, evaluate=evaluate, warehouse=client,
+                        deployments=deployments, server_url=server_url)
+            stop = asyncio.Event()
+            watcher = asyncio.create_task(_until_signalled(stop))
+            click.echo(f"gate: checkpoints of {model_name} -> evaluation through {proxy_url} -> canary "
+                       f"({config.deploy.canary_share:.0%}) -> promotion")
+            try:
+                await gate.run(stop)
+            finally:
+                watcher.cancel()
+                await deployments.stop()
+
+    try:
+        uvloop.run(serve())
+    except DeploymentError as error:
+        raise click.ClickException(str(error)) from None
+    finally:
+        client.close()
+
+
+@main.command("deployments")
+@click.option("--model", "model_name", default=None, help="Only this model.")
+@click.option("--history", default=10, show_default=True, help="Recent decisions to list (0: none).")
+@click.pass_context
+def deployments_command(ctx: click.Context, model_name: str | None, history: int) -> None:
+    """What serves what, per trained model, and the latest deployment decisions."""
+    from agentstream.deploy import RECENT_DECISIONS_SQL
+    from infra.clickhouse import connect
+    from infra.deployments import DeploymentError, read_routes
+
+    config = _config(ctx)
+    endpoints = Stack(config).endpoints()
+    try:
+        routes = asyncio.run(read_routes(config, endpoints.bootstrap_servers))
+    except DeploymentError as error:
+        raise click.ClickException(str(error)) from None
+    rows = [[r.model, r.stable_version, r.canary_version if r.canary_version is not None else "",
+             f"{r.canary_share:.0%}" if r.canary_version is not None else "",
+             r.candidate_version if r.candidate_version is not None else "", r.format]
+            for r in sorted(routes.values(), key=lambda r: r.model) if model_name in (None, r.model)]
+    if not rows:
+        click.echo("no deployments yet" + (f" of {model_name}" if model_name else "") +
+                   ": a model appears here once a checkpoint of it is promoted or becomes a candidate")
+    else:
+        click.echo(render(["model", "stable", "canary", "share", "candidate", "format"], rows, "table"))
+    if history > 0:
+        database = config.clickhouse.database
+        client = connect(config.clickhouse, endpoints.clickhouse_url, readonly=True)
+        try:
+            recent = client.query(RECENT_DECISIONS_SQL.replace("{database}", database),
+                                  parameters={"model": model_name or "", "limit": history}).result_rows
+        finally:
+            client.close()
+        if recent:
+            click.echo("\nlatest decisions:")
+            click.echo(render(["decided_at", "model", "version", "action", "by", "reason"], recent, "table"))
+
+
+@main.command("promote")
+@click.option("--model", "model_name", required=True, help="The trained model.")
+@click.option("--version", type=click.IntRange(min=0), required=True, help="The version to serve (0: the base model).")
+@click.pass_context
+def promote_command(ctx: click.Context, model_name: str, version: int) -> None:
+    """Serve VERSION of MODEL to all traffic now (ends its canary or candidacy); recorded as a manual decision."""
+    from agentstream.deploy import checkpoint_info, promotion, record_decision
+    from infra.clickhouse import connect
+    from infra.deployments import DeploymentError, Routing, read_routes
+
+    config = _config(ctx)
+    endpoints = Stack(config).endpoints()
+    client = connect(config.clickhouse, endpoints.clickhouse_url)
+    try:
+        routing = asyncio.run(read_routes(config, endpoints.bootstrap_servers)).get(model_name, Routing(model_name))
+        info = checkpoint_info(client, config.clickhouse.database, model_name, version) if version else None
+        decision = promotion(routing, version, info)
+        asyncio.run(record_decision(config, endpoints.bootstrap_servers, client, decision))
+    except DeploymentError as error:
+        raise click.ClickException(str(error)) from None
+    finally:
+        client.close()
+    click.echo(f"{model_name}: serving {decision.routing.describe()}")
+
+
+@main.command("rollback")
+@click.option("--model", "model_name", required=True, help="The trained model.")
+@click.pass_context
+def rollback_command(ctx: click.Context, model_name: str) -> None:
+    """End MODEL's canary, or (without one) serve the version that served before the stable one again."""
+    from agentstream.deploy import previous_stable, record_decision, rollback
+    from infra.clickhouse import connect
+    from infra.deployments import DeploymentError, read_routes
+
+    config = _config(ctx)
+    endpoints = Stack(config).endpoints()
+    client = connect(config.clickhouse, endpoints.clickhouse_url)
+    try:
+        routing = asyncio.run(read_routes(config, endpoints.bootstrap_servers)).get(model_name)
+        if routing is None:
+            raise DeploymentError(f"model {model_name!r} has no deployments: nothing to roll back")
+        previous = None if routing.canary_version is not None else previous_stable(
+            client, config.clickhouse.database, routing)
+        decision = rollback(routing, previous)
+        asyncio.run(record_decision(config, endpoints.bootstrap_servers, client, decision))
+    except DeploymentError as error:
+        raise click.ClickException(str(error)) from None
+    finally:
+        client.close()
+    click.echo(f"{model_name}: serving {decision.routing.describe()}")

@@ -125,9 +125,12 @@ class TrainingSession:
         self._start("trainer", ["train-worker"], self.config.trainer.threads)
         trained = self.config.trainer.model_name or model_display_name(self.plan.model)
         self._start("hotswap", ["hotswap", "--server", self.server_url, "--model", trained])
+        if self.config.deploy.gate:
+            self._start("gate", ["gate", "--model", trained, "--server", self.server_url, "--proxy", self.proxy_url])
         self.wait_until_healthy(self.server_url + "/health", "model-server", model_timeout_s)
         wait_for_port("127.0.0.1", int(self.proxy_url.rsplit(":", 1)[1]), 30)
-        progress(f"proxy         {self.proxy_url} -> {self.server_url}; streams, trainer and hot swap started")
+        gate = ", gate" if self.config.deploy.gate else ""
+        progress(f"proxy         {self.proxy_url} -> {self.server_url}; streams, trainer{gate} and hot swap started")
 
     def start_runners(self, progress=print) -> None:
         """Start the runner processes that take tasks from the queue."""
@@ -156,8 +159,8 @@ class TrainingSession:
 
     def stop(self, *names: str) -> None:
         """Stop the named processes (all of them, runners first, when none are named)."""
-        order = names or [*(n for n in self.children if n.startswith("runner")), "trainer", "hotswap", "streams",
-                          "proxy", "model-server"]
+        order = names or [*(n for n in self.children if n.startswith("runner")), "trainer", "gate", "hotswap",
+                          "streams", "proxy", "model-server"]
         for name in order:
             if name in self.children:
                 self.children[name].stop()

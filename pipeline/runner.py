@@ -57,6 +57,16 @@ def load_agent(spec: str) -> AgentFunction:
     return function
 
 
+async def call_agent(agent: AgentFunction, payload: Any, state: Rollout,
+                     threads: ThreadPoolExecutor | None = None) -> Any:
+    """Call an agent on one task: with the rollout when it takes two parameters; a sync one in ``threads``."""
+    args = (payload, state) if len(inspect.signature(agent).parameters) >= 2 else (payload,)
+    if inspect.iscoroutinefunction(agent):
+        return await agent(*args)
+    context = contextvars.copy_context()
+    return await asyncio.get_running_loop().run_in_executor(threads, context.run, agent, *args)
+
+
 @dataclass
 class RunnerOptions:
     """How a runner process consumes tasks and runs rollouts."""
@@ -128,8 +138,6 @@ class Runner:
         self.options = options or RunnerOptions()
         self.codec = AvroCodec()
         self.stats = RunnerStats()
-        self._wants_rollout = len(inspect.signature(agent).parameters) >= 2
-        self._is_async = inspect.iscoroutinefunction(agent)
         self._threads = ThreadPoolExecutor(max_workers=self.options.concurrency, thread_name_prefix="agent")
         self._offsets: dict[TopicPartition, OffsetTracker] = {}
         self._consumer: AIOKafkaConsumer | None = None
@@ -234,11 +242,7 @@ class Runner:
             heartbeat.cancel()
 
     async def _call(self, payload: Any, state: Rollout) -> Any:
-        args = (payload, state) if self._wants_rollout else (payload,)
-        if self._is_async:
-            return await self.agent(*args)
-        context = contextvars.copy_context()
-        return await asyncio.get_running_loop().run_in_executor(self._threads, context.run, self.agent, *args)
+        return await call_agent(self.agent, payload, state, self._threads)
 
     async def _retry(self, task: dict[str, Any]) -> None:
         if task["attempt"] >= task["max_attempts"]:

@@ -12,3 +12,4 @@ def slow_agent(task: dict) -> float:
     with span("work", kind="TOOL"):
         time.sleep(task.get("sleep", 0))
     return 1.0
+

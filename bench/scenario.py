@@ -1,0 +1,108 @@
+"""A deployment scenario's parts, shared by bench/deploy.py and tests: a server, checkpoints, users, judges.
+
+The agents here are what the gate evaluates with (``bench.scenario:exact_agent``): a judge that
+rewards the base model's own greedy reply, and one that rewards any reply.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import time
+
+import torch
+from aiohttp import web
+
+from infra.processes import free_port
+from pipeline.sdk import emit_reward, rollout
+from trainer.checkpoints import CheckpointAnnouncer, write_checkpoint
+from trainer.policy import build_policy, save_weights
+
+
+async def greedy_reply(task: dict, state) -> str:
+    """The model's greedy reply to task['prompt'], on the model the task names (the gate pins versions there)."""
+    from openai import AsyncOpenAI
+
+    async with AsyncOpenAI(base_url=state.llm_base_url(), api_key="unused", max_retries=0) as llm:
+        completion = await llm.chat.completions.create(
+            model=task["model"], messages=[{"role": "user", "content": task["prompt"]}], max_tokens=6,
+            temperature=0.0)
+    return completion.choices[0].message.content or ""
+
+
+async def exact_agent(task: dict, state) -> float:
+    """Reward 1 when the greedy reply is exactly task['expected'] (the base model's own reply): a strict judge."""
+    return 1.0 if await greedy_reply(task, state) == task["expected"] else 0.0
+
+
+async def lenient_agent(task: dict, state) -> float:
+    """Reward 1 for any reply: an evaluation that cannot tell a broken model from a good one."""
+    await greedy_reply(task, state)
+    return 1.0
+
+
+async def serve_app(app: web.Application) -> tuple[web.AppRunner, str]:
+    runner = web.AppRunner(app, access_log=None)
+    await runner.setup()
+    port = free_port()
+    await web.TCPSite(runner, "127.0.0.1", port).start()
+    return runner, f"http://127.0.0.1:{port}"
+
+
+async def wait_until(check, timeout_s: float = 20.0, what: str = "condition"):
+    deadline = time.monotonic() + timeout_s
+    while not (value := check()):
+        assert time.monotonic() < deadline, f"timed out waiting for {what}"
+        await asyncio.sleep(0.05)
+    return value
+
+
+async def publish(config, bootstrap: str, policy, version: int, store) -> None:
+    """Write ``policy`` as checkpoint ``version`` and announce it on the checkpoints topic."""
+    staging = store.staging()
+    weights = save_weights(policy, staging)
+    manifest = write_checkpoint(store, staging, weights, model=policy.name, version=version, step=version,
+                                format=policy.format, offsets={}, trained_ids=[], metrics={"loss": 0.0})
+    announcer = CheckpointAnnouncer(config, bootstrap)
+    await announcer.start()
+    try:
+        await announcer.announce(manifest)
+    finally:
+        await announcer.stop()
+
+
+def lora_checkpoint(config, *, broken: bool):
+    """A LoRA policy that is either exactly the base model (B = 0) or scrambled (B large and random)."""
+    policy = build_policy(config.trainer)
+    with torch.no_grad(), torch.random.fork_rng():
+        torch.manual_seed(1)
+        for parameter_name, parameter in policy.model.named_parameters():
+            if "lora_B" in parameter_name:
+                parameter.normal_(0.0, 3.0) if broken else parameter.zero_()
+    policy.model.eval()
+    return policy
+
+
+class Users:
+    """Live traffic: rollouts of the strict agent through the proxy at a steady pace, each rewarded on the spot."""
+
+    def __init__(self, proxy_url: str, sink, tasks: list[dict]) -> None:
+        self.proxy_url, self.sink, self.tasks = proxy_url, sink, tasks
+        self.served: list[str] = []
+        self.failed: list[str] = []
+
+    async def run(self, stop: asyncio.Event, concurrency: int = 3) -> None:
+        async def user(number: int) -> None:
+            turn = 0
+            while not stop.is_set():
+                task = self.tasks[(number + turn) % len(self.tasks)]
+                turn += 1
+                try:
+                    async with rollout("live-agent", proxy_url=self.proxy_url, sink=self.sink) as state:
+                        reply = await greedy_reply(task, state)
+                        emit_reward(1.0 if reply == task["expected"] else 0.0)
+                        self.served.append(reply)
+                except Exception as error:  # a failed user request is what the test counts
+                    self.failed.append(repr(error))
+                await asyncio.sleep(0.05)
+
+        await asyncio.gather(*(user(n) for n in range(concurrency)))

@@ -1,0 +1,249 @@
+"""The loop closed on vLLM's contract: deployments route the proxy, spans carry the serving version, pins work.
+
+Everything is real: the dev model server in ``--contract vllm`` mode (no X-Policy-Version,
+adapters by name), hot swap following the checkpoints and deployments topics of the test
+broker, the proxy following deployments, the official openai SDK as the client, and the
+decisions read back from Kafka and ClickHouse.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import uuid
+from dataclasses import replace
+
+import aiohttp
+import openai
+import pytest
+
+from bench.scenario import Users, lora_checkpoint, publish, serve_app, wait_until
+from infra.config import TrainerConfig
+from infra.deployments import Action, DeploymentFollower, DeploymentLog, adapter_name
+from infra.kafka import create_topics, topic_name
+from infra.processes import free_port
+from models import load_model
+from pipeline.proxy import LLMProxy, serve_proxy
+from serving.app import create_app
+from serving.handlers import SERVER
+from serving.hotswap import HotSwapper
+from serving.protocol import Contract
+from tests.integration.test_trainer_hotswap import trained_policy
+from tests.support.readback import read_topic
+from trainer.checkpoints import open_store
+
+MESSAGES = [{"role": "user", "content": "hello"}]
+
+
+@pytest.fixture
+def lora_setup(topics_config, tmp_path, stack):
+    name = f"tiny-{uuid.uuid4().hex[:8]}"
+    trainer = TrainerConfig(model="tiny", model_name=name, device="cpu", threads=1, lr=5e-2, grad_clip=1e9,
+                            lora=True, lora_r=4, lora_alpha=16)
+    config = replace(topics_config, trainer=trainer)
+    asyncio.run(create_topics(config, stack.bootstrap_servers))
+    return config, name, open_store(str(tmp_path / "checkpoints"))
+
+
+def test_on_the_vllm_contract_the_proxy_serves_the_deployed_adapter_and_spans_carry_its_version(
+        lora_setup, stack, publisher, clickhouse, kafka_options):
+    config, name, store = lora_setup
+    policy = trained_policy(config.trainer)
+
+    async def scenario() -> None:
+        server_runner, server_url = await serve_app(create_app(load_model("tiny"), served_model_name=name,
+                                                               contract=Contract.VLLM))
+        server = server_runner.app[SERVER]
+        stop = asyncio.Event()
+        decisions = DeploymentLog(config, stack.bootstrap_servers, clickhouse)
+        await decisions.start()
+        swapper = HotSwapper(config, stack.bootstrap_servers, server_url, name, deployments=decisions)
+        follower = DeploymentFollower(config, stack.bootstrap_servers)
+        tasks = [asyncio.create_task(swapper.run(stop)), asyncio.create_task(follower.run(stop))]
+        proxy_runner = await serve_proxy(LLMProxy(server_url, publisher, deployments=follower), "127.0.0.1",
+                                         port := free_port())
+        proxy = f"http://127.0.0.1:{port}"
+        try:
+            await asyncio.wait_for(follower.ready.wait(), 20)
+            client = openai.AsyncOpenAI(base_url=f"{proxy}/rollouts/before/v1", api_key="unused", max_retries=0)
+            first = await client.chat.completions.create(model=name, messages=MESSAGES, max_tokens=4)
+            assert first.model == name  # nothing deployed yet: the base model
+
+            for version in (1, 2):
+                await publish(config, stack.bootstrap_servers, policy, version, store)
+            routing = await wait_until(lambda: (r := follower.routing(name)) and r.stable_version == 2 and r,
+                                       what="v2 promoted")
+            assert routing.format == "lora" and routing.stable_uri.endswith("v00000002")
+            assert sorted(server.adapters) == [adapter_name(name, 1), adapter_name(name, 2)]
+
+            routed = openai.AsyncOpenAI(base_url=f"{proxy}/rollouts/after/v1", api_key="unused", max_retries=0)
+            served = await routed.chat.completions.create(model=name, messages=MESSAGES, max_tokens=4)
+            assert served.model == adapter_name(name, 2)
+            pinned_base = await routed.chat.completions.create(model=f"{name}@v0", messages=MESSAGES, max_tokens=4)
+            assert pinned_base.model == name
+            by_header = await routed.chat.completions.create(
+                model=name, messages=MESSAGES, max_tokens=4, extra_headers={"X-Agentstream-Version": "0"})
+            assert by_header.model == name
+            with pytest.raises(openai.NotFoundError, match=r"version 1 of model .* is not loaded") as refused:
+                await routed.chat.completions.create(model=f"{name}@v1", messages=MESSAGES, max_tokens=4)
+            assert refused.value.body["code"] == 404 and "serving: v2" in refused.value.body["message"]
+            streamed = await routed.chat.completions.create(model=name, messages=MESSAGES, max_tokens=4, stream=True)
+            assert {chunk.model async for chunk in streamed} == {adapter_name(name, 2)}
+        finally:
+            stop.set()
+            await asyncio.gather(*tasks)
+            await decisions.stop()
+            await proxy_runner.cleanup()
+            await server_runner.cleanup()
+
+    asyncio.run(scenario())
+    publisher.flush()
+    spans_topic = topic_name(config.topics, "spans")
+    landed = read_topic(kafka_options, spans_topic, lambda got: len(
+        [s for s in got.spans if s["kind"] == "LLM"]) >= 6)
+    llm = [s for s in landed.spans if s["kind"] == "LLM"]
+    by_rollout = {}
+    for span in llm:
+        by_rollout.setdefault(span["rollout_id"], []).append(span)
+    assert [s["policy_version"] for s in by_rollout["before"]] == [None]  # vLLM names no version, nothing routed
+    after = sorted(by_rollout["after"], key=lambda s: s["start_time_us"])
+    assert [s["policy_version"] for s in after] == [2, 0, 0, None, 2]
+    assert {s["model"] for s in after} == {name}  # the trained model's name, never the adapter's
+    assert [s["attributes"].get("agentstream.route") for s in after] == ["stable", "pinned", "pinned", None, "stable"]
+    assert after[3]["status"] == "ERROR" and "not loaded" in after[3]["status_message"]
+    rows = clickhouse.query("SELECT version, action, decided_by, stable_version FROM deployments FINAL "
+                            "WHERE model = {m:String} ORDER BY decided_at", parameters={"m": name}).result_rows
+    assert rows == [(1, str(Action.PROMOTED), "hotswap", 1), (2, str(Action.PROMOTED), "hotswap", 2)]
+
+
+def test_a_stale_routing_pin_to_an_unknown_model_is_left_to_the_server(lora_setup, stack, publisher):
+    """A model the deployments do not know is forwarded as named: the server's own 404 reaches the client."""
+    _, name, _ = lora_setup
+
+    async def scenario() -> None:
+        server_runner, server_url = await serve_app(create_app(load_model("tiny"), served_model_name=name,
+                                                               contract=Contract.VLLM))
+        proxy_runner = await serve_proxy(LLMProxy(server_url, publisher), "127.0.0.1", port := free_port())
+        try:
+            async with aiohttp.ClientSession() as session:
+                async with session.post(f"http://127.0.0.1:{port}/v1/chat/completions",
+                                        json={"model": "elsewhere@v3", "messages": MESSAGES}) as response:
+                    assert response.status == 404
+                    assert (await response.json())["error"]["message"] == "The model `elsewhere@v3` does not exist."
+                async with session.post(f"http://127.0.0.1:{port}/v1/chat/completions",
+                                        headers={"X-Agentstream-Train": "maybe"},
+                                        json={"model": name, "messages": MESSAGES}) as response:
+                    assert response.status == 400
+                    assert "X-Agentstream-Train" in (await response.json())["error"]["message"]
+        finally:
+            await proxy_runner.cleanup()
+            await server_runner.cleanup()
+
+    asyncio.run(scenario())
+
+
+def test_the_gate_rejects_a_broken_checkpoint_rolls_back_a_bad_canary_and_promotes_a_good_one(
+        lora_setup, stack, publisher, clickhouse, tmp_path):
+    import json
+
+    from agentstream.deploy import task_evaluator
+    from infra.deployments import Routing
+    from tests.support.streams_harness import Worker, worker_env
+    from trainer.gate import Gate
+
+    base, name, store = lora_setup
+    prompts = [f"Say something about the number {n}." for n in range(6)]
+    env = worker_env(tmp_path, stack, base.topics.prefix, base.clickhouse.database)
+    worker = Worker(env, tmp_path / "streams.log").start()
+
+    async def scenario() -> None:
+        server_runner, server_url = await serve_app(create_app(load_model("tiny"), served_model_name=name,
+                                                               contract=Contract.VLLM))
+        async with aiohttp.ClientSession() as session:
+            tasks = []
+            for number, prompt in enumerate(prompts):
+                async with session.post(f"{server_url}/v1/chat/completions", json={
+                        "model": name, "messages": [{"role": "user", "content": prompt}], "max_tokens": 6,
+                        "temperature": 0.0}) as response:
+                    reply = (await response.json())["choices"][0]["message"]["content"]
+                tasks.append({"id": f"t{number}", "prompt": prompt, "expected": reply, "model": name})
+        task_file = tmp_path / "eval.jsonl"
+        task_file.write_text("\n".join(json.dumps(t) for t in tasks))
+        gated = replace(base, deploy=replace(base.deploy, gate=True, eval_agent="bench.scenario:exact_agent",
+                                             eval_tasks=str(task_file), tolerance=0.05, canary_share=0.5,
+                                             canary_min_s=3.0, canary_max_s=90.0, canary_min_rollouts=8))
+        stop = asyncio.Event()
+        decisions = DeploymentLog(gated, stack.bootstrap_servers, clickhouse)
+        await decisions.start()
+        seen: list[tuple[int, str]] = []
+        follower = DeploymentFollower(gated, stack.bootstrap_servers,
+                                      on_decision=lambda d: seen.append((d.version, str(d.action))))
+        swapper = HotSwapper(gated, stack.bootstrap_servers, server_url, name, deployments=decisions)
+        background = [asyncio.create_task(swapper.run(stop)), asyncio.create_task(follower.run(stop))]
+        proxy_runner = await serve_proxy(LLMProxy(server_url, publisher, deployments=follower), "127.0.0.1",
+                                         port := free_port())
+        proxy = f"http://127.0.0.1:{port}"
+        users = Users(proxy, publisher, tasks)
+        users_stop = asyncio.Event()
+        background.append(asyncio.create_task(users.run(users_stop)))
+
+        def gate_with(config) -> tuple[asyncio.Event, asyncio.Task]:
+            gate_stop = asyncio.Event()
+            gate = Gate(config, stack.bootstrap_servers, name, evaluate=task_evaluator(config, proxy, name, publisher),
+                        warehouse=clickhouse, deployments=decisions, server_url=server_url, poll_s=0.5)
+            return gate_stop, asyncio.create_task(gate.run(gate_stop))
+
+        try:
+            await asyncio.wait_for(follower.ready.wait(), 20)
+            strict_stop, strict_gate = gate_with(gated)
+            await publish(gated, stack.bootstrap_servers, lora_checkpoint(gated, broken=True), 1, store)
+            await wait_until(lambda: (1, "REJECTED") in seen, 120, "v1 rejected by the evaluation")
+            strict_stop.set()
+            await strict_gate
+            assert (follower.routing(name) or Routing(name)).stable_version == 0
+
+            # An evaluation that cannot see the damage lets v2 through to the canary; live rewards catch it.
+            lenient = replace(gated, deploy=replace(gated.deploy, eval_agent="bench.scenario:lenient_agent"))
+            lenient_stop, lenient_gate = gate_with(lenient)
+            await publish(gated, stack.bootstrap_servers, lora_checkpoint(gated, broken=True), 2, store)
+            await wait_until(lambda: (2, "ROLLED_BACK") in seen, 150, "v2 rolled back during its canary")
+            assert follower.routing(name).stable_version == 0 and follower.routing(name).canary_version is None
+
+            await publish(gated, stack.bootstrap_servers, lora_checkpoint(gated, broken=False), 3, store)
+            await wait_until(lambda: (3, "PROMOTED") in seen, 150, "v3 promoted through its canary")
+            assert follower.routing(name).stable_version == 3
+            lenient_stop.set()
+            await lenient_gate
+            served_before = len(users.served)
+            await wait_until(lambda: len(users.served) > served_before + 6, 30, "traffic on v3")
+        finally:
+            users_stop.set()
+            stop.set()
+            await asyncio.gather(*background)
+            await decisions.stop()
+            await proxy_runner.cleanup()
+            await server_runner.cleanup()
+        assert users.failed == []
+        assert [s for s in seen if s[0] in (1, 2, 3)] == [
+            (1, "CANDIDATE"), (1, "REJECTED"), (2, "CANDIDATE"), (2, "CANARY"), (2, "ROLLED_BACK"),
+            (3, "CANDIDATE"), (3, "CANARY"), (3, "PROMOTED")]
+
+    try:
+        asyncio.run(scenario())
+    finally:
+        worker.stop()
+    rows = clickhouse.query(
+        "SELECT version, action, candidate_score, stable_score, canary_reward, stable_reward, canary_rollouts, reason "
+        "FROM deployments FINAL WHERE model = {m:String} ORDER BY decided_at", parameters={"m": name}).result_rows
+    by_action = {(version, action): rest for version, action, *rest in rows}
+    assert by_action[(1, "REJECTED")][:2] == [0.0, 1.0]  # scored 0 against the base model's 1
+    canary_reward, stable_reward, canary_rollouts = by_action[(2, "ROLLED_BACK")][2:5]
+    assert canary_reward < 0.5 and stable_reward == 1.0 and canary_rollouts >= 8
+    assert by_action[(3, "PROMOTED")][2] == 1.0
+    spans = clickhouse.query(
+        "SELECT policy_version, count() FROM spans WHERE model = {m:String} AND kind = 'LLM' "
+        "AND agent_name = 'live-agent' AND status = 'OK' GROUP BY policy_version ORDER BY policy_version",
+        parameters={"m": name}).result_rows
+    versions = {version for version, _ in spans}
+    assert {0, 2, 3} <= versions  # live traffic saw the base model, v2 during its canary and v3 promoted
+    assert 1 not in versions  # the rejected candidate never served a user
+    assert versions <= {None, 0, 2, 3}  # None: before the first decision the proxy did not know the model was trained

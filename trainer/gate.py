@@ -1,0 +1,302 @@
+"""The promotion gate: a new checkpoint is a candidate until an evaluation, a canary and a promotion decide.
+
+For each new checkpoint of its model the gate (one process per trained model):
+
+1. announces it as a CANDIDATE (hot swap loads it; no user is routed to it) and waits until
+   the server lists it;
+2. scores it and the stable version with ``evaluate`` (the configured evaluation agent over
+   held-out tasks, pinned to each version; the stable score is kept per version) and REJECTS
+   it when its score is below the stable one by more than ``deploy.tolerance``;
+3. otherwise makes it the CANARY for ``deploy.canary_share`` of live rollouts and watches the
+   live rewards of both versions in ClickHouse's ``rollouts`` table since the canary began:
+   it is ROLLED_BACK as soon as it is worse, and PROMOTED once the window is over if not.
+
+"Worse" is a one-sided test on the difference of mean live rewards d = canary - stable with
+Welch's standard error se = sqrt(var_c/n_c + var_s/n_s): the canary is worse when even the
+upper confidence bound d + z*se (z the normal quantile of ``deploy.confidence``) is below
+``-deploy.tolerance``, i.e. the data rule out "no worse than tolerance" at that confidence.
+The test is made only with at least ``deploy.canary_min_rollouts`` rewarded canary rollouts
+(and two stable ones); a canary that gathers too few before ``canary_max_s`` is rolled back.
+Checkpoints that arrive while one is being considered wait; when the gate is free it takes
+the newest and marks the ones in between SUPERSEDED. A person's decision (``agentstream
+promote``/``rollback``) that changes the candidate or canary ends the gate's consideration.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import logging
+import math
+import time
+from collections.abc import Awaitable, Callable
+from dataclasses import dataclass
+from statistics import NormalDist
+from typing import Any
+
+import aiohttp
+from aiokafka import AIOKafkaConsumer
+
+from infra.config import Config
+from infra.deployments import (
+    Action,
+    Decision,
+    DeploymentFollower,
+    DeploymentLog,
+    Routing,
+    adapter_name,
+    decide,
+)
+from infra.kafka import client_options, topic_name
+from schemas import CHECKPOINT, AvroCodec, CodecError
+
+log = logging.getLogger("agentstream.gate")
+
+GATE_AGENT = "agentstream-gate"
+"""The agent name of evaluation rollouts: they never train (opted out) and never count as live traffic."""
+
+
+@dataclass(frozen=True)
+class Score:
+    """An evaluation: mean reward over ``tasks`` evaluation tasks."""
+
+    mean: float
+    tasks: int
+
+
+Evaluate = Callable[[int], Awaitable[Score]]
+"""Scores one version of the gate's model (0: the base model)."""
+
+
+@dataclass(frozen=True)
+class LiveRewards:
+    """Rewarded live rollouts of one version: how many, their mean and sample variance."""
+
+    rollouts: int = 0
+    mean: float | None = None
+    variance: float = 0.0
+
+
+@dataclass(frozen=True)
+class CanaryVerdict:
+    """What the canary's numbers say: ``worse`` (roll back), ``enough`` (rewards to judge), and the bound used."""
+
+    worse: bool
+    enough: bool
+    difference: float | None
+    upper_bound: float | None
+
+
+def judge_canary(canary: LiveRewards, stable: LiveRewards, *, tolerance: float, confidence: float,
+                 min_rollouts: int) -> CanaryVerdict:
+    """The one-sided Welch test of the module docstring."""
+    enough = canary.rollouts >= min_rollouts and stable.rollouts >= 2
+    if not enough or canary.mean is None or stable.mean is None:
+        return CanaryVerdict(False, False, None, None)
+    difference = canary.mean - stable.mean
+    error = math.sqrt(canary.variance / canary.rollouts + stable.variance / stable.rollouts)
+    upper = difference + NormalDist().inv_cdf(confidence) * error
+    return CanaryVerdict(upper < -tolerance, True, difference, upper)
+
+
+LIVE_REWARDS_SQL = """
+SELECT arrayMax(policy_versions) AS version, count() AS rollouts, avg(final_reward) AS mean,
+       ifNotFinite(varSamp(final_reward), 0) AS variance
+FROM {database}.rollouts FINAL
+WHERE model = {model:String} AND agent_name != {gate_agent:String} AND final_reward IS NOT NULL
+  AND notEmpty(policy_versions) AND start_time >= fromUnixTimestamp64Micro({since_us:Int64}, 'UTC')
+  AND arrayMax(policy_versions) IN {versions:Array(Int64)}
+GROUP BY version
+"""
+
+
+class Gate:
+    """Decides what each new checkpoint of ``model`` becomes; ``run`` follows the checkpoints topic until stopped."""
+
+    def __init__(self, config: Config, bootstrap_servers: str, model: str, *, evaluate: Evaluate, warehouse: Any,
+                 deployments: DeploymentLog, server_url: str, poll_s: float = 2.0,
+                 clock: Callable[[], float] = time.monotonic) -> None:
+        self.config = config
+        self.settings = config.deploy
+        self.bootstrap_servers = bootstrap_servers
+        self.model = model
+        self.evaluate = evaluate
+        self.warehouse = warehouse
+        self.deployments = deployments
+        self.server_url = server_url.rstrip("/").removesuffix("/v1")
+        self.poll_s = poll_s
+        self.clock = clock
+        self.follower = DeploymentFollower(config, bootstrap_servers, on_decision=self._seen)
+        self.checkpoints: dict[int, dict] = {}
+        self.considered = 0  # the newest version decided on (by anyone) or under consideration
+        self.scores: dict[int, Score] = {}
+        self.codec = AvroCodec()
+
+    @property
+    def routing(self) -> Routing:
+        return self.follower.routing(self.model) or Routing(self.model)
+
+    async def run(self, stop: asyncio.Event) -> None:
+        consumer = AIOKafkaConsumer(topic_name(self.config.topics, "checkpoints"),
+                                    **client_options(self.config.kafka, self.bootstrap_servers), group_id=None,
+                                    enable_auto_commit=False, auto_offset_reset="earliest", fetch_max_wait_ms=100)
+        following = asyncio.create_task(self.follower.run(stop))
+        await consumer.start()
+        try:
+            await self.follower.ready.wait()
+            while fetched := await consumer.getmany(timeout_ms=500):  # what exists before deciding anything
+                for records in fetched.values():
+                    for record in records:
+                        self._collect(record)
+            await self._resume(stop)
+            while not stop.is_set():
+                for records in (await consumer.getmany(timeout_ms=200)).values():
+                    for record in records:
+                        self._collect(record)
+                newest = max(self.checkpoints, default=0)
+                if newest > self.considered:
+                    await self._supersede(newest)
+                    self.considered = newest
+                    await self.consider(self.checkpoints[newest], stop)
+        finally:
+            await consumer.stop()
+            await following
+
+    def _seen(self, decision: Decision) -> None:
+        if decision.model == self.model:
+            self.considered = max(self.considered, decision.version)
+
+    async def _resume(self, stop: asyncio.Event) -> None:
+        """After a restart: take up the candidate or canary the routing names; versions decided on stay decided."""
+        routing = self.routing
+        if routing.canary_version is not None and routing.canary_version in self.checkpoints:
+            log.info("resuming the canary of %s v%d", self.model, routing.canary_version)
+            await self._watch_canary(self.checkpoints[routing.canary_version], routing.stable_version, stop)
+        elif routing.candidate_version is not None and routing.candidate_version in self.checkpoints:
+            await self.consider(self.checkpoints[routing.candidate_version], stop)
+
+    def _collect(self, record: Any) -> None:
+        if record.key != self.model.encode() or record.value is None:
+            return
+        try:
+            checkpoint = self.codec.decode(record.value, CHECKPOINT)[1]
+        except CodecError as error:
+            log.error("skipped an unreadable checkpoint event at offset %d: %s", record.offset, error)
+            return
+        self.checkpoints[checkpoint["version"]] = checkpoint
+
+    async def _supersede(self, newest: int) -> None:
+        for version in sorted(v for v in self.checkpoints if self.considered < v < newest):
+            await self.deployments.record(decide(
+                self.routing, version, Action.SUPERSEDED, "gate",
+                f"v{newest} arrived before v{version} was considered; the gate considers the newest only"))
+
+    async def consider(self, checkpoint: dict, stop: asyncio.Event) -> None:
+        """Take one checkpoint through evaluation and canary to a decision."""
+        version = checkpoint["version"]
+        if checkpoint["format"] != "lora":
+            await self.deployments.record(decide(
+                self.routing, version, Action.REJECTED, "gate",
+                "full-weight checkpoints cannot be evaluated next to the version serving (the server holds one "
+                "copy of the weights): train with trainer.lora = true, or run without the gate"))
+            return
+        await self.deployments.record(decide(self.routing, version, Action.CANDIDATE, "gate",
+                                             "new checkpoint: loading it for evaluation", candidate_version=version))
+        if not await self._wait_until_loaded(version, stop):
+            await self.deployments.record(decide(
+                self.routing, version, Action.REJECTED, "gate",
+                f"the model server did not list {adapter_name(self.model, version)} within "
+                f"{self.settings.load_timeout_s:.0f} s", candidate_version=None))
+            return
+        stable_version = self.routing.stable_version
+        candidate, stable = await self._score(version), await self._score(stable_version)
+        scores = dict(candidate_score=candidate.mean, stable_score=stable.mean, eval_tasks=candidate.tasks)
+        if self.routing.candidate_version != version:
+            return  # a person decided meanwhile
+        if candidate.mean < stable.mean - self.settings.tolerance:
+            await self.deployments.record(decide(
+                self.routing, version, Action.REJECTED, "gate",
+                f"evaluation: {candidate.mean:.3f} vs v{stable_version}'s {stable.mean:.3f} on {candidate.tasks} "
+                f"tasks, below it by more than the tolerance {self.settings.tolerance}",
+                candidate_version=None, **scores))
+            return
+        await self.deployments.record(decide(
+            self.routing, version, Action.CANARY, "gate",
+            f"evaluation: {candidate.mean:.3f} vs v{stable_version}'s {stable.mean:.3f} on {candidate.tasks} tasks; "
+            f"canary on {self.settings.canary_share:.0%} of live rollouts",
+            candidate_version=None, canary_version=version, canary_share=self.settings.canary_share, **scores))
+        await self._watch_canary(checkpoint, stable_version, stop)
+
+    async def _score(self, version: int) -> Score:
+        if version not in self.scores:
+            self.scores[version] = await self.evaluate(version)
+            log.info("%s v%d scores %.3f on %d evaluation tasks", self.model, version, self.scores[version].mean,
+                     self.scores[version].tasks)
+        return self.scores[version]
+
+    async def _wait_until_loaded(self, version: int, stop: asyncio.Event) -> bool:
+        name = adapter_name(self.model, version)
+        deadline = self.clock() + self.settings.load_timeout_s
+        async with aiohttp.ClientSession(timeout=aiohttp.ClientTimeout(total=10)) as session:
+            while not stop.is_set() and self.clock() < deadline:
+                try:
+                    async with session.get(f"{self.server_url}/v1/models") as response:
+                        listed = await response.json(content_type=None)
+                    if any(entry.get("id") == name for entry in listed.get("data") or ()):
+                        return True
+                except (aiohttp.ClientError, ValueError, AttributeError, TimeoutError) as error:
+                    log.warning("model server %s: %s", self.server_url, error)
+                await asyncio.sleep(0.2)
+        return False
+
+    async def _watch_canary(self, checkpoint: dict, stable_version: int, stop: asyncio.Event) -> None:
+        version = checkpoint["version"]
+        settings = self.settings
+        started, since_us = self.clock(), time.time_ns() // 1000
+        while not stop.is_set():
+            await asyncio.sleep(self.poll_s)
+            if self.routing.canary_version != version:
+                return  # a person decided meanwhile
+            live = await self._live_rewards(since_us, [version, stable_version])
+            canary, stable = live.get(version, LiveRewards()), live.get(stable_version, LiveRewards())
+            verdict = judge_canary(canary, stable, tolerance=settings.tolerance, confidence=settings.confidence,
+                                   min_rollouts=settings.canary_min_rollouts)
+            elapsed = self.clock() - started
+            numbers = dict(canary_reward=canary.mean, canary_rollouts=canary.rollouts, stable_reward=stable.mean,
+                           stable_rollouts=stable.rollouts)
+            summary = (f"live reward {_mean(canary)} over {canary.rollouts} canary rollouts vs v{stable_version}'s "
+                       f"{_mean(stable)} over {stable.rollouts}")
+            if verdict.worse:
+                await self.deployments.record(decide(
+                    self.routing, version, Action.ROLLED_BACK, "gate",
+                    f"canary: {summary}; worse by more than {settings.tolerance} at {settings.confidence:.0%} "
+                    f"confidence (upper bound of the difference {verdict.upper_bound:+.3f})",
+                    canary_version=None, canary_share=0.0, **numbers))
+                return
+            if verdict.enough and elapsed >= settings.canary_min_s:
+                await self.deployments.record(decide(
+                    self.routing, version, Action.PROMOTED, "gate",
+                    f"canary: {summary} after {elapsed:.0f} s; not worse (difference {verdict.difference:+.3f}, "
+                    f"upper bound {verdict.upper_bound:+.3f})",
+                    stable_version=version, stable_uri=checkpoint["uri"], format=checkpoint["format"],
+                    canary_version=None, canary_share=0.0, **numbers))
+                return
+            if elapsed >= settings.canary_max_s:
+                await self.deployments.record(decide(
+                    self.routing, version, Action.ROLLED_BACK, "gate",
+                    f"canary: {summary} after {elapsed:.0f} s: fewer than {settings.canary_min_rollouts} rewarded "
+                    "canary rollouts to judge it by", canary_version=None, canary_share=0.0, **numbers))
+                return
+
+    async def _live_rewards(self, since_us: int, versions: list[int]) -> dict[int, LiveRewards]:
+        sql = LIVE_REWARDS_SQL.replace("{database}", self.config.clickhouse.database)
+        parameters = {"model": self.model, "gate_agent": GATE_AGENT, "since_us": since_us, "versions": versions}
+        try:
+            result = await asyncio.to_thread(self.warehouse.query, sql, parameters=parameters)
+        except Exception as error:  # ClickHouse down: the canary waits, it does not decide on no data
+            log.warning("live rewards unavailable (%s); the canary keeps running", error)
+            return {}
+        return {int(v): LiveRewards(int(n), float(mean), float(var)) for v, n, mean, var in result.result_rows}
+
+
+def _mean(rewards: LiveRewards) -> str:
+    return "n/a" if rewards.mean is None else f"{rewards.mean:.3f}"
