@@ -12,4 +12,3 @@ def slow_agent(task: dict) -> float:
     with span("work", kind="TOOL"):
         time.sleep(task.get("sleep", 0))
     return 1.0
-
