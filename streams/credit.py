@@ -7,6 +7,7 @@ a custom one in :data:`STRATEGIES` to select it by name from ``[[credit]]`` rule
 
 from __future__ import annotations
 
+import functools
 import math
 from collections.abc import Callable
 from fnmatch import fnmatchcase
@@ -73,6 +74,30 @@ class DiscountedReturns:
         return [Credit(call, i, step_rewards[i], returns[i], returns[i]) for i, call in enumerate(calls)]
 
 
+class RunningBaseline:
+    """Online traffic, which has no groups: the advantage is the final reward minus a running mean of past ones.
+
+    The mean is an exponential moving average (``decay`` per rollout, about the last 50 rollouts
+    at 0.98) of the final rewards of each agent's rollouts, in this worker's memory: the first
+    rollout gets advantage 0 and a restarted worker warms up again. Centring the reward makes a
+    failure push its calls down as much as a success pushes them up (REINFORCE with a baseline),
+    where a plain final reward of 0 or 1 teaches only from successes.
+    """
+
+    grouped = False
+
+    def __init__(self, decay: float = 0.98) -> None:
+        self.decay = decay
+        self.means: dict[str, float] = {}
+
+    def assign(self, trajectory: Trajectory) -> list[Credit]:
+        final = trajectory.final_reward or 0.0
+        mean = self.means.get(trajectory.agent_name)
+        advantage = 0.0 if mean is None else final - mean
+        self.means[trajectory.agent_name] = final if mean is None else self.decay * mean + (1 - self.decay) * final
+        return [Credit(call, index, final, final, advantage) for index, call in enumerate(trajectory.trainable_calls)]
+
+
 class GroupNormalized:
     """GRPO: each rollout's final reward minus its group's mean, divided by the group's std (+eps).
 
@@ -113,6 +138,7 @@ STRATEGIES: dict[str, Callable[[CreditRule], CreditStrategy]] = {
     "final": lambda rule: FinalReward(),
     "discounted": lambda rule: DiscountedReturns(rule.gamma),
     "grpo": lambda rule: GroupNormalized(),
+    "baseline": lambda rule: RunningBaseline(),
 }
 
 
@@ -124,5 +150,7 @@ def matching_rule(rules: tuple[CreditRule, ...], agent_name: str, model: str) ->
     return None
 
 
+@functools.cache
 def strategy_for(rule: CreditRule) -> CreditStrategy:
+    """The strategy of a rule: one object per rule, so a stateful one (``baseline``) keeps its state."""
     return STRATEGIES[rule.strategy](rule)

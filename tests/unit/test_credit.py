@@ -13,7 +13,7 @@ from streams.credit import DiscountedReturns, FinalReward, GroupNormalized, matc
 from streams.lifecycle import RolloutTracker
 from streams.ocf import container_file
 from streams.records import RawRecord
-from streams.trajectory import SpanNode, assemble
+from streams.trajectory import SpanNode, Trajectory, assemble
 
 
 def node(span_id, kind, start, end=None, parent="", reward=None, attempt="a1", tokens=True, model="m"):
@@ -137,3 +137,24 @@ def test_container_file_of_raw_bodies_reads_back():
 def test_discount_edges(gamma):
     credits = DiscountedReturns(gamma).assign(trajectory())
     assert credits[0].return_value == (1.0 if gamma == 0.0 else 7.0)
+
+
+def test_the_running_baseline_centres_online_rewards_per_agent():
+    from streams.credit import RunningBaseline, strategy_for
+
+    rule = CreditRule(strategy="baseline")
+    assert strategy_for(rule) is strategy_for(rule)  # one stateful object per rule
+    baseline = RunningBaseline(decay=0.5)
+
+    def advantage(agent: str, reward: float) -> float:
+        call = SpanNode("c", "", "LLM", "chat", 0, 1, "a", has_token_ids=True)
+        rewarded = SpanNode("r", "", "REWARD", "reward", 2, 2, "a", reward=reward)
+        trajectory = Trajectory("r", "a", "SUCCEEDED", agent, "", "", [call, rewarded], [call], [call], [rewarded])
+        (credit,) = baseline.assign(trajectory)
+        assert credit.reward == reward
+        return credit.advantage
+
+    assert advantage("x", 1.0) == 0.0  # the first reward sets the mean
+    assert advantage("x", 0.0) == -1.0
+    assert advantage("x", 1.0) == 0.5  # mean 0.5 after (1, 0)
+    assert advantage("y", 0.0) == 0.0  # another agent has its own mean
