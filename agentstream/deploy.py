@@ -53,7 +53,7 @@ def task_evaluator(config: Config, proxy_url: str, model: str, sink: SpanSink) -
                     return 0.0
 
         rewards = await asyncio.gather(*(one(task) for task in tasks))
-        return Score(sum(rewards) / len(rewards), len(rewards))
+        return Score(tuple(rewards))
 
     return evaluate
 

@@ -6,7 +6,9 @@ For each new checkpoint of its model the gate (one process per trained model):
    the server lists it;
 2. scores it and the stable version with ``evaluate`` (the configured evaluation agent over
    held-out tasks, pinned to each version; the stable score is kept per version) and REJECTS
-   it when its score is below the stable one by more than ``deploy.tolerance``;
+   it when it is worse by more than ``deploy.tolerance``: when the upper confidence bound of
+   the mean paired difference (candidate - stable on each task, its standard error from the
+   differences' spread) is below ``-deploy.tolerance``, so evaluation noise alone does not reject;
 3. otherwise makes it the CANARY for ``deploy.canary_share`` of live rollouts and watches the
    live rewards of both versions in ClickHouse's ``rollouts`` table since the canary began:
    it is ROLLED_BACK as soon as it is worse, and PROMOTED once the window is over if not.
@@ -57,10 +59,17 @@ GATE_AGENT = "agentstream-gate"
 
 @dataclass(frozen=True)
 class Score:
-    """An evaluation: mean reward over ``tasks`` evaluation tasks."""
+    """An evaluation: the reward on each evaluation task, in task order."""
 
-    mean: float
-    tasks: int
+    rewards: tuple[float, ...]
+
+    @property
+    def mean(self) -> float:
+        return sum(self.rewards) / len(self.rewards) if self.rewards else 0.0
+
+    @property
+    def tasks(self) -> int:
+        return len(self.rewards)
 
 
 Evaluate = Callable[[int], Awaitable[Score]]
@@ -84,6 +93,14 @@ class CanaryVerdict:
     enough: bool
     difference: float | None
     upper_bound: float | None
+
+
+def evaluation_bound(candidate: Score, stable: Score, confidence: float) -> tuple[float, float]:
+    """The mean paired difference candidate - stable over the same tasks, and its upper confidence bound."""
+    differences = [c - s for c, s in zip(candidate.rewards, stable.rewards, strict=True)]
+    mean = sum(differences) / len(differences)
+    variance = sum((d - mean) ** 2 for d in differences) / max(1, len(differences) - 1)
+    return mean, mean + NormalDist().inv_cdf(confidence) * math.sqrt(variance / len(differences))
 
 
 def judge_canary(canary: LiveRewards, stable: LiveRewards, *, tolerance: float, confidence: float,
@@ -212,17 +229,18 @@ class Gate:
         scores = dict(candidate_score=candidate.mean, stable_score=stable.mean, eval_tasks=candidate.tasks)
         if self.routing.candidate_version != version:
             return  # a person decided meanwhile
-        if candidate.mean < stable.mean - self.settings.tolerance:
+        difference, upper = evaluation_bound(candidate, stable, self.settings.confidence)
+        summary = (f"evaluation: {candidate.mean:.3f} vs v{stable_version}'s {stable.mean:.3f} on {candidate.tasks} "
+                   f"tasks (paired difference {difference:+.3f}, upper bound {upper:+.3f})")
+        if upper < -self.settings.tolerance:
             await self.deployments.record(decide(
                 self.routing, version, Action.REJECTED, "gate",
-                f"evaluation: {candidate.mean:.3f} vs v{stable_version}'s {stable.mean:.3f} on {candidate.tasks} "
-                f"tasks, below it by more than the tolerance {self.settings.tolerance}",
-                candidate_version=None, **scores))
+                f"{summary}: worse by more than the tolerance {self.settings.tolerance} at "
+                f"{self.settings.confidence:.0%} confidence", candidate_version=None, **scores))
             return
         await self.deployments.record(decide(
             self.routing, version, Action.CANARY, "gate",
-            f"evaluation: {candidate.mean:.3f} vs v{stable_version}'s {stable.mean:.3f} on {candidate.tasks} tasks; "
-            f"canary on {self.settings.canary_share:.0%} of live rollouts",
+            f"{summary}; canary on {self.settings.canary_share:.0%} of live rollouts",
             candidate_version=None, canary_version=version, canary_share=self.settings.canary_share, **scores))
         await self._watch_canary(checkpoint, stable_version, stop)
 

@@ -94,3 +94,15 @@ def test_no_verdict_without_enough_rewarded_rollouts():
     assert not verdict.enough and not verdict.worse
     assert not judge_canary(LiveRewards(30, 0.0, 0.0), LiveRewards(1, 1.0, 0.0), tolerance=0.05, confidence=0.95,
                             min_rollouts=20).enough
+
+
+def test_the_evaluation_rejects_what_is_worse_beyond_its_noise_not_the_noise_itself():
+    from trainer.gate import Score, evaluation_bound
+
+    stable = Score((1.0, 0.0, 1.0, 0.0, 1.0, 0.0, 1.0, 0.0) * 4)  # 50% on 32 tasks
+    broken = Score((0.0,) * 32)
+    difference, upper = evaluation_bound(broken, stable, 0.95)
+    assert difference == -0.5 and upper < -0.05
+    noisy = Score(tuple(1.0 - r if i in (0, 2) else r for i, r in enumerate(stable.rewards)))  # two tasks lost
+    difference, upper = evaluation_bound(noisy, stable, 0.95)
+    assert difference == pytest.approx(-2 / 32) and upper > -0.05
