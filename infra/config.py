@@ -124,7 +124,8 @@ class CreditRule:
     ``agent`` and ``model`` are shell-style patterns. ``strategy`` is ``final`` (every call gets
     the final reward), ``discounted`` (intermediate rewards attach to the preceding call, returns
     discounted by ``gamma``) or ``grpo`` (advantages normalised within groups of ``group_size``
-    rollouts of one task, waiting at most ``group_timeout_s`` for stragglers). ``train_as``
+    rollouts of one task, waiting at most ``group_timeout_s`` for stragglers) or ``baseline`` (online
+    traffic without groups: the final reward minus a running mean of the agent's). ``train_as``
     renames the trained model (the transitions topic key); ``train = false`` excludes.
 
     ``sample_rate`` (0 to 1, default 1) is the share of the matching rollouts trained on; every
@@ -145,7 +146,7 @@ class CreditRule:
     sample_rate: float = 1.0
 
 
-STRATEGIES = ("final", "discounted", "grpo")
+STRATEGIES = ("final", "discounted", "grpo", "baseline")
 
 
 @dataclass(frozen=True)
@@ -301,6 +302,12 @@ class DemoConfig:
     held-out greedy accuracy is measured before, every ``eval_every_s`` and after. ``concurrency``
     rollouts run at once (``prompts_per_wave`` GRPO groups of ``group_size``). ``target`` is the
     held-out accuracy bench-learning times (``time_to_85pct_s``); ``stop_at_target`` ends a run there.
+
+    ``online_*`` set the online demo (``agentstream demo --online``): seconds of live traffic, the
+    users' request rate (per second), the longest feedback delay and the share of answers never
+    rated, the service's sampling temperature (SmolLM2 answers a third right at 0.3, a twentieth at
+    1.0), the LoRA learning rate and batch (transitions), the gate's evaluation size, canary share
+    and minimum canary window.
     """
 
     quick: bool = False
@@ -316,6 +323,17 @@ class DemoConfig:
     trainer_threads: int = 2
     output_dir: str = "demo-output"
     report_path: str = "demo-report.json"
+    online_seconds: float = 1020.0
+    online_rate: float = 2.0
+    online_feedback_max_delay_s: float = 60.0
+    online_silent_share: float = 0.1
+    online_temperature: float = 0.3
+    online_lr: float = 3e-4
+    online_batch: int = 32
+    online_eval_tasks: int = 32
+    online_canary_share: float = 0.2
+    online_canary_s: float = 45.0
+    online_report_path: str = "online-report.json"
 
     @property
     def training_seconds(self) -> float:
