@@ -4,7 +4,7 @@ VENV   := .venv
 BIN    := $(VENV)/bin
 STAMP  := $(VENV)/.installed
 
-.PHONY: install demo test test-unit lint gpu-check bench bench-learning soak clean
+.PHONY: install demo demo-online test test-unit lint gpu-check bench bench-learning soak clean
 
 install: $(STAMP)
 
@@ -18,6 +18,10 @@ $(STAMP): pyproject.toml
 
 demo: install
 	$(BIN)/agentstream demo
+
+# The production loop: a service, its users' late feedback, the gate, canaries, rollbacks (vLLM contract).
+demo-online: install
+	$(BIN)/agentstream demo --online
 
 # Lint first (seconds), then every test: unit (no services) and integration (a real broker and ClickHouse).
 test: install lint
@@ -53,4 +57,4 @@ bench-learning: install
 	$(BIN)/python -m bench.learning
 
 clean:
-	rm -rf $(VENV) .agentstream .pytest_cache *.egg-info demo-output demo-report.json bench-output
+	rm -rf $(VENV) .agentstream .pytest_cache *.egg-info demo-output demo-report.json online-report.json bench-output

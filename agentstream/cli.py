@@ -341,29 +341,39 @@ async def _until_signalled(stop: asyncio.Event | None = None) -> None:
 
 @main.command()
 @click.option("--quick", is_flag=True, default=None, help="The quick mode (same as DEMO_QUICK=1).")
-@click.option("--seconds", type=float, default=None, help="Seconds of training (default: demo.seconds, 900).")
+@click.option("--seconds", type=float, default=None,
+              help="Seconds of training (default: demo.seconds, 900), or of live traffic with --online "
+              "(demo.online_seconds, 1020).")
+@click.option("--online", is_flag=True, help="The production demo: a service, its users' late feedback, the gate, "
+              "canaries and rollbacks, on the vLLM contract.")
 @click.pass_context
-def demo(ctx: click.Context, quick: bool | None, seconds: float | None) -> None:
+def demo(ctx: click.Context, quick: bool | None, seconds: float | None, online: bool) -> None:
     """Train SmolLM2-135M-Instruct online on an arithmetic agent and show that it learned.
 
     Starts the stack, the dev model server, proxy, streams, trainer, hot swap and runners;
     measures held-out greedy accuracy before, during and after; writes demo-report.json, a
-    plot and a report under demo-output/; stops everything it started.
+    plot and a report under demo-output/; stops everything it started. With --online: a
+    service answering users, learning from their feedback behind the gate (online-report.json).
     """
     from dataclasses import replace
 
-    from agentstream.demo import run_demo
+    from agentstream.demo import run_demo, run_online_demo
     from agentstream.session import ChildFailed
 
     config = _config(ctx)
-    if quick is not None or seconds is not None:
+    if online and seconds:
+        config = replace(config, demo=replace(config.demo, online_seconds=seconds))
+    elif quick is not None or seconds is not None:
         demo_config = replace(config.demo, quick=bool(quick) or config.demo.quick)
         if seconds:
             demo_config = replace(demo_config, seconds=seconds, quick_seconds=seconds)
         config = replace(config, demo=demo_config)
     signal.signal(signal.SIGTERM, _interrupt)  # stop like Ctrl-C: everything the demo started goes down
     try:
-        run_demo(config)
+        if online:
+            run_online_demo(config)
+        else:
+            run_demo(config)
     except ChildFailed as error:
         raise click.ClickException(str(error)) from None
     except KeyboardInterrupt:

@@ -306,8 +306,9 @@ class DemoConfig:
     ``online_*`` set the online demo (``agentstream demo --online``): seconds of live traffic, the
     users' request rate (per second), the longest feedback delay and the share of answers never
     rated, the service's sampling temperature (SmolLM2 answers a third right at 0.3, a twentieth at
-    1.0), the LoRA learning rate and batch (transitions), the gate's evaluation size, canary share
-    and minimum canary window.
+    1.0), the LoRA learning rate, batch (transitions) and optimizer steps per checkpoint (each
+    checkpoint is a candidate: about one per canary window keeps the served version close to the
+    trainer's), the gate's evaluation size, canary share and minimum canary window.
     """
 
     quick: bool = False
@@ -324,15 +325,16 @@ class DemoConfig:
     output_dir: str = "demo-output"
     report_path: str = "demo-report.json"
     online_seconds: float = 1020.0
-    online_rate: float = 2.0
+    online_rate: float = 1.5
     online_feedback_max_delay_s: float = 60.0
     online_silent_share: float = 0.1
     online_temperature: float = 0.3
     online_lr: float = 3e-4
     online_batch: int = 32
+    online_steps_per_checkpoint: int = 3
     online_eval_tasks: int = 32
-    online_canary_share: float = 0.2
-    online_canary_s: float = 45.0
+    online_canary_share: float = 0.3
+    online_canary_s: float = 30.0
     online_report_path: str = "online-report.json"
 
     @property

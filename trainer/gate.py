@@ -145,6 +145,7 @@ class Gate:
         self.follower = DeploymentFollower(config, bootstrap_servers, on_decision=self._seen)
         self.checkpoints: dict[int, dict] = {}
         self.considered = 0  # the newest version decided on (by anyone) or under consideration
+        self.seen_ids: set[str] = set()  # decisions about this model read back from the topic
         self.scores: dict[int, Score] = {}
         self.codec = AvroCodec()
 
@@ -181,6 +182,20 @@ class Gate:
     def _seen(self, decision: Decision) -> None:
         if decision.model == self.model:
             self.considered = max(self.considered, decision.version)
+            if len(self.seen_ids) > 10_000:
+                self.seen_ids.clear()
+            self.seen_ids.add(decision.decision_id)
+
+    async def _record(self, decision: Decision) -> None:
+        """Record a decision and wait until the routing read back from the topic includes it.
+
+        What the gate checks next (has a person changed the candidate or canary?) is read from
+        that routing, so it must not be older than the gate's own decision.
+        """
+        await self.deployments.record(decision)
+        deadline = self.clock() + 30.0
+        while decision.decision_id not in self.seen_ids and self.clock() < deadline:
+            await asyncio.sleep(0.05)
 
     async def _resume(self, stop: asyncio.Event) -> None:
         """After a restart: take up the candidate or canary the routing names; versions decided on stay decided."""
@@ -203,7 +218,7 @@ class Gate:
 
     async def _supersede(self, newest: int) -> None:
         for version in sorted(v for v in self.checkpoints if self.considered < v < newest):
-            await self.deployments.record(decide(
+            await self._record(decide(
                 self.routing, version, Action.SUPERSEDED, "gate",
                 f"v{newest} arrived before v{version} was considered; the gate considers the newest only"))
 
@@ -211,15 +226,15 @@ class Gate:
         """Take one checkpoint through evaluation and canary to a decision."""
         version = checkpoint["version"]
         if checkpoint["format"] != "lora":
-            await self.deployments.record(decide(
+            await self._record(decide(
                 self.routing, version, Action.REJECTED, "gate",
                 "full-weight checkpoints cannot be evaluated next to the version serving (the server holds one "
                 "copy of the weights): train with trainer.lora = true, or run without the gate"))
             return
-        await self.deployments.record(decide(self.routing, version, Action.CANDIDATE, "gate",
+        await self._record(decide(self.routing, version, Action.CANDIDATE, "gate",
                                              "new checkpoint: loading it for evaluation", candidate_version=version))
         if not await self._wait_until_loaded(version, stop):
-            await self.deployments.record(decide(
+            await self._record(decide(
                 self.routing, version, Action.REJECTED, "gate",
                 f"the model server did not list {adapter_name(self.model, version)} within "
                 f"{self.settings.load_timeout_s:.0f} s", candidate_version=None))
@@ -233,12 +248,12 @@ class Gate:
         summary = (f"evaluation: {candidate.mean:.3f} vs v{stable_version}'s {stable.mean:.3f} on {candidate.tasks} "
                    f"tasks (paired difference {difference:+.3f}, upper bound {upper:+.3f})")
         if upper < -self.settings.tolerance:
-            await self.deployments.record(decide(
+            await self._record(decide(
                 self.routing, version, Action.REJECTED, "gate",
                 f"{summary}: worse by more than the tolerance {self.settings.tolerance} at "
                 f"{self.settings.confidence:.0%} confidence", candidate_version=None, **scores))
             return
-        await self.deployments.record(decide(
+        await self._record(decide(
             self.routing, version, Action.CANARY, "gate",
             f"{summary}; canary on {self.settings.canary_share:.0%} of live rollouts",
             candidate_version=None, canary_version=version, canary_share=self.settings.canary_share, **scores))
@@ -284,14 +299,14 @@ class Gate:
             summary = (f"live reward {_mean(canary)} over {canary.rollouts} canary rollouts vs v{stable_version}'s "
                        f"{_mean(stable)} over {stable.rollouts}")
             if verdict.worse:
-                await self.deployments.record(decide(
+                await self._record(decide(
                     self.routing, version, Action.ROLLED_BACK, "gate",
                     f"canary: {summary}; worse by more than {settings.tolerance} at {settings.confidence:.0%} "
                     f"confidence (upper bound of the difference {verdict.upper_bound:+.3f})",
                     canary_version=None, canary_share=0.0, **numbers))
                 return
             if verdict.enough and elapsed >= settings.canary_min_s:
-                await self.deployments.record(decide(
+                await self._record(decide(
                     self.routing, version, Action.PROMOTED, "gate",
                     f"canary: {summary} after {elapsed:.0f} s; not worse (difference {verdict.difference:+.3f}, "
                     f"upper bound {verdict.upper_bound:+.3f})",
@@ -299,7 +314,7 @@ class Gate:
                     canary_version=None, canary_share=0.0, **numbers))
                 return
             if elapsed >= settings.canary_max_s:
-                await self.deployments.record(decide(
+                await self._record(decide(
                     self.routing, version, Action.ROLLED_BACK, "gate",
                     f"canary: {summary} after {elapsed:.0f} s: fewer than {settings.canary_min_rollouts} rewarded "
                     "canary rollouts to judge it by", canary_version=None, canary_share=0.0, **numbers))

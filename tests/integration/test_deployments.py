@@ -9,6 +9,7 @@ decisions read back from Kafka and ClickHouse.
 from __future__ import annotations
 
 import asyncio
+import time
 import uuid
 from dataclasses import replace
 
@@ -30,6 +31,8 @@ from serving.protocol import Contract
 from tests.integration.test_trainer_hotswap import trained_policy
 from tests.support.readback import read_topic
 from trainer.checkpoints import open_store
+from trainer.metrics import MetricsWriter
+from trainer.worker import TrainerWorker
 
 MESSAGES = [{"role": "user", "content": "hello"}]
 
@@ -44,14 +47,15 @@ def lora_setup(topics_config, tmp_path, stack):
     return config, name, open_store(str(tmp_path / "checkpoints"))
 
 
-def test_on_the_vllm_contract_the_proxy_serves_the_deployed_adapter_and_spans_carry_its_version(
-        lora_setup, stack, publisher, clickhouse, kafka_options):
+@pytest.mark.parametrize("contract", [Contract.VLLM, Contract.DEV])
+def test_the_proxy_serves_the_deployed_adapter_and_spans_carry_its_version(
+        contract, lora_setup, stack, publisher, clickhouse, kafka_options):
     config, name, store = lora_setup
     policy = trained_policy(config.trainer)
 
     async def scenario() -> None:
         server_runner, server_url = await serve_app(create_app(load_model("tiny"), served_model_name=name,
-                                                               contract=Contract.VLLM))
+                                                               contract=contract))
         server = server_runner.app[SERVER]
         stop = asyncio.Event()
         decisions = DeploymentLog(config, stack.bootstrap_servers, clickhouse)
@@ -104,7 +108,8 @@ def test_on_the_vllm_contract_the_proxy_serves_the_deployed_adapter_and_spans_ca
     by_rollout = {}
     for span in llm:
         by_rollout.setdefault(span["rollout_id"], []).append(span)
-    assert [s["policy_version"] for s in by_rollout["before"]] == [None]  # vLLM names no version, nothing routed
+    # Before any deployment vLLM names no version (and nothing is routed); the dev server says v0.
+    assert [s["policy_version"] for s in by_rollout["before"]] == [None if contract == Contract.VLLM else 0]
     after = sorted(by_rollout["after"], key=lambda s: s["start_time_us"])
     assert [s["policy_version"] for s in after] == [2, 0, 0, None, 2]
     assert {s["model"] for s in after} == {name}  # the trained model's name, never the adapter's
@@ -229,8 +234,12 @@ def test_the_gate_rejects_a_broken_checkpoint_rolls_back_a_bad_canary_and_promot
 
     try:
         asyncio.run(scenario())
+        check_decisions_spans_and_training(clickhouse, name, base, stack, tmp_path)
     finally:
         worker.stop()
+
+
+def check_decisions_spans_and_training(clickhouse, name: str, base, stack, tmp_path) -> None:
     rows = clickhouse.query(
         "SELECT version, action, candidate_score, stable_score, canary_reward, stable_reward, canary_rollouts, reason "
         "FROM deployments FINAL WHERE model = {m:String} ORDER BY decided_at", parameters={"m": name}).result_rows
@@ -247,3 +256,29 @@ def test_the_gate_rejects_a_broken_checkpoint_rolls_back_a_bad_canary_and_promot
     assert {0, 2, 3} <= versions  # live traffic saw the base model, v2 during its canary and v3 promoted
     assert 1 not in versions  # the rejected candidate never served a user
     assert versions <= {None, 0, 2, 3}  # None: before the first decision the proxy did not know the model was trained
+    assert clickhouse.query("SELECT count() FROM transitions WHERE agent_name = 'agentstream-gate'").result_rows == [
+        (0,)]  # evaluation rollouts never train
+
+    # The trainer's lag bound holds on what vLLM served: resumed at v3 with max_policy_lag 0, it trains on the
+    # transitions v3 generated and drops those of v0 (and unrouted, version 0) and v2 as stale.
+    def transitions_made() -> dict[int, int]:
+        return dict(clickhouse.query("SELECT policy_version, count() FROM transitions FINAL WHERE model = {m:String} "
+                                     "GROUP BY policy_version", parameters={"m": name}).result_rows)
+
+    made: dict[int, int] = {}
+    while made != (made := transitions_made()):  # the last rollouts' rows land a moment after the topic's
+        time.sleep(1.5)
+    assert set(made) == {0, 2, 3}
+    strict = replace(base, trainer=replace(base.trainer, max_policy_lag=0, batch_transitions=100_000, batch_tokens=0,
+                                           batch_wait_s=8.0, checkpoint_dir=str(tmp_path / "checkpoints")))
+
+    async def train_one_step() -> TrainerWorker:
+        trainer = TrainerWorker(strict, stack.bootstrap_servers,
+                                metrics=MetricsWriter(clickhouse, base.clickhouse.database), progress=lambda line: None)
+        assert (await trainer.run(max_steps=1)).steps == 1
+        return trainer
+
+    assert asyncio.run(train_one_step()).version == 4
+    step = clickhouse.query("SELECT policy_version, transitions, dropped_stale FROM train_steps FINAL "
+                            "WHERE model = {m:String}", parameters={"m": name}).result_rows
+    assert step == [(3, made[3], made[0] + made[2])]
