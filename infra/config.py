@@ -329,7 +329,7 @@ class DemoConfig:
     online_feedback_max_delay_s: float = 60.0
     online_silent_share: float = 0.1
     online_temperature: float = 0.3
-    online_lr: float = 3e-4
+    online_lr: float = 1e-4
     online_batch: int = 32
     online_steps_per_checkpoint: int = 3
     online_eval_tasks: int = 32

@@ -49,3 +49,26 @@ def test_the_demo_trains_evaluates_reports_and_stops_everything(tmp_path):
     assert "held-out greedy accuracy" in (tmp_path / "demo-output" / "report.md").read_text()
     assert "stopped (pid" in out and not list((home / "run").glob("*.json"))
     assert processes_mentioning(str(home)) == [], "processes the demo started are still running"
+
+
+@pytest.mark.timeout(600)
+def test_the_online_demo_serves_users_gates_a_candidate_reports_and_stops_everything(tmp_path):
+    home = tmp_path / "home"
+    env = stack_environment(home)
+    (tmp_path / "agentstream.toml").write_text(
+        "[demo]\nonline_batch = 8\nonline_steps_per_checkpoint = 1\nonline_eval_tasks = 8\nonline_rate = 1.0\n"
+        "online_feedback_max_delay_s = 10\n")
+    result = subprocess.run([sys.executable, "-m", "agentstream", "demo", "--online", "--seconds", "100"], env=env,
+                            cwd=tmp_path, capture_output=True, text=True, timeout=540)
+    assert result.returncode == 0, result.stdout[-4000:] + result.stderr[-4000:]
+    out = result.stdout
+    assert "requests (0 failed), last minute" in out and "live success" in out
+    report = json.loads((tmp_path / "online-report.json").read_text())
+    assert report["requests"] >= 30 and report["failed_requests"] == 0
+    assert report["feedback_sent"] > 0 and report["per_minute"] and report["per_version"][0]["version"] == 0
+    assert 0 < report["latency_ms"]["p50"] <= report["latency_ms"]["p99"]
+    actions = [row["action"] for row in report["deployments"]]
+    assert actions and actions[0] == "CANDIDATE"  # the first checkpoint reached the gate, and its row ClickHouse
+    assert (tmp_path / "demo-output" / "online.png").read_bytes()[:8] == b"\x89PNG\r\n\x1a\n"
+    assert "stopped (pid" in out and not list((home / "run").glob("*.json"))
+    assert processes_mentioning(str(home)) == [], "processes the online demo started are still running"
