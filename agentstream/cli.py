@@ -629,7 +629,7 @@ def gate_command(ctx: click.Context, model_name: str, server_url: str, proxy_url
 def deployments_command(ctx: click.Context, model_name: str | None, history: int) -> None:
     """What serves what, per trained model, and the latest deployment decisions."""
     from agentstream.deploy import RECENT_DECISIONS_SQL
-    from infra.clickhouse import connect
+    from infra.clickhouse import connect, server_message
     from infra.deployments import DeploymentError, read_routes
 
     config = _config(ctx)
@@ -653,6 +653,9 @@ def deployments_command(ctx: click.Context, model_name: str | None, history: int
         try:
             recent = client.query(RECENT_DECISIONS_SQL.replace("{database}", database),
                                   parameters={"model": model_name or "", "limit": history}).result_rows
+        except Exception as error:  # a database `agentstream up` never migrated has no deployments table
+            raise click.ClickException(f"cannot read {database}.deployments: {server_message(error)} "
+                                       "(run `agentstream up` to create the tables)") from None
         finally:
             client.close()
         if recent:

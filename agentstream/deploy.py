@@ -102,14 +102,18 @@ def rollback(routing: Routing, previous: tuple[int, str] | None) -> Decision:
 
 
 def previous_stable(warehouse: Any, database: str, routing: Routing) -> tuple[int, str] | None:
-    """The stable version (and its URI) in force before the current one, from the decisions table."""
+    """The stable version (and its URI) in force before the current one, from the decisions table.
+
+    Before a model's first decision its base model served, so that is what a LoRA deployment
+    goes back to when no earlier stable version is recorded.
+    """
     rows = warehouse.query(
         f"SELECT stable_version, argMax(decision_id, decided_at) FROM {database}.deployments FINAL "
         "WHERE model = {model:String} AND stable_version != {current:Int64} "
         "GROUP BY stable_version ORDER BY max(decided_at) DESC LIMIT 1",
         parameters={"model": routing.model, "current": routing.stable_version}).result_rows
     if not rows:
-        return None
+        return (0, "") if routing.stable_version and routing.format == "lora" else None
     version = int(rows[0][0])
     if version == 0:
         return 0, ""

@@ -1,14 +1,19 @@
 """The loop closed on vLLM's contract: deployments route the proxy, spans carry the serving version, pins work.
 
 Everything is real: the dev model server in ``--contract vllm`` mode (no X-Policy-Version,
-adapters by name), hot swap following the checkpoints and deployments topics of the test
-broker, the proxy following deployments, the official openai SDK as the client, and the
-decisions read back from Kafka and ClickHouse.
+adapters by name; the routing test runs on the dev contract too), hot swap following the
+checkpoints and deployments topics of the test broker, the proxy following deployments, the
+gate, a streams worker, the official openai SDK as the client, the CLI as a user types it,
+and the decisions read back from Kafka and ClickHouse.
 """
 
 from __future__ import annotations
 
 import asyncio
+import datetime
+import os
+import subprocess
+import sys
 import time
 import uuid
 from dataclasses import replace
@@ -72,10 +77,11 @@ def test_the_proxy_serves_the_deployed_adapter_and_spans_carry_its_version(
             first = await client.chat.completions.create(model=name, messages=MESSAGES, max_tokens=4)
             assert first.model == name  # nothing deployed yet: the base model
 
-            for version in (1, 2):
+            for version in (1, 2):  # one after the other: hot swap skips to the newest of what it finds at once
                 await publish(config, stack.bootstrap_servers, policy, version, store)
-            routing = await wait_until(lambda: (r := follower.routing(name)) and r.stable_version == 2 and r,
-                                       what="v2 promoted")
+                routing = await wait_until(
+                    lambda v=version: (r := follower.routing(name)) and r.stable_version == v and r,
+                    what=f"v{version} promoted")
             assert routing.format == "lora" and routing.stable_uri.endswith("v00000002")
             assert sorted(server.adapters) == [adapter_name(name, 1), adapter_name(name, 2)]
 
@@ -282,3 +288,34 @@ def check_decisions_spans_and_training(clickhouse, name: str, base, stack, tmp_p
     step = clickhouse.query("SELECT policy_version, transitions, dropped_stale FROM train_steps FINAL "
                             "WHERE model = {m:String}", parameters={"m": name}).result_rows
     assert step == [(3, made[3], made[0] + made[2])]
+
+
+def test_deployments_promote_and_rollback_from_the_command_line(lora_setup, stack, clickhouse):
+    config, name, _ = lora_setup
+    env = {key: value for key, value in os.environ.items()
+           if not key.startswith(("KAFKA_", "CLICKHOUSE_", "AGENTSTREAM_"))}
+    env.update(KAFKA_BOOTSTRAP_SERVERS=stack.bootstrap_servers, CLICKHOUSE_URL=stack.clickhouse_url,
+               CLICKHOUSE_DATABASE=config.clickhouse.database, AGENTSTREAM_TOPIC_PREFIX=config.topics.prefix)
+
+    def agentstream(*args: str) -> subprocess.CompletedProcess:
+        return subprocess.run([sys.executable, "-m", "agentstream", *args], env=env, capture_output=True, text=True,
+                              timeout=120)
+
+    empty = agentstream("deployments", "--model", name)
+    assert empty.returncode == 0 and "no deployments yet" in empty.stdout
+    missing = agentstream("promote", "--model", name, "--version", "7")
+    assert missing.returncode == 1 and "has no checkpoint v7" in missing.stderr
+    nothing = agentstream("rollback", "--model", name)
+    assert nothing.returncode == 1 and "has no deployments" in nothing.stderr
+
+    clickhouse.insert("checkpoints", [[name, 2, "file:///ckpt/v2", "ab" * 32, 2, "lora", {}, datetime.datetime.now()]],
+                      column_names=["model", "version", "uri", "sha256", "step", "format", "metrics", "created_at"])
+    promoted = agentstream("promote", "--model", name, "--version", "2")
+    assert promoted.returncode == 0 and f"{name}: serving v2" in promoted.stdout
+    listed = agentstream("deployments", "--model", name)
+    assert listed.returncode == 0 and "PROMOTED" in listed.stdout and "manual" in listed.stdout
+    back = agentstream("rollback", "--model", name)
+    assert back.returncode == 0 and "serving the base model (v0)" in back.stdout
+    rows = clickhouse.query("SELECT version, action, decided_by, stable_version FROM deployments FINAL "
+                            "WHERE model = {m:String} ORDER BY decided_at", parameters={"m": name}).result_rows
+    assert rows == [(2, "PROMOTED", "manual", 2), (2, "ROLLED_BACK", "manual", 0)]
