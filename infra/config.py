@@ -308,7 +308,8 @@ class DemoConfig:
     rated, the service's sampling temperature (SmolLM2 answers a third right at 0.3, a twentieth at
     1.0), the LoRA learning rate, batch (transitions) and optimizer steps per checkpoint (each
     checkpoint is a candidate: about one per canary window keeps the served version close to the
-    trainer's), the gate's evaluation size, canary share and minimum canary window.
+    trainer's), the trainer's lag bound in checkpoints, the gate's evaluation size, canary share
+    and minimum canary window.
     """
 
     quick: bool = False
@@ -332,6 +333,7 @@ class DemoConfig:
     online_lr: float = 1e-4
     online_batch: int = 32
     online_steps_per_checkpoint: int = 3
+    online_max_policy_lag: int = 3
     online_eval_tasks: int = 32
     online_canary_share: float = 0.3
     online_canary_s: float = 30.0
