@@ -307,8 +307,8 @@ class DemoConfig:
     users' request rate (per second), the longest feedback delay and the share of answers never
     rated, the service's sampling temperature (SmolLM2 answers a third right at 0.3, a twentieth at
     1.0), the LoRA learning rate, batch (transitions) and optimizer steps per checkpoint (each
-    checkpoint is a candidate: about one per canary window keeps the served version close to the
-    trainer's), the trainer's lag bound in checkpoints, the gate's evaluation size, canary share
+    checkpoint is a candidate; the gate takes the newest when it is free), the trainer's lag bound
+    in checkpoints (the stable version trails the trainer by a canary window), the gate's evaluation size, canary share
     and minimum canary window.
     """
 
@@ -326,14 +326,14 @@ class DemoConfig:
     output_dir: str = "demo-output"
     report_path: str = "demo-report.json"
     online_seconds: float = 1020.0
-    online_rate: float = 1.5
+    online_rate: float = 1.0
     online_feedback_max_delay_s: float = 60.0
     online_silent_share: float = 0.1
     online_temperature: float = 0.3
-    online_lr: float = 1e-4
+    online_lr: float = 2e-4
     online_batch: int = 32
-    online_steps_per_checkpoint: int = 3
-    online_max_policy_lag: int = 3
+    online_steps_per_checkpoint: int = 1
+    online_max_policy_lag: int = 8
     online_eval_tasks: int = 32
     online_canary_share: float = 0.3
     online_canary_s: float = 30.0

@@ -89,6 +89,7 @@ class HotSwapper:
         self.adapters: dict[int, str] = {}  # version -> adapter name loaded on the server
         self.checkpoints: dict[int, dict] = {}
         self.refused: set[int] = set()
+        self.missing: set[int] = set()
         self.routing = Routing(model)
         self.previous_stable: int | None = None
         self._routing_at_us = 0
@@ -189,9 +190,10 @@ class HotSwapper:
         if version in self.refused:
             return False
         checkpoint = self.checkpoints.get(version)
-        if checkpoint is None:
-            log.error("%s v%d is routed but no checkpoint event names it: cannot load it", self.model, version)
-            self.refused.add(version)
+        if checkpoint is None:  # its event may still be on the way: the next round tries again
+            if version not in self.missing:
+                log.warning("%s v%d is routed but no checkpoint event names it yet", self.model, version)
+                self.missing.add(version)
             return False
         while not stop.is_set():
             try:

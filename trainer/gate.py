@@ -190,9 +190,17 @@ class Gate:
         """Record a decision and wait until the routing read back from the topic includes it.
 
         What the gate checks next (has a person changed the candidate or canary?) is read from
-        that routing, so it must not be older than the gate's own decision.
+        that routing, so it must not be older than the gate's own decision. A decision that cannot
+        be recorded is retried with the same id, so a repeat is harmless.
         """
-        await self.deployments.record(decision)
+        while True:
+            try:
+                await self.deployments.record(decision)
+                break
+            except Exception as error:  # broker or ClickHouse away: the decision waits, it is not lost
+                log.warning("could not record %s v%d %s (%s); retrying", decision.model, decision.version,
+                            decision.action, error)
+                await asyncio.sleep(self.poll_s)
         deadline = self.clock() + 30.0
         while decision.decision_id not in self.seen_ids and self.clock() < deadline:
             await asyncio.sleep(0.05)
