@@ -37,17 +37,16 @@ from infra.deployments import (
     DeploymentLog,
     Routing,
     adapter_name,
+    checkpoint_of,
     decide,
     split_adapter_name,
 )
 from infra.kafka import client_options, topic_name
 from models import WeightsError, local_path, verify_sha256
-from schemas import CHECKPOINT, AvroCodec, CodecError
+from schemas import AvroCodec
 from schemas.contracts import policy_version
 
 log = logging.getLogger("agentstream.hotswap")
-
-__all__ = ["HotSwapError", "HotSwapper", "Swap", "adapter_name"]
 
 
 class HotSwapError(RuntimeError):
@@ -110,7 +109,7 @@ class HotSwapper:
                 fetched = await consumer.getmany(timeout_ms=100)
                 for records in fetched.values():
                     for record in records:
-                        checkpoint = self._decode(record)
+                        checkpoint = checkpoint_of(record, self.model, self.codec)
                         if checkpoint is not None:
                             self.checkpoints[checkpoint["version"]] = checkpoint
                 if follower.ready.is_set():
@@ -130,15 +129,6 @@ class HotSwapper:
         if self._session is None:
             self._session = aiohttp.ClientSession(timeout=aiohttp.ClientTimeout(total=600))
         return self._session
-
-    def _decode(self, record) -> dict | None:
-        if record.key != self.model.encode() or record.value is None:
-            return None
-        try:
-            return self.codec.decode(record.value, CHECKPOINT)[1]
-        except CodecError as error:
-            log.error("skipped an unreadable checkpoint event at offset %d: %s", record.offset, error)
-            return None
 
     def _follow(self, decision: Decision) -> None:
         """Take a decision about this model as the routing in force (decisions arrive in order)."""

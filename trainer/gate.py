@@ -46,10 +46,11 @@ from infra.deployments import (
     DeploymentLog,
     Routing,
     adapter_name,
+    checkpoint_of,
     decide,
 )
 from infra.kafka import client_options, topic_name
-from schemas import CHECKPOINT, AvroCodec, CodecError
+from schemas import AvroCodec
 
 log = logging.getLogger("agentstream.gate")
 
@@ -215,14 +216,9 @@ class Gate:
             await self.consider(self.checkpoints[routing.candidate_version], stop)
 
     def _collect(self, record: Any) -> None:
-        if record.key != self.model.encode() or record.value is None:
-            return
-        try:
-            checkpoint = self.codec.decode(record.value, CHECKPOINT)[1]
-        except CodecError as error:
-            log.error("skipped an unreadable checkpoint event at offset %d: %s", record.offset, error)
-            return
-        self.checkpoints[checkpoint["version"]] = checkpoint
+        checkpoint = checkpoint_of(record, self.model, self.codec)
+        if checkpoint is not None:
+            self.checkpoints[checkpoint["version"]] = checkpoint
 
     async def _supersede(self, newest: int) -> None:
         for version in sorted(v for v in self.checkpoints if self.considered < v < newest):

@@ -12,15 +12,17 @@ import pytest
 import torch
 from aiohttp import web
 
+from bench.scenario import publish
 from infra.config import TrainerConfig
+from infra.deployments import adapter_name
 from infra.kafka import create_topics
 from infra.processes import free_port
 from models import load_model, teacher_forced_logprobs
 from serving.app import create_app
 from serving.handlers import SERVER
-from serving.hotswap import HotSwapError, HotSwapper, Swap, adapter_name
+from serving.hotswap import HotSwapError, HotSwapper, Swap
 from trainer.batching import Batch, Counts, Sample
-from trainer.checkpoints import CheckpointAnnouncer, open_store, write_checkpoint
+from trainer.checkpoints import open_store, write_checkpoint
 from trainer.policy import build_policy, save_weights
 from trainer.step import train_step
 
@@ -52,19 +54,6 @@ def trained_policy(config: TrainerConfig):
     train_step(policy, Batch([sample], 0, Counts()), config)
     policy.model.eval()
     return policy
-
-
-async def publish(config, bootstrap: str, policy, version: int, store) -> None:
-    staging = store.staging()
-    weights = save_weights(policy, staging)
-    manifest = write_checkpoint(store, staging, weights, model=policy.name, version=version, step=version,
-                                format=policy.format, offsets={}, trained_ids=[], metrics={"loss": 0.0})
-    announcer = CheckpointAnnouncer(config, bootstrap)
-    await announcer.start()
-    try:
-        await announcer.announce(manifest)
-    finally:
-        await announcer.stop()
 
 
 def assert_served_by(policy, payload: dict) -> None:
