@@ -73,12 +73,7 @@ class AvroCodec:
 
     def decode(self, data: bytes, reader_schema: str | Mapping[str, Any] | None = None) -> tuple[str, dict[str, Any]]:
         """The writer's record full name and the value in `data`, read as `reader_schema` when one is given."""
-        if len(data) < HEADER_SIZE:
-            raise NotWireFormat(f"{len(data)} bytes is shorter than the {HEADER_SIZE}-byte header")
-        magic, writer_id = _HEADER.unpack_from(data)
-        if magic != MAGIC_BYTE:
-            raise NotWireFormat(f"magic byte is {magic}, expected {MAGIC_BYTE}")
-        writer = self._by_id.get(writer_id) or self._writer_by_id(writer_id)
+        writer_id, writer = self._writer_of(data)
         reader = None if reader_schema is None else self._reader(reader_schema)
         resolve_to = None if reader is None or reader.content_id == writer.content_id else reader.plain
         buffer = BytesIO(data)
@@ -101,6 +96,11 @@ class AvroCodec:
 
     def writer_schema(self, data: bytes) -> tuple[int, str, Schema]:
         """The schema id, record full name and plain writer schema (no logical types) of a wire-format record."""
+        writer_id, writer = self._writer_of(data)
+        return writer_id, writer.name, writer.plain
+
+    def _writer_of(self, data: bytes) -> tuple[int, _PreparedSchema]:
+        """The schema id and writer schema named by a record's header; a tombstone (no value) is not wire format."""
         if data is None:
             raise NotWireFormat("the record has no value (a tombstone): nothing to decode")
         if len(data) < HEADER_SIZE:
@@ -108,8 +108,7 @@ class AvroCodec:
         magic, writer_id = _HEADER.unpack_from(data)
         if magic != MAGIC_BYTE:
             raise NotWireFormat(f"magic byte is {magic}, expected {MAGIC_BYTE}")
-        writer = self._by_id.get(writer_id) or self._writer_by_id(writer_id)
-        return writer_id, writer.name, writer.plain
+        return writer_id, self._by_id.get(writer_id) or self._writer_by_id(writer_id)
 
     def _writer(self, schema: str | Mapping[str, Any]) -> tuple[bytes, _PreparedSchema]:
         """The header and schema to encode with; registered with the registry once per record name."""

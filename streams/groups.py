@@ -16,7 +16,7 @@ from collections.abc import Callable
 from dataclasses import dataclass, field
 
 from infra.config import Config, CreditRule
-from schemas import AvroCodec, CodecError
+from schemas import ROLLOUT_RESULT, AvroCodec, CodecError
 from streams.credit import GroupNormalized, matching_rule
 from streams.records import RawRecord
 from streams.sink import Completion, CompletionSink
@@ -53,11 +53,11 @@ class GroupProcessor(Stage[list[tuple[RawRecord, dict]]]):
         self.strategy = GroupNormalized()
 
     def read(self, records: list[RawRecord]) -> list[tuple[RawRecord, dict]]:
-        """Decode a batch of group results."""
+        """Decode a batch of group results, read as the current RolloutResult (older versions gain its defaults)."""
         results = []
         for record in records:
             try:
-                results.append((record, self.codec.decode(record.value)[1]))
+                results.append((record, self.codec.decode(record.value, ROLLOUT_RESULT)[1]))
             except CodecError as error:  # written by our own processor: a bad one is a bug worth a loud log
                 log.error("undecodable group record at %s[%d]@%d: %s", record.topic, record.partition, record.offset,
                           error)

@@ -1,4 +1,4 @@
-"""Poison records on the spans topic end as dead letters with a reason: never an exception, never a hang."""
+"""Poison records on a consumed topic end as dead letters or skips with a reason: never an exception, never a hang."""
 
 from __future__ import annotations
 
@@ -7,9 +7,11 @@ import threading
 import fastavro
 import pytest
 
-from schemas import AvroCodec, NotWireFormat
+from infra.config import load_config
+from schemas import SPAN, AvroCodec, NotWireFormat, history_schemas
 from schemas.spanwriter import write_long
 from streams import spanreader
+from streams.groups import GroupProcessor
 from streams.records import RawRecord, sort_records
 from streams.spanreader import MalformedSpan, compile_reader
 
@@ -41,6 +43,25 @@ def test_a_tombstone_is_a_dead_letter_not_a_crash():
     assert [record for record, _ in out.dead] == [tombstone]
     (_, error), = out.dead
     assert isinstance(error, NotWireFormat) and "tombstone" in str(error)
+
+
+def test_a_tombstone_read_by_any_consumer_is_not_wire_format():
+    with pytest.raises(NotWireFormat, match="tombstone"):
+        AvroCodec().decode(None, "Task")  # type: ignore[arg-type]  # a Kafka record without a value
+
+
+def test_the_groups_topic_reads_the_current_rollout_result_and_skips_other_records(caplog):
+    codec = AvroCodec()
+    result = {"rollout_id": "r", "attempt_id": "a", "group_id": "g", "agent_name": "agent", "status": "SUCCEEDED",
+              "final_reward": 1.0, "completed_at_us": 1}
+    span = {"span_id": "s", "rollout_id": "r", "attempt_id": "a", "name": "chat", "kind": "LLM", "start_time_us": 1,
+            "end_time_us": 2}
+    older, other = (RawRecord("agentstream.streams.groups", 0, offset, b"g", value) for offset, value in
+                    enumerate([codec.encode(history_schemas()[0], result), codec.encode(SPAN, span)]))
+    processor = GroupProcessor(load_config(environ={}), None, None, None, codec)  # type: ignore[arg-type]
+    (record, read), = processor.read([older, other])
+    assert record is older and read == {**result, "drafts": []}  # an older RolloutResult gains the drafts default
+    assert "undecodable group record" in caplog.text and "Span" in caplog.text
 
 
 def test_a_huge_block_count_is_malformed_and_the_pattern_cache_stays_bounded():
