@@ -306,10 +306,11 @@ class DemoConfig:
     ``online_*`` set the online demo (``agentstream demo --online``): seconds of live traffic, the
     users' request rate (per second), the longest feedback delay and the share of answers never
     rated, the service's sampling temperature (SmolLM2 answers a third right at 0.3, a twentieth at
-    1.0), the LoRA learning rate, batch (transitions) and optimizer steps per checkpoint (each
-    checkpoint is a candidate; the gate takes the newest when it is free), the trainer's lag bound
-    in checkpoints (the stable version trails the trainer by a canary window), the gate's evaluation size, canary share
-    and minimum canary window.
+    1.0), the LoRA learning rate (adapters on every linear layer), batch (transitions) and optimizer steps
+    per checkpoint (each checkpoint is a candidate; the gate takes the newest when it is free), the
+    trainer's lag bound in checkpoints (the stable version trails the trainer by a gate cycle of
+    about five checkpoints; a bound of 8 dropped half the transitions as stale), the gate's
+    evaluation size, canary share and minimum canary window.
     """
 
     quick: bool = False
@@ -330,10 +331,10 @@ class DemoConfig:
     online_feedback_max_delay_s: float = 60.0
     online_silent_share: float = 0.1
     online_temperature: float = 0.3
-    online_lr: float = 2e-4
-    online_batch: int = 32
+    online_lr: float = 5e-4
+    online_batch: int = 16
     online_steps_per_checkpoint: int = 1
-    online_max_policy_lag: int = 8
+    online_max_policy_lag: int = 20
     online_eval_tasks: int = 32
     online_canary_share: float = 0.3
     online_canary_s: float = 30.0

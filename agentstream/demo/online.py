@@ -39,6 +39,7 @@ from pipeline.sdk import rollout, set_sink
 SERVICE_AGENT = "arithmetic-service"
 DATABASE = "agentstream_online"
 MODEL = "SmolLM2-135M-Instruct"
+ALL_LINEAR = "q_proj,k_proj,v_proj,o_proj,gate_proj,up_proj,down_proj"
 
 
 def online_config(config: Config, run_id: str, workdir: Path) -> Config:
@@ -54,7 +55,7 @@ def online_config(config: Config, run_id: str, workdir: Path) -> Config:
         server=replace(config.server, contract="vllm", threads=demo.server_threads),
         credit=(CreditRule(agent=SERVICE_AGENT, strategy="baseline"), CreditRule(agent="*", train=False)),
         trainer=replace(config.trainer, model="smollm2", model_name=MODEL, threads=demo.trainer_threads, lora=True,
-                        lr=demo.online_lr, temperature=demo.online_temperature,
+                        lora_target_modules=ALL_LINEAR, lr=demo.online_lr, temperature=demo.online_temperature,
                         batch_transitions=demo.online_batch, batch_tokens=0, batch_wait_s=20.0,
                         max_policy_lag=demo.online_max_policy_lag,
                         checkpoint_every_steps=demo.online_steps_per_checkpoint, keep_checkpoints=0,
