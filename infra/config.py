@@ -349,6 +349,55 @@ class DemoConfig:
             raise ConfigError("demo: seconds, quick_seconds and eval_every_s must be > 0 and group_size >= 2")
 
 
+SCHEMA_REGISTRY_IDS = ("fingerprint", "sequential")
+COMPATIBILITY_LEVELS = ("BACKWARD", "BACKWARD_TRANSITIVE", "FORWARD", "FORWARD_TRANSITIVE", "FULL",
+                        "FULL_TRANSITIVE", "NONE")
+
+
+@dataclass(frozen=True)
+class SchemaRegistryConfig:
+    """The Confluent Schema Registry API: the stack's own, or the user's registry at ``url``.
+
+    Without ``url``, ``agentstream up`` serves one on ``host:port`` (the stack's host), kept in
+    the compacted topic ``topic`` (default ``<topics.prefix>_schemas``), whose ids are the
+    content-addressed ids agentstream's records carry (``ids = "fingerprint"``; ``sequential``
+    numbers them 1, 2, 3 like Confluent). With ``url`` (Confluent, Karapace, Apicurio's
+    Confluent API), agentstream registers its schemas there, one subject per record full name,
+    checks ``compatibility`` against the latest version before using a new one, and writes
+    that registry's ids; ``username``/``password`` are HTTP basic auth (an API key and secret).
+    """
+
+    url: str | None = None
+    username: str | None = None
+    password: Secret | None = None
+    port: int = 8081
+    topic: str | None = None
+    ids: str = "fingerprint"
+    compatibility: str = "BACKWARD"
+    timeout_s: float = 10.0
+
+    def __post_init__(self) -> None:
+        if self.url is not None and not self.url.startswith(("http://", "https://")):
+            raise ConfigError(f"schema_registry.url must start with http:// or https://, got {self.url!r}")
+        if not 0 < self.port < 65536:
+            raise ConfigError(f"schema_registry.port must be a TCP port (1-65535), got {self.port}")
+        if self.ids not in SCHEMA_REGISTRY_IDS:
+            raise ConfigError(f"schema_registry.ids must be one of {', '.join(SCHEMA_REGISTRY_IDS)}, got {self.ids!r}")
+        if self.compatibility.upper() not in COMPATIBILITY_LEVELS:
+            raise ConfigError(f"schema_registry.compatibility must be one of {', '.join(COMPATIBILITY_LEVELS)}, "
+                              f"got {self.compatibility!r}")
+        if self.timeout_s <= 0:
+            raise ConfigError("schema_registry.timeout_s must be > 0")
+
+    @property
+    def external(self) -> bool:
+        return self.url is not None
+
+    def topic_name(self, prefix: str) -> str:
+        """The registry's topic: ``topic`` when set, else ``<prefix>_schemas``."""
+        return self.topic or f"{prefix}_schemas"
+
+
 @dataclass(frozen=True)
 class Config:
     """The whole configuration; build it with :func:`load_config`."""
@@ -363,6 +412,7 @@ class Config:
     server: ServerConfig = field(default_factory=ServerConfig)
     deploy: DeployConfig = field(default_factory=DeployConfig)
     demo: DemoConfig = field(default_factory=DemoConfig)
+    schema_registry: SchemaRegistryConfig = field(default_factory=SchemaRegistryConfig)
 
 
 # Environment variable -> (section, field). The one place environment names are defined.
@@ -387,6 +437,10 @@ ENVIRONMENT: dict[str, tuple[str, str]] = {
     "AGENTSTREAM_BROKER_PORT": ("stack", "broker_port"),
     "AGENTSTREAM_CLICKHOUSE_PORT": ("stack", "clickhouse_port"),
     "TANSU_BIN": ("stack", "tansu_bin"),
+    "SCHEMA_REGISTRY_URL": ("schema_registry", "url"),
+    "SCHEMA_REGISTRY_USERNAME": ("schema_registry", "username"),
+    "SCHEMA_REGISTRY_PASSWORD": ("schema_registry", "password"),
+    "AGENTSTREAM_SCHEMA_REGISTRY_PORT": ("schema_registry", "port"),
     "DEMO_QUICK": ("demo", "quick"),
     "DEMO_SECONDS": ("demo", "seconds"),
 }
@@ -401,6 +455,7 @@ SECTIONS: dict[str, type] = {
     "server": ServerConfig,
     "deploy": DeployConfig,
     "demo": DemoConfig,
+    "schema_registry": SchemaRegistryConfig,
 }
 RULE_LISTS: dict[str, type] = {"credit": CreditRule}
 

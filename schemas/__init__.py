@@ -28,7 +28,7 @@ from .errors import (
     UnknownRecordName,
     UnknownSchemaId,
 )
-from .registry import BundledRegistry, SchemaRegistry, schema_id
+from .registry import BundledRegistry, SchemaRegistry, default_registry, id_of_canonical_form, schema_id, use_registry
 
 __all__ = [
     "CHECKPOINT",
@@ -57,7 +57,10 @@ __all__ = [
     "UnknownRecordName",
     "UnknownSchemaId",
     "current_schemas",
+    "default_registry",
     "history_schemas",
+    "id_of_canonical_form",
     "schema_id",
     "self_contained",
+    "use_registry",
 ]

@@ -19,7 +19,7 @@ from fastavro.validation import ValidationError, validate
 
 from .catalog import SPAN_BATCH, Schema, current_schemas, full_name, self_contained
 from .errors import EncodeError, IncompatibleSchema, MalformedRecord, NotWireFormat, UnknownRecordName
-from .registry import BundledRegistry, SchemaRegistry, schema_id
+from .registry import SchemaRegistry, default_registry, schema_id
 from .unions import BranchTagger, branch_tagger
 
 MAGIC_BYTE = 0
@@ -50,7 +50,7 @@ class AvroCodec:
     """
 
     def __init__(self, registry: SchemaRegistry | None = None) -> None:
-        self._registry: SchemaRegistry = registry if registry is not None else BundledRegistry()
+        self._registry: SchemaRegistry = registry if registry is not None else default_registry()
         self._writers: dict[str, tuple[bytes, _PreparedSchema]] = {}
         self._readers: dict[str, _PreparedSchema] = {}
         self._by_id: dict[int, _PreparedSchema] = {}

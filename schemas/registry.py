@@ -20,10 +20,15 @@ def schema_id(schema: Schema) -> int:
     return _fingerprint(schema)[0]
 
 
+def id_of_canonical_form(canonical: str) -> int:
+    """The id of the schema with this Parsing Canonical Form; the one definition of agentstream's schema ids."""
+    digest = hashlib.sha256(canonical.encode("utf-8")).digest()
+    return (int.from_bytes(digest[:4], "big") >> 1) or 1
+
+
 def _fingerprint(schema: Schema) -> tuple[int, str]:
     canonical = to_parsing_canonical_form(schema)
-    digest = hashlib.sha256(canonical.encode("utf-8")).digest()
-    return (int.from_bytes(digest[:4], "big") >> 1) or 1, canonical
+    return id_of_canonical_form(canonical), canonical
 
 
 class SchemaRegistry(Protocol):
@@ -62,3 +67,22 @@ class BundledRegistry:
             return self._schemas[schema_id]
         except KeyError:
             raise UnknownSchemaId(schema_id) from None
+
+
+_default: SchemaRegistry | None = None
+
+
+def use_registry(registry: SchemaRegistry | None) -> None:
+    """Make ``registry`` the one every codec and span encoder made without an explicit registry uses.
+
+    agentstream's command line installs a client of the user's own Schema Registry here when
+    ``[schema_registry] url`` is set, so records carry that registry's ids; None goes back to
+    the bundled, content-addressed ids.
+    """
+    global _default
+    _default = registry
+
+
+def default_registry() -> SchemaRegistry:
+    """The installed registry (:func:`use_registry`), else a new :class:`BundledRegistry`."""
+    return _default if _default is not None else BundledRegistry()

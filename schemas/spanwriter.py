@@ -24,7 +24,7 @@ import numpy as np
 from .catalog import SPAN, SPAN_BATCH, current_schemas
 from .codec import MAGIC_BYTE
 from .errors import EncodeError
-from .registry import BundledRegistry, SchemaRegistry, schema_id
+from .registry import SchemaRegistry, default_registry, schema_id
 
 # The Span layout the functions below write, field by field. A different bundled Span schema
 # has a different content address, and the encoder refuses to run rather than write wrong bytes.
@@ -258,7 +258,7 @@ class SpanBatchEncoder:
                 f"schemas.spanwriter writes the Span schema with id {SPAN_SCHEMA_ID}, but the bundled Span "
                 f"schema has id {schema_id(schemas[SPAN])}: update spanwriter to the new layout"
             )
-        registry = registry if registry is not None else BundledRegistry()
+        registry = registry if registry is not None else default_registry()
         self._span_header = _HEADER.pack(MAGIC_BYTE, registry.register(schemas[SPAN]))
         self._batch_header = _HEADER.pack(MAGIC_BYTE, registry.register(schemas[SPAN_BATCH]))
 

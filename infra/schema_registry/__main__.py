@@ -1,0 +1,62 @@
+"""``python -m infra.schema_registry``: serve the Schema Registry API over the configured Kafka (what ``up`` starts)."""
+
+from __future__ import annotations
+
+import argparse
+import asyncio
+import logging
+import signal
+from pathlib import Path
+
+from infra.config import Config, load_config
+from infra.kafka import client_options
+from infra.schema_registry.server import RegistryService, serve
+from infra.schema_registry.state import ID_STRATEGIES, RegistryState
+from infra.schema_registry.store import KafkaLog, MemoryLog, SchemaLog
+
+
+def default_bootstrap(config: Config) -> str:
+    """The configured Kafka, else where the embedded broker listens."""
+    return config.kafka.bootstrap_servers or f"{config.stack.host}:{config.stack.broker_port}"
+
+
+def run(config: Config, bootstrap_servers: str, host: str, port: int, topic: str | None = None,
+        ids: str | None = None, memory: bool = False, announce=print) -> None:
+    """Serve until SIGTERM or SIGINT: the log is ``topic`` on ``bootstrap_servers`` (or memory)."""
+    settings = config.schema_registry
+    state = RegistryState(ids or settings.ids, settings.compatibility.upper())
+    schema_log: SchemaLog = MemoryLog() if memory else KafkaLog(
+        client_options(config.kafka, bootstrap_servers), topic or settings.topic_name(config.topics.prefix),
+        config.topics.replication_factor)
+    where = "memory" if memory else f"topic {topic or settings.topic_name(config.topics.prefix)} on {bootstrap_servers}"
+
+    async def main() -> None:
+        stop = asyncio.Event()
+        loop = asyncio.get_running_loop()
+        for sig in (signal.SIGTERM, signal.SIGINT):
+            loop.add_signal_handler(sig, stop.set)
+        await serve(RegistryService(state, schema_log), host, port, stop=stop,
+                    ready=lambda url: announce(f"schema registry on {url} ({state.ids} ids, {where})", flush=True))
+
+    asyncio.run(main())
+
+
+def main(argv: list[str] | None = None) -> None:
+    parser = argparse.ArgumentParser(prog="python -m infra.schema_registry", description=__doc__)
+    parser.add_argument("--config", type=Path, default=None, help="TOML config file (else the usual lookup)")
+    parser.add_argument("--host", default=None)
+    parser.add_argument("--port", type=int, default=None)
+    parser.add_argument("--bootstrap-servers", default=None)
+    parser.add_argument("--topic", default=None)
+    parser.add_argument("--ids", choices=ID_STRATEGIES, default=None)
+    parser.add_argument("--memory", action="store_true", help="keep the log in memory (nothing survives)")
+    args = parser.parse_args(argv)
+    logging.basicConfig(level=logging.WARNING, format="%(levelname)s %(name)s: %(message)s")
+    logging.getLogger("aiokafka").setLevel(logging.CRITICAL)
+    config = load_config(args.config)
+    run(config, args.bootstrap_servers or default_bootstrap(config), args.host or config.stack.host,
+        args.port or config.schema_registry.port, args.topic, args.ids, args.memory)
+
+
+if __name__ == "__main__":
+    main()

@@ -1,0 +1,101 @@
+"""Errors of the Schema Registry, each carrying Confluent's HTTP status and ``error_code``.
+
+The server answers any of them as ``{"error_code": ..., "message": ...}`` with its status;
+the client raises the class named by the ``error_code`` it gets back, so both ends agree.
+"""
+
+from __future__ import annotations
+
+
+class RegistryError(Exception):
+    """Base class: a request the registry refused or could not complete."""
+
+    status: int = 500
+    error_code: int = 50001
+
+    def __init__(self, message: str) -> None:
+        super().__init__(message)
+        self.message = message
+
+    def body(self) -> dict[str, object]:
+        """Confluent's error body."""
+        return {"error_code": self.error_code, "message": self.message}
+
+
+class SubjectNotFound(RegistryError):
+    status, error_code = 404, 40401
+
+
+class VersionNotFound(RegistryError):
+    status, error_code = 404, 40402
+
+
+class SchemaNotFound(RegistryError):
+    status, error_code = 404, 40403
+
+
+class SubjectLevelConfigNotFound(RegistryError):
+    """``GET /config/{subject}`` for a subject without its own level (and no ``defaultToGlobal``)."""
+
+    status, error_code = 404, 40408
+
+
+class IncompatibleSchemaVersion(RegistryError):
+    """A new schema version breaks the subject's compatibility level (or agentstream's BACKWARD check)."""
+
+    status, error_code = 409, 409
+
+
+class InvalidSchemaError(RegistryError):
+    """Not an Avro schema, an unsupported schema type, or schema references (not supported here)."""
+
+    status, error_code = 422, 42201
+
+
+class InvalidVersion(RegistryError):
+    status, error_code = 422, 42202
+
+
+class InvalidCompatibilityLevel(RegistryError):
+    status, error_code = 422, 42203
+
+
+class BadRequest(RegistryError):
+    """A body that is not the JSON object the endpoint expects."""
+
+    status, error_code = 400, 400
+
+
+class StoreError(RegistryError):
+    """The backing Kafka topic could not be written or read."""
+
+    status, error_code = 500, 50001
+
+
+class StoreTimeout(RegistryError):
+    """A write did not come back from the backing topic in time."""
+
+    status, error_code = 500, 50002
+
+
+class RegistryUnavailable(RuntimeError):
+    """The registry could not be reached (or answered garbage). Not a ``CodecError``: a record that cannot be
+    decoded because the registry is down must not be dead-lettered, the reader should stop and retry."""
+
+
+BY_CODE: dict[int, type[RegistryError]] = {
+    cls.error_code: cls
+    for cls in (SubjectNotFound, VersionNotFound, SchemaNotFound, SubjectLevelConfigNotFound,
+                IncompatibleSchemaVersion, InvalidSchemaError, InvalidVersion, InvalidCompatibilityLevel,
+                BadRequest, StoreError, StoreTimeout)
+}
+
+
+def error_for(status: int, error_code: int | None, message: str) -> RegistryError:
+    """The error a registry's answer stands for (by ``error_code``, else a generic one with the status)."""
+    cls = BY_CODE.get(error_code or 0)
+    if cls is not None:
+        return cls(message)
+    error = RegistryError(message)
+    error.status, error.error_code = status, error_code or status
+    return error

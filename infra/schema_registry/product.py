@@ -1,0 +1,36 @@
+"""The product's schemas as a registry holds them: one subject per record (its full name), history first."""
+
+from __future__ import annotations
+
+import json
+from typing import Any
+
+from schemas.catalog import Schema, current_schemas, history_schemas
+
+
+def subject_of(schema: Schema) -> str:
+    """The subject of a record schema: its full name (Confluent's RecordNameStrategy).
+
+    One topic carries several record types (the spans topic holds SpanBatch, Span and
+    RolloutEvent records), so subjects follow records, not topics.
+    """
+    return str(schema["name"])
+
+
+def schema_json(schema: Schema) -> str:
+    """The JSON text a registry stores for a parsed schema (fastavro's private keys left out)."""
+    return json.dumps(_public(schema), separators=(",", ":"))
+
+
+def _public(node: Any) -> Any:
+    if isinstance(node, dict):
+        return {key: _public(value) for key, value in node.items() if not key.startswith("__")}
+    if isinstance(node, list):
+        return [_public(item) for item in node]
+    return node
+
+
+def product_schemas(history: bool = True) -> list[tuple[str, Schema]]:
+    """(subject, schema) for every record agentstream writes: retired versions first, then the current ones."""
+    retired = [(subject_of(schema), schema) for schema in history_schemas()] if history else []
+    return retired + [(subject_of(schema), schema) for _, schema in sorted(current_schemas().items())]
