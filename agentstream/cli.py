@@ -12,15 +12,19 @@ from pathlib import Path
 
 import click
 
+from agentstream.schema_registry import schema_registry_command
 from infra.clickhouse import ClickHouseError, connect, server_message
 from infra.config import Config, ConfigError, describe, load_config
 from infra.kafka import KafkaSetupError
 from infra.processes import ServiceError
+from infra.schema_registry.client import use_configured_registry
+from infra.schema_registry.errors import RegistryError, RegistryUnavailable
 from infra.stack import Stack
 from pipeline.runner import AgentLoadError
 from pipeline.tasks import TaskFileError
 
-KNOWN_ERRORS = (ConfigError, ServiceError, ClickHouseError, KafkaSetupError, AgentLoadError, TaskFileError)
+KNOWN_ERRORS = (ConfigError, ServiceError, ClickHouseError, KafkaSetupError, AgentLoadError, TaskFileError,
+                RegistryError, RegistryUnavailable)
 
 
 class AgentstreamGroup(click.Group):
@@ -47,7 +51,10 @@ def main(ctx: click.Context, config_path: Path | None) -> None:
 
 
 def _config(ctx: click.Context) -> Config:
-    return load_config(ctx.obj)
+    """The configuration; with ``[schema_registry] url`` set, this process's records use that registry's ids."""
+    config = load_config(ctx.obj)
+    use_configured_registry(config)
+    return config
 
 
 @main.command()
@@ -713,3 +720,6 @@ def rollback_command(ctx: click.Context, model_name: str) -> None:
     finally:
         client.close()
     click.echo(f"{model_name}: serving {decision.routing.describe()}")
+
+
+main.add_command(schema_registry_command)

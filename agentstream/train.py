@@ -37,6 +37,12 @@ class TrainRequest:
     epochs: int = 1
     max_steps: int | None = None
     timeout_s: float = 300.0
+    val_tasks: Path | None = None
+
+    @property
+    def eval_agent_name(self) -> str:
+        """Evaluation rollouts run under this name (never trained on), as the demo's ``-eval`` agent does."""
+        return f"{self.agent_name}-eval"
 
 
 @dataclass
@@ -47,6 +53,8 @@ class TrainSummary:
     reward_first: float | None
     reward_last: float | None
     seconds: float
+    val_before: float | None = None
+    val_after: float | None = None
 
 
 def session_config(config: Config, request: TrainRequest, workdir: Path) -> Config:
@@ -69,11 +77,42 @@ def _progress(client, agent_name: str, since_us: int) -> tuple[int, int, int, fl
     return rollouts, steps, version if steps else 0, first if steps else None, last if steps else None
 
 
+def _evaluation(client, request: TrainRequest, since_us: int) -> tuple[int, float | None]:
+    """Finished evaluation rollouts since ``since_us`` and their mean final reward."""
+    finished, mean = client.query(
+        "SELECT countIf(status NOT IN ('RUNNING', 'AWAITING_REWARD')), avgIf(final_reward, final_reward IS NOT NULL) "
+        "FROM rollouts FINAL WHERE agent_name = {agent:String} "
+        "AND start_time >= fromUnixTimestamp64Micro({since:Int64})",
+        parameters={"agent": request.eval_agent_name, "since": since_us}).result_rows[0]
+    return int(finished), None if mean is None or mean != mean else float(mean)
+
+
+def _validation_tasks(request: TrainRequest, payloads: list) -> list:
+    return grouped_tasks(payloads, group_size=1, agent_name=request.eval_agent_name, timeout_s=request.timeout_s,
+                         metadata={"mode": "val"})
+
+
+def _validate(config: Config, endpoints, client, request: TrainRequest, payloads: list, progress,
+              timeout_s: float = 600.0) -> float | None:
+    """Run the evaluation tasks on the current policy and wait for them; returns their mean reward."""
+    since_us = time.time_ns() // 1000
+    asyncio.run(enqueue(config, endpoints.bootstrap_servers, _validation_tasks(request, payloads)))
+    deadline = time.monotonic() + timeout_s
+    while True:
+        finished, mean = _evaluation(client, request, since_us)
+        if finished >= len(payloads) or time.monotonic() > deadline:
+            return mean
+        time.sleep(2)
+
+
 def run_training(config: Config, request: TrainRequest, progress=print) -> TrainSummary:
     """Run one training session over the task file; returns what it did."""
     payloads = read_task_file(request.tasks)
     if not payloads:
         raise ValueError(f"{request.tasks}: no tasks")
+    val_payloads = read_task_file(request.val_tasks) if request.val_tasks else []
+    if request.val_tasks and not val_payloads:
+        raise ValueError(f"{request.val_tasks}: no tasks")
     started = time.monotonic()
     since_us = time.time_ns() // 1000
     workdir = config.stack.home.resolve() / "train" / time.strftime("%Y%m%d-%H%M%S")
@@ -81,6 +120,9 @@ def run_training(config: Config, request: TrainRequest, progress=print) -> Train
     endpoints = Stack(config).up(progress=progress)
     tasks = grouped_tasks(payloads * request.epochs, group_size=request.group_size if request.strategy == "grpo" else 1,
                           agent_name=request.agent_name, timeout_s=request.timeout_s)
+    if val_payloads:  # the baseline evaluation goes first in the queue
+        asyncio.run(enqueue(config, endpoints.bootstrap_servers, _validation_tasks(request, val_payloads)))
+        progress(f"enqueued {len(val_payloads)} evaluation rollouts as {request.eval_agent_name} (before training)")
     asyncio.run(enqueue(config, endpoints.bootstrap_servers, tasks))
     progress(f"enqueued {len(tasks)} rollouts ({len(payloads)} tasks x {request.epochs} epochs"
              + (f" x {request.group_size} per group)" if request.strategy == "grpo" else ")"))
@@ -88,6 +130,7 @@ def run_training(config: Config, request: TrainRequest, progress=print) -> Train
         agent=request.agent, model=request.model, runners=request.runners, concurrency=request.concurrency,
         server_url=request.server_url, server_threads=config.trainer.threads))
     client = connect(config.clickhouse, endpoints.clickhouse_url, database=config.clickhouse.database, readonly=True)
+    val_before = val_after = None
     try:
         session.start(progress=progress)
         session.start_runners(progress=progress)
@@ -105,10 +148,23 @@ def run_training(config: Config, request: TrainRequest, progress=print) -> Train
             caught_up = time.monotonic() - idle_since > config.trainer.batch_wait_s + 10
             if rollouts >= len(tasks) and caught_up:
                 break
+        if val_payloads:
+            val_before = _evaluation(client, request, since_us)[1]
+            progress(f"evaluating {len(val_payloads)} tasks as {request.eval_agent_name} on the trained policy")
+            val_after = _validate(config, endpoints, client, request, val_payloads, progress)
     finally:
         session.stop()
     rollouts, steps, version, first, last = _progress(client, request.agent_name, since_us)
     client.close()
     progress(f"done: {rollouts} rollouts, {steps} optimizer steps, {model_display_name(request.model)} now at "
              f"v{version}; logs in {workdir}")
-    return TrainSummary(rollouts, steps, version, first, last, round(time.monotonic() - started, 1))
+    summary = TrainSummary(rollouts, steps, version, first, last, round(time.monotonic() - started, 1))
+    if val_payloads:
+        summary.val_before, summary.val_after = val_before, val_after
+        progress(f"evaluation ({request.eval_agent_name}, {len(val_payloads)} tasks): mean reward "
+                 f"{_number(val_before)} before training, {_number(val_after)} after")
+    return summary
+
+
+def _number(value: float | None) -> str:
+    return "n/a" if value is None else f"{value:.3f}"

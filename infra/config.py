@@ -237,8 +237,11 @@ class ServerConfig:
     dtype: str = "auto"
     threads: int = 2
     contract: str = "dev"
+    max_tokens: int = 1024  # a chat request that names no max_tokens generates at most this many (0: up to the context)
 
     def __post_init__(self) -> None:
+        if self.max_tokens < 0:
+            raise ConfigError("server.max_tokens must be >= 0 (0: no default limit)")
         if not (self.device in ("auto", "cpu") or self.device.startswith("cuda")):
             raise ConfigError("server.device must be auto, cpu or cuda[:N]")
         if self.dtype not in ("auto", "float32", "bfloat16"):
@@ -247,6 +250,44 @@ class ServerConfig:
             raise ConfigError("server.threads must be >= 0")
         if self.contract not in ("dev", "vllm"):
             raise ConfigError("server.contract must be dev or vllm")
+
+
+@dataclass(frozen=True)
+class ProxyConfig:
+    """The LLM proxy: ``max_tokens`` is added to a generation request that names none (0: leave it to the server)."""
+
+    max_tokens: int = 1024
+
+    def __post_init__(self) -> None:
+        if self.max_tokens < 0:
+            raise ConfigError("proxy.max_tokens must be >= 0 (0: no default limit)")
+
+
+@dataclass(frozen=True)
+class AglConfig:
+    """What Agent Lightning agents are handed (``agentstream run``/``train`` on an ``@rollout``/``LitAgent`` agent).
+
+    The LLM resource ``llm_resource`` (Agent Lightning's ``main_llm``) points at the rollout's
+    proxy URL with ``model`` (default: the trained model, ``trainer.model_name`` or the served
+    name of ``trainer.model``) and sampling parameters ``temperature`` (and ``top_p`` when it
+    is not 1). ``prompt_template`` (with ``prompt_engine``) becomes the ``prompt_template``
+    resource. ``env_map`` feeds an Agent Lightning 1.0 agent's task fields to its environment
+    (``QUESTION=input.question,ANSWER=input.answer``; default: each top-level field, upper-cased).
+    """
+
+    model: str | None = None
+    llm_resource: str = "main_llm"
+    temperature: float = 1.0
+    top_p: float = 1.0
+    prompt_template: str | None = None
+    prompt_engine: str = "f-string"
+    env_map: str = ""
+
+    def __post_init__(self) -> None:
+        if self.prompt_engine not in ("f-string", "jinja", "poml"):
+            raise ConfigError("agl.prompt_engine must be f-string, jinja or poml")
+        if self.temperature < 0 or not 0 < self.top_p <= 1:
+            raise ConfigError("agl.temperature must be >= 0 and agl.top_p within (0, 1]")
 
 
 @dataclass(frozen=True)
@@ -410,6 +451,8 @@ class Config:
     credit: tuple[CreditRule, ...] = (CreditRule(),)
     trainer: TrainerConfig = field(default_factory=TrainerConfig)
     server: ServerConfig = field(default_factory=ServerConfig)
+    proxy: ProxyConfig = field(default_factory=ProxyConfig)
+    agl: AglConfig = field(default_factory=AglConfig)
     deploy: DeployConfig = field(default_factory=DeployConfig)
     demo: DemoConfig = field(default_factory=DemoConfig)
     schema_registry: SchemaRegistryConfig = field(default_factory=SchemaRegistryConfig)
@@ -453,6 +496,8 @@ SECTIONS: dict[str, type] = {
     "streams": StreamsConfig,
     "trainer": TrainerConfig,
     "server": ServerConfig,
+    "proxy": ProxyConfig,
+    "agl": AglConfig,
     "deploy": DeployConfig,
     "demo": DemoConfig,
     "schema_registry": SchemaRegistryConfig,

@@ -2,10 +2,11 @@
 
 Clients point their OpenAI base URL at ``http://proxy/rollouts/{rollout_id}/v1`` (or
 ``.../rollouts/{id}/attempts/{attempt}/agents/{agent}/v1``, what ``Rollout.llm_base_url()`` gives,
-or send the ``X-Agentstream-Rollout`` header). The proxy asks the upstream model server for token ids and
-logprobs (vLLM's ``return_token_ids`` / ``logprobs`` contract), records one span per returned
-choice with the ids exactly as generated, and strips from the response whatever the client
-did not ask for, so the client sees what it would have seen without the proxy. Streams are
+or send the ``X-Agentstream-Rollout`` header; Agent Lightning's ``/rollout/{id}/attempt/{attempt}/v1``
+and ``/proxy/rollout/.../openai/v1`` shapes are aliases, and its 1.0 event API is served). The proxy asks
+the upstream model server for token ids and logprobs (vLLM's ``return_token_ids`` / ``logprobs`` contract),
+records one span per returned choice with the ids exactly as generated, and strips from the response
+whatever the client did not ask for, so the client sees what it would have seen without the proxy. Streams are
 relayed chunk by chunk as they arrive. Late rewards arrive at ``POST /rollouts/{id}/reward``.
 
 Requests for a trained model go to the version deployed for it (``pipeline/routing.py``), and
@@ -241,6 +242,13 @@ def _choice_usage(capture: CallCapture, choice: ChoiceCapture, *, first: bool) -
     return _usage(prompt if first else None, output)
 
 
+# Agent Lightning's URL shapes, served as aliases: 0.3's ProxyLLM and 1.0's gateway (its mode is not needed here).
+AGL_PREFIXES = ("/rollout/{rollout_id}/attempt/{attempt_id}",
+                "/proxy/rollout/{rollout_id}/attempt/{attempt_id}/mode/{mode}/openai")
+AGL_EVENTS = "/api/rollouts/{rollout_id}/attempt/{attempt_id}/events"
+AUTO_MODEL = "auto"  # Agent Lightning 1.0 agents ask for model "auto": the upstream's first model
+
+
 class UpstreamError(Exception):
     """The upstream model server could not be reached or answered something that is not a response."""
 
@@ -264,8 +272,10 @@ class LLMProxy:
     """The proxy application: routes, attribution, relay and capture."""
 
     def __init__(self, upstream: str, sink: SpanSink, *, agent_name: str | None = None,
-                 timeout_s: float = 600.0, deployments: RoutingTable | None = None) -> None:
+                 timeout_s: float = 600.0, deployments: RoutingTable | None = None, max_tokens: int = 0) -> None:
         self.deployments = deployments
+        self.max_tokens = max_tokens  # added to a chat request that names no limit (0: none added)
+        self._auto_model: str | None = None
         self.upstream = upstream.rstrip("/")
         if self.upstream.endswith("/v1"):
             self.upstream = self.upstream[:-3]
@@ -276,8 +286,9 @@ class LLMProxy:
         self.app = web.Application(client_max_size=64 << 20)
         self.app.router.add_get("/health", self.health)
         self.app.router.add_post("/rollouts/{rollout_id}/reward", self.reward)
+        self.app.router.add_post(AGL_EVENTS, self.agl_event)
         for prefix in ("", "/rollouts/{rollout_id}", "/rollouts/{rollout_id}/attempts/{attempt_id}",
-                       "/rollouts/{rollout_id}/attempts/{attempt_id}/agents/{agent_name}"):
+                       "/rollouts/{rollout_id}/attempts/{attempt_id}/agents/{agent_name}", *AGL_PREFIXES):
             self.app.router.add_route("*", prefix + "/v1/{tail:.*}", self.relay)
         self.app.on_startup.append(self._open)
         self.app.on_cleanup.append(self._close)
@@ -332,6 +343,51 @@ class LLMProxy:
         return web.json_response({"rollout_id": owner.rollout_id, "span_id": span["span_id"], "reward": scalar},
                                  status=202)
 
+    async def agl_event(self, request: web.Request) -> web.Response:
+        """Agent Lightning 1.0's event API: a ``reward`` event is a reward; any other is kept as an object span."""
+        try:
+            body = await request.json()
+            if not isinstance(body, dict) or not isinstance(body.get("event_type"), str):
+                raise ValueError
+            data = body.get("data") or {}
+            if not isinstance(data, dict):
+                raise ValueError
+        except (json.JSONDecodeError, UnicodeDecodeError, ValueError):
+            return openai_error(400, 'an event is {"event_type": "reward", "data": {"value": 1.0}}',
+                                "invalid_request_error")
+        try:
+            owner = self._owner(request)
+        except TrainFlagError as error:
+            return openai_error(400, str(error), "invalid_request_error")
+        at = now_us()
+        if body["event_type"] == "reward":
+            try:
+                scalar, dimensions = resolve_reward(data.get("value"), data.get("dimensions"), data.get("primary"))
+            except RewardError as error:
+                return openai_error(400, f"a reward event needs data.value, a number: {error}", "invalid_request_error")
+            extra = {key: value for key, value in data.items() if key in ("source", "reason")}
+            span = build_span(owner, "reward", "REWARD", at, at, attributes={"agentlightning.event": "reward", **extra},
+                              reward=scalar, reward_dimensions=dimensions)
+        else:
+            span = build_span(owner, body["event_type"], "OBJECT", at, at, attributes={"object": data})
+        self.sink.publish(span)
+        return web.json_response({"event_type": body["event_type"], "rollout_id": owner.rollout_id,
+                                  "attempt_id": owner.attempt_id, "timestamp": at / 1e6, "data": data})
+
+    async def _resolve_auto_model(self, body: dict[str, Any]) -> None:
+        """Model ``auto`` becomes the upstream's first listed model (asked once)."""
+        if body.get("model") != AUTO_MODEL:
+            return
+        if self._auto_model is None and self.session is not None:
+            try:
+                async with self.session.get(f"{self.upstream}/v1/models") as answer:
+                    listed = (await answer.json()).get("data") or []
+                    self._auto_model = str(listed[0]["id"]) if listed else None
+            except (aiohttp.ClientError, TimeoutError, ValueError, KeyError, TypeError) as error:
+                log.warning("cannot list the upstream's models for model 'auto': %s", error)
+        if self._auto_model is not None:
+            body["model"] = self._auto_model
+
     async def relay(self, request: web.Request) -> web.StreamResponse:
         tail = request.match_info["tail"]
         operation = CAPTURED.get(tail.rstrip("/"))
@@ -347,6 +403,10 @@ class LLMProxy:
             owner = self._owner(request)
         except TrainFlagError as error:
             return openai_error(400, str(error), "invalid_request_error")
+        if operation == "chat" and self.max_tokens and body.get("max_tokens") is None \
+                and body.get("max_completion_tokens") is None:
+            body["max_tokens"] = self.max_tokens
+        await self._resolve_auto_model(body)
         capture = CallCapture(operation, body, owner, now_us())
         try:
             capture.route = resolve_route(self.deployments, body.get("model"), request.headers.get(VERSION_HEADER),

@@ -25,8 +25,9 @@ from typing import Any
 
 from aiokafka import AIOKafkaConsumer, ConsumerRebalanceListener, TopicPartition
 
-from infra.config import Config
+from infra.config import AglConfig, Config
 from infra.kafka import client_options, topic_name
+from pipeline.agl import adapt_agent
 from pipeline.sdk import Rollout, SpanSink, emit_exception, emit_reward, new_id, rollout
 from pipeline.tasks import enqueue
 from schemas import TASK, AvroCodec, CodecError
@@ -40,8 +41,12 @@ class AgentLoadError(ImportError):
     """`module:function` does not name an importable callable."""
 
 
-def load_agent(spec: str) -> AgentFunction:
-    """Import ``module:function`` (the current directory is importable, as users expect)."""
+def load_agent(spec: str, agl: AglConfig | None = None) -> AgentFunction:
+    """Import ``module:function`` (the current directory is importable, as users expect).
+
+    An Agent Lightning agent (``@rollout``, a ``LitAgent``, a 1.0 agent class) comes back adapted
+    to the runner's calling convention, with ``agl``'s resources (``pipeline/agl.py``).
+    """
     module_name, _, attribute = spec.partition(":")
     if not module_name or not attribute:
         raise AgentLoadError(f"expected module:function, got {spec!r}")
@@ -54,7 +59,7 @@ def load_agent(spec: str) -> AgentFunction:
     function = getattr(module, attribute, None)
     if not callable(function):
         raise AgentLoadError(f"{module_name!r} has no callable {attribute!r}")
-    return function
+    return adapt_agent(function, spec, agl) or function
 
 
 async def call_agent(agent: AgentFunction, payload: Any, state: Rollout,
@@ -217,6 +222,7 @@ class Runner:
             attempt_id=f"{task['rollout_id']}-a{attempt}-{new_id()[:6]}", task_id=task["task_id"],
             group_id=task.get("group_id"), sink=self.sink, proxy_url=self.options.proxy_url,
             worker_id=self.options.worker_id, attempt=attempt,
+            train=False if (task.get("metadata") or {}).get("mode") == "val" else None,  # evaluation, never trained on
         )
         state = scope.__enter__()
         heartbeat = asyncio.create_task(self._heartbeat(scope))

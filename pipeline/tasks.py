@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import csv
 import json
 from collections.abc import Iterable, Mapping
 from pathlib import Path
@@ -49,7 +50,55 @@ def grouped_tasks(payloads: Iterable[Mapping[str, Any]], *, group_size: int = 1,
 
 
 def read_task_file(path: Path) -> list[dict[str, Any]]:
-    """JSON objects, one per line (blank lines and # comments skipped)."""
+    """Task payloads from JSON lines (``.jsonl``, the default), a JSON list of objects (``.json``) or CSV (``.csv``).
+
+    JSON lines skip blank lines and # comments. A ``.json`` file holds a list of objects (or an
+    object whose only list value is that list, as dataset dumps often are). A CSV file's header
+    row names the fields; every value is a string, as Agent Lightning's CSV datasets read them.
+    """
+    suffix = path.suffix.lower()
+    if suffix == ".csv":
+        return _read_csv(path)
+    if suffix == ".json":
+        return _read_json(path)
+    return _read_jsonl(path)
+
+
+def _read_json(path: Path) -> list[dict[str, Any]]:
+    try:
+        value = json.loads(path.read_text())
+    except json.JSONDecodeError as error:
+        if error.msg == "Extra data":  # JSON lines under a .json name
+            return _read_jsonl(path)
+        raise TaskFileError(f"{path}:{error.lineno}: not JSON ({error.msg})") from None
+    if isinstance(value, dict):
+        lists = [item for item in value.values() if isinstance(item, list)]
+        if len(lists) != 1:
+            raise TaskFileError(f"{path}: expected a JSON list of task objects")
+        value = lists[0]
+    if not isinstance(value, list):
+        raise TaskFileError(f"{path}: expected a JSON list of task objects, got {type(value).__name__}")
+    for index, item in enumerate(value):
+        if not isinstance(item, dict):
+            raise TaskFileError(f"{path}: item {index}: expected a JSON object, got {type(item).__name__}")
+    return value
+
+
+def _read_csv(path: Path) -> list[dict[str, Any]]:
+    with open(path, newline="", encoding="utf-8-sig") as handle:
+        reader = csv.DictReader(handle)
+        if not reader.fieldnames:
+            raise TaskFileError(f"{path}: a CSV task file needs a header row")
+        payloads = []
+        for row in reader:
+            if None in row:
+                raise TaskFileError(f"{path}:{reader.line_num}: more values than the header names")
+            if any(value not in (None, "") for value in row.values()):
+                payloads.append({key: value for key, value in row.items()})
+        return payloads
+
+
+def _read_jsonl(path: Path) -> list[dict[str, Any]]:
     payloads = []
     for number, line in enumerate(path.read_text().splitlines(), start=1):
         if not line.strip() or line.lstrip().startswith("#"):

@@ -82,10 +82,13 @@ def _routes(contract: Contract) -> list[web.RouteDef]:
 
 
 def create_app(loaded: LoadedModel, *, served_model_name: str | None = None,
-               contract: Contract = Contract.DEV) -> web.Application:
-    """The aiohttp application serving ``loaded`` under ``contract`` (used by ``serve`` and by tests)."""
+               contract: Contract = Contract.DEV, max_tokens: int | None = None) -> web.Application:
+    """The aiohttp application serving ``loaded`` under ``contract`` (used by ``serve`` and by tests).
+
+    ``max_tokens`` bounds a chat completion that names no limit (None: up to the context, as vLLM does).
+    """
     loaded.model.eval()
-    server = ModelServer(loaded, served_model_name)
+    server = ModelServer(loaded, served_model_name, max_tokens)
     app = web.Application(middlewares=[_errors], client_max_size=64 * 1024 * 1024)
     app[SERVER] = server
     app[CONTRACT] = contract
@@ -101,10 +104,11 @@ def create_app(loaded: LoadedModel, *, served_model_name: str | None = None,
 
 
 async def serve(loaded: LoadedModel, *, host: str = "127.0.0.1", port: int = 8000,
-                served_model_name: str | None = None, contract: Contract = Contract.DEV) -> None:
+                served_model_name: str | None = None, contract: Contract = Contract.DEV,
+                max_tokens: int | None = None) -> None:
     """Serve until cancelled."""
-    runner = web.AppRunner(create_app(loaded, served_model_name=served_model_name, contract=contract),
-                           access_log=None)
+    runner = web.AppRunner(create_app(loaded, served_model_name=served_model_name, contract=contract,
+                                      max_tokens=max_tokens), access_log=None)
     await runner.setup()
     try:
         await web.TCPSite(runner, host, port).start()

@@ -23,9 +23,11 @@ from serving.tool_format import renders_tools
 class ModelServer:
     """State shared by the handlers: the model, its adapters, the weights version and the generation batcher."""
 
-    def __init__(self, loaded: LoadedModel, served_model_name: str | None = None) -> None:
+    def __init__(self, loaded: LoadedModel, served_model_name: str | None = None,
+                 max_tokens: int | None = None) -> None:
         self.loaded = loaded
         self.name = served_model_name or loaded.name
+        self.default_max_tokens = max_tokens or None  # a chat request naming none gets this (None: up to the context)
         self.version = 0
         self.adapters: dict[str, LoraAdapter] = {}
         self.eos_ids = eos_token_ids(loaded)

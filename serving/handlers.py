@@ -138,7 +138,8 @@ async def chat_completions(request: web.Request) -> web.StreamResponse:
         prompt_ids = render_prompt(server.loaded.tokenizer, messages, tools, server.template_renders_tools)
     except PromptError as error:
         raise RequestError(str(error), param="messages") from None
-    params = sampling_params(body, prompt_tokens=len(prompt_ids), context=server.context, default_max_tokens=None,
+    params = sampling_params(body, prompt_tokens=len(prompt_ids), context=server.context,
+                             default_max_tokens=server.default_max_tokens,
                              logprobs=logprobs, top_logprobs=top_logprobs)
     job = Job(model_name=body.get("model") or server.name, adapter=adapter, prompt_ids=prompt_ids, params=params,
               output=output_options(body, logprobs))

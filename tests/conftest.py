@@ -29,11 +29,12 @@ def pytest_collection_modifyitems(items: list[pytest.Item]) -> None:
 def stack_environment(home: Path) -> dict[str, str]:
     """Environment for an isolated stack: its own state folder and free ports, no external services."""
     env = {key: value for key, value in os.environ.items()
-           if not key.startswith(("KAFKA_", "CLICKHOUSE_", "AGENTSTREAM_"))}
+           if not key.startswith(("KAFKA_", "CLICKHOUSE_", "AGENTSTREAM_", "SCHEMA_REGISTRY_"))}
     env.update({
         "AGENTSTREAM_HOME": str(home),
         "AGENTSTREAM_BROKER_PORT": str(free_port()),
         "AGENTSTREAM_CLICKHOUSE_PORT": str(free_port()),
+        "AGENTSTREAM_SCHEMA_REGISTRY_PORT": str(free_port()),
     })
     return env
 
@@ -55,6 +56,17 @@ def stack(stack_config: Config) -> Endpoints:
 @pytest.fixture(scope="session")
 def kafka_options(stack_config: Config, stack: Endpoints) -> dict:
     return client_options(stack_config.kafka, stack.bootstrap_servers)
+
+
+@pytest.fixture(scope="session")
+def schema_registry(stack: Endpoints, tmp_path_factory):
+    """A Schema Registry server process (the stack's kind: fingerprint ids, seeded) on its own topic and port."""
+    from tests.support.schema_registry import RegistryProcess
+
+    log_path = tmp_path_factory.mktemp("schema-registry") / "registry.log"
+    registry = RegistryProcess(stack.bootstrap_servers, f"_schemas.{free_port()}", log_path).start()
+    yield registry
+    registry.stop()
 
 
 @pytest.fixture

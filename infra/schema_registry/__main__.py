@@ -21,8 +21,9 @@ def default_bootstrap(config: Config) -> str:
 
 
 def run(config: Config, bootstrap_servers: str, host: str, port: int, topic: str | None = None,
-        ids: str | None = None, memory: bool = False, announce=print) -> None:
-    """Serve until SIGTERM or SIGINT: the log is ``topic`` on ``bootstrap_servers`` (or memory)."""
+        ids: str | None = None, memory: bool = False, announce=print, seed: bool = True) -> None:
+    """Serve until SIGTERM or SIGINT: the log is ``topic`` on ``bootstrap_servers`` (or memory); ``seed`` registers
+    the product's schemas (current and retired) first."""
     settings = config.schema_registry
     state = RegistryState(ids or settings.ids, settings.compatibility.upper())
     schema_log: SchemaLog = MemoryLog() if memory else KafkaLog(
@@ -35,7 +36,7 @@ def run(config: Config, bootstrap_servers: str, host: str, port: int, topic: str
         loop = asyncio.get_running_loop()
         for sig in (signal.SIGTERM, signal.SIGINT):
             loop.add_signal_handler(sig, stop.set)
-        await serve(RegistryService(state, schema_log), host, port, stop=stop,
+        await serve(RegistryService(state, schema_log), host, port, seed=seed, stop=stop,
                     ready=lambda url: announce(f"schema registry on {url} ({state.ids} ids, {where})", flush=True))
 
     asyncio.run(main())
@@ -50,12 +51,13 @@ def main(argv: list[str] | None = None) -> None:
     parser.add_argument("--topic", default=None)
     parser.add_argument("--ids", choices=ID_STRATEGIES, default=None)
     parser.add_argument("--memory", action="store_true", help="keep the log in memory (nothing survives)")
+    parser.add_argument("--no-seed", action="store_true", help="do not register agentstream's schemas at start")
     args = parser.parse_args(argv)
     logging.basicConfig(level=logging.WARNING, format="%(levelname)s %(name)s: %(message)s")
     logging.getLogger("aiokafka").setLevel(logging.CRITICAL)
     config = load_config(args.config)
     run(config, args.bootstrap_servers or default_bootstrap(config), args.host or config.stack.host,
-        args.port or config.schema_registry.port, args.topic, args.ids, args.memory)
+        args.port or config.schema_registry.port, args.topic, args.ids, args.memory, seed=not args.no_seed)
 
 
 if __name__ == "__main__":

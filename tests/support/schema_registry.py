@@ -1,0 +1,45 @@
+"""A Schema Registry server process (``python -m infra.schema_registry``) on a free loopback port, for tests."""
+
+from __future__ import annotations
+
+import os
+import signal
+import subprocess
+import sys
+from pathlib import Path
+
+from infra.processes import free_port, wait_for_port
+
+
+class RegistryProcess:
+    """One registry server process over a Kafka topic; stopped by its PID."""
+
+    def __init__(self, bootstrap_servers: str, topic: str, log_path: Path, ids: str = "fingerprint",
+                 seed: bool = True, port: int | None = None) -> None:
+        self.bootstrap_servers, self.topic, self.log_path, self.ids, self.seed = (
+            bootstrap_servers, topic, log_path, ids, seed)
+        self.port = port or free_port()
+        self.url = f"http://127.0.0.1:{self.port}"
+        self.process: subprocess.Popen[bytes] | None = None
+
+    def start(self, timeout_s: float = 30.0) -> RegistryProcess:
+        command = [sys.executable, "-m", "infra.schema_registry", "--host", "127.0.0.1", "--port", str(self.port),
+                   "--bootstrap-servers", self.bootstrap_servers, "--topic", self.topic, "--ids", self.ids]
+        if not self.seed:
+            command.append("--no-seed")
+        environment = {k: v for k, v in os.environ.items() if not k.startswith(("AGENTSTREAM_", "SCHEMA_REGISTRY_"))}
+        with self.log_path.open("ab") as log:
+            self.process = subprocess.Popen(command, stdout=log, stderr=subprocess.STDOUT, env=environment,
+                                            cwd=Path(__file__).resolve().parents[2])
+        wait_for_port("127.0.0.1", self.port, timeout_s, self.process, self.log_path)
+        return self
+
+    def stop(self) -> None:
+        if self.process is not None and self.process.poll() is None:
+            self.process.send_signal(signal.SIGTERM)
+            try:
+                self.process.wait(timeout=15)
+            except subprocess.TimeoutExpired:
+                self.process.kill()
+                self.process.wait()
+        self.process = None
