@@ -15,6 +15,7 @@ import click
 from agentstream.schema_registry import schema_registry_command
 from infra.clickhouse import ClickHouseError, connect, server_message
 from infra.config import Config, ConfigError, describe, load_config
+from infra.grace import ShutdownDeadline
 from infra.kafka import KafkaSetupError
 from infra.processes import ServiceError
 from infra.schema_registry.client import use_configured_registry
@@ -80,6 +81,8 @@ def status(ctx: click.Context) -> None:
     click.echo(f"kafka       {report.endpoints.bootstrap_servers}  "
                + ("reachable" if report.broker_reachable else f"UNREACHABLE ({report.broker_error})")
                + f"  [{report.services['broker']}]")
+    if "objectstore" in report.services:
+        click.echo(f"  storage: durable, {Stack(config).broker_data}  [objectstore {report.services['objectstore']}]")
     for name, (partitions, messages) in report.topics.items():
         click.echo(f"  topic {name:<32} partitions {partitions:>3}  messages {messages:>10}")
     if report.broker_reachable:
@@ -237,7 +240,8 @@ def proxy_command(ctx: click.Context, upstream: str, host: str, port: int, agent
                 click.echo("warning: the deployments topic did not answer within 30 s; requests go to the model "
                            "they name until it does", err=True)
         with _publisher(config, "proxy") as publisher:
-            proxy = LLMProxy(upstream, publisher, agent_name=agent_name, deployments=follower)
+            proxy = LLMProxy(upstream, publisher, agent_name=agent_name, deployments=follower,
+                             max_tokens=config.proxy.max_tokens)
             runner = await serve_proxy(proxy, host, port)
             click.echo(f"proxy on http://{host}:{port} -> {upstream}; point OpenAI clients at "
                        f"http://{host}:{port}/rollouts/<rollout_id>/v1")
@@ -259,7 +263,7 @@ def proxy_command(ctx: click.Context, upstream: str, host: str, port: int, agent
               help="Consumer group of the runner pool.")
 @click.option("--proxy", "proxy_url", default=None, help="LLM proxy URL; rollouts get rollout.llm_base_url() under it.")
 @click.option("--max-tasks", default=None, type=int, help="Stop after this many rollouts (default: run until SIGTERM).")
-@click.option("--session-timeout-ms", default=10_000, show_default=True,
+@click.option("--session-timeout-ms", default=4_000, show_default=True,
               help="How long the group waits before a silent runner's tasks go to another runner.")
 @click.pass_context
 def run_command(ctx: click.Context, agent: str, concurrency: int, group_id: str, proxy_url: str | None,
@@ -271,7 +275,7 @@ def run_command(ctx: click.Context, agent: str, concurrency: int, group_id: str,
     from pipeline.sdk import set_sink
 
     config = _config(ctx)
-    function = load_agent(agent)
+    function = load_agent(agent, _agl_settings(config))
     options = RunnerOptions(concurrency=concurrency, group_id=group_id, proxy_url=proxy_url,
                             session_timeout_ms=session_timeout_ms)
 
@@ -280,14 +284,26 @@ def run_command(ctx: click.Context, agent: str, concurrency: int, group_id: str,
             set_sink(publisher)
             runner = Runner(function, config, Stack(config).endpoints().bootstrap_servers, publisher, options)
             stop = asyncio.Event()
-            watcher = asyncio.create_task(_until_signalled(stop))
+            deadline = ShutdownDeadline("runner", config.runner.shutdown_grace_s, runner.unfinished)
+            watcher = asyncio.create_task(_until_signalled(stop, deadline))
             click.echo(f"runner {options.worker_id}: {agent} x{concurrency} in group {group_id}")
             stats = await runner.run(stop, max_tasks)
             watcher.cancel()
+            deadline.disarm()
             click.echo(f"finished {stats.finished} rollouts: {stats.succeeded} succeeded, {stats.failed} failed, "
                        f"{stats.timed_out} timed out, {stats.retried} retried")
 
     uvloop.run(serve())
+
+
+def _agl_settings(config: Config):
+    """``[agl]`` with its model resolved: the trained model's served name unless one is set."""
+    from dataclasses import replace
+
+    from models import model_display_name
+
+    return replace(config.agl, model=config.agl.model or config.trainer.model_name
+                   or model_display_name(config.trainer.model))
 
 
 @main.command("enqueue")
@@ -317,10 +333,9 @@ def streams_command(ctx: click.Context, loglevel: str) -> None:
     import uvloop
 
     asyncio.set_event_loop_policy(uvloop.EventLoopPolicy())
-    import faust
 
     from infra.clickhouse import migrate, wait_for_clickhouse
-    from streams.app import create_app, prepare_topics
+    from streams.app import create_app, prepare_topics, streams_worker
 
     config = _config(ctx)
     endpoints = Stack(config).endpoints()
@@ -334,15 +349,21 @@ def streams_command(ctx: click.Context, loglevel: str) -> None:
     # third of the completion work). Cycles are rare here: collect seldom, and never scan start-up's objects.
     gc.freeze()
     gc.set_threshold(100_000, 50, 100)
-    faust.Worker(app, loglevel=loglevel, quiet=True).execute_from_commandline()
+    streams_worker(app, config, loglevel).execute_from_commandline()
 
 
-async def _until_signalled(stop: asyncio.Event | None = None) -> None:
-    """Wait for SIGTERM or SIGINT (then set ``stop``)."""
+async def _until_signalled(stop: asyncio.Event | None = None, deadline: ShutdownDeadline | None = None) -> None:
+    """Wait for SIGTERM or SIGINT (then set ``stop``); a ``deadline`` is armed at the signal, not when stop is seen."""
     event = stop or asyncio.Event()
     loop = asyncio.get_running_loop()
+
+    def signalled() -> None:
+        if deadline is not None:
+            deadline.arm()
+        event.set()
+
     for sig in (signal.SIGTERM, signal.SIGINT):
-        loop.add_signal_handler(sig, event.set)
+        loop.add_signal_handler(sig, signalled)
     await event.wait()
 
 
@@ -392,9 +413,10 @@ def _interrupt(signum: int, frame) -> None:
 
 
 @main.command("train")
-@click.option("--agent", required=True, help="The agent to train, as module:function (called with task, rollout).")
+@click.option("--agent", required=True, help="The agent to train, as module:function (called with task, rollout), "
+              "or an Agent Lightning agent (@rollout, a LitAgent, a 1.0 agent class).")
 @click.option("--tasks", "task_file", required=True, type=click.Path(exists=True, dir_okay=False, path_type=Path),
-              help="JSON lines, one task payload per line.")
+              help="Task payloads: JSON lines, a JSON list, or CSV with a header row.")
 @click.option("--agent-name", default=None, help="Agent name on its rollouts (default: the function's name).")
 @click.option("--model", "model_spec", default=None, help="Model to serve and train: tiny, smollm2 or a HF folder "
               "(default: trainer.model).")
@@ -406,10 +428,13 @@ def _interrupt(signum: int, frame) -> None:
 @click.option("--group-size", default=8, show_default=True, help="Rollouts per task, compared as a group (grpo).")
 @click.option("--epochs", default=1, show_default=True, help="Passes over the task file.")
 @click.option("--max-steps", default=None, type=int, help="Stop after this many optimizer steps.")
+@click.option("--val-tasks", "val_file", default=None, type=click.Path(exists=True, dir_okay=False, path_type=Path),
+              help="Evaluation tasks (JSONL, JSON or CSV), run before and after training as AGENT_NAME-eval, "
+              "never trained on (Agent Lightning's val_dataset).")
 @click.pass_context
 def train_command(ctx: click.Context, agent: str, task_file: Path, agent_name: str | None, model_spec: str | None,
                   server_url: str | None, runners: int, concurrency: int, strategy: str, group_size: int,
-                  epochs: int, max_steps: int | None) -> None:
+                  epochs: int, max_steps: int | None, val_file: Path | None) -> None:
     """Train an agent on a task file with one command: enqueue, run, train, hot-swap, until done."""
     from agentstream.session import ChildFailed
     from agentstream.train import TrainRequest, run_training
@@ -424,7 +449,7 @@ def train_command(ctx: click.Context, agent: str, task_file: Path, agent_name: s
     request = TrainRequest(agent=agent, tasks=task_file, agent_name=agent_name or function.__name__,
                            model=model_spec or config.trainer.model, server_url=server_url, runners=runners,
                            concurrency=concurrency, group_size=group_size, strategy=strategy, epochs=epochs,
-                           max_steps=max_steps)
+                           max_steps=max_steps, val_tasks=val_file)
     try:
         run_training(config, request, progress=click.echo)
     except (ChildFailed, TaskFileError, ValueError) as error:
@@ -450,12 +475,16 @@ def show_config(ctx: click.Context) -> None:
               help="Compute dtype; weights stay float32 (default: [server] dtype, auto = bfloat16 autocast on CUDA).")
 @click.option("--threads", default=None, type=int, help="CPU threads torch may use, on the CPU (default: [server] "
               "threads, 2).")
+@click.option("--max-tokens", default=None, type=click.IntRange(min=0),
+              help="Most tokens a chat completion naming no max_tokens generates (default: [server] max_tokens; "
+              "0: up to the context).")
 @click.option("--contract", default=None, type=click.Choice(["dev", "vllm"]),
               help="dev: vLLM's API plus X-Policy-Version and /v1/load_weights; vllm: exactly vLLM's (no policy "
               "versions, LoRA updates only) (default: [server] contract, dev).")
 @click.pass_context
 def serve_model_command(ctx: click.Context, model_spec: str, host: str, port: int, served_model_name: str | None,
-                        device: str | None, dtype: str | None, threads: int | None, contract: str | None) -> None:
+                        device: str | None, dtype: str | None, threads: int | None, max_tokens: int | None,
+                        contract: str | None) -> None:
     """Serve a model with vLLM's OpenAI-compatible API (token ids, logprobs, LoRA and weight updates)."""
     import uvloop
 
@@ -477,7 +506,8 @@ def serve_model_command(ctx: click.Context, model_spec: str, host: str, port: in
     click.echo(f"serving {loaded.name} on {precision.describe()} ({served_contract} contract)")
     try:
         uvloop.run(serve(loaded, host=host, port=port, served_model_name=served_model_name,
-                         contract=served_contract))
+                         contract=served_contract,
+                         max_tokens=settings.max_tokens if max_tokens is None else max_tokens))
     except KeyboardInterrupt:
         pass
 
@@ -519,9 +549,11 @@ def train_worker_command(ctx: click.Context, model_spec: str | None, max_steps: 
         worker = TrainerWorker(config, endpoints.bootstrap_servers, metrics=MetricsWriter(client, database),
                                progress=click.echo)
         stop = asyncio.Event()
-        watcher = asyncio.create_task(_until_signalled(stop))
+        deadline = ShutdownDeadline("trainer", config.trainer.shutdown_grace_s, worker.unfinished)
+        watcher = asyncio.create_task(_until_signalled(stop, deadline))
         summary = await worker.run(stop, max_steps)
         watcher.cancel()
+        deadline.disarm()
         click.echo(f"trained {summary.steps} steps on {summary.transitions} transitions ({summary.tokens} tokens), "
                    f"{summary.checkpoints} checkpoints; now at version {worker.version}")
 
