@@ -15,7 +15,6 @@ import click
 from agentstream.schema_registry import schema_registry_command
 from infra.clickhouse import ClickHouseError, connect, server_message
 from infra.config import Config, ConfigError, describe, load_config
-from infra.grace import ShutdownDeadline
 from infra.kafka import KafkaSetupError
 from infra.processes import ServiceError
 from infra.schema_registry.client import use_configured_registry
@@ -81,8 +80,6 @@ def status(ctx: click.Context) -> None:
     click.echo(f"kafka       {report.endpoints.bootstrap_servers}  "
                + ("reachable" if report.broker_reachable else f"UNREACHABLE ({report.broker_error})")
                + f"  [{report.services['broker']}]")
-    if "objectstore" in report.services:
-        click.echo(f"  storage: durable, {Stack(config).broker_data}  [objectstore {report.services['objectstore']}]")
     for name, (partitions, messages) in report.topics.items():
         click.echo(f"  topic {name:<32} partitions {partitions:>3}  messages {messages:>10}")
     if report.broker_reachable:
@@ -263,7 +260,7 @@ def proxy_command(ctx: click.Context, upstream: str, host: str, port: int, agent
               help="Consumer group of the runner pool.")
 @click.option("--proxy", "proxy_url", default=None, help="LLM proxy URL; rollouts get rollout.llm_base_url() under it.")
 @click.option("--max-tasks", default=None, type=int, help="Stop after this many rollouts (default: run until SIGTERM).")
-@click.option("--session-timeout-ms", default=4_000, show_default=True,
+@click.option("--session-timeout-ms", default=10_000, show_default=True,
               help="How long the group waits before a silent runner's tasks go to another runner.")
 @click.pass_context
 def run_command(ctx: click.Context, agent: str, concurrency: int, group_id: str, proxy_url: str | None,
@@ -284,12 +281,10 @@ def run_command(ctx: click.Context, agent: str, concurrency: int, group_id: str,
             set_sink(publisher)
             runner = Runner(function, config, Stack(config).endpoints().bootstrap_servers, publisher, options)
             stop = asyncio.Event()
-            deadline = ShutdownDeadline("runner", config.runner.shutdown_grace_s, runner.unfinished)
-            watcher = asyncio.create_task(_until_signalled(stop, deadline))
+            watcher = asyncio.create_task(_until_signalled(stop))
             click.echo(f"runner {options.worker_id}: {agent} x{concurrency} in group {group_id}")
             stats = await runner.run(stop, max_tasks)
             watcher.cancel()
-            deadline.disarm()
             click.echo(f"finished {stats.finished} rollouts: {stats.succeeded} succeeded, {stats.failed} failed, "
                        f"{stats.timed_out} timed out, {stats.retried} retried")
 
@@ -333,9 +328,10 @@ def streams_command(ctx: click.Context, loglevel: str) -> None:
     import uvloop
 
     asyncio.set_event_loop_policy(uvloop.EventLoopPolicy())
+    import faust
 
     from infra.clickhouse import migrate, wait_for_clickhouse
-    from streams.app import create_app, prepare_topics, streams_worker
+    from streams.app import create_app, prepare_topics
 
     config = _config(ctx)
     endpoints = Stack(config).endpoints()
@@ -349,21 +345,15 @@ def streams_command(ctx: click.Context, loglevel: str) -> None:
     # third of the completion work). Cycles are rare here: collect seldom, and never scan start-up's objects.
     gc.freeze()
     gc.set_threshold(100_000, 50, 100)
-    streams_worker(app, config, loglevel).execute_from_commandline()
+    faust.Worker(app, loglevel=loglevel, quiet=True).execute_from_commandline()
 
 
-async def _until_signalled(stop: asyncio.Event | None = None, deadline: ShutdownDeadline | None = None) -> None:
-    """Wait for SIGTERM or SIGINT (then set ``stop``); a ``deadline`` is armed at the signal, not when stop is seen."""
+async def _until_signalled(stop: asyncio.Event | None = None) -> None:
+    """Wait for SIGTERM or SIGINT (then set ``stop``)."""
     event = stop or asyncio.Event()
     loop = asyncio.get_running_loop()
-
-    def signalled() -> None:
-        if deadline is not None:
-            deadline.arm()
-        event.set()
-
     for sig in (signal.SIGTERM, signal.SIGINT):
-        loop.add_signal_handler(sig, signalled)
+        loop.add_signal_handler(sig, event.set)
     await event.wait()
 
 
@@ -549,11 +539,9 @@ def train_worker_command(ctx: click.Context, model_spec: str | None, max_steps: 
         worker = TrainerWorker(config, endpoints.bootstrap_servers, metrics=MetricsWriter(client, database),
                                progress=click.echo)
         stop = asyncio.Event()
-        deadline = ShutdownDeadline("trainer", config.trainer.shutdown_grace_s, worker.unfinished)
-        watcher = asyncio.create_task(_until_signalled(stop, deadline))
+        watcher = asyncio.create_task(_until_signalled(stop))
         summary = await worker.run(stop, max_steps)
         watcher.cancel()
-        deadline.disarm()
         click.echo(f"trained {summary.steps} steps on {summary.transitions} transitions ({summary.tokens} tokens), "
                    f"{summary.checkpoints} checkpoints; now at version {worker.version}")
 
