@@ -1,0 +1,528 @@
+"""A small S3-compatible object store over a local directory: the durable storage of the embedded broker.
+
+tansu keeps every record batch, watermark, group offset and its metadata as objects through
+an S3 client (Rust ``object_store``, conditional puts on ETags). This server answers the part
+of the S3 REST API that client uses, path-style (``/<bucket>/<key>``):
+
+- ``PUT`` an object, with ``If-None-Match: *`` (create only) or ``If-Match: <etag>`` (replace
+  only that version), answered as S3 answers them: 412 ``PreconditionFailed`` when the
+  condition fails, 404 ``NoSuchKey`` for ``If-Match`` on a missing key;
+- ``GET``/``HEAD`` an object, with ``If-Match`` (412), ``If-None-Match`` (304) and ``Range``;
+- ``DELETE`` an object, and ``POST /<bucket>?delete`` (DeleteObjects);
+- ``GET /<bucket>?list-type=2`` (ListObjectsV2: prefix, delimiter, start-after,
+  continuation-token, max-keys), ``HEAD /<bucket>``.
+
+Anything else (multipart uploads, copies, versioning, ACLs) is answered 501 ``NotImplemented``.
+Requests are not authenticated: it listens on loopback only.
+
+Durability: a PUT is answered only after the object's bytes and its directory entry are on
+disk (temporary file, ``fsync``, ``rename``, ``fsync`` of the directory), so an object the
+broker was told is stored survives a SIGKILL of either process and a power cut. Each object is
+one plain file at ``<root>/<bucket>/<key>``; temporary files live in ``<root>/.tmp``. ETags are
+the MD5 of the content, as S3's for single-part uploads. A key that would need a file and a
+folder of the same name (``a`` and ``a/b``) is refused; tansu never writes such pairs.
+
+Run it with ``python -m infra.objectstore --port 9000 --root PATH --bucket tansu``.
+"""
+
+from __future__ import annotations
+
+import argparse
+import asyncio
+import base64
+import bisect
+import email.utils
+import hashlib
+import logging
+import os
+import signal
+import time
+import uuid
+from collections.abc import Callable, Iterator, Mapping
+from concurrent.futures import ThreadPoolExecutor
+from dataclasses import dataclass
+from datetime import UTC, datetime
+from pathlib import Path
+from typing import TypeVar
+from urllib.parse import unquote
+from xml.etree import ElementTree
+
+from aiohttp import web
+
+log = logging.getLogger("agentstream.objectstore")
+T = TypeVar("T")
+
+S3_NAMESPACE = "http://s3.amazonaws.com/doc/2006-03-01/"
+MAX_OBJECT_BYTES = 1 << 30  # a record batch is a few MB at most; S3's own single-PUT limit is 5 GiB
+MAX_KEYS = 1000
+LOCK_STRIPES = 64
+TEMPORARY = ".tmp"
+
+
+class S3Error(Exception):
+    """A request the store refuses, with the S3 error code and HTTP status a client expects."""
+
+    def __init__(self, status: int, code: str, message: str, key: str | None = None) -> None:
+        super().__init__(message)
+        self.status = status
+        self.code = code
+        self.key = key
+
+
+def _precondition_failed(key: str) -> S3Error:
+    return S3Error(412, "PreconditionFailed", "At least one of the pre-conditions you specified did not hold", key)
+
+
+class NotModified(Exception):
+    """A conditional GET whose ``If-None-Match`` matches: answered 304 with no body."""
+
+    def __init__(self, etag: str) -> None:
+        super().__init__(etag)
+        self.etag = etag
+
+
+@dataclass(frozen=True)
+class ObjectInfo:
+    """What the store knows about one object without reading it."""
+
+    size: int
+    modified: float  # seconds since the epoch
+    etag: str | None  # quoted MD5 hex; None until the content has been read once after a restart
+
+
+def _quote_etag(digest: str) -> str:
+    return f'"{digest}"'
+
+
+def _etag_matches(header: str, etag: str) -> bool:
+    """Whether an ``If-Match``/``If-None-Match`` header (a list of tags or ``*``) names ``etag``."""
+    wanted = {tag.strip().removeprefix("W/") for tag in header.split(",")}
+    return "*" in wanted or etag in wanted or etag.strip('"') in wanted
+
+
+class Bucket:
+    """The objects of one bucket: files under one folder, and a sorted in-memory index of their keys.
+
+    The index makes listings cheap (tansu lists a partition's batches on every fetch). It is
+    rebuilt from the folder at start; only this process writes the folder. Every method that
+    touches the disk is blocking and runs on a worker thread; the index is read and changed on
+    the event loop only.
+    """
+
+    def __init__(self, root: Path, name: str) -> None:
+        self.name = name
+        self.folder = root / name
+        self.temporary = root / TEMPORARY
+        self.folder.mkdir(parents=True, exist_ok=True)
+        self.temporary.mkdir(parents=True, exist_ok=True)
+        self._keys: list[str] = []
+        self._info: dict[str, ObjectInfo] = {}
+        self._locks = [asyncio.Lock() for _ in range(LOCK_STRIPES)]
+        for leftover in self.temporary.iterdir():  # a write cut short by a crash, never acknowledged
+            leftover.unlink(missing_ok=True)
+        for directory, _, files in os.walk(self.folder):
+            for filename in files:
+                path = Path(directory) / filename
+                stat = path.stat()
+                key = path.relative_to(self.folder).as_posix()
+                self._info[key] = ObjectInfo(stat.st_size, stat.st_mtime, None)
+        self._keys = sorted(self._info)
+
+    def __len__(self) -> int:
+        return len(self._keys)
+
+    def lock(self, key: str) -> asyncio.Lock:
+        """The lock that serialises check-and-write for ``key`` (striped: a few keys share one)."""
+        return self._locks[hash(key) % LOCK_STRIPES]
+
+    def info(self, key: str) -> ObjectInfo | None:
+        return self._info.get(key)
+
+    def remember(self, key: str, info: ObjectInfo | None) -> None:
+        """Record a write (``info``) or a delete (None) in the index."""
+        if info is None:
+            if self._info.pop(key, None) is not None:
+                del self._keys[bisect.bisect_left(self._keys, key)]
+            return
+        if key not in self._info:
+            bisect.insort(self._keys, key)
+        self._info[key] = info
+
+    def path(self, key: str) -> Path:
+        """The file of ``key``; refuses keys that cannot be one file (empty, ``.`` or ``..`` segments)."""
+        parts = key.split("/")
+        if not key or any(part in ("", ".", "..") for part in parts) or "\x00" in key:
+            raise S3Error(400, "InvalidArgument", "this store refuses keys with empty, '.' or '..' segments", key)
+        return self.folder.joinpath(*parts)
+
+    # --- blocking disk work (worker threads) ---------------------------------------------------
+
+    def write(self, key: str, body: bytes) -> ObjectInfo:
+        """Store ``body`` under ``key`` durably and atomically; returns its new info."""
+        target = self.path(key)
+        temporary = self.temporary / uuid.uuid4().hex
+        try:
+            with open(temporary, "wb") as file:
+                file.write(body)
+                file.flush()
+                os.fsync(file.fileno())
+            _make_folders(target.parent, self.folder)
+            os.replace(temporary, target)
+        except (IsADirectoryError, NotADirectoryError, FileExistsError):
+            temporary.unlink(missing_ok=True)
+            raise S3Error(409, "InvalidArgument", "a key and the same key followed by '/...' cannot both be objects "
+                          "in this store", key) from None
+        except BaseException:
+            temporary.unlink(missing_ok=True)
+            raise
+        _fsync_directory(target.parent)
+        return ObjectInfo(len(body), target.stat().st_mtime, _quote_etag(hashlib.md5(body).hexdigest()))
+
+    def read(self, key: str) -> tuple[bytes, ObjectInfo]:
+        """The content of ``key`` and its info (with the ETag computed from what was read)."""
+        path = self.path(key)
+        try:
+            body = path.read_bytes()
+            modified = path.stat().st_mtime
+        except (FileNotFoundError, NotADirectoryError, IsADirectoryError):
+            raise S3Error(404, "NoSuchKey", "The specified key does not exist.", key) from None
+        return body, ObjectInfo(len(body), modified, _quote_etag(hashlib.md5(body).hexdigest()))
+
+    def remove(self, key: str) -> None:
+        """Delete ``key`` durably; deleting a missing key is not an error (as in S3)."""
+        path = self.path(key)
+        try:
+            path.unlink()
+        except (FileNotFoundError, NotADirectoryError, IsADirectoryError):
+            return
+        _fsync_directory(path.parent)
+
+    # --- listing (event loop) ------------------------------------------------------------------
+
+    def list(self, prefix: str, delimiter: str, after: str, max_keys: int
+             ) -> tuple[list[tuple[str, ObjectInfo]], list[str], str | None]:
+        """ListObjectsV2 over the index: (objects, common prefixes, the marker to resume after if truncated)."""
+        keys = self._keys
+        start = bisect.bisect_right(keys, after) if after > prefix else bisect.bisect_left(keys, prefix)
+        if delimiter and after.endswith(delimiter) and after.startswith(prefix) and after != prefix:
+            start = max(start, bisect.bisect_left(keys, after + "\U0010ffff"))  # resume past a common prefix
+        objects: list[tuple[str, ObjectInfo]] = []
+        prefixes: list[str] = []
+        last = after
+        index = start
+        while index < len(keys) and keys[index].startswith(prefix):
+            if len(objects) + len(prefixes) >= max_keys:
+                return objects, prefixes, last if max_keys else None
+            key = keys[index]
+            cut = key.find(delimiter, len(prefix)) if delimiter else -1
+            if cut >= 0:
+                last = key[: cut + len(delimiter)]
+                prefixes.append(last)
+                index = bisect.bisect_left(keys, last + "\U0010ffff", index)
+                continue
+            objects.append((key, self._info[key]))
+            last = key
+            index += 1
+        return objects, prefixes, None
+
+
+def _make_folders(folder: Path, top: Path) -> None:
+    """Create ``folder`` and its missing parents below ``top``, each new entry fsynced into its parent."""
+    missing = []
+    while not folder.is_dir() and folder != top:
+        missing.append(folder)
+        folder = folder.parent
+    for new in reversed(missing):
+        try:
+            new.mkdir()
+        except FileExistsError:
+            if not new.is_dir():
+                raise
+            continue
+        _fsync_directory(new.parent)
+
+
+def _fsync_directory(directory: Path) -> None:
+    descriptor = os.open(directory, os.O_RDONLY | os.O_DIRECTORY)
+    try:
+        os.fsync(descriptor)
+    finally:
+        os.close(descriptor)
+
+
+def _http_date(timestamp: float) -> str:
+    return email.utils.formatdate(timestamp, usegmt=True)
+
+
+def _iso_date(timestamp: float) -> str:
+    return datetime.fromtimestamp(timestamp, UTC).strftime("%Y-%m-%dT%H:%M:%S.%f")[:-3] + "Z"
+
+
+def _xml(root: ElementTree.Element) -> bytes:
+    return b'<?xml version="1.0" encoding="UTF-8"?>\n' + ElementTree.tostring(root, encoding="utf-8",
+                                                                              xml_declaration=False)
+
+
+def _element(parent: ElementTree.Element, tag: str, text: str | int | None = None) -> ElementTree.Element:
+    child = ElementTree.SubElement(parent, tag)
+    if text is not None:
+        child.text = str(text)
+    return child
+
+
+def _byte_range(header: str, size: int) -> tuple[int, int]:
+    """The inclusive (first, last) byte of a ``Range: bytes=...`` header; S3 answers 416 when unsatisfiable."""
+    unit, _, spec = header.partition("=")
+    first_text, _, last_text = spec.strip().partition("-")
+    if unit.strip() != "bytes" or "," in spec:
+        raise S3Error(501, "NotImplemented", "only a single byte range is supported")
+    try:
+        if first_text == "":
+            first, last = max(0, size - int(last_text)), size - 1
+        else:
+            first = int(first_text)
+            last = min(int(last_text), size - 1) if last_text else size - 1
+    except ValueError:
+        raise S3Error(400, "InvalidArgument", f"bad Range header {header!r}") from None
+    if first >= size or first > last:
+        raise S3Error(416, "InvalidRange", "The requested range is not satisfiable")
+    return first, last
+
+
+class ObjectStoreServer:
+    """The aiohttp application: S3 requests routed to the buckets under one root folder."""
+
+    def __init__(self, root: Path, buckets: list[str], log_requests: bool = False) -> None:
+        self.root = root
+        self.buckets = {name: Bucket(root, name) for name in buckets}
+        self.log_requests = log_requests
+        self._executor = ThreadPoolExecutor(max_workers=8, thread_name_prefix="objectstore")
+        self.app = web.Application(client_max_size=MAX_OBJECT_BYTES)
+        self.app.router.add_route("*", "/{tail:.*}", self.handle)
+
+    def close(self) -> None:
+        self._executor.shutdown(wait=True)
+
+    async def _run(self, function: Callable[..., T], *args: object) -> T:
+        """Run blocking disk work on the store's threads."""
+        return await asyncio.get_running_loop().run_in_executor(self._executor, function, *args)
+
+    async def handle(self, request: web.Request) -> web.StreamResponse:
+        started = time.perf_counter()
+        bucket_name, _, key = request.rel_url.raw_path.lstrip("/").partition("/")
+        bucket_name, key = unquote(bucket_name), unquote(key)
+        try:
+            response = await self._dispatch(request, bucket_name, key)
+        except NotModified as answer:
+            response = web.Response(status=304, headers={"ETag": answer.etag})
+        except S3Error as error:
+            response = self._error(error, request.rel_url.raw_path)
+        if self.log_requests:
+            conditions = {name: request.headers[name] for name in ("If-Match", "If-None-Match", "Range")
+                          if name in request.headers}
+            log.info("%s %s %s -> %d (%.1f ms) %s", request.method, request.rel_url.raw_path,
+                     request.rel_url.raw_query_string, response.status, (time.perf_counter() - started) * 1e3,
+                     conditions or "")
+        return response
+
+    def _error(self, error: S3Error, resource: str) -> web.Response:
+        root = ElementTree.Element("Error")
+        _element(root, "Code", error.code)
+        _element(root, "Message", str(error))
+        if error.key is not None:
+            _element(root, "Key", error.key)
+        _element(root, "Resource", resource)
+        _element(root, "RequestId", uuid.uuid4().hex)
+        return web.Response(status=error.status, body=_xml(root), content_type="application/xml")
+
+    async def _dispatch(self, request: web.Request, bucket_name: str, key: str) -> web.StreamResponse:
+        bucket = self.buckets.get(bucket_name)
+        if bucket is None:
+            raise S3Error(404, "NoSuchBucket", "The specified bucket does not exist")
+        query = request.rel_url.query
+        unsupported = {"uploads", "uploadId", "partNumber", "versionId", "acl", "tagging", "versioning"} & set(query)
+        if unsupported or "x-amz-copy-source" in request.headers:
+            raise S3Error(501, "NotImplemented", f"this store does not implement {sorted(unsupported) or 'copies'}")
+        method = request.method
+        if not key:
+            if method == "GET":
+                return self._list(bucket, query)
+            if method == "HEAD":
+                return web.Response(status=200)
+            if method == "POST" and "delete" in query:
+                return await self._delete_many(bucket, await request.read())
+            raise S3Error(501, "NotImplemented", f"{method} on a bucket is not implemented")
+        if method == "PUT":
+            return await self._put(bucket, key, request)
+        if method in ("GET", "HEAD"):
+            return await self._get(bucket, key, request)
+        if method == "DELETE":
+            async with bucket.lock(key):
+                await self._run(bucket.remove, key)
+                bucket.remember(key, None)
+            return web.Response(status=204)
+        raise S3Error(405, "MethodNotAllowed", f"{method} is not allowed on an object")
+
+    async def _current(self, bucket: Bucket, key: str) -> ObjectInfo | None:
+        """The info of ``key`` with its ETag known (reads the object once after a restart)."""
+        info = bucket.info(key)
+        if info is not None and info.etag is None:
+            _, info = await self._run(bucket.read, key)
+            bucket.remember(key, info)
+        return info
+
+    async def _put(self, bucket: Bucket, key: str, request: web.Request) -> web.Response:
+        body = await request.read()
+        if_none_match = request.headers.get("If-None-Match")
+        if_match = request.headers.get("If-Match")
+        if if_none_match is not None and if_none_match.strip() != "*":
+            raise S3Error(501, "NotImplemented", "If-None-Match on PUT supports only '*'")
+        async with bucket.lock(key):
+            bucket.path(key)  # refuse a bad key before any condition is checked
+            current = await self._current(bucket, key) if (if_match or if_none_match) else None
+            if if_none_match is not None and current is not None:
+                raise _precondition_failed(key)
+            if if_match is not None:
+                if current is None:
+                    raise S3Error(404, "NoSuchKey", "The specified key does not exist.", key)
+                if not _etag_matches(if_match, current.etag or ""):
+                    raise _precondition_failed(key)
+            info = await self._run(bucket.write, key, body)
+            bucket.remember(key, info)
+        assert info.etag is not None
+        return web.Response(status=200, headers={"ETag": info.etag})
+
+    async def _get(self, bucket: Bucket, key: str, request: web.Request) -> web.Response:
+        async with bucket.lock(key):  # a read racing a write would put a stale ETag in the index
+            if bucket.info(key) is None:
+                bucket.path(key)
+                raise S3Error(404, "NoSuchKey", "The specified key does not exist.", key)
+            body, info = await self._run(bucket.read, key)
+            bucket.remember(key, info)
+        assert info.etag is not None
+        if_match = request.headers.get("If-Match")
+        if if_match is not None and not _etag_matches(if_match, info.etag):
+            raise _precondition_failed(key)
+        if_none_match = request.headers.get("If-None-Match")
+        if if_none_match is not None and _etag_matches(if_none_match, info.etag):
+            raise NotModified(info.etag)
+        headers = {"ETag": info.etag, "Last-Modified": _http_date(info.modified), "Accept-Ranges": "bytes"}
+        status = 200
+        if "Range" in request.headers:
+            first, last = _byte_range(request.headers["Range"], info.size)
+            body = body[first : last + 1]
+            headers["Content-Range"] = f"bytes {first}-{last}/{info.size}"
+            status = 206
+        return web.Response(status=status, body=body, headers=headers, content_type="application/octet-stream")
+
+    def _list(self, bucket: Bucket, query: Mapping[str, str]) -> web.Response:
+        if query.get("list-type") != "2":
+            raise S3Error(501, "NotImplemented", "only ListObjectsV2 (list-type=2) is implemented")
+        prefix = query.get("prefix", "")
+        delimiter = query.get("delimiter", "")
+        start_after = query.get("start-after", "")
+        token = query.get("continuation-token")
+        try:
+            max_keys = max(0, min(MAX_KEYS, int(query.get("max-keys", MAX_KEYS))))
+            after = base64.urlsafe_b64decode(token.encode()).decode() if token else start_after
+        except ValueError:
+            raise S3Error(400, "InvalidArgument", "bad max-keys or continuation-token") from None
+        objects, prefixes, resume = bucket.list(prefix, delimiter, after, max_keys)
+        root = ElementTree.Element("ListBucketResult", xmlns=S3_NAMESPACE)
+        _element(root, "Name", bucket.name)
+        _element(root, "Prefix", prefix)
+        if delimiter:
+            _element(root, "Delimiter", delimiter)
+        _element(root, "MaxKeys", max_keys)
+        _element(root, "KeyCount", len(objects) + len(prefixes))
+        _element(root, "IsTruncated", "true" if resume is not None else "false")
+        if token:
+            _element(root, "ContinuationToken", token)
+        if resume is not None:
+            _element(root, "NextContinuationToken", base64.urlsafe_b64encode(resume.encode()).decode())
+        if start_after:
+            _element(root, "StartAfter", start_after)
+        for key, info in objects:
+            contents = _element(root, "Contents")
+            _element(contents, "Key", key)
+            _element(contents, "LastModified", _iso_date(info.modified))
+            if info.etag is not None:
+                _element(contents, "ETag", info.etag)
+            _element(contents, "Size", info.size)
+            _element(contents, "StorageClass", "STANDARD")
+        for common in prefixes:
+            _element(_element(root, "CommonPrefixes"), "Prefix", common)
+        return web.Response(body=_xml(root), content_type="application/xml")
+
+    async def _delete_many(self, bucket: Bucket, body: bytes) -> web.Response:
+        try:
+            document = ElementTree.fromstring(body)
+        except ElementTree.ParseError:
+            raise S3Error(400, "MalformedXML", "The XML you provided was not well-formed") from None
+        quiet = any(_local(e.tag) == "Quiet" and (e.text or "").strip() == "true" for e in document)
+        keys = [(child.text or "") for entry in document if _local(entry.tag) == "Object"
+                for child in entry if _local(child.tag) == "Key"]
+        root = ElementTree.Element("DeleteResult", xmlns=S3_NAMESPACE)
+        for key in keys:
+            try:
+                async with bucket.lock(key):
+                    await self._run(bucket.remove, key)
+                    bucket.remember(key, None)
+            except S3Error as error:
+                failed = _element(root, "Error")
+                _element(failed, "Key", key)
+                _element(failed, "Code", error.code)
+                _element(failed, "Message", str(error))
+                continue
+            if not quiet:
+                _element(_element(root, "Deleted"), "Key", key)
+        return web.Response(body=_xml(root), content_type="application/xml")
+
+
+def _local(tag: str) -> str:
+    """An XML tag without its ``{namespace}``."""
+    return tag.rpartition("}")[2]
+
+
+def walk_keys(root: Path, bucket: str) -> Iterator[str]:
+    """The keys stored for ``bucket`` under ``root`` (for tools and tests that inspect the folder)."""
+    folder = root / bucket
+    for directory, _, files in os.walk(folder):
+        for filename in files:
+            yield (Path(directory) / filename).relative_to(folder).as_posix()
+
+
+async def serve(host: str, port: int, root: Path, buckets: list[str], log_requests: bool = False) -> None:
+    """Serve until SIGTERM or SIGINT. Nothing is buffered: every answered write is already on disk."""
+    server = ObjectStoreServer(root, buckets, log_requests)
+    runner = web.AppRunner(server.app, access_log=None)
+    await runner.setup()
+    site = web.TCPSite(runner, host, port, reuse_address=True)
+    await site.start()
+    log.info("S3 object store on http://%s:%d, buckets %s (%s objects) in %s", host, port, ", ".join(buckets),
+             ", ".join(str(len(bucket)) for bucket in server.buckets.values()), root)
+    stop = asyncio.Event()
+    loop = asyncio.get_running_loop()
+    for sig in (signal.SIGTERM, signal.SIGINT):
+        loop.add_signal_handler(sig, stop.set)
+    await stop.wait()
+    await runner.cleanup()
+    server.close()
+
+
+def main(argv: list[str] | None = None) -> None:
+    parser = argparse.ArgumentParser(description="Serve a folder as a small S3-compatible object store.")
+    parser.add_argument("--host", default="127.0.0.1")
+    parser.add_argument("--port", type=int, default=9000)
+    parser.add_argument("--root", type=Path, required=True, help="the folder that holds the buckets")
+    parser.add_argument("--bucket", action="append", required=True, help="a bucket to serve (repeatable)")
+    parser.add_argument("--log-requests", action="store_true", help="log every request (method, path, status)")
+    args = parser.parse_args(argv)
+    logging.basicConfig(level=logging.INFO, format="%(asctime)s %(name)s %(levelname)s %(message)s")
+    import uvloop
+
+    uvloop.run(serve(args.host, args.port, args.root.resolve(), args.bucket, args.log_requests))
+
+
+if __name__ == "__main__":
+    main()

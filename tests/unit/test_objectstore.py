@@ -1,0 +1,202 @@
+"""The broker's object store speaks S3 as tansu's client needs it: conditional puts, 304/412, listings, restarts."""
+
+from __future__ import annotations
+
+import hashlib
+import threading
+from pathlib import Path
+from xml.etree import ElementTree
+
+import httpx
+import pytest
+
+from infra.http_thread import ServerThread
+from infra.objectstore import ObjectStoreServer, S3Error
+
+NS = "{http://s3.amazonaws.com/doc/2006-03-01/}"
+
+
+class Store:
+    """An object store on a free port over ``root``, and a client for its one bucket ``b``."""
+
+    def __init__(self, root: Path) -> None:
+        self.server = ObjectStoreServer(root, ["b"])
+        self.thread = ServerThread(self.server.app)
+        self.client = httpx.Client(base_url=self.thread.url + "/b/", timeout=10)
+
+    def stop(self) -> None:
+        self.client.close()
+        self.thread.stop()
+        self.server.close()
+
+
+@pytest.fixture
+def store(tmp_path: Path):
+    running = Store(tmp_path / "data")
+    yield running
+    running.stop()
+
+
+def etag_of(body: bytes) -> str:
+    return '"' + hashlib.md5(body).hexdigest() + '"'
+
+
+def error_code(response: httpx.Response) -> str:
+    return ElementTree.fromstring(response.content).findtext("Code") or ""
+
+
+def listing(store: Store, **params: str) -> ElementTree.Element:
+    response = store.client.get("", params={"list-type": "2", **params})
+    assert response.status_code == 200, response.text
+    return ElementTree.fromstring(response.content)
+
+
+def test_put_get_head_and_delete_like_s3(store: Store, tmp_path: Path):
+    put = store.client.put("clusters/c/topics/t/00000000000000000000.batch", content=b"batch-0")
+    assert put.status_code == 200 and put.headers["ETag"] == etag_of(b"batch-0")
+    got = store.client.get("clusters/c/topics/t/00000000000000000000.batch")
+    assert got.content == b"batch-0" and got.headers["ETag"] == etag_of(b"batch-0")
+    assert got.headers["Last-Modified"].endswith("GMT")
+    head = store.client.head("clusters/c/topics/t/00000000000000000000.batch")
+    assert head.status_code == 200 and head.headers["Content-Length"] == "7" and head.content == b""
+    assert (tmp_path / "data/b/clusters/c/topics/t/00000000000000000000.batch").read_bytes() == b"batch-0"
+    partial = store.client.get("clusters/c/topics/t/00000000000000000000.batch", headers={"Range": "bytes=2-4"})
+    assert (partial.status_code, partial.content, partial.headers["Content-Range"]) == (206, b"tch", "bytes 2-4/7")
+    assert store.client.delete("clusters/c/topics/t/00000000000000000000.batch").status_code == 204
+    missing = store.client.get("clusters/c/topics/t/00000000000000000000.batch")
+    assert (missing.status_code, error_code(missing)) == (404, "NoSuchKey")
+    assert store.client.delete("never-was").status_code == 204
+    assert store.client.head("no-such").status_code == 404
+    other = httpx.get(store.thread.url + "/other/key")
+    assert (other.status_code, error_code(other)) == (404, "NoSuchBucket")
+
+
+def test_create_only_put_refuses_an_existing_key_with_412(store: Store):
+    first = store.client.put("meta.json", content=b"v1", headers={"If-None-Match": "*"})
+    assert first.status_code == 200
+    again = store.client.put("meta.json", content=b"v2", headers={"If-None-Match": "*"})
+    assert (again.status_code, error_code(again)) == (412, "PreconditionFailed")
+    assert store.client.get("meta.json").content == b"v1"
+
+
+def test_if_match_put_replaces_only_the_version_read(store: Store):
+    missing = store.client.put("watermark.json", content=b"1", headers={"If-Match": etag_of(b"0")})
+    assert (missing.status_code, error_code(missing)) == (404, "NoSuchKey")
+    v1 = store.client.put("watermark.json", content=b"1").headers["ETag"]
+    v2 = store.client.put("watermark.json", content=b"2", headers={"If-Match": v1})
+    assert v2.status_code == 200 and v2.headers["ETag"] == etag_of(b"2")
+    stale = store.client.put("watermark.json", content=b"3", headers={"If-Match": v1})
+    assert (stale.status_code, error_code(stale)) == (412, "PreconditionFailed")
+    assert store.client.get("watermark.json").content == b"2"
+
+
+def test_conditional_get_answers_304_and_412(store: Store):
+    etag = store.client.put("k", content=b"x").headers["ETag"]
+    unchanged = store.client.get("k", headers={"If-None-Match": etag})
+    assert (unchanged.status_code, unchanged.content, unchanged.headers["ETag"]) == (304, b"", etag)
+    changed = store.client.get("k", headers={"If-None-Match": etag_of(b"older")})
+    assert (changed.status_code, changed.content) == (200, b"x")
+    wrong = store.client.get("k", headers={"If-Match": etag_of(b"older")})
+    assert (wrong.status_code, error_code(wrong)) == (412, "PreconditionFailed")
+
+
+def test_racing_writers_lose_no_update(store: Store):
+    """Create-only puts race to one winner; read-modify-write with If-Match loses no increment."""
+    created: list[int] = []
+    store.client.put("counter", content=b"0")
+
+    def writer(number: int) -> None:
+        with httpx.Client(base_url=str(store.client.base_url), timeout=10) as client:
+            if client.put("once", content=str(number).encode(), headers={"If-None-Match": "*"}).status_code == 200:
+                created.append(number)
+            for _ in range(10):
+                while True:
+                    current = client.get("counter")
+                    value = int(current.content) + 1
+                    answer = client.put("counter", content=str(value).encode(),
+                                        headers={"If-Match": current.headers["ETag"]})
+                    if answer.status_code == 200:
+                        break
+                    assert answer.status_code == 412
+
+    threads = [threading.Thread(target=writer, args=(number,)) for number in range(8)]
+    for thread in threads:
+        thread.start()
+    for thread in threads:
+        thread.join()
+    assert len(created) == 1
+    assert store.client.get("once").content == str(created[0]).encode()
+    assert store.client.get("counter").content == b"80"
+
+
+def test_list_objects_v2_prefix_delimiter_and_pages(store: Store):
+    keys = [f"p/records/{n:020d}.batch" for n in range(7)] + ["p/groups/g1/0.json", "p/groups/g2/0.json",
+                                                               "p/meta.json", "q/other"]
+    for key in keys:
+        store.client.put(key, content=key.encode())
+    everything = listing(store)
+    assert [e.text for e in everything.iter(f"{NS}Key")] == sorted(keys)
+    contents = everything.find(f"{NS}Contents")
+    assert contents is not None and contents.findtext(f"{NS}Size") == str(len(sorted(keys)[0]))
+    assert (contents.findtext(f"{NS}LastModified") or "").endswith("Z")
+    top = listing(store, prefix="p/", delimiter="/")
+    assert [e.text for e in top.iter(f"{NS}Key")] == ["p/meta.json"]
+    assert [e.findtext(f"{NS}Prefix") for e in top.iter(f"{NS}CommonPrefixes")] == ["p/groups/", "p/records/"]
+
+    seen: list[str] = []
+    token: str | None = None
+    while True:
+        paging = {"max-keys": "3", **({"continuation-token": token} if token else {})}
+        page = listing(store, prefix="p/records/", **paging)
+        seen += [e.text or "" for e in page.iter(f"{NS}Key")]
+        if page.findtext(f"{NS}IsTruncated") == "false":
+            break
+        token = page.findtext(f"{NS}NextContinuationToken")
+    assert seen == [key for key in keys if key.startswith("p/records/")]
+    after = listing(store, prefix="p/records/", **{"start-after": "p/records/00000000000000000004.batch"})
+    assert [e.text for e in after.iter(f"{NS}Key")] == [f"p/records/{n:020d}.batch" for n in (5, 6)]
+    prefixes_paged = listing(store, prefix="p/", delimiter="/", **{"max-keys": "1"})
+    token = prefixes_paged.findtext(f"{NS}NextContinuationToken")
+    assert token is not None
+    rest = listing(store, prefix="p/", delimiter="/", **{"continuation-token": token})
+    assert [e.findtext(f"{NS}Prefix") for e in rest.iter(f"{NS}CommonPrefixes")] == ["p/records/"]
+    assert [e.text for e in rest.iter(f"{NS}Key")] == ["p/meta.json"]
+
+
+def test_delete_objects_in_bulk(store: Store):
+    for key in ("a/1", "a/2", "a/3"):
+        store.client.put(key, content=b".")
+    body = (b'<Delete xmlns="http://s3.amazonaws.com/doc/2006-03-01/"><Quiet>true</Quiet>'
+            b"<Object><Key>a/1</Key></Object><Object><Key>a/2</Key></Object><Object><Key>gone</Key></Object></Delete>")
+    answer = store.client.post("", params={"delete": ""}, content=body)
+    assert answer.status_code == 200
+    assert ElementTree.fromstring(answer.content).tag == f"{NS}DeleteResult"
+    assert [e.text for e in listing(store).iter(f"{NS}Key")] == ["a/3"]
+
+
+def test_objects_and_etags_survive_a_restart_and_half_writes_vanish(tmp_path: Path):
+    first = Store(tmp_path / "data")
+    etag = first.client.put("w.json", content=b"1").headers["ETag"]
+    first.client.put("r/0.batch", content=b"r0")
+    first.stop()
+    (tmp_path / "data/.tmp/cut-short").write_bytes(b"half a write")
+    second = Store(tmp_path / "data")
+    try:
+        assert [e.text for e in listing(second).iter(f"{NS}Key")] == ["r/0.batch", "w.json"]
+        assert second.client.put("w.json", content=b"x", headers={"If-Match": etag_of(b"0")}).status_code == 412
+        assert second.client.put("w.json", content=b"2", headers={"If-Match": etag}).status_code == 200
+        assert second.client.put("r/0.batch", content=b"!", headers={"If-None-Match": "*"}).status_code == 412
+        assert not (tmp_path / "data/.tmp/cut-short").exists()
+    finally:
+        second.stop()
+
+
+def test_refuses_what_it_does_not_implement(store: Store):
+    assert store.client.post("big", params={"uploads": ""}).status_code == 501
+    assert store.client.put("copy", headers={"x-amz-copy-source": "/b/k"}).status_code == 501
+    for bad in ("a/../b", "a//b", "trailing/"):
+        with pytest.raises(S3Error):
+            store.server.buckets["b"].path(bad)
+    store.client.put("file", content=b".")
+    clash = store.client.put("file/child", content=b".")
+    assert clash.status_code == 409 and store.client.get("file").content == b"."
