@@ -5,6 +5,7 @@ from __future__ import annotations
 import click
 
 from infra.config import Config
+from infra.schema_registry.service import registry_url
 
 
 def _config(ctx: click.Context) -> Config:
@@ -13,9 +14,6 @@ def _config(ctx: click.Context) -> Config:
     return load(ctx)
 
 
-def registry_url(config: Config) -> str:
-    """The registry agentstream uses: ``[schema_registry] url``, else the stack's own."""
-    return config.schema_registry.url or f"http://{config.stack.host}:{config.schema_registry.port}"
 
 
 @click.group("schema-registry")
