@@ -48,7 +48,31 @@ def find_tansu(configured: str | None, home: Path) -> Path:
     return target
 
 
-def tansu_command(binary: Path, host: str, port: int) -> list[str]:
+MEMORY_STORAGE = "memory://tansu/"
+BUCKET = "tansu"
+
+
+def tansu_command(binary: Path, host: str, port: int, storage: str = MEMORY_STORAGE) -> list[str]:
+    """The command line of a broker on host:port; ``storage`` is a tansu storage URL (memory:// or s3://)."""
     url = f"tcp://{host}:{port}"
     return [str(binary), "broker", "--listener-url", url, "--advertised-listener-url", url,
-            "--storage-engine", "memory://tansu/"]
+            "--storage-engine", storage]
+
+
+def s3_storage(endpoint: str, bucket: str = BUCKET) -> tuple[str, dict[str, str]]:
+    """The storage URL and environment that point tansu at an S3-compatible store at ``endpoint`` (http://host:port).
+
+    tansu builds its S3 client from the environment (Rust ``object_store``, conditional puts on
+    ETags). Our store does not check signatures, but the client insists on some credentials
+    (without them it asks a cloud metadata service), so fixed placeholder keys are given; any
+    AWS settings of the user's own are left out so they cannot redirect the broker's data.
+    """
+    environment = {key: value for key, value in os.environ.items() if not key.startswith("AWS_")}
+    environment.update({
+        "AWS_ENDPOINT": endpoint,
+        "AWS_ALLOW_HTTP": "true",
+        "AWS_ACCESS_KEY_ID": "agentstream",
+        "AWS_SECRET_ACCESS_KEY": "agentstream-local",
+        "AWS_DEFAULT_REGION": "us-east-1",
+    })
+    return f"s3://{bucket}/", environment

@@ -89,15 +89,36 @@ class ClickHouseConfig:
         return self.url is not None
 
 
+BROKER_STORAGES = ("durable", "memory")
+
+
 @dataclass(frozen=True)
 class StackConfig:
-    """The local stack `agentstream up` runs: loopback ports and the state folder."""
+    """The local stack `agentstream up` runs: loopback ports, the state folder and where the broker keeps data.
+
+    ``broker_storage`` is ``durable`` (the default: tansu stores every batch, watermark and group
+    offset through a small S3-compatible object store over ``<home>/broker-data``, each write
+    on disk before it is acknowledged, so a broker crash or ``down``/``up`` loses nothing) or
+    ``memory`` (tansu's ``memory://``: faster, everything gone when the broker stops; for
+    throwaway stacks). ``objectstore_port`` is where that object store listens; 0 picks a free
+    loopback port at ``up`` (only the broker talks to it, and it finds it in the pidfile).
+    """
 
     home: Path = Path(".agentstream")
     host: str = "127.0.0.1"
     broker_port: int = 9092
     clickhouse_port: int = 8123
     tansu_bin: str | None = None
+    broker_storage: str = "durable"
+    objectstore_port: int = 0
+
+    def __post_init__(self) -> None:
+        if self.broker_storage not in BROKER_STORAGES:
+            raise ConfigError(f"stack.broker_storage must be one of {', '.join(BROKER_STORAGES)}, "
+                              f"got {self.broker_storage!r}")
+        if not 0 <= self.objectstore_port < 65536:
+            raise ConfigError(f"stack.objectstore_port must be a TCP port (1-65535) or 0 (any free port), "
+                              f"got {self.objectstore_port}")
 
 
 @dataclass(frozen=True)
@@ -480,6 +501,8 @@ ENVIRONMENT: dict[str, tuple[str, str]] = {
     "AGENTSTREAM_BROKER_PORT": ("stack", "broker_port"),
     "AGENTSTREAM_CLICKHOUSE_PORT": ("stack", "clickhouse_port"),
     "TANSU_BIN": ("stack", "tansu_bin"),
+    "AGENTSTREAM_BROKER_STORAGE": ("stack", "broker_storage"),
+    "AGENTSTREAM_OBJECTSTORE_PORT": ("stack", "objectstore_port"),
     "SCHEMA_REGISTRY_URL": ("schema_registry", "url"),
     "SCHEMA_REGISTRY_USERNAME": ("schema_registry", "username"),
     "SCHEMA_REGISTRY_PASSWORD": ("schema_registry", "password"),

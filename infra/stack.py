@@ -2,16 +2,21 @@
 
 Each service is either external (``KAFKA_BOOTSTRAP_SERVERS`` / ``CLICKHOUSE_URL``: nothing
 is started) or embedded: tansu and the chdb ClickHouse HTTP server, on loopback, tracked by
-pidfiles under the stack home so ``down`` stops exactly what ``up`` started.
+pidfiles under the stack home so ``down`` stops exactly what ``up`` started. An embedded
+broker with durable storage (the default) keeps its data through a third process, the
+S3-compatible object store over ``<home>/broker-data`` (:mod:`infra.objectstore`), started
+before tansu and stopped after it.
 """
 
 from __future__ import annotations
 
 import asyncio
 import sys
+from collections.abc import Callable
 from dataclasses import dataclass, field
+from pathlib import Path
 
-from infra.broker import find_tansu, tansu_command
+from infra.broker import BUCKET, MEMORY_STORAGE, find_tansu, s3_storage, tansu_command
 from infra.clickhouse import migrate, table_counts, wait_for_clickhouse
 from infra.config import Config
 from infra.kafka import (
@@ -23,10 +28,11 @@ from infra.kafka import (
     topic_partitions,
     wait_for_broker,
 )
-from infra.processes import ServiceDirectory
+from infra.processes import ServiceDirectory, free_port, port_is_free
 
 BROKER = "broker"
 CLICKHOUSE = "clickhouse"
+OBJECTSTORE = "objectstore"
 
 
 @dataclass(frozen=True)
@@ -84,8 +90,9 @@ class Stack:
         stack = self.config.stack
         if not self.config.kafka.external:
             binary = find_tansu(stack.tansu_bin, self.home)
-            record = self.services.start(BROKER, tansu_command(binary, stack.host, stack.broker_port),
-                                         stack.host, stack.broker_port, timeout_s)
+            storage, environment = self._broker_storage(timeout_s, progress)
+            record = self.services.start(BROKER, tansu_command(binary, stack.host, stack.broker_port, storage),
+                                         stack.host, stack.broker_port, timeout_s, env=environment)
             progress(f"broker      tansu pid {record.pid} on {record.address} (log {record.log_path})")
         if not self.config.clickhouse.external:
             data_dir = self.home / "clickhouse"
@@ -105,6 +112,33 @@ class Stack:
         client.close()
         return endpoints
 
+    @property
+    def broker_data(self) -> Path:
+        """The folder where the durable broker's objects live."""
+        return self.home / "broker-data"
+
+    def _broker_storage(self, timeout_s: float, progress: Callable[[str], object]
+                        ) -> tuple[str, dict[str, str] | None]:
+        """tansu's storage URL and environment; for durable storage, start the object store first.
+
+        With ``objectstore_port = 0`` a restarted object store takes the port it had before when
+        that is free, so a broker still running keeps reaching it.
+        """
+        stack = self.config.stack
+        if stack.broker_storage == "memory":
+            return MEMORY_STORAGE, None
+        previous = self.services.record(OBJECTSTORE)
+        port = stack.objectstore_port
+        if not port and previous is not None:
+            old_port = int(previous.address.rpartition(":")[2])
+            port = old_port if previous.alive() or port_is_free(stack.host, old_port) else 0
+        port = port or free_port(stack.host)
+        command = [sys.executable, "-m", "infra.objectstore", "--host", stack.host, "--port", str(port),
+                   "--root", str(self.broker_data), "--bucket", BUCKET]
+        record = self.services.start(OBJECTSTORE, command, stack.host, port, timeout_s)
+        progress(f"objectstore pid {record.pid} on http://{record.address} (broker data {self.broker_data})")
+        return s3_storage(f"http://{record.address}")
+
     async def _prepare_kafka(self, endpoints: Endpoints, timeout_s: float) -> list[str]:
         options = client_options(self.config.kafka, endpoints.bootstrap_servers)
         await wait_for_broker(options, timeout_s)
@@ -122,6 +156,12 @@ class Stack:
             else:
                 services[name] = f"pid {record.pid} " + ("running" if record.alive()
                                                          else "DEAD (see " + record.log_path + ")")
+        if not self.config.kafka.external and (self.config.stack.broker_storage == "durable"
+                                                or self.services.record(OBJECTSTORE) is not None):
+            record = self.services.record(OBJECTSTORE)
+            services[OBJECTSTORE] = ("not started by agentstream" if record is None else
+                                     f"pid {record.pid} " + ("running" if record.alive()
+                                                             else "DEAD (see " + record.log_path + ")"))
         report = StackStatus(endpoints, services, broker_reachable=False)
         try:
             asyncio.run(self._kafka_status(report))
@@ -152,6 +192,7 @@ class Stack:
             await admin.close()
 
     def down(self, progress=print) -> None:
-        """Stop the services this stack home started, ClickHouse first so it flushes while Kafka is still up."""
-        for name in (CLICKHOUSE, BROKER):
+        """Stop the services this stack home started: ClickHouse first so it flushes while Kafka is still up,
+        the object store last so the broker can finish its writes."""
+        for name in (CLICKHOUSE, BROKER, OBJECTSTORE):
             progress(f"{name:<11} {self.services.stop(name)}")

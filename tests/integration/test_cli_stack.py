@@ -51,7 +51,7 @@ def test_up_status_down_as_a_user(user_env):
     broker = f"127.0.0.1:{env['AGENTSTREAM_BROKER_PORT']}"
     assert f"ready: KAFKA_BOOTSTRAP_SERVERS={broker}" in started.stdout
     pids = _pids(home)
-    assert len(pids) == 2 and all(_alive(pid) for pid in pids)
+    assert len(pids) == 3 and all(_alive(pid) for pid in pids), "broker, its object store, ClickHouse"
 
     topics = AdminClient({"bootstrap.servers": broker}).list_topics(timeout=10).topics
     assert {f"agentstream.{role}" for role in ROLES} <= set(topics)
@@ -70,6 +70,7 @@ def test_up_status_down_as_a_user(user_env):
         assert f"agentstream.{role}" in status.stdout
     assert "reachable" in status.stdout and "version 26." in status.stdout
     assert "agentstream.train_steps" in status.stdout
+    assert f"storage: durable, {home.resolve() / 'broker-data'}" in status.stdout
 
     stopped = agentstream(env, "down")
     assert stopped.returncode == 0
