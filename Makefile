@@ -4,7 +4,7 @@ VENV   := .venv
 BIN    := $(VENV)/bin
 STAMP  := $(VENV)/.installed
 
-.PHONY: install demo demo-online test test-unit lint gpu-check bench bench-learning soak clean
+.PHONY: install demo demo-online test test-unit test-agl lint gpu-check bench bench-learning soak clean
 
 install: $(STAMP)
 
@@ -29,6 +29,20 @@ test: install lint
 
 test-unit: install
 	$(BIN)/python -m pytest -m unit
+
+# Agent Lightning agents on the real agentlightning==0.3.0 (~60 s, plus ~3 min the first time): .venv-agl holds it
+# and its pins (openai, click, ...), and reads everything else from .venv through a .pth file, so `agentstream train`
+# runs there with Agent Lightning's own @rollout, LitAgent and emit_* (the built-in path runs in `make test`).
+AGL_VENV := .venv-agl
+$(AGL_VENV)/.installed: $(STAMP)
+	@test -x $(AGL_VENV)/bin/python || $(PYTHON) -m venv $(AGL_VENV)
+	LITELLM_LOCAL_MODEL_COST_MAP=True $(AGL_VENV)/bin/python -m pip install --quiet agentlightning==0.3.0
+	$(BIN)/python -c "import site; print('import site; site.addsitedir(%r)' % site.getsitepackages()[0])" \
+		> $$($(AGL_VENV)/bin/python -c "import site; print(site.getsitepackages()[0])")/zz_agentstream_overlay.pth
+	@touch $@
+
+test-agl: $(AGL_VENV)/.installed
+	AGENTSTREAM_TEST_AGL=1 $(BIN)/python -m pytest tests/integration/test_agl_train.py
 
 lint: install
 	$(BIN)/ruff check .
@@ -57,4 +71,4 @@ bench-learning: install
 	$(BIN)/python -m bench.learning
 
 clean:
-	rm -rf $(VENV) .agentstream .pytest_cache *.egg-info demo-output demo-report.json online-report.json bench-output
+	rm -rf $(VENV) $(AGL_VENV) .agentstream .pytest_cache *.egg-info demo-output demo-report.json online-report.json bench-output
