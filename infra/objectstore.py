@@ -46,6 +46,7 @@ from pathlib import Path
 from typing import TypeVar
 from urllib.parse import unquote
 from xml.etree import ElementTree
+from xml.sax.saxutils import escape
 
 from aiohttp import web
 
@@ -53,6 +54,7 @@ log = logging.getLogger("agentstream.objectstore")
 T = TypeVar("T")
 
 S3_NAMESPACE = "http://s3.amazonaws.com/doc/2006-03-01/"
+XML_DECLARATION = b'<?xml version="1.0" encoding="UTF-8"?>\n'
 MAX_OBJECT_BYTES = 1 << 30  # a record batch is a few MB at most; S3's own single-PUT limit is 5 GiB
 MAX_KEYS = 1000
 LOCK_STRIPES = 64
@@ -117,6 +119,7 @@ class Bucket:
         self.temporary.mkdir(parents=True, exist_ok=True)
         self._keys: list[str] = []
         self._info: dict[str, ObjectInfo] = {}
+        self._fragments: dict[str, tuple[ObjectInfo, bytes]] = {}
         self._locks = [asyncio.Lock() for _ in range(LOCK_STRIPES)]
         for leftover in self.temporary.iterdir():  # a write cut short by a crash, never acknowledged
             leftover.unlink(missing_ok=True)
@@ -140,6 +143,7 @@ class Bucket:
 
     def remember(self, key: str, info: ObjectInfo | None) -> None:
         """Record a write (``info``) or a delete (None) in the index."""
+        self._fragments.pop(key, None)
         if info is None:
             if self._info.pop(key, None) is not None:
                 del self._keys[bisect.bisect_left(self._keys, key)]
@@ -147,6 +151,17 @@ class Bucket:
         if key not in self._info:
             bisect.insort(self._keys, key)
         self._info[key] = info
+
+    def contents_xml(self, key: str, info: ObjectInfo) -> bytes:
+        """The ``<Contents>`` element of ``key`` in a listing, kept until the object changes."""
+        cached = self._fragments.get(key)
+        if cached is not None and cached[0] is info:
+            return cached[1]
+        fragment = (f"<Contents><Key>{escape(key)}</Key><LastModified>{_iso_date(info.modified)}</LastModified>"
+                    + (f"<ETag>{escape(info.etag)}</ETag>" if info.etag is not None else "")
+                    + f"<Size>{info.size}</Size><StorageClass>STANDARD</StorageClass></Contents>").encode()
+        self._fragments[key] = (info, fragment)
+        return fragment
 
     def path(self, key: str) -> Path:
         """The file of ``key``; refuses keys that cannot be one file (empty, ``.`` or ``..`` segments)."""
@@ -259,7 +274,7 @@ def _iso_date(timestamp: float) -> str:
 
 
 def _xml(root: ElementTree.Element) -> bytes:
-    return b'<?xml version="1.0" encoding="UTF-8"?>\n' + ElementTree.tostring(root, encoding="utf-8",
+    return XML_DECLARATION + ElementTree.tostring(root, encoding="utf-8",
                                                                               xml_declaration=False)
 
 
@@ -428,31 +443,20 @@ class ObjectStoreServer:
         except ValueError:
             raise S3Error(400, "InvalidArgument", "bad max-keys or continuation-token") from None
         objects, prefixes, resume = bucket.list(prefix, delimiter, after, max_keys)
-        root = ElementTree.Element("ListBucketResult", xmlns=S3_NAMESPACE)
-        _element(root, "Name", bucket.name)
-        _element(root, "Prefix", prefix)
-        if delimiter:
-            _element(root, "Delimiter", delimiter)
-        _element(root, "MaxKeys", max_keys)
-        _element(root, "KeyCount", len(objects) + len(prefixes))
-        _element(root, "IsTruncated", "true" if resume is not None else "false")
-        if token:
-            _element(root, "ContinuationToken", token)
-        if resume is not None:
-            _element(root, "NextContinuationToken", base64.urlsafe_b64encode(resume.encode()).decode())
-        if start_after:
-            _element(root, "StartAfter", start_after)
-        for key, info in objects:
-            contents = _element(root, "Contents")
-            _element(contents, "Key", key)
-            _element(contents, "LastModified", _iso_date(info.modified))
-            if info.etag is not None:
-                _element(contents, "ETag", info.etag)
-            _element(contents, "Size", info.size)
-            _element(contents, "StorageClass", "STANDARD")
-        for common in prefixes:
-            _element(_element(root, "CommonPrefixes"), "Prefix", common)
-        return web.Response(body=_xml(root), content_type="application/xml")
+        head = [f'<ListBucketResult xmlns="{S3_NAMESPACE}"><Name>{escape(bucket.name)}</Name>',
+                f"<Prefix>{escape(prefix)}</Prefix>",
+                f"<Delimiter>{escape(delimiter)}</Delimiter>" if delimiter else "",
+                f"<MaxKeys>{max_keys}</MaxKeys><KeyCount>{len(objects) + len(prefixes)}</KeyCount>",
+                f"<IsTruncated>{'true' if resume is not None else 'false'}</IsTruncated>",
+                f"<ContinuationToken>{escape(token)}</ContinuationToken>" if token else "",
+                "" if resume is None else
+                f"<NextContinuationToken>{base64.urlsafe_b64encode(resume.encode()).decode()}</NextContinuationToken>",
+                f"<StartAfter>{escape(start_after)}</StartAfter>" if start_after else ""]
+        body = [XML_DECLARATION, "".join(head).encode()]
+        body += [bucket.contents_xml(key, info) for key, info in objects]  # cached: tansu lists on every fetch
+        body += [f"<CommonPrefixes><Prefix>{escape(common)}</Prefix></CommonPrefixes>".encode() for common in prefixes]
+        body.append(b"</ListBucketResult>")
+        return web.Response(body=b"".join(body), content_type="application/xml")
 
     async def _delete_many(self, bucket: Bucket, body: bytes) -> web.Response:
         try:
