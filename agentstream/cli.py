@@ -93,6 +93,10 @@ def status(ctx: click.Context) -> None:
     for table, rows in report.tables.items():
         click.echo(f"  table {config.clickhouse.database}.{table:<24} rows {rows:>10}" if rows >= 0
                    else f"  table {config.clickhouse.database}.{table:<24} missing (run `agentstream up`)")
+    if "schema-registry" in report.services:
+        from infra.schema_registry.service import registry_url
+
+        click.echo(f"schemas     {registry_url(config)}  [{report.services['schema-registry']}]")
     if not (report.broker_reachable and report.clickhouse_version):
         sys.exit(1)
 

@@ -29,6 +29,7 @@ from infra.kafka import (
     wait_for_broker,
 )
 from infra.processes import ServiceDirectory, free_port, port_is_free
+from infra.schema_registry.service import SCHEMA_REGISTRY, registry_state, start_registry
 
 BROKER = "broker"
 CLICKHOUSE = "clickhouse"
@@ -104,6 +105,7 @@ class Stack:
         created = asyncio.run(self._prepare_kafka(endpoints, timeout_s))
         progress(f"kafka       {endpoints.bootstrap_servers}: topics ready"
                  + (f" (created {', '.join(created)})" if created else ""))
+        start_registry(self.config, self.services, endpoints.bootstrap_servers, timeout_s, progress)
         client = wait_for_clickhouse(self.config.clickhouse, endpoints.clickhouse_url, timeout_s)
         applied = migrate(client, self.config.clickhouse.database)
         progress(f"clickhouse  {endpoints.clickhouse_url} (ClickHouse {client.server_version}): "
@@ -162,6 +164,7 @@ class Stack:
             services[OBJECTSTORE] = ("not started by agentstream" if record is None else
                                      f"pid {record.pid} " + ("running" if record.alive()
                                                              else "DEAD (see " + record.log_path + ")"))
+        services[SCHEMA_REGISTRY] = registry_state(self.config, self.services)
         report = StackStatus(endpoints, services, broker_reachable=False)
         try:
             asyncio.run(self._kafka_status(report))
@@ -194,5 +197,5 @@ class Stack:
     def down(self, progress=print) -> None:
         """Stop the services this stack home started: ClickHouse first so it flushes while Kafka is still up,
         the object store last so the broker can finish its writes."""
-        for name in (CLICKHOUSE, BROKER, OBJECTSTORE):
+        for name in (SCHEMA_REGISTRY, CLICKHOUSE, BROKER, OBJECTSTORE):
             progress(f"{name:<11} {self.services.stop(name)}")

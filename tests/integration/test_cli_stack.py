@@ -51,7 +51,7 @@ def test_up_status_down_as_a_user(user_env):
     broker = f"127.0.0.1:{env['AGENTSTREAM_BROKER_PORT']}"
     assert f"ready: KAFKA_BOOTSTRAP_SERVERS={broker}" in started.stdout
     pids = _pids(home)
-    assert len(pids) == 3 and all(_alive(pid) for pid in pids), "broker, its object store, ClickHouse"
+    assert len(pids) == 4 and all(_alive(pid) for pid in pids), "broker, its object store, ClickHouse, schema registry"
 
     topics = AdminClient({"bootstrap.servers": broker}).list_topics(timeout=10).topics
     assert {f"agentstream.{role}" for role in ROLES} <= set(topics)
@@ -123,9 +123,10 @@ def test_down_never_signals_a_process_it_did_not_start(user_env):
         bystander.wait()
 
 
-def test_external_services_start_nothing(stack, tmp_path):
+def test_external_services_start_nothing(stack, stack_config, tmp_path):
     env = stack_environment(tmp_path / "ext")
-    env.update({"KAFKA_BOOTSTRAP_SERVERS": stack.bootstrap_servers, "CLICKHOUSE_URL": stack.clickhouse_url})
+    env.update({"KAFKA_BOOTSTRAP_SERVERS": stack.bootstrap_servers, "CLICKHOUSE_URL": stack.clickhouse_url,
+                "SCHEMA_REGISTRY_URL": f"http://127.0.0.1:{stack_config.schema_registry.port}"})
     result = agentstream(env, "up")
     assert result.returncode == 0, result.stderr
     assert "tansu pid" not in result.stdout and "chdb pid" not in result.stdout

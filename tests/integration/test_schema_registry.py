@@ -244,3 +244,13 @@ def test_an_incompatible_schema_in_the_users_registry_is_refused_clearly(users_r
                                      "it is not BACKWARD compatible with version 1"), refused.stderr
     assert "/fields/timeout_s: reader field is missing from the writer and has no default" in refused.stderr
     assert RegistryClient(users_registry.url).call("GET", f"/subjects/{TASK}/versions") == [1]
+
+
+def test_the_stack_serves_the_registry(stack_config: Config, stack) -> None:
+    """`agentstream up` (the session's stack) started a registry over its broker; status reports it."""
+    from infra.stack import Stack
+
+    url = f"http://{stack_config.stack.host}:{stack_config.schema_registry.port}"
+    assert set(current_schemas()) <= set(SchemaRegistryClient({"url": url}).get_subjects())
+    state = Stack(stack_config).status().services["schema-registry"]
+    assert "running" in state and "subjects" in state
