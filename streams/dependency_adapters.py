@@ -33,15 +33,6 @@ def set_fetch_max_wait(consumer: aiokafka.AIOKafkaConsumer, fetch_max_wait_ms: i
     consumer._fetch_max_wait_ms = fetch_max_wait_ms
 
 
-def unacked_offsets(consumer: Consumer, tp: TP) -> list[int]:
-    """The offsets of ``tp``'s messages delivered to a stream and not acknowledged yet (held ones among them).
-
-    faust: ``Consumer._unacked_messages``, the set of messages ``track_message`` added and
-    ``ack`` has not discarded yet.
-    """
-    return [message.offset for message in consumer._unacked_messages if message.tp == tp]
-
-
 def acked_offsets(consumer: Consumer, tp: TP) -> list[int]:
     """``tp``'s acknowledged offsets not committed yet: faust's own list, edited in place to change what it commits.
 
@@ -49,6 +40,55 @@ def acked_offsets(consumer: Consumer, tp: TP) -> list[int]:
     ``_new_offset`` reads, sorts and consumes up to the first gap.
     """
     return consumer._acked[tp]
+
+
+def read_offset(consumer: Consumer, tp: TP) -> int | None:
+    """faust's read offset of ``tp``: the committed offset right after a seek, then the last offset read.
+
+    faust: ``Consumer._read_offset`` (a defaultdict of ``None`` by TP), which ``seek`` and
+    ``perform_seek`` set and ``_drain_messages`` both reads and advances: it drops every
+    message below it without a word (``DROPPED MESSAGE``, a debug line).
+    """
+    return consumer._read_offset[tp]
+
+
+def forget_offsets(consumer: Consumer, tp: TP) -> None:
+    """Drop what faust remembers of ``tp``'s positions (read, committed, acknowledged, gaps), as after a revoke.
+
+    faust: ``Consumer._read_offset``, ``_committed_offset`` (a commit must go beyond it),
+    ``_acked``, ``_acked_index`` and ``_gap``, the per-TP structures ``on_partitions_revoked``
+    pops; here they are emptied while ``tp`` stays assigned (its log was reset).
+    """
+    consumer._read_offset[tp] = None
+    consumer._committed_offset[tp] = None
+    consumer._acked[tp] = []
+    consumer._acked_index[tp] = set()
+    consumer._gap.pop(tp, None)
+
+
+def unacked_messages(consumer: Consumer, tp: TP) -> list:
+    """``tp``'s messages delivered to a stream and not acknowledged yet (held ones among them).
+
+    faust: ``Consumer._unacked_messages``, the set of messages ``track_message`` added and
+    ``ack`` has not discarded yet.
+    """
+    return [message for message in consumer._unacked_messages if message.tp == tp]
+
+
+def drop_unacked(consumer: Consumer, message) -> None:
+    """Mark ``message`` acknowledged without counting its offset (faust: ``Message.acked``, ``_unacked_messages``)."""
+    message.acked = True
+    consumer._unacked_messages.discard(message)
+
+
+def kafka_consumer(consumer: object) -> aiokafka.AIOKafkaConsumer | None:
+    """The aiokafka consumer under faust's, once its thread has created it (for its group member id).
+
+    faust: ``ThreadDelegateConsumer._thread`` is the ``AIOKafkaConsumerThread``, which keeps the
+    consumer it created in ``_consumer`` (None before).
+    """
+    found = getattr(getattr(consumer, "_thread", None), "_consumer", None)
+    return found if isinstance(found, aiokafka.AIOKafkaConsumer) else None
 
 
 class WorkerConsumerThread(AIOKafkaConsumerThread):

@@ -16,18 +16,24 @@ Both reach into faust and aiokafka internals, only through :mod:`streams.depende
 
 from __future__ import annotations
 
+from collections.abc import AsyncIterator
 from typing import TYPE_CHECKING, Any, cast
+from weakref import WeakSet
 
 import aiokafka
 from faust.transport.drivers.aiokafka import Transport
-from faust.types import TP, AppT
+from faust.types import TP, AppT, Message
 
+from infra.logreset import LogReset, LogWatch
 from streams.dependency_adapters import (
     HookedConsumer,
     WorkerConsumerThread,
     acked_offsets,
+    drop_unacked,
+    forget_offsets,
+    read_offset,
     set_fetch_max_wait,
-    unacked_offsets,
+    unacked_messages,
 )
 
 if TYPE_CHECKING:
@@ -39,11 +45,63 @@ class _ConsumerThread(WorkerConsumerThread):
         set_fetch_max_wait(consumer, cast(StreamsTransport, transport).fetch_max_wait_ms)
 
 
-class _Consumer(HookedConsumer):
+class StreamsConsumer(HookedConsumer):
+    """faust's consumer with commits bounded by held records and log resets noticed (see the module docstring)."""
+
     consumer_thread = _ConsumerThread
+    _log_watch: LogWatch | None = None
+    _stale: WeakSet | None = None
+
+    @property
+    def log_watch(self) -> LogWatch:
+        if self._log_watch is None:
+            self._log_watch = LogWatch("streams worker")
+        return self._log_watch
+
+    async def getmany(self, timeout: float) -> AsyncIterator[tuple[TP, Message]]:
+        """faust's batches, after checking that none starts below the read offset (faust would drop it silently)."""
+        async for tp, message in super().getmany(timeout):
+            read = read_offset(self, tp)
+            if read is not None and message.offset < read:
+                LogReset(self.log_watch.component, tp.topic, tp.partition, read, self._log_end(tp),
+                         f"records arrived from offset {message.offset}: the broker reported the old position out "
+                         f"of range and the client moved back").report()
+                self._start_over(tp)
+            yield tp, message
+
+    async def check_log_ends(self) -> None:
+        """Move each partition whose read offset stays past the log end back to the start of its log."""
+        for tp in self.assignment():
+            reset = self.log_watch.fetched(tp.topic, tp.partition, self._log_end(tp), position=read_offset(self, tp))
+            if reset is None:
+                continue
+            reset.report()
+            start = (await self.earliest_offsets(tp)).get(tp, 0)
+            self._start_over(tp)
+            await self.seek(tp, start)
+
+    def _log_end(self, tp: TP) -> int | None:
+        """The high watermark of the latest Fetch response (tansu's ListOffsets(latest) answers too low)."""
+        try:
+            return self.highwater(tp)
+        except AssertionError:  # aiokafka asserts the partition is assigned: a rebalance is under way
+            return None
+
+    def _start_over(self, tp: TP) -> None:
+        """Forget ``tp``'s offsets; the records still held from the old log are released without counting."""
+        stale = self._stale = self._stale if self._stale is not None else WeakSet()
+        stale.update(unacked_messages(self, tp))
+        forget_offsets(self, tp)
+
+    def ack(self, message: Message) -> bool:
+        if self._stale is not None and message in self._stale:
+            drop_unacked(self, message)
+            return False
+        return super().ack(message)
 
     def commit_offset(self, tp: TP) -> int | None:
-        held = unacked_offsets(self, tp)
+        stale = self._stale or ()
+        held = [message.offset for message in unacked_messages(self, tp) if message not in stale]
         if not held:
             return super().commit_offset(tp)
         floor = min(held)
@@ -59,7 +117,7 @@ class _Consumer(HookedConsumer):
 class StreamsTransport(Transport):
     """The aiokafka transport with a short fetch wait and commits that never pass a held record."""
 
-    Consumer = _Consumer
+    Consumer = StreamsConsumer
 
     def __init__(self, url: list[URL], app: AppT, fetch_max_wait_ms: int, **kwargs: Any) -> None:
         super().__init__(url, app, **kwargs)

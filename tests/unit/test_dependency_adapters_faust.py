@@ -32,13 +32,19 @@ OVERRIDDEN = [
      "HookedConsumer overrides it to create the consumer thread with the fetch-wait hook"),
     (Consumer, "_new_offset", ["self", "tp"],
      "HookedConsumer overrides it so no commit passes a held record"),
+    (Consumer, "getmany", ["self", "timeout"],
+     "StreamsConsumer overrides it to notice records below faust's read offset (a log reset) before faust drops them"),
+    (Consumer, "ack", ["self", "message"],
+     "StreamsConsumer overrides it so records read before a log reset do not count towards a commit"),
 ]
 # (class, attribute set in __init__, what the adapter does with it)
 READ = [
-    (Consumer, "_unacked_messages", "unacked_offsets() reads the messages delivered and not acknowledged"),
+    (Consumer, "_unacked_messages", "unacked_messages() reads the messages delivered and not acknowledged"),
     (Consumer, "_acked", "acked_offsets() edits the acknowledged offsets the next commit consumes"),
     (aiokafka.AIOKafkaConsumer, "_fetch_max_wait_ms", "set_fetch_max_wait() replaces the wait start() hands on"),
 ]
+# the per-TP structures forget_offsets() and read_offset() use after a log reset
+RESET = ["_read_offset", "_committed_offset", "_acked_index", "_gap"]
 
 
 def missing_method(owner: type, name: str, parameters: list[str]) -> str | None:
@@ -153,5 +159,50 @@ def test_commits_stop_below_a_held_record(monkeypatch):
         assert dependency_adapters.acked_offsets(consumer, tp) == [1, 2], "offsets above the hold wait, unconsumed"
         consumer.ack(messages[0])
         assert consumer._filter_committable_offsets([tp]) == {tp: 3}, "released: the commit goes past all three"
+
+    asyncio.run(check())
+
+
+def test_a_log_reset_forgets_old_offsets_and_old_acks_do_not_count(monkeypatch):
+    """After a log reset a partition commits from the new log's start: faust's committed offset is forgotten (it
+    refuses to commit below it) and a record read from the old log, released later, is not counted (its offset
+    would let a commit jump past new records)."""
+    async def check() -> None:
+        app, consumer = _built()
+        for name in RESET:
+            if not hasattr(consumer, name):
+                fail(f"faust's Consumer has no attribute {name}", "forget_offsets() empties it after a log reset")
+        monkeypatch.setattr(app.topics, "acks_enabled_for", lambda topic: True)
+        tp = TP("spans", 0)
+
+        def message(offset: int) -> Message:
+            found = Message(tp.topic, tp.partition, offset, 0.0, 0, None, b"k", b"v", None, tp=tp)
+            consumer.track_message(found)
+            return found
+
+        old = [message(offset) for offset in (500, 501, 502)]
+        consumer.ack(old[0])
+        assert consumer._filter_committable_offsets([tp]) == {tp: 501}
+        consumer._committed_offset[tp] = 501
+        consumer._start_over(tp)  # the log now starts again at 0
+        assert dependency_adapters.read_offset(consumer, tp) is None
+        new = [message(offset) for offset in range(3)]
+        consumer.ack(old[2])  # released after the reset: must not count
+        for found in new[:2]:
+            consumer.ack(found)
+        assert consumer._filter_committable_offsets([tp]) == {tp: 2}, "commits restart from the new log's start"
+        consumer.ack(old[1])
+        consumer.ack(new[2])
+        assert consumer._filter_committable_offsets([tp]) == {tp: 3}
+
+    asyncio.run(check())
+
+
+def test_the_aiokafka_consumer_under_faust_is_reachable_for_its_member_id():
+    async def check() -> None:
+        _, consumer = _built()
+        if not hasattr(getattr(consumer, "_thread", None), "_consumer"):
+            fail("faust's consumer thread keeps no _consumer", "kafka_consumer() reads the worker's group member id")
+        assert dependency_adapters.kafka_consumer(consumer) is None  # not started: no consumer yet
 
     asyncio.run(check())
