@@ -15,6 +15,7 @@ import click
 from agentstream.schema_registry import schema_registry_command
 from infra.clickhouse import ClickHouseError, connect, server_message
 from infra.config import Config, ConfigError, describe, load_config
+from infra.grace import ShutdownDeadline
 from infra.kafka import KafkaSetupError
 from infra.processes import ServiceError
 from infra.schema_registry.client import use_configured_registry
@@ -266,7 +267,7 @@ def proxy_command(ctx: click.Context, upstream: str, host: str, port: int, agent
               help="Consumer group of the runner pool.")
 @click.option("--proxy", "proxy_url", default=None, help="LLM proxy URL; rollouts get rollout.llm_base_url() under it.")
 @click.option("--max-tasks", default=None, type=int, help="Stop after this many rollouts (default: run until SIGTERM).")
-@click.option("--session-timeout-ms", default=10_000, show_default=True,
+@click.option("--session-timeout-ms", default=4_000, show_default=True,
               help="How long the group waits before a silent runner's tasks go to another runner.")
 @click.pass_context
 def run_command(ctx: click.Context, agent: str, concurrency: int, group_id: str, proxy_url: str | None,
@@ -287,10 +288,12 @@ def run_command(ctx: click.Context, agent: str, concurrency: int, group_id: str,
             set_sink(publisher)
             runner = Runner(function, config, Stack(config).endpoints().bootstrap_servers, publisher, options)
             stop = asyncio.Event()
-            watcher = asyncio.create_task(_until_signalled(stop))
+            deadline = ShutdownDeadline("runner", config.runner.shutdown_grace_s, runner.unfinished)
+            watcher = asyncio.create_task(_until_signalled(stop, deadline))
             click.echo(f"runner {options.worker_id}: {agent} x{concurrency} in group {group_id}")
             stats = await runner.run(stop, max_tasks)
             watcher.cancel()
+            deadline.disarm()
             click.echo(f"finished {stats.finished} rollouts: {stats.succeeded} succeeded, {stats.failed} failed, "
                        f"{stats.timed_out} timed out, {stats.retried} retried")
 
@@ -334,10 +337,9 @@ def streams_command(ctx: click.Context, loglevel: str) -> None:
     import uvloop
 
     asyncio.set_event_loop_policy(uvloop.EventLoopPolicy())
-    import faust
 
     from infra.clickhouse import migrate, wait_for_clickhouse
-    from streams.app import create_app, prepare_topics
+    from streams.app import create_app, evict_dead_workers, prepare_topics, streams_worker
 
     config = _config(ctx)
     endpoints = Stack(config).endpoints()
@@ -345,21 +347,28 @@ def streams_command(ctx: click.Context, loglevel: str) -> None:
     migrate(client, config.clickhouse.database)
     client.close()
     asyncio.run(prepare_topics(config, endpoints.bootstrap_servers))
+    asyncio.run(evict_dead_workers(config, endpoints.bootstrap_servers))
     app = create_app(config, endpoints.bootstrap_servers, endpoints.clickhouse_url)
     # The worker makes a few container objects per span and keeps open rollouts' spans alive: with
     # the default thresholds the cycle collector ran hundreds of times a second over all of them (a
     # third of the completion work). Cycles are rare here: collect seldom, and never scan start-up's objects.
     gc.freeze()
     gc.set_threshold(100_000, 50, 100)
-    faust.Worker(app, loglevel=loglevel, quiet=True).execute_from_commandline()
+    streams_worker(app, config, loglevel).execute_from_commandline()
 
 
-async def _until_signalled(stop: asyncio.Event | None = None) -> None:
-    """Wait for SIGTERM or SIGINT (then set ``stop``)."""
+async def _until_signalled(stop: asyncio.Event | None = None, deadline: ShutdownDeadline | None = None) -> None:
+    """Wait for SIGTERM or SIGINT (then set ``stop``); a ``deadline`` is armed at the signal, not when stop is seen."""
     event = stop or asyncio.Event()
     loop = asyncio.get_running_loop()
+
+    def signalled() -> None:
+        if deadline is not None:
+            deadline.arm()
+        event.set()
+
     for sig in (signal.SIGTERM, signal.SIGINT):
-        loop.add_signal_handler(sig, event.set)
+        loop.add_signal_handler(sig, signalled)
     await event.wait()
 
 
@@ -545,9 +554,11 @@ def train_worker_command(ctx: click.Context, model_spec: str | None, max_steps: 
         worker = TrainerWorker(config, endpoints.bootstrap_servers, metrics=MetricsWriter(client, database),
                                progress=click.echo)
         stop = asyncio.Event()
-        watcher = asyncio.create_task(_until_signalled(stop))
+        deadline = ShutdownDeadline("trainer", config.trainer.shutdown_grace_s, worker.unfinished)
+        watcher = asyncio.create_task(_until_signalled(stop, deadline))
         summary = await worker.run(stop, max_steps)
         watcher.cancel()
+        deadline.disarm()
         click.echo(f"trained {summary.steps} steps on {summary.transitions} transitions ({summary.tokens} tokens), "
                    f"{summary.checkpoints} checkpoints; now at version {worker.version}")
 

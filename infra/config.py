@@ -132,10 +132,27 @@ class StreamsConfig:
     idle_timeout_s: float = 30.0
     reward_expiry_s: float = 24 * 3600.0
     clickhouse_retry_max_s: float = 10.0
-    session_timeout_s: float = 10.0
+    session_timeout_s: float = 3.0  # tansu holds a join about half of it: a restarted worker is back in ~4 s
     fetch_max_wait_ms: int = 50  # tansu answers a fetch only after this wait when it had nothing at first
     ingest_interval_s: float = 0.25  # span batches read meanwhile are inserted together
     store_interval_s: float = 0.5  # rollouts and transitions rows are written to ClickHouse this often
+    shutdown_grace_s: float = 10.0  # after SIGTERM/SIGINT the worker exits within this, broker or not
+
+
+@dataclass(frozen=True)
+class RunnerConfig:
+    """The task runner (``agentstream run``): how long a stopping runner may take to finish its rollouts.
+
+    After SIGTERM or SIGINT a runner stops taking tasks, lets the rollouts in flight finish and
+    commits their offsets; when ``shutdown_grace_s`` passes first (a long rollout, a broker that is
+    gone) it exits anyway, and the unfinished tasks, never committed, go to another runner.
+    """
+
+    shutdown_grace_s: float = 30.0
+
+    def __post_init__(self) -> None:
+        if self.shutdown_grace_s <= 0:
+            raise ConfigError("runner.shutdown_grace_s must be > 0")
 
 
 @dataclass(frozen=True)
@@ -219,7 +236,8 @@ class TrainerConfig:
     checkpoint_dir: str = ""
     checkpoint_every_steps: int = 1
     keep_checkpoints: int = 0
-    session_timeout_s: float = 10.0
+    session_timeout_s: float = 4.0  # tansu holds a join about half of it (see infra/members.py)
+    shutdown_grace_s: float = 30.0  # time to write a last checkpoint after SIGTERM; then it exits regardless
 
     def __post_init__(self) -> None:
         checks = {
@@ -469,6 +487,7 @@ class Config:
     clickhouse: ClickHouseConfig = field(default_factory=ClickHouseConfig)
     stack: StackConfig = field(default_factory=StackConfig)
     streams: StreamsConfig = field(default_factory=StreamsConfig)
+    runner: RunnerConfig = field(default_factory=RunnerConfig)
     credit: tuple[CreditRule, ...] = (CreditRule(),)
     trainer: TrainerConfig = field(default_factory=TrainerConfig)
     server: ServerConfig = field(default_factory=ServerConfig)
@@ -517,6 +536,7 @@ SECTIONS: dict[str, type] = {
     "clickhouse": ClickHouseConfig,
     "stack": StackConfig,
     "streams": StreamsConfig,
+    "runner": RunnerConfig,
     "trainer": TrainerConfig,
     "server": ServerConfig,
     "proxy": ProxyConfig,

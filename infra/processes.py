@@ -51,6 +51,11 @@ def _start_ticks(pid: int) -> int | None:
     return int(fields[19])
 
 
+def process_start_ticks(pid: int) -> int | None:
+    """When process ``pid`` started (clock ticks since boot), or None if it is gone (PID + start: one process)."""
+    return _start_ticks(pid)
+
+
 def port_is_free(host: str, port: int) -> bool:
     with socket.socket(socket.AF_INET, socket.SOCK_STREAM) as sock:
         sock.setsockopt(socket.SOL_SOCKET, socket.SO_REUSEADDR, 1)

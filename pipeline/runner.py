@@ -27,6 +27,8 @@ from aiokafka import AIOKafkaConsumer, ConsumerRebalanceListener, TopicPartition
 
 from infra.config import AglConfig, Config
 from infra.kafka import client_options, topic_name
+from infra.logreset import ConsumerLogWatch
+from infra.members import MemberLedger, evict_dead_members, member_id
 from pipeline.agl import adapt_agent
 from pipeline.sdk import Rollout, SpanSink, emit_exception, emit_reward, new_id, rollout
 from pipeline.tasks import enqueue
@@ -83,7 +85,7 @@ class RunnerOptions:
     retry_on_timeout: bool = True
     proxy_url: str | None = None
     worker_id: str = field(default_factory=lambda: f"{socket.gethostname()}-{os.getpid()}")
-    session_timeout_ms: int = 10_000
+    session_timeout_ms: int = 4_000  # a fresh join takes about half of it on tansu (infra/members.py)
 
 
 @dataclass
@@ -128,7 +130,13 @@ class _CommitOnRevoke(ConsumerRebalanceListener):
         await self.runner.commit()
 
     async def on_partitions_assigned(self, assigned) -> None:
-        pass
+        runner = self.runner
+        if runner.log_watch is not None:
+            for tp in assigned:
+                runner.log_watch.moved(tp, None)
+        joined = member_id(runner._consumer) if runner._consumer is not None else None
+        if joined and runner.ledger is not None:
+            runner.ledger.record(joined)
 
 
 class Runner:
@@ -146,19 +154,25 @@ class Runner:
         self._threads = ThreadPoolExecutor(max_workers=self.options.concurrency, thread_name_prefix="agent")
         self._offsets: dict[TopicPartition, OffsetTracker] = {}
         self._consumer: AIOKafkaConsumer | None = None
+        self.log_watch: ConsumerLogWatch | None = None
+        self.ledger: MemberLedger | None = None
 
     async def run(self, stop: asyncio.Event | None = None, max_tasks: int | None = None) -> RunnerStats:
         """Run until ``stop`` is set or ``max_tasks`` rollouts finished; in-flight rollouts finish first."""
         stop = stop or asyncio.Event()
         topic = topic_name(self.config.topics, "tasks")
+        options = client_options(self.config.kafka, self.bootstrap_servers)
+        self.ledger = MemberLedger(self.config.stack.home, self.options.group_id)
+        await evict_dead_members(options, self.ledger)  # a crashed predecessor would hold its tasks for a session
         consumer = AIOKafkaConsumer(
-            **client_options(self.config.kafka, self.bootstrap_servers), group_id=self.options.group_id,
+            **options, group_id=self.options.group_id,
             enable_auto_commit=False, auto_offset_reset="earliest",
             session_timeout_ms=self.options.session_timeout_ms, heartbeat_interval_ms=500,
             max_poll_interval_ms=24 * 3600 * 1000,
         )
         consumer.subscribe([topic], listener=_CommitOnRevoke(self))
         self._consumer = consumer
+        watch = self.log_watch = ConsumerLogWatch("runner", consumer)
         await consumer.start()
         slots = asyncio.Semaphore(self.options.concurrency)
         running: set[asyncio.Task] = set()
@@ -167,6 +181,8 @@ class Runner:
             while not stop.is_set() and (max_tasks is None or started < max_tasks):
                 await slots.acquire()
                 batch = await consumer.getmany(timeout_ms=200, max_records=1)
+                for reset in await watch.check(batch):  # the partition is read again from its start
+                    self._offsets[TopicPartition(reset.topic, reset.partition)] = OffsetTracker()
                 records = [record for records in batch.values() for record in records]
                 if not records:
                     slots.release()
@@ -175,8 +191,9 @@ class Runner:
                 for record in records:
                     started += 1
                     tp = TopicPartition(record.topic, record.partition)
-                    self._offsets.setdefault(tp, OffsetTracker()).start(record.offset)
-                    task = asyncio.create_task(self._handle(record, tp, slots))
+                    tracker = self._offsets.setdefault(tp, OffsetTracker())
+                    tracker.start(record.offset)
+                    task = asyncio.create_task(self._handle(record, tp, tracker, slots))
                     running.add(task)
                     task.add_done_callback(running.discard)
             if running:
@@ -186,6 +203,11 @@ class Runner:
             await consumer.stop()
             self._threads.shutdown(wait=False, cancel_futures=True)
         return self.stats
+
+    def unfinished(self) -> str:
+        """What a forced exit abandons, for its log line (read from another thread: plain reads only)."""
+        running = sum(len(tracker.pending) for tracker in list(self._offsets.values()))
+        return f"{running} rollouts in flight (their tasks were not committed and go to another runner)"
 
     async def commit(self) -> None:
         if self._consumer is None:
@@ -202,7 +224,8 @@ class Runner:
             except Exception as error:  # a rebalance in progress: the next commit catches up
                 log.warning("offset commit failed (%s); will retry", error)
 
-    async def _handle(self, record, tp: TopicPartition, slots: asyncio.Semaphore) -> None:
+    async def _handle(self, record, tp: TopicPartition, tracker: OffsetTracker, slots: asyncio.Semaphore) -> None:
+        """Run one task; ``tracker`` is the partition's at the time it was read (a log reset replaces it)."""
         try:
             try:
                 _, task = self.codec.decode(record.value, TASK)
@@ -212,7 +235,7 @@ class Runner:
                 return
             await self._run_attempt(task)
         finally:
-            self._offsets[tp].done(record.offset)
+            tracker.done(record.offset)
             slots.release()
 
     async def _run_attempt(self, task: dict[str, Any]) -> None:

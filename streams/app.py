@@ -22,13 +22,16 @@ from faust.types import TP
 from mode.supervisors import CrashingSupervisor
 
 from infra.config import Config
+from infra.grace import ShutdownDeadline
 from infra.kafka import TopicSpec, client_options, create_topics, topic_name
+from infra.members import MemberLedger, evict_dead_members, member_id
+from streams.dependency_adapters import kafka_consumer
 from streams.groups import GroupProcessor
 from streams.processor import SpanProcessor
 from streams.records import RawRecord
 from streams.sink import CompletionSink, gather
 from streams.stage import Stage
-from streams.transport import StreamsTransport
+from streams.transport import StreamsConsumer, StreamsTransport
 from streams.warehouse import Warehouse
 
 log = logging.getLogger("agentstream.streams")
@@ -113,6 +116,16 @@ async def prepare_topics(config: Config, bootstrap_servers: str) -> None:
     await create_topics(config, bootstrap_servers, internal_topics(config))
 
 
+def member_ledger(config: Config) -> MemberLedger:
+    """The ids this stack home's workers had in the group (faust's group id is the app id)."""
+    return MemberLedger(config.stack.home, config.streams.app_id)
+
+
+async def evict_dead_workers(config: Config, bootstrap_servers: str) -> None:
+    """Remove the group members of workers that died here, so a restarted worker joins at once (infra/members.py)."""
+    await evict_dead_members(client_options(config.kafka, bootstrap_servers), member_ledger(config))
+
+
 def _records(events) -> list[RawRecord]:
     return [RawRecord(e.message.topic, e.message.partition, e.message.offset, e.message.key, e.message.value, e)
             for e in events]
@@ -145,6 +158,7 @@ def create_app(config: Config, bootstrap_servers: str, clickhouse_url: str) -> f
         datadir=str(state_folder / "{conf.name}-data"),  # faust's default is the current directory
     )
     app.transport = StreamsTransport(app.conf.broker_consumer, app, fetch_max_wait_ms=settings.fetch_max_wait_ms)
+    ledger = member_ledger(config)
     options = client_options(config.kafka, bootstrap_servers)
     emitter = KafkaEmitter(options)
     holder = FaustHolder()
@@ -200,6 +214,12 @@ def create_app(config: Config, bootstrap_servers: str, clickhouse_url: str) -> f
             await spans.tick()
             await groups.tick()
 
+    @app.timer(interval=1.0)
+    async def check_log_ends() -> None:
+        consumer = app.consumer
+        if isinstance(consumer, StreamsConsumer):
+            await consumer.check_log_ends()
+
     @app.timer(interval=10.0)
     async def report() -> None:
         counters = spans.counters
@@ -221,9 +241,45 @@ def create_app(config: Config, bootstrap_servers: str, clickhouse_url: str) -> f
                              **kwargs: Any) -> None:
         mine = sorted((tp.topic, tp.partition) for tp in assigned if tp.topic == spans_topic.get_topic_name())
         log.info("assigned %s partitions %s", spans_topic.get_topic_name(), [p for _, p in mine])
+        underlying = kafka_consumer(app.consumer)
+        joined = member_id(underlying) if underlying is not None else None
+        if joined:
+            ledger.record(joined)
 
     @app.on_before_shutdown.connect
     async def stop_emitter(app: faust.App, /, *args: Any, **kwargs: Any) -> None:
         await emitter.stop()
 
     return app
+
+
+class StreamsWorker(faust.Worker):
+    """faust's worker with a hard shutdown deadline: SIGTERM or SIGINT ends it within ``shutdown_grace_s``.
+
+    faust stops its services one by one, and with the broker gone its Kafka clients retry for
+    minutes (it was still running 70 s after SIGTERM). Offsets are committed only for what is
+    stored, so whatever the deadline abandons is read again by the next worker.
+    """
+
+    def __init__(self, app: faust.App, deadline: ShutdownDeadline, **kwargs: Any) -> None:
+        super().__init__(app, **kwargs)
+        self.deadline = deadline
+
+    def _on_sigterm(self) -> None:
+        self.deadline.arm()
+        super()._on_sigterm()
+
+    def _on_sigint(self) -> None:
+        self.deadline.arm()
+        super()._on_sigint()
+
+
+def streams_worker(app: faust.App, config: Config, loglevel: str) -> StreamsWorker:
+    """The worker that runs ``app`` until signalled, and at most ``streams.shutdown_grace_s`` after."""
+    processors = app.processors  # type: ignore[attr-defined]
+
+    def abandoned() -> str:
+        return f"{len(processors['spans'].tracker.open)} open rollouts (their first records were not committed)"
+
+    deadline = ShutdownDeadline("streams worker", config.streams.shutdown_grace_s, abandoned)
+    return StreamsWorker(app, deadline, loglevel=loglevel, quiet=True)

@@ -26,6 +26,8 @@ from aiokafka.errors import KafkaError
 
 from infra.config import Config
 from infra.kafka import client_options, topic_name
+from infra.logreset import ConsumerLogWatch
+from infra.members import MemberLedger, evict_dead_members, member_id
 from schemas import TRANSITION, TRANSITION_BATCH, AvroCodec, CodecError
 from trainer.batching import Batch, Batcher, Sample, SeenIds, TransitionError
 from trainer.checkpoints import (
@@ -70,15 +72,20 @@ class _ResumePositions(ConsumerRebalanceListener):
         pass
 
     async def on_partitions_assigned(self, assigned) -> None:
-        consumer = self.worker.consumer
-        assert consumer is not None  # the consumer this listener was subscribed with
+        consumer, watch = self.worker.consumer, self.worker.log_watch
+        assert consumer is not None and watch is not None  # the consumer this listener was subscribed with
+        joined = member_id(consumer)
+        if joined:
+            self.worker.ledger.record(joined)
         for tp in assigned:
+            watch.moved(tp, None)
             checkpointed = self.worker.resume_offsets.get(f"{tp.topic}:{tp.partition}")
             if checkpointed is None:
                 continue
             committed = await consumer.committed(tp)
             if committed is None or committed < checkpointed:
                 consumer.seek(tp, checkpointed)
+                watch.moved(tp, checkpointed)  # a wiped log ends below it: the watch notices and starts over
 
 
 class TrainerWorker:
@@ -98,6 +105,8 @@ class TrainerWorker:
         self.codec = AvroCodec()
         self.announcer = CheckpointAnnouncer(config, bootstrap_servers)
         self.consumer: AIOKafkaConsumer | None = None
+        self.log_watch: ConsumerLogWatch | None = None
+        self.ledger = MemberLedger(config.stack.home, f"agentstream-trainer-{self.name}")
         self.version = 0
         self.step = 0
         self.resume_offsets: dict[str, int] = {}
@@ -126,11 +135,13 @@ class TrainerWorker:
         await self.announcer.start()
         try:
             await self._resume()
+            options = client_options(self.config.kafka, self.bootstrap_servers)
+            await evict_dead_members(options, self.ledger)  # a crashed predecessor would hold the partitions a session
             self.consumer = AIOKafkaConsumer(
-                **client_options(self.config.kafka, self.bootstrap_servers),
-                group_id=f"agentstream-trainer-{self.name}",
+                **options, group_id=self.ledger.group,
                 enable_auto_commit=False, auto_offset_reset="earliest", heartbeat_interval_ms=500,
                 session_timeout_ms=int(self.settings.session_timeout_s * 1000), max_poll_interval_ms=24 * 3600 * 1000)
+            self.log_watch = ConsumerLogWatch("trainer", self.consumer)
             self.consumer.subscribe([topic_name(self.config.topics, "transitions")], listener=_ResumePositions(self))
             await self.consumer.start()
             try:
@@ -145,6 +156,11 @@ class TrainerWorker:
             await self.announcer.stop()
             self._model_thread.shutdown()
         return self.summary
+
+    def unfinished(self) -> str:
+        """What a forced exit abandons, for its log line (read from another thread: plain reads only)."""
+        return (f"{self._steps_since} steps since checkpoint v{self.version} and {len(self.batcher)} queued "
+                f"transitions (their offsets were not committed: they are trained again from the last checkpoint)")
 
     async def _on_model_thread(self, function: Callable, *args: Any) -> Any:
         """Run model work off the event loop, always on the same thread (torch keeps per-thread state)."""
@@ -168,10 +184,12 @@ class TrainerWorker:
                       f"{manifest.uri}")
 
     async def _consume(self, stop: asyncio.Event, max_steps: int | None) -> None:
-        assert self.consumer is not None  # run() starts it first
+        assert self.consumer is not None and self.log_watch is not None  # run() starts it first
         key = self.name.encode()
         while not stop.is_set() and (max_steps is None or self.summary.steps < max_steps):
             fetched = await self.consumer.getmany(timeout_ms=100, max_records=4096)
+            for reset in await self.log_watch.check(fetched):
+                self._start_over(TopicPartition(reset.topic, reset.partition))
             now = time.monotonic()
             for tp, records in fetched.items():
                 for record in records:
@@ -187,6 +205,16 @@ class TrainerWorker:
                     await self._checkpoint()
             if not self._steps_since:  # nothing trained since the last checkpoint: skipped records can be committed
                 await self._commit(self._committable())
+
+    def _start_over(self, tp: TopicPartition) -> None:
+        """A log reset: forget ``tp``'s old positions (consumed, committed, checkpointed) so none is committed again.
+
+        The transitions read again are not trained twice: their ids are in the batcher's seen
+        set (this run) or in the recent checkpoints' trained ids it was loaded with.
+        """
+        self._consumed.pop(tp, None)
+        self._committed.pop(tp, None)
+        self.resume_offsets.pop(f"{tp.topic}:{tp.partition}", None)
 
     def _offer(self, record, tp: TopicPartition, now: float) -> None:
         """Queue the transitions of one record: a Transition, or a TransitionBatch (all share the record's offset)."""
@@ -273,7 +301,8 @@ class TrainerWorker:
         positions = dict(self._consumed)
         for topic, partition, offset in self.batcher.pending_positions():
             tp = TopicPartition(topic, partition)
-            positions[tp] = min(positions[tp], offset)
+            if tp in positions:  # else read before a log reset: that position is gone
+                positions[tp] = min(positions[tp], offset)
         return positions
 
     async def _commit(self, positions: dict[TopicPartition, int]) -> None:

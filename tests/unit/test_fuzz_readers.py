@@ -381,7 +381,8 @@ def test_the_runner_runs_every_task_record_or_logs_why_not(reasons):
             runner._offsets[partition].start(offset)
             before = len(started), len(logged), runner.stats.undecodable
             with bounded(value):
-                await runner._handle(consumer_record(partition.topic, offset, key, value), partition, slots)
+                await runner._handle(consumer_record(partition.topic, offset, key, value), partition,
+                                     runner._offsets[partition], slots)
             ran, skipped = len(started) - before[0], len(logged) - before[1]
             assert ran + skipped == 1 and runner.stats.undecodable - before[2] == skipped, value
             assert all(set(task) == fields for task in started[before[0]:])

@@ -1,0 +1,111 @@
+"""Fast rejoin after a crash: a restarted consumer removes its dead predecessors from the group at once.
+
+A group that lost a member to SIGKILL waits out that member's session before it rebalances,
+so a restarted consumer sat idle (a stream worker: 19-21 s at a 10 s session). Measured on
+tansu with aiokafka, seconds from a restarted member's start to its first record:
+
+======================  =========  ========
+session timeout         10 s       3 s
+======================  =========  ========
+plain restart           18.2       7.2
+static membership       8.0        6.0      (group.instance.id: tansu is slower with it)
+evict the dead member   5.0        2.0      (LeaveGroup on its behalf: a fresh join)
+======================  =========  ========
+
+A fresh join itself takes about max(1 s, session/2) on tansu (it holds each JoinGroup that
+long), so the sessions are short too (``session_timeout_s``). Each consumer writes its member
+id to a ledger under the stack home (``members/<group>.json``: member id -> pid and process
+start time) once it has joined; at start it sends a LeaveGroup for every member there whose
+process is gone, then joins. Only the members of this machine's stack home are known, so a
+member that died elsewhere still costs its session, as before.
+"""
+
+from __future__ import annotations
+
+import json
+import logging
+import os
+from pathlib import Path
+from typing import Any
+
+from aiokafka import AIOKafkaConsumer
+from aiokafka.client import AIOKafkaClient
+from aiokafka.errors import KafkaError
+from aiokafka.protocol.group import LeaveGroupRequest
+
+from infra.processes import process_start_ticks
+
+log = logging.getLogger("agentstream.members")
+
+GROUP_COORDINATOR = 0  # FindCoordinator key type of a consumer group
+
+
+class MemberLedger:
+    """The member ids this stack home's consumers of one group had, with the process each belonged to."""
+
+    def __init__(self, home: Path, group: str) -> None:
+        safe = "".join(c if c.isalnum() or c in "-_." else "_" for c in group)
+        self.path = home / "members" / f"{safe}.json"
+        self.group = group
+
+    def _read(self) -> dict[str, dict[str, int]]:
+        try:
+            found = json.loads(self.path.read_text())
+        except (FileNotFoundError, ValueError):
+            return {}
+        return found if isinstance(found, dict) else {}
+
+    def _write(self, members: dict[str, dict[str, int]]) -> None:
+        self.path.parent.mkdir(parents=True, exist_ok=True)
+        temporary = self.path.with_name(f"{self.path.name}.{os.getpid()}.tmp")
+        temporary.write_text(json.dumps(members))
+        temporary.replace(self.path)
+
+    def dead(self) -> list[str]:
+        """Recorded member ids whose process no longer runs."""
+        return [member for member, owner in self._read().items()
+                if process_start_ticks(int(owner.get("pid", 0))) != owner.get("ticks")]
+
+    def record(self, member_id: str) -> None:
+        """This process is ``member_id`` now (a rejoin gives a new id; the old one is dropped)."""
+        pid = os.getpid()
+        members = {member: owner for member, owner in self._read().items() if owner.get("pid") != pid}
+        members[member_id] = {"pid": pid, "ticks": process_start_ticks(pid) or 0}
+        self._write(members)
+
+    def forget(self, members: list[str]) -> None:
+        kept = {member: owner for member, owner in self._read().items() if member not in members}
+        self._write(kept)
+
+
+async def evict_dead_members(options: dict[str, Any], ledger: MemberLedger) -> list[str]:
+    """Send a LeaveGroup for each dead member in ``ledger``, so the group rebalances without waiting for them.
+
+    Best effort: a broker that is down or a member the group no longer knows is fine (the
+    session ends it anyway). Returns the ids sent.
+    """
+    dead = ledger.dead()
+    if not dead:
+        return []
+    client = AIOKafkaClient(**options)
+    try:
+        await client.bootstrap()
+        coordinator = await client.coordinator_lookup(GROUP_COORDINATOR, ledger.group)
+        for member in dead:
+            await client.send(coordinator, LeaveGroupRequest(ledger.group, member))
+        log.info("group %s: removed %d member(s) of processes that are gone (%s)", ledger.group, len(dead),
+                 ", ".join(dead))
+    except KafkaError as error:
+        log.info("group %s: could not remove the members of processes that are gone (%s)", ledger.group, error)
+        return []
+    finally:
+        await client.close()
+    ledger.forget(dead)
+    return dead
+
+
+def member_id(consumer: AIOKafkaConsumer) -> str | None:
+    """The id the group gave ``consumer`` at its latest join (aiokafka 0.14 keeps it in ``_coordinator.member_id``)."""
+    coordinator = getattr(consumer, "_coordinator", None)
+    found = getattr(coordinator, "member_id", None)
+    return found if isinstance(found, str) and found else None
