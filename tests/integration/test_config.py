@@ -55,6 +55,8 @@ def test_kafka_sasl_and_tls_from_environment():
     ("[stack]\nbrokr_port = 1\n", "unknown key"),
     ("[stack]\nbroker_port = 'abc'\n", "cannot use 'abc'"),
     ("[stack]\nbroker_port = 70000\n", "must be a TCP port"),
+    ("[stack]\nbroker_storage = 'disk'\n", "broker_storage must be one of durable, memory"),
+    ("[stack]\nobjectstore_port = 70000\n", "objectstore_port must be a TCP port"),
     ("[topics\n", "not valid TOML"),
 ])
 def test_bad_config_files_are_clear_errors(tmp_path: Path, content: str, message: str):
