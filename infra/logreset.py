@@ -10,16 +10,29 @@ read the partition again from the start of its log. Replays are harmless by desi
 rollout and transition ids are deterministic (ClickHouse ReplacingMergeTree keeps one row per
 id), the trainer skips transition ids it already trained, a task only starts a new attempt.
 
-Two signs, both needed on tansu:
+Two signs, one per kind of broker:
 
-* *behind*: a record arrives below the offset the consumer expected next, without a seek of
+* *behind* (a broker that answers OffsetOutOfRange, as Apache Kafka does; tansu never did
+  here): a record arrives below the offset the consumer expected next, without a seek of
   its own. aiokafka answers OffsetOutOfRange with ``auto_offset_reset`` by moving the position
   to the log start and logs it at INFO level only; faust then drops every record below its own
   read offset (``DROPPED MESSAGE``, a debug line) until the new log grows past the old position.
-* *beyond*: the consumer's next offset is past the log end the broker reports in its Fetch
+* *beyond* (tansu): the consumer's next offset is past the log end the broker reports in its Fetch
   responses. tansu answers a fetch past the end with no records and no error, so nothing else
   ever notices. The log end comes from the Fetch high watermark: tansu's ListOffsets(latest)
   (``end_offsets``) answers too low (see FACTS.md).
+
+Measured on tansu 0.6 (memory://, aiokafka 0.14): after 100 records in batches of 10 the Fetch
+high watermark said 100 and ListOffsets(latest) 91; a fetch at 500 on a 135-record log
+returned nothing, no error, high watermark 135, for as long as it was repeated; after a broker
+restart the group's committed offsets were gone, and a commit of offset 135 from a client
+that was no member of the group was accepted on a 20-record log, after which a member
+joining that group read nothing. That is the likely path by which a worker under load skipped
+the new log (not observed step by step): it commits what it acknowledged during the outage as
+soon as the broker answers, then rejoins and seeks to it. Without such a commit the rejoin
+finds no offsets and starts at the log start, and nothing is skipped. The high watermark was
+exact in these runs; FACTS.md reports it trailing committed offsets by a few records, hence
+``settle_s`` below.
 """
 
 from __future__ import annotations

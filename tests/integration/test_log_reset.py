@@ -78,9 +78,9 @@ def test_the_stream_worker_reads_a_restarted_brokers_new_log_from_its_start(tmp_
         positions = asyncio.run(_committed(broker.bootstrap_servers, group, spans_topic))
         broker.restart()  # memory://: every topic starts again at offset 0, and the group's offsets are gone
         asyncio.run(create_topics(config, broker.bootstrap_servers))
-        # Under load the worker itself commits what it acknowledged during the outage as soon as the new broker
-        # answers (tansu accepts a commit from a member it does not know), before it rejoins and seeks to the
-        # committed offsets: here those old offsets are committed for it, so the test does not depend on the race.
+        # Under load a worker can commit what it acknowledged during the outage as soon as the new broker answers
+        # (tansu accepts a commit from a client that is no member), before it rejoins and seeks to the committed
+        # offsets: here those old offsets are committed for it, so the test does not depend on that race.
         asyncio.run(_commit(broker.bootstrap_servers, group, positions))
         asyncio.run(produce(broker.bootstrap_servers, spans_topic, _rollouts("after", 20)))  # ~15 per partition
         wait_for(lambda: stored("after"), 45, what="every span of the new log stored", equals=60)
