@@ -22,9 +22,9 @@ from aiokafka import AIOKafkaConsumer, AIOKafkaProducer, TopicPartition
 from infra.clickhouse import connect
 from infra.config import Config, load_config
 from infra.kafka import client_options, topic_name
-from infra.processes import free_port
 from infra.stack import BROKER, OBJECTSTORE, Endpoints, Stack
 from pipeline.publisher import SpanPublisher
+from tests.conftest import stack_environment
 from tests.integration.test_publisher import make_span
 from tests.support.streams_harness import Worker, wait_for, worker_env
 
@@ -34,11 +34,19 @@ GROUP = "durability-check"
 def private_stack(home: Path, clickhouse_url: str, database: str, prefix: str) -> Stack:
     """A durable broker of this test's own; ClickHouse is the session's (external here, so nothing else starts)."""
     config = load_config(environ={
-        "AGENTSTREAM_HOME": str(home), "AGENTSTREAM_BROKER_PORT": str(free_port()),
-        "AGENTSTREAM_BROKER_STORAGE": "durable", "CLICKHOUSE_URL": clickhouse_url,
+        **stack_environment(home), "AGENTSTREAM_BROKER_STORAGE": "durable", "CLICKHOUSE_URL": clickhouse_url,
         "CLICKHOUSE_DATABASE": database, "AGENTSTREAM_TOPIC_PREFIX": prefix,
     })
     return Stack(config)
+
+
+def start(running: Stack) -> Endpoints:
+    """``up``, and on failure ``down`` whatever it had started already, so no process outlives the test."""
+    try:
+        return running.up(timeout_s=60, progress=lambda line: None)
+    except BaseException:
+        running.down(progress=lambda line: None)
+        raise
 
 
 @pytest.fixture
@@ -46,7 +54,7 @@ def durable(tmp_path: Path, stack: Endpoints, stack_config: Config):
     """(Stack, Endpoints) of a running private durable broker; stopped, and its database dropped, afterwards."""
     tag = uuid.uuid4().hex[:8]
     running = private_stack(tmp_path / "stack", stack.clickhouse_url, f"durable_{tag}", f"d{tag}.")
-    endpoints = running.up(timeout_s=60, progress=lambda line: None)
+    endpoints = start(running)
     yield running, endpoints
     running.down(progress=lambda line: None)
     client = connect(stack_config.clickhouse, stack.clickhouse_url)
@@ -219,7 +227,7 @@ def test_memory_storage_is_still_available_explicitly(tmp_path: Path, stack: End
     running = private_stack(tmp_path / "stack", stack.clickhouse_url, "agentstream", "m.")
     running = Stack(replace(running.config, stack=replace(running.config.stack, broker_storage="memory")))
     record_command: list[str] = []
-    running.up(timeout_s=60, progress=lambda line: None)
+    start(running)
     try:
         broker = running.services.record(BROKER)
         assert broker is not None
