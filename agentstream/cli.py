@@ -201,6 +201,30 @@ def report_command(ctx: click.Context, output_format: str, agent: str | None, mo
         analytics.print_tables(sections)
 
 
+@main.command("dashboard")
+@click.option("--host", default="127.0.0.1", show_default=True,
+              help="Address to listen on (loopback: only this machine).")
+@click.option("--port", default=8765, show_default=True, type=int, help="Port to listen on (0: any free port).")
+@click.option("--database", default=None, help="ClickHouse database to show (default: the configured one).")
+@click.option("--no-kafka", is_flag=True, help="Do not read consumer lag and dead letters from Kafka.")
+@click.pass_context
+def dashboard_command(ctx: click.Context, host: str, port: int, database: str | None, no_kafka: bool) -> None:
+    """A live web dashboard over ClickHouse (read-only): throughput, learning, LLM calls, rollouts."""
+    from agentstream.dashboard.server import DashboardError, serve
+
+    config = _config(ctx)
+    endpoints = Stack(config).endpoints()
+    try:
+        asyncio.run(serve(config, endpoints.clickhouse_url, None if no_kafka else endpoints.bootstrap_servers,
+                          host=host, port=port, database=database,
+                          started=lambda url: click.echo(f"dashboard: {url}  (Ctrl-C stops it)")))
+    except DashboardError as error:
+        click.secho(f"error: {error}", fg="red", err=True)
+        sys.exit(1)
+    except KeyboardInterrupt:
+        pass
+
+
 def _publisher(config: Config, component: str):
     from pipeline.publisher import SpanPublisher
 
