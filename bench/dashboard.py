@@ -4,7 +4,8 @@ Fills a private stack's ClickHouse with INSERT ... SELECT FROM numbers(): 1,000,
 last hour (125,000 rollouts of 8 spans, 4 of them LLM calls with 100 prompt and 100 response token
 ids and chat messages), their rollouts, 500,000 transitions, 600 trainer steps and 60 deployment
 decisions. Then serves the dashboard and prints, as JSON lines, each API route's cold and median
-time and, when Chromium is installed, each page's time from navigation to drawn (target: < 1 s).
+time (the default 15-minute window, and a day's, which holds every span), and, when Chromium is installed, each
+page's time from navigation to drawn (target: < 1 s).
 
 Run: ``python -m bench.dashboard [--spans N] [--repeat 5]``.
 """
@@ -152,6 +153,9 @@ def main() -> None:
                 slowest = max(body["panels"], key=lambda panel: panel["elapsed_ms"])
                 emit(BENCH, f"api_{route.split('/')[0]}_ms", statistics.median(warm), "ms", cold_ms=round(cold, 1),
                      spans=counts["spans"], slowest_panel=slowest["key"], slowest_panel_ms=slowest["elapsed_ms"])
+            for page in ("overview", "learning", "llm"):  # a day's window: every span in the series
+                warm = [timed_get(f"{url}api/page/{page}?window_s=86400")[0] for _ in range(args.repeat)]
+                emit(BENCH, f"api_{page}_day_window_ms", statistics.median(warm), "ms", spans=counts["spans"])
             for route, times in browser_times(url, list(routes), args.repeat).items():
                 emit(BENCH, f"page_{route.split('/')[0]}_ms", statistics.median(times), "ms",
                      max_ms=round(max(times), 1), spans=counts["spans"], target_ms=1000,

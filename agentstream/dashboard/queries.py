@@ -206,17 +206,19 @@ LLM_CALLS = f"""
 
 
 def llm_by_model_version() -> Chart:
-    """Calls, errors, tokens and latency percentiles per model and policy version."""
+    """Calls, errors, tokens and latency percentiles per model and policy version, over the window."""
     sql = f"""
+WITH {NEWEST} AS newest, toUnixTimestamp(newest) - {{window_s:UInt32}} AS since
 SELECT model, policy_version, count() AS calls, countIf(status = 'ERROR') AS errors,
        sum(prompt_tokens) AS prompt_tokens, sum(completion_tokens) AS completion_tokens,
        round(quantile(0.5)(duration_ms), 1) AS p50_ms, round(quantile(0.9)(duration_ms), 1) AS p90_ms,
        round(quantile(0.99)(duration_ms), 1) AS p99_ms
-FROM ({LLM_CALLS}
+FROM ({LLM_CALLS} AND start_time >= toDateTime(since, 'UTC')
 )
 GROUP BY model, policy_version
 ORDER BY model, policy_version NULLS FIRST"""
-    return Chart("llm_by_model_version", "LLM calls by model and version: tokens and latency", "table", sql.strip())
+    return Chart("llm_by_model_version", "LLM calls by model and version: tokens and latency", "table", sql.strip(),
+                 parameters=("window_s",), note="over the window chosen at the top")
 
 
 def llm_calls_over_time() -> Chart:

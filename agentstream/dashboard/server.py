@@ -15,11 +15,14 @@ from __future__ import annotations
 
 import asyncio
 import logging
+import threading
 import time
+from collections.abc import Callable
 from dataclasses import asdict
 from pathlib import Path
 from typing import Any
 
+import uvloop
 from aiohttp import web
 
 from agentstream.dashboard import queries
@@ -32,6 +35,7 @@ log = logging.getLogger("agentstream.dashboard")
 
 STATIC = Path(__file__).parent / "static"
 DEFAULT_WINDOW_S = 900
+DEMO_PORT = 8765  # `agentstream dashboard`'s default port too: the demo's URL is the usual one when free
 POINTS_PER_SERIES = 60
 MAX_WINDOW_S = 90 * 86400
 NO_MIN_REWARD = -1e308  # the rollout list's SQL reads any min_reward <= -1e300 as "no reward filter"
@@ -179,17 +183,51 @@ def create_app(config: Config, clickhouse_url: str, bootstrap_servers: str | Non
 
 
 class DashboardThread:
-    """The dashboard served from a background thread on a loopback port (the demos keep it up while they run)."""
+    """The dashboard served from a background thread (the demos keep it up while they run; benches, tests).
+
+    ``port`` 0 takes any free port; a taken preferred port falls back to a free one.
+    """
 
     def __init__(self, config: Config, clickhouse_url: str, bootstrap_servers: str | None, *,
-                 database: str | None = None) -> None:
-        from infra.http_thread import ServerThread
+                 database: str | None = None, host: str = "127.0.0.1", port: int = 0) -> None:
+        self.loop = uvloop.new_event_loop()
+        self.thread = threading.Thread(target=self.loop.run_forever, name="dashboard", daemon=True)
+        self.thread.start()
+        app = create_app(config, clickhouse_url, bootstrap_servers, database=database)
+        self.runner = web.AppRunner(app, access_log=None)
+        self._call(self.runner.setup())
+        try:
+            self._call(web.TCPSite(self.runner, host, port).start())
+        except OSError:
+            if port == 0:
+                self.stop()
+                raise
+            self._call(web.TCPSite(self.runner, host, 0).start())
+        bound_host, bound_port = self.runner.addresses[0][:2]
+        self.url = f"http://{bound_host}:{bound_port}"
 
-        self._server = ServerThread(create_app(config, clickhouse_url, bootstrap_servers, database=database))
-        self.url = self._server.url
+    def _call(self, coroutine: Any) -> Any:
+        return asyncio.run_coroutine_threadsafe(coroutine, self.loop).result(timeout=60)
 
     def stop(self) -> None:
-        self._server.stop()
+        """Close the server and its connections, then the thread's loop."""
+        try:
+            self._call(self.runner.cleanup())
+        finally:
+            self.loop.call_soon_threadsafe(self.loop.stop)
+            self.thread.join(timeout=10)
+
+
+def start_beside(config: Config, endpoints: Any, say: Callable[[str], Any], *,
+                 port: int = DEMO_PORT) -> DashboardThread | None:
+    """The dashboard for a demo's stack and database, its URL said once; a failure is said, never raised."""
+    try:
+        dashboard = DashboardThread(config, endpoints.clickhouse_url, endpoints.bootstrap_servers, port=port)
+    except Exception as error:  # the demo goes on without its dashboard
+        say(f"dashboard: not started ({type(error).__name__}: {error})")
+        return None
+    say(f"dashboard: {dashboard.url}/  (live while the demo runs)")
+    return dashboard
 
 
 async def serve(config: Config, clickhouse_url: str, bootstrap_servers: str | None, *, host: str, port: int,

@@ -26,6 +26,7 @@ from aiohttp import web
 from rich.console import Console
 from rich.table import Table
 
+from agentstream.dashboard.server import start_beside
 from agentstream.session import SessionPlan, TrainingSession
 from examples import arithmetic
 from infra.clickhouse import connect, migrate
@@ -335,6 +336,7 @@ def run_online_demo(config: Config, console: Console | None = None) -> OnlineRep
     endpoints = stack.up(progress=console.print)
     session = TrainingSession(config, endpoints, workdir, SessionPlan(
         agent="examples.arithmetic:solve", model="smollm2", server_threads=demo.server_threads))
+    live_dashboard = start_beside(config, endpoints, console.print)  # up while the demo runs
     try:
         client = connect(config.clickhouse, endpoints.clickhouse_url, database=DATABASE)
         client.command(f"DROP DATABASE IF EXISTS {DATABASE}")  # the demo's own database, fresh each run
@@ -343,6 +345,8 @@ def run_online_demo(config: Config, console: Console | None = None) -> OnlineRep
         users, traffic_seconds = asyncio.run(serve_traffic(session, config, endpoints, console, workdir))
         report = build_report(users, decisions(client), traffic_seconds, time.monotonic() - started)
     finally:
+        if live_dashboard is not None:
+            live_dashboard.stop()
         session.stop()
         stack.down(progress=console.print)
     output = Path(demo.output_dir)

@@ -25,6 +25,7 @@ from rich.console import Console
 from rich.live import Live
 from rich.table import Table
 
+from agentstream.dashboard.server import start_beside
 from agentstream.session import SessionPlan, TrainingSession
 from examples import arithmetic
 from infra.clickhouse import ROLLOUT_POLICY_VERSION, connect, migrate
@@ -292,6 +293,7 @@ def run_demo(config: Config, console: Console | None = None) -> DemoReport:
     session = TrainingSession(config, endpoints, workdir, SessionPlan(
         agent="examples.arithmetic:solve", model="smollm2", concurrency=demo.group_size * demo.prompts_per_wave,
         server_threads=demo.server_threads))
+    live_dashboard = start_beside(config, endpoints, console.print)  # up while the demo runs
     try:
         client = connect(config.clickhouse, endpoints.clickhouse_url, database=DATABASE)
         client.command(f"DROP DATABASE IF EXISTS {DATABASE}")  # the demo's own database, fresh each run
@@ -309,6 +311,8 @@ def run_demo(config: Config, console: Console | None = None) -> DemoReport:
             target=demo.target, evaluations=evaluations, reward_per_version=dashboard.reward_per_version(),
             rollouts=numbers["rollouts"], spans=numbers["spans"], train_steps=numbers["steps"], quick=demo.quick)
     finally:
+        if live_dashboard is not None:
+            live_dashboard.stop()
         session.stop()
         stack.down(progress=console.print)
     output = Path(demo.output_dir)

@@ -34,6 +34,7 @@ def test_the_demo_trains_evaluates_reports_and_stops_everything(tmp_path):
     assert result.returncode == 0, result.stdout[-4000:] + result.stderr[-4000:]
     out = result.stdout
     assert "held-out before training:" in out and "held-out after training:" in out
+    assert "dashboard: http://127.0.0.1:" in out  # up while the demo ran
     assert " rollouts (" in out and "policy v" in out  # the progress lines
     report = json.loads((tmp_path / "demo-report.json").read_text())
     evaluations = report["evaluations"]
@@ -63,6 +64,7 @@ def test_the_online_demo_serves_users_gates_a_candidate_reports_and_stops_everyt
     assert result.returncode == 0, result.stdout[-4000:] + result.stderr[-4000:]
     out = result.stdout
     assert "requests (0 failed), last minute" in out and "live success" in out
+    assert "dashboard: http://127.0.0.1:" in out
     report = json.loads((tmp_path / "online-report.json").read_text())
     assert report["requests"] >= 30 and report["failed_requests"] == 0
     assert report["feedback_sent"] > 0 and report["per_minute"] and report["per_version"][0]["version"] == 0

@@ -231,7 +231,7 @@ function spanNode(span, children, credit) {
   if (span.status_message) node.append(el("div", {class: "error"}, span.status_message));
   if (span.kind === "LLM") {
     node.append(messages("messages", span.input_messages) || "", messages("response (decoded)", span.output_messages) || "");
-    node.append(el("div", {class: "credit"}, credit
+    node.append(el("div", {class: credit ? "credit" : "muted"}, credit
       ? `credit: reward ${fmt(credit.reward)} · return ${fmt(credit.return_value)} · advantage ${fmt(credit.advantage)} → transition ${credit.transition_id} (step ${credit.step_index}, policy v${credit.policy_version})`
       : "no transition (not trained on, or not credited yet)"));
   }
