@@ -11,6 +11,7 @@ const liveEl = document.getElementById("live");
 let plots = [];
 let timer = null;
 let rendering = false;
+const openQueries = new Set();
 
 function el(tag, attrs = {}, ...children) {
   const node = document.createElement(tag);
@@ -47,8 +48,13 @@ function sqlToggle(panel) {
   const params = panel.parameter_values && Object.keys(panel.parameter_values).length
     ? "-- parameters: " + Object.entries(panel.parameter_values).map(([k, v]) => `${k} = ${JSON.stringify(v)}`).join(", ") + "\n"
     : "";
-  return el("details", {class: "sql"}, el("summary", {}, `show query (${panel.elapsed_ms} ms)`),
+  const details = el("details", {class: "sql"}, el("summary", {}, `show query (${panel.elapsed_ms} ms)`),
     el("pre", {}, params + panel.sql));
+  details.open = openQueries.has(panel.key);  // a live refresh keeps an opened query open
+  details.addEventListener("toggle", () => {
+    if (details.open) openQueries.add(panel.key); else openQueries.delete(panel.key);
+  });
+  return details;
 }
 
 function panelCard(panel, wide) {
@@ -259,9 +265,13 @@ async function showRollout(rolloutId) {
     el("div", {}, fmt(v))])));
   head.append(sqlToggle(summaryPanel));
   const ids = new Set(spans.map(s => s.span_id));
+  // Spans without a parent in the rollout (the proxy's LLM calls carry none unless the agent sent a
+  // traceparent) hang under the rollout's root AGENT span when there is exactly one.
+  const agentRoots = spans.filter(s => s.kind === "AGENT" && !ids.has(s.parent_id));
+  const top = agentRoots.length === 1 ? agentRoots[0].span_id : "";
   const childrenOf = new Map();
   for (const span of spans) {
-    const parent = ids.has(span.parent_id) ? span.parent_id : "";
+    const parent = ids.has(span.parent_id) ? span.parent_id : (span.span_id === top ? "" : top);
     if (!childrenOf.has(parent)) childrenOf.set(parent, []);
     childrenOf.get(parent).push(span);
   }
@@ -300,7 +310,10 @@ async function refresh() {
 function schedule() {
   clearInterval(timer);
   // the rollout view does not refresh by itself: a user reading a trajectory keeps their place
-  if (liveEl.checked) timer = setInterval(() => { if (!location.hash.startsWith("#rollout/")) refresh(); }, REFRESH_MS);
+  // nor does a page while the user is in one of its inputs (a filter being typed or chosen)
+  const busy = () => location.hash.startsWith("#rollout/") ||
+    (main.contains(document.activeElement) && /^(INPUT|SELECT)$/.test(document.activeElement.tagName));
+  if (liveEl.checked) timer = setInterval(() => { if (!busy()) refresh(); }, REFRESH_MS);
 }
 
 window.addEventListener("hashchange", () => { delete document.body.dataset.loaded; refresh(); });
