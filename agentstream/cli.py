@@ -172,7 +172,8 @@ def _cell(value) -> str:
 def report_command(ctx: click.Context, output_format: str, agent: str | None, model: str | None, since: str | None,
                    bucket: str, buckets: int) -> None:
     """Analytics over the configured ClickHouse (read-only): reward by policy version, LLM tokens and latency,
-    rollout status, training staleness, throughput."""
+    rollout status, training staleness, throughput, and spans by source (how many LLM spans have no token ids:
+    those are analytics only, never trained on)."""
     from agentstream import report as analytics
 
     try:
@@ -280,6 +281,49 @@ def proxy_command(ctx: click.Context, upstream: str, host: str, port: int, agent
                 stop.set()
                 if following is not None:
                     await following
+
+    uvloop.run(serve())
+
+
+@main.command("collector")
+@click.option("--host", default=None, help="Address to listen on (default: [otlp] host, 127.0.0.1).")
+@click.option("--port", default=None, type=int, help="Port (default: [otlp] port, 4318, OTLP/HTTP's own).")
+@click.pass_context
+def collector_command(ctx: click.Context, host: str | None, port: int | None) -> None:
+    """Receive OpenTelemetry traces over OTLP/HTTP (POST /v1/traces) and publish them as spans.
+
+    Point any OpenTelemetry exporter at it: OTEL_EXPORTER_OTLP_ENDPOINT=http://127.0.0.1:4318.
+    gen_ai.* (GenAI semantic conventions), OpenInference and OpenLLMetry spans map to LLM, TOOL,
+    AGENT and REWARD spans; a trace is a rollout unless an agentstream.rollout_id attribute names one.
+    Spans without token ids are analytics only (stored, never trained on). Malformed requests get
+    an OTLP error response and a record on the dlq topic.
+    """
+    import uvloop
+
+    from infra.kafka import client_options, topic_name
+    from pipeline.otlp import KafkaDeadLetters, OtlpReceiver, serve_receiver
+
+    config = _config(ctx)
+    host = host or config.otlp.host
+    port = port or config.otlp.port
+
+    async def serve() -> None:
+        bootstrap = Stack(config).endpoints().bootstrap_servers
+        dead_letters = KafkaDeadLetters(client_options(config.kafka, bootstrap), topic_name(config.topics, "dlq"))
+        with _publisher(config, "collector") as publisher:
+            receiver = OtlpReceiver(publisher, dead_letters, complete_on_root=config.otlp.complete_on_root,
+                                    max_body_bytes=config.otlp.max_body_mb << 20)
+            runner = await serve_receiver(receiver, host, port)
+            click.echo(f"collector on http://{host}:{port}/v1/traces; export with "
+                       f"OTEL_EXPORTER_OTLP_ENDPOINT=http://{host}:{port}")
+            try:
+                await _until_signalled()
+            finally:
+                await runner.cleanup()
+                stats = receiver.stats
+                click.echo(f"collector: {stats.spans_published} spans published, {stats.spans_rejected} refused, "
+                           f"{stats.requests_refused} requests refused, {stats.analytics_only_llm_spans} LLM spans "
+                           "without token ids (analytics only)")
 
     uvloop.run(serve())
 

@@ -4,7 +4,8 @@
 2. LLM calls by model: tokens and latency percentiles (``spans`` of kind LLM),
 3. rollout status counts by agent (``rollouts``),
 4. training: policy lag (staleness) and dropped stale samples per trained policy version (``train_steps``),
-5. throughput: spans, LLM calls, tokens and finished rollouts per time bucket (``spans`` and ``rollouts``).
+5. throughput: spans, LLM calls, tokens and finished rollouts per time bucket (``spans`` and ``rollouts``),
+6. spans by source (SDK and proxy, OpenTelemetry): LLM spans without token ids are analytics only, never trained on.
 
 Every table is a ReplacingMergeTree, so every query reads it with FINAL: a replayed insert must
 not count twice. Filters are ClickHouse query parameters (``{name:Type}``), never formatted into
@@ -163,6 +164,23 @@ GROUP BY bucket
 ORDER BY bucket
 """
 
+# Where spans came from (the OTLP receiver marks its own with agentstream.source = 'otlp'), and how many LLM
+# spans have no token ids: those are captured and queryable but never become transitions (a hosted model's
+# calls, or an instrumented client's view of a call the proxy captured with token ids).
+SOURCES_SQL = f"""
+SELECT
+    if(attributes['agentstream.source'] = '', 'agentstream', attributes['agentstream.source']) AS source,
+    count() AS spans,
+    uniqExact(rollout_id) AS rollouts,
+    countIf(kind = 'LLM') AS llm_spans,
+    countIf(kind = 'LLM' AND (empty(prompt_token_ids) OR empty(response_token_ids))) AS llm_spans_without_token_ids,
+    countIf(kind = 'REWARD') AS rewards
+FROM spans FINAL
+WHERE {SPAN_FILTERS}
+GROUP BY source
+ORDER BY source
+"""
+
 # The columns of each section, in the SQL's order: an empty result carries no column names, and an
 # empty table still shows what it would hold.
 REWARD_BY_VERSION_COLUMNS = ("agent", "policy_version", "rollouts", "mixed_versions", "rewarded", "mean_reward",
@@ -173,6 +191,7 @@ ROLLOUT_STATUS_COLUMNS = ("agent", "status", "rollouts", "share", "mean_reward",
 TRAINING_COLUMNS = ("model", "policy_version", "steps", "first_step", "last_step", "samples", "lag_mean", "lag_max",
                     "stale_dropped", "mean_reward", "mean_loss", "mean_kl")
 THROUGHPUT_COLUMNS = ("bucket", "spans", "llm_calls", "tokens", "rollouts_finished")
+SOURCES_COLUMNS = ("source", "spans", "rollouts", "llm_spans", "llm_spans_without_token_ids", "rewards")
 
 DURATION = re.compile(r"(\d+)\s*([smhdw])")
 UNIT_SECONDS = {"s": 1, "m": 60, "h": 3600, "d": 86400, "w": 604800}
@@ -277,6 +296,8 @@ def build_report(client: Client, filters: ReportFilters) -> list[Section]:
         query_section(client, "training", "Training: policy lag and stale samples by policy version",
                       TRAINING_SQL, TRAINING_COLUMNS, filters),
         throughput(client, filters),
+        query_section(client, "sources", "Spans by source (LLM spans without token ids: analytics only, never trained)",
+                      SOURCES_SQL, SOURCES_COLUMNS, filters),
     ]
 
 

@@ -479,6 +479,29 @@ class SchemaRegistryConfig:
 
 
 @dataclass(frozen=True)
+class OtlpConfig:
+    """The OTLP/HTTP trace receiver (``agentstream collector``): where it listens and how traces end.
+
+    ``port`` 4318 is OTLP/HTTP's registered port, so exporters find it with just
+    ``OTEL_EXPORTER_OTLP_ENDPOINT=http://<host>:4318``. With ``complete_on_root`` a trace that is its
+    own rollout completes when its root span arrives (the root ends last); otherwise, and for
+    rollouts named by an ``agentstream.rollout_id`` attribute, after ``streams.idle_timeout_s`` of
+    silence. Bodies over ``max_body_mb`` are refused with 413.
+    """
+
+    host: str = "127.0.0.1"
+    port: int = 4318
+    complete_on_root: bool = True
+    max_body_mb: int = 32
+
+    def __post_init__(self) -> None:
+        if not 0 < self.port < 65536:
+            raise ConfigError(f"otlp.port must be a TCP port (1-65535), got {self.port}")
+        if self.max_body_mb < 1:
+            raise ConfigError("otlp.max_body_mb must be >= 1")
+
+
+@dataclass(frozen=True)
 class Config:
     """The whole configuration; build it with :func:`load_config`."""
 
@@ -496,6 +519,7 @@ class Config:
     deploy: DeployConfig = field(default_factory=DeployConfig)
     demo: DemoConfig = field(default_factory=DemoConfig)
     schema_registry: SchemaRegistryConfig = field(default_factory=SchemaRegistryConfig)
+    otlp: OtlpConfig = field(default_factory=OtlpConfig)
 
 
 # Environment variable -> (section, field). The one place environment names are defined.
@@ -526,6 +550,8 @@ ENVIRONMENT: dict[str, tuple[str, str]] = {
     "SCHEMA_REGISTRY_USERNAME": ("schema_registry", "username"),
     "SCHEMA_REGISTRY_PASSWORD": ("schema_registry", "password"),
     "AGENTSTREAM_SCHEMA_REGISTRY_PORT": ("schema_registry", "port"),
+    "AGENTSTREAM_OTLP_HOST": ("otlp", "host"),
+    "AGENTSTREAM_OTLP_PORT": ("otlp", "port"),
     "DEMO_QUICK": ("demo", "quick"),
     "DEMO_SECONDS": ("demo", "seconds"),
 }
@@ -544,6 +570,7 @@ SECTIONS: dict[str, type] = {
     "deploy": DeployConfig,
     "demo": DemoConfig,
     "schema_registry": SchemaRegistryConfig,
+    "otlp": OtlpConfig,
 }
 RULE_LISTS: dict[str, type] = {"credit": CreditRule}
 

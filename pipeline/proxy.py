@@ -12,14 +12,22 @@ relayed chunk by chunk as they arrive. Late rewards arrive at ``POST /rollouts/{
 Requests for a trained model go to the version deployed for it (``pipeline/routing.py``), and
 every LLM span records the version that served it. ``X-Agentstream-Train: true|false`` opts a
 request's rollout in or out of training (it is captured either way).
+
+W3C trace context is honoured: a request with a ``traceparent`` header (what an OpenTelemetry-
+instrumented HTTP client sends) that names no rollout otherwise belongs to the rollout of its trace
+(rollout id = the trace id, as the OTLP receiver maps traces), and its LLM spans are children of
+the client span that made the call; ``baggage`` entries ``agentstream.rollout_id``, ``attempt_id``,
+``agent_name``, ``task_id``, ``group_id`` and ``train`` stand in for the X-Agentstream-* headers.
 """
 
 from __future__ import annotations
 
 import json
 import logging
+import re
 from dataclasses import dataclass, field
 from typing import Any
+from urllib.parse import unquote
 
 import aiohttp
 from aiohttp import web
@@ -80,9 +88,39 @@ class CallCapture:
     usage: dict[str, Any] | None = None
     choices: dict[int, ChoiceCapture] = field(default_factory=dict)
     error: str | None = None
+    trace: TraceContext | None = None
 
     def choice(self, index: int) -> ChoiceCapture:
         return self.choices.setdefault(index, ChoiceCapture(index))
+
+
+TRACEPARENT = re.compile(r"^([0-9a-f]{2})-([0-9a-f]{32})-([0-9a-f]{16})-([0-9a-f]{2})(-.*)?$")
+BAGGAGE_PREFIX = "agentstream."
+
+
+@dataclass(frozen=True)
+class TraceContext:
+    """What a request's W3C ``traceparent`` and ``baggage`` headers say (trace_id None: no valid traceparent)."""
+
+    trace_id: str | None = None
+    parent_span_id: str | None = None
+    baggage: dict[str, str] = field(default_factory=dict)
+
+
+def trace_context(headers) -> TraceContext:
+    """Parse ``traceparent`` (version 00 and later, invalid ones ignored as the spec says) and ``baggage``."""
+    trace_id = parent = None
+    match = TRACEPARENT.match((headers.get("traceparent") or "").strip().lower())
+    if match and match[1] != "ff" and (match[1] != "00" or match[5] is None) \
+            and match[2].strip("0") and match[3].strip("0"):
+        trace_id, parent = match[2], match[3]
+    baggage: dict[str, str] = {}
+    for header in headers.getall("baggage", []) if hasattr(headers, "getall") else [headers.get("baggage") or ""]:
+        for member in header.split(","):
+            key, sep, value = member.split(";", 1)[0].partition("=")
+            if sep and key.strip():
+                baggage[unquote(key.strip())] = unquote(value.strip())
+    return TraceContext(trace_id, parent, baggage)
 
 
 def upstream_request(body: dict[str, Any], operation: str, route: Route | None = None) -> dict[str, Any]:
@@ -196,7 +234,11 @@ def spans_of(capture: CallCapture, ended_us: int) -> list[dict[str, Any]]:
     attributes["agentstream.latency_ms"] = round((ended_us - capture.started_us) / 1000, 3)
     if capture.route is not None and capture.route.reason != "unrouted":
         attributes["agentstream.route"] = capture.route.reason
-    common: dict[str, Any] = {"model": model, "policy_version": capture.policy_version}
+    trace = capture.trace
+    if trace is not None and trace.trace_id:
+        attributes["otel.trace_id"] = trace.trace_id
+    common: dict[str, Any] = {"model": model, "policy_version": capture.policy_version,
+                              "parent_id": trace.parent_span_id if trace is not None else None}
     name = f"{'chat' if capture.operation == 'chat' else 'text_completion'} {model}"
     if capture.error is not None or not capture.choices:
         if capture.usage:
@@ -304,17 +346,23 @@ class LLMProxy:
     async def health(self, request: web.Request) -> web.Response:
         return web.json_response({"status": "ok", "upstream": self.upstream})
 
-    def _owner(self, request: web.Request) -> Rollout:
-        rollout_id = request.match_info.get("rollout_id") or request.headers.get(ROLLOUT_HEADER)
-        attempt_id = request.match_info.get("attempt_id") or request.headers.get(ATTEMPT_HEADER)
-        agent = (request.match_info.get("agent_name") or request.headers.get(AGENT_HEADER)
-                 or self.agent_name)
+    def _owner(self, request: web.Request, trace: TraceContext | None = None) -> Rollout:
+        """Who a request belongs to: the path, then X-Agentstream-* headers, then baggage, then the trace."""
+        trace = trace or trace_context(request.headers)
+        bag = trace.baggage
+
+        def named(match_key: str | None, header: str, baggage_key: str) -> str | None:
+            return ((request.match_info.get(match_key) if match_key else None) or request.headers.get(header)
+                    or bag.get(BAGGAGE_PREFIX + baggage_key) or None)
+
+        rollout_id = named("rollout_id", ROLLOUT_HEADER, "rollout_id") or trace.trace_id
+        attempt_id = named("attempt_id", ATTEMPT_HEADER, "attempt_id")
+        agent = named("agent_name", AGENT_HEADER, "agent_name") or self.agent_name
         if not rollout_id:  # unattributed traffic is still recorded, as a rollout of its own
             rollout_id = f"unattributed-{new_id()}"
         return Rollout(rollout_id, attempt_id or f"{rollout_id}-1", agent_name=agent,
-                       task_id=request.headers.get(TASK_HEADER),
-                       group_id=request.headers.get(GROUP_HEADER),
-                       train=parse_train_flag(request.headers.get(TRAIN_HEADER)))
+                       task_id=named(None, TASK_HEADER, "task_id"), group_id=named(None, GROUP_HEADER, "group_id"),
+                       train=parse_train_flag(named(None, TRAIN_HEADER, "train")))
 
     async def reward(self, request: web.Request) -> web.Response:
         """A late reward (production feedback, possibly hours later) for a rollout."""
@@ -399,15 +447,16 @@ class LLMProxy:
                 raise ValueError
         except (json.JSONDecodeError, UnicodeDecodeError, ValueError):
             return openai_error(400, "request body must be a JSON object", "invalid_request_error")
+        trace = trace_context(request.headers)
         try:
-            owner = self._owner(request)
+            owner = self._owner(request, trace)
         except TrainFlagError as error:
             return openai_error(400, str(error), "invalid_request_error")
         if operation == "chat" and self.max_tokens and body.get("max_tokens") is None \
                 and body.get("max_completion_tokens") is None:
             body["max_tokens"] = self.max_tokens
         await self._resolve_auto_model(body)
-        capture = CallCapture(operation, body, owner, now_us())
+        capture = CallCapture(operation, body, owner, now_us(), trace=trace)
         try:
             capture.route = resolve_route(self.deployments, body.get("model"), request.headers.get(VERSION_HEADER),
                                           capture.owner.rollout_id)

@@ -99,6 +99,7 @@ def assemble(rollout_id: str, spans: list[SpanNode], status: str, attempt_id: st
     for node in own:
         node.children = []
     roots: list[SpanNode] = []
+    parent_of: dict[int, SpanNode] = {}
     for node in own:
         parent = by_id.get(node.parent_id) if node.parent_id else None
         if node.parent_id and parent is None:
@@ -107,14 +108,36 @@ def assemble(rollout_id: str, spans: list[SpanNode], status: str, attempt_id: st
             roots.append(node)
         else:
             parent.children.append(node)
+            parent_of[id(node)] = parent
+    calls = [s for s in own if s.kind == "LLM"]
+    views = _client_views(calls, parent_of)
     first = next((s for s in own if s.agent_name), own[0] if own else None)
     return Trajectory(
         rollout_id=rollout_id, attempt_id=chosen, status=status, error=error,
         agent_name=first.agent_name if first else "", task_id=next((s.task_id for s in own if s.task_id), ""),
         group_id=next((s.group_id for s in own if s.group_id), ""), spans=own, roots=roots,
-        llm_calls=[s for s in own if s.kind == "LLM"],
+        llm_calls=[s for s in calls if id(s) not in views],
         rewards=sorted((s for s in own if s.kind == "REWARD" and s.reward is not None), key=lambda s: s.end_us),
     )
+
+
+def _client_views(calls: list[SpanNode], parent_of: dict[int, SpanNode]) -> set[int]:
+    """LLM spans without token ids that enclose an LLM span with token ids: one call seen twice.
+
+    An OpenTelemetry-instrumented client (``chat <model>`` from an OpenAI instrumentation) wraps the
+    HTTP request the proxy captures with token ids; the client's view is kept as a span, but the
+    call is counted once, as the proxy's.
+    """
+    views: set[int] = set()
+    for call in calls:
+        if not call.has_token_ids:
+            continue
+        node, seen = parent_of.get(id(call)), 0
+        while node is not None and seen < 64:  # a parent cycle in bad data ends the walk
+            if node.kind == "LLM" and not node.has_token_ids:
+                views.add(id(node))
+            node, seen = parent_of.get(id(node)), seen + 1
+    return views
 
 
 def _tightest_envelope(orphan: SpanNode, candidates: list[SpanNode]) -> SpanNode | None:

@@ -229,7 +229,8 @@ def test_table_and_csv_output(populated):
     assert csv_out.returncode == 0, csv_out.stderr
     blocks = csv_out.stdout.split("\n\n")
     assert [block.splitlines()[0] for block in blocks] == [
-        "# reward_by_policy_version", "# llm_by_model", "# rollout_status", "# training", "# throughput"]
+        "# reward_by_policy_version", "# llm_by_model", "# rollout_status", "# training", "# throughput",
+        "# sources"]
     assert blocks[1].splitlines()[1].startswith("model,calls,errors,prompt_tokens_total")
 
 
@@ -237,9 +238,9 @@ def test_empty_database_says_no_rows(database, tmp_path, stack):
     env = cli_env(tmp_path, stack.clickhouse_url, database)
     result = report(env)
     assert result.returncode == 0, result.stderr
-    assert result.stdout.count("(no rows)") == 5
+    assert result.stdout.count("(no rows)") == 6
     assert report_json(env) == {"reward_by_policy_version": [], "llm_by_model": [], "rollout_status": [],
-                                "training": [], "throughput": []}
+                                "training": [], "throughput": [], "sources": []}
 
 
 def test_unreachable_clickhouse_is_a_one_line_error(tmp_path):
