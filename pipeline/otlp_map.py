@@ -41,6 +41,7 @@ import math
 from collections import OrderedDict
 from collections.abc import Iterable, Mapping
 from dataclasses import dataclass, field
+from operator import attrgetter, methodcaller
 from typing import Any
 
 from opentelemetry.proto.collector.trace.v1.trace_service_pb2 import ExportTraceServiceRequest
@@ -88,6 +89,10 @@ MESSAGE_EVENTS = {"gen_ai.system.message": "system", "gen_ai.user.message": "use
                   "gen_ai.assistant.message": "assistant", "gen_ai.tool.message": "tool"}
 
 
+WHICH = methodcaller("WhichOneof", "value")
+PRIMITIVES = frozenset({"string_value", "bool_value", "int_value", "double_value"})
+
+
 class RejectedSpan(ValueError):
     """One span of an export request that cannot be taken (the rest of the request is)."""
 
@@ -120,7 +125,11 @@ def any_value(value: AnyValue) -> Any:
     if kind is None:
         return None
     if kind == "array_value":
-        return [any_value(item) for item in value.array_value.values]
+        values = value.array_value.values
+        kinds = set(map(WHICH, values))
+        if len(kinds) == 1 and next(iter(kinds)) in PRIMITIVES:  # the usual case: a homogeneous array, in C loops
+            return list(map(attrgetter(next(iter(kinds))), values))
+        return [any_value(item) for item in values]
     if kind == "kvlist_value":
         return {item.key: any_value(item.value) for item in value.kvlist_value.values}
     if kind == "bytes_value":
@@ -342,27 +351,25 @@ class TraceMapper:
         self.remember = remember_traces
         self.identities: OrderedDict[str, Identity] = OrderedDict()
 
-    def _identities(self, request: ExportTraceServiceRequest) -> dict[str, Identity]:
+    def _identities(self, decoded: list[tuple[dict[str, Any], list[tuple[OtelSpan, dict[str, Any]]]]]
+                    ) -> dict[str, Identity]:
         """Each trace's identity: named by any span (or resource) of it in this request, else remembered."""
         found: dict[str, dict[str, str]] = {}
         agents: dict[str, tuple[bool, int, str]] = {}  # trace -> (not a root, start, gen_ai.agent.name): roots first
-        for resource_spans in request.resource_spans:
-            resource = attributes_of(resource_spans.resource.attributes)
-            for scope_spans in resource_spans.scope_spans:
-                for span in scope_spans.spans:
-                    trace = span.trace_id.hex()
-                    named = found.setdefault(trace, {})
-                    attributes = attributes_of(span.attributes)
-                    agent = attributes.get("gen_ai.agent.name")
-                    if agent:
-                        candidate = (bool(span.parent_span_id), span.start_time_unix_nano, str(agent))
-                        agents[trace] = min(agents.get(trace, candidate), candidate)
-                    for slot, keys in (("rollout", ROLLOUT_KEYS), ("attempt", ATTEMPT_KEYS), ("agent", AGENT_KEYS),
-                                       ("task", TASK_KEYS), ("group", GROUP_KEYS)):
-                        if slot not in named:
-                            value = first(keys, attributes, resource)
-                            if value is not None:
-                                named[slot] = value
+        for resource, spans in decoded:
+            for span, attributes in spans:
+                trace = span.trace_id.hex()
+                named = found.setdefault(trace, {})
+                agent = attributes.get("gen_ai.agent.name")
+                if agent:
+                    candidate = (bool(span.parent_span_id), span.start_time_unix_nano, str(agent))
+                    agents[trace] = min(agents.get(trace, candidate), candidate)
+                for slot, keys in (("rollout", ROLLOUT_KEYS), ("attempt", ATTEMPT_KEYS), ("agent", AGENT_KEYS),
+                                   ("task", TASK_KEYS), ("group", GROUP_KEYS)):
+                    if slot not in named:
+                        value = first(keys, attributes, resource)
+                        if value is not None:
+                            named[slot] = value
         identities = {}
         for trace, named in found.items():
             known = self.identities.get(trace)
@@ -383,23 +390,33 @@ class TraceMapper:
 
     def map(self, request: ExportTraceServiceRequest, now_us: int) -> Mapped:
         mapped = Mapped()
-        identities = self._identities(request)
+        # each resource's attributes and its spans with theirs, decoded once
+        decoded: list[tuple[dict[str, Any], list[tuple[OtelSpan, dict[str, Any]]]]] = []
+        contexts: list[dict[str, str]] = []
         for resource_spans in request.resource_spans:
             resource = attributes_of(resource_spans.resource.attributes)
             resource_text = {f"otel.resource.{key}": text(value) for key, value in resource.items()
                              if value is not None}
+            spans: list[tuple[OtelSpan, dict[str, Any]]] = []
             for scope_spans in resource_spans.scope_spans:
                 scope = {"otel.scope.name": scope_spans.scope.name, "otel.scope.version": scope_spans.scope.version}
-                scope = {key: value for key, value in scope.items() if value}
-                for span in scope_spans.spans:
-                    try:
-                        self._map_span(span, identities, resource, {**resource_text, **scope}, mapped, now_us)
-                    except RejectedSpan as error:
-                        mapped.rejected.append((str(error), span_json(span)))
+                context = {**resource_text, **{key: value for key, value in scope.items() if value}}
+                spans.extend((span, attributes_of(span.attributes)) for span in scope_spans.spans)
+                contexts.extend(context for _ in scope_spans.spans)
+            decoded.append((resource, spans))
+        identities = self._identities(decoded)
+        position = 0
+        for resource, spans in decoded:
+            for span, attributes in spans:
+                try:
+                    self._map_span(span, attributes, identities, resource, contexts[position], mapped, now_us)
+                except RejectedSpan as error:
+                    mapped.rejected.append((str(error), span_json(span)))
+                position += 1
         return mapped
 
-    def _map_span(self, span: OtelSpan, identities: dict[str, Identity], resource: dict[str, Any],
-                  context: dict[str, str], mapped: Mapped, now_us: int) -> None:
+    def _map_span(self, span: OtelSpan, attributes: dict[str, Any], identities: dict[str, Identity],
+                  resource: dict[str, Any], context: dict[str, str], mapped: Mapped, now_us: int) -> None:
         if len(span.trace_id) != 16 or not any(span.trace_id):
             raise RejectedSpan(f"span {span.name!r}: trace_id must be 16 bytes, not all zero "
                                f"(got {len(span.trace_id)} bytes)")
@@ -414,7 +431,6 @@ class TraceMapper:
                                f"(got {span.start_time_unix_nano}, {span.end_time_unix_nano})")
         identity = identities[span.trace_id.hex()]
         span_id, parent_id = span.span_id.hex(), span.parent_span_id.hex() or None
-        attributes = attributes_of(span.attributes)
         events = [(event.name, event.time_unix_nano // 1000, attributes_of(event.attributes)) for event in span.events]
         name = span.name or "span"
         kind = span_kind(name, attributes)
