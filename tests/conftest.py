@@ -16,14 +16,23 @@ from infra.processes import free_port
 from infra.stack import Endpoints, Stack
 from pipeline.publisher import SpanPublisher
 from pipeline.sdk import set_sink
+from tests.support.streams_harness import stop_worker_stacks
 
 
-def pytest_collection_modifyitems(items: list[pytest.Item]) -> None:
-    """Mark each test by its folder: tests/unit needs nothing running, tests/integration a stack or processes."""
+def pytest_collection_modifyitems(config: pytest.Config, items: list[pytest.Item]) -> None:
+    """Mark each test by its folder: tests/unit needs nothing running, tests/integration a stack or processes.
+
+    Tests marked ``agl`` need the side environment with the real Agent Lightning: only `make test-agl` runs them.
+    """
     for item in items:
         kind = item.path.parent.name
         if kind in ("unit", "integration"):
             item.add_marker(kind)
+    if os.environ.get("AGENTSTREAM_TEST_AGL") != "1":
+        side = [item for item in items if item.get_closest_marker("agl")]
+        if side:
+            config.hook.pytest_deselected(items=side)
+            items[:] = [item for item in items if not item.get_closest_marker("agl")]
 
 
 def stack_environment(home: Path) -> dict[str, str]:
@@ -50,6 +59,7 @@ def stack(stack_config: Config) -> Endpoints:
     running = Stack(stack_config)
     endpoints = running.up(timeout_s=60, progress=lambda line: None)
     yield endpoints
+    stop_worker_stacks()
     running.down(progress=lambda line: None)
 
 

@@ -10,7 +10,6 @@ environment ``.venv-agl`` where the real ``agentlightning==0.3.0`` is installed,
 from __future__ import annotations
 
 import json
-import os
 import subprocess
 import sys
 import uuid
@@ -49,8 +48,7 @@ temperature = 1.0
 
 ENVIRONMENTS = [
     pytest.param(sys.executable, "agentstream.agl", id="built-in"),
-    pytest.param(str(SIDE_PYTHON), "agentlightning", id="agentlightning-0.3.0", marks=pytest.mark.skipif(
-        os.environ.get("AGENTSTREAM_TEST_AGL") != "1", reason="the side environment runs in `make test-agl`")),
+    pytest.param(str(SIDE_PYTHON), "agentlightning", id="agentlightning-0.3.0", marks=pytest.mark.agl),
 ]
 
 

@@ -81,7 +81,6 @@ def run(tmp_path_factory, stack):
     tag = uuid.uuid4().hex[:8]
     database = f"dash_{tag}"
     env = worker_env(tmp_path, stack, f"dash{tag}.", database, CONFIG)
-    env["AGENTSTREAM_SCHEMA_REGISTRY_PORT"] = str(free_port())  # its own registry, never a shared port
     tasks = tmp_path / "tasks.jsonl"
     tasks.write_text("".join(json.dumps({"id": f"t{i}", "prompt": f"Task {i}: write letters.", "heldout": i == 5})
                              + "\n" for i in range(6)))

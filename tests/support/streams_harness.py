@@ -13,6 +13,8 @@ from aiokafka import AIOKafkaProducer
 from agentstream.session import Child
 from infra import kafka
 from infra.config import load_config
+from infra.processes import free_port
+from infra.stack import Stack
 from schemas import ROLLOUT_EVENT, AvroCodec
 
 CODEC = AvroCodec()
@@ -56,14 +58,31 @@ class Worker(CliProcess):
         return self
 
 
+_WORKER_ENVS: list[dict] = []
+
+
 def worker_env(tmp_path: Path, stack, prefix: str, database: str, toml: str = "") -> dict:
+    """Environment for `agentstream` commands over the test stack, with a home and a registry port of their own.
+
+    A command that brings the stack up (``train``) starts a Schema Registry there, which outlives it;
+    :func:`stop_worker_stacks` stops them all at the end of the session.
+    """
     config_path = tmp_path / "agentstream.toml"
     config_path.write_text(toml)
-    env = {k: v for k, v in os.environ.items() if not k.startswith(("KAFKA_", "CLICKHOUSE_", "AGENTSTREAM_"))}
+    env = {k: v for k, v in os.environ.items()
+           if not k.startswith(("KAFKA_", "CLICKHOUSE_", "AGENTSTREAM_", "SCHEMA_REGISTRY_"))}
     env.update({"KAFKA_BOOTSTRAP_SERVERS": stack.bootstrap_servers, "CLICKHOUSE_URL": stack.clickhouse_url,
                 "CLICKHOUSE_DATABASE": database, "AGENTSTREAM_TOPIC_PREFIX": prefix,
-                "AGENTSTREAM_CONFIG": str(config_path), "AGENTSTREAM_HOME": str(tmp_path / "home")})
+                "AGENTSTREAM_CONFIG": str(config_path), "AGENTSTREAM_HOME": str(tmp_path / "home"),
+                "AGENTSTREAM_SCHEMA_REGISTRY_PORT": str(free_port())})
+    _WORKER_ENVS.append(env)
     return env
+
+
+def stop_worker_stacks() -> None:
+    """Stop what commands started under every :func:`worker_env` home (their registries)."""
+    while _WORKER_ENVS:
+        Stack(load_config(environ=_WORKER_ENVS.pop())).down(progress=lambda line: None)
 
 
 def create_topics(env: dict) -> None:
