@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import hashlib
 import threading
+import time
 from pathlib import Path
 from xml.etree import ElementTree
 
@@ -161,6 +162,35 @@ def test_list_objects_v2_prefix_delimiter_and_pages(store: Store):
     rest = listing(store, prefix="p/", delimiter="/", **{"continuation-token": token})
     assert [e.findtext(f"{NS}Prefix") for e in rest.iter(f"{NS}CommonPrefixes")] == ["p/records/"]
     assert [e.text for e in rest.iter(f"{NS}Key")] == ["p/meta.json"]
+
+
+def test_a_listing_waits_for_writes_under_its_prefix_that_arrived_before_it(store: Store):
+    """tansu numbers batches before it stores them: a later batch listed while an earlier one is still being written
+    would be served to a fetch for the earlier offset, and the consumer would skip it for good."""
+    store.client.put("p/records/00000000000000000001.batch", content=b"one")
+    body_may_end = threading.Event()
+
+    def slow_body():
+        yield b"two-"
+        body_may_end.wait(10)
+        yield b"end"
+
+    writer = threading.Thread(target=lambda: store.client.put("p/records/00000000000000000002.batch",
+                                                              content=slow_body()))
+    writer.start()
+    time.sleep(0.3)  # the PUT has arrived; its body has not
+    keys: list[str] = []
+    reader = threading.Thread(target=lambda: keys.extend(
+        element.text or "" for element in listing(store, prefix="p/records/").iter(f"{NS}Key")))
+    reader.start()
+    reader.join(0.5)
+    assert reader.is_alive(), f"the listing answered while an earlier write under its prefix was in flight: {keys}"
+    assert listing(store, prefix="q/").find(f"{NS}KeyCount").text == "0"  # other prefixes do not wait
+    body_may_end.set()
+    writer.join(10)
+    reader.join(10)
+    assert keys == ["p/records/00000000000000000001.batch", "p/records/00000000000000000002.batch"]
+    assert store.client.get("p/records/00000000000000000002.batch").content == b"two-end"
 
 
 def test_delete_objects_in_bulk(store: Store):
