@@ -4,7 +4,7 @@ VENV   := .venv
 BIN    := $(VENV)/bin
 STAMP  := $(VENV)/.installed
 
-.PHONY: install chromium demo demo-online test test-unit test-agl lint gpu-check bench bench-learning soak clean
+.PHONY: install chromium demo demo-online test test-unit test-agl lint gpu-check bench bench-learning soak chaos clean
 
 install: $(STAMP) chromium
 
@@ -75,6 +75,12 @@ bench: install
 
 soak: install
 	$(BIN)/python -m bench.soak
+
+# Ten minutes of steady load (runners through the proxy, direct publishing, streams, trainer, hot swap) while a
+# component (runner, proxy, stream worker, trainer, broker, ClickHouse) is SIGKILLed or SIGSTOPped every 20-40 s;
+# then every acknowledged span, rollout and transition is looked up. JSON lines; exit 1 if anything was lost.
+chaos: install
+	$(BIN)/python -m bench.chaos
 
 # The demo's task through the whole streamed pipeline, then as a plain synchronous loop (up to
 # 15 minutes each): prints time_to_85pct_s for both and the ratio.
