@@ -5,6 +5,11 @@ spans (rollouts of 15 LLM calls and a reward, between STARTED and SUCCEEDED even
 - ingest_spans_per_s: all spans published at full speed, until every one is counted in ClickHouse;
 - transition_latency_p50_ms / _p99_ms: at half that load, SUCCEEDED event published → its
   transitions on the transitions topic (the Kafka record timestamp the worker's producer set);
+- ingest_cpu_us_per_span: CPU microseconds per span of each process during the ingest run (the
+  publisher, i.e. this process; the broker and its object store; the worker; ClickHouse), from
+  the processes' own counters, and their total;
+- machine_calibration: the CPU model and two fixed workloads' times (infra/machine.py), so figures
+  from different machines can be compared;
 - the peer: Agent Lightning 0.3.0's LightningStore HTTP server with runners in separate processes,
   on the same number of 1 KB spans, printed as "peer" with the "ratio".
 """
@@ -27,6 +32,9 @@ from aiokafka import AIOKafkaConsumer
 from bench.common import emit, llm_span, percentile, private_stack
 from infra.clickhouse import connect
 from infra.kafka import client_options, topic_name
+from infra.machine import calibrate, process_cpu_seconds
+from infra.processes import ServiceDirectory
+from infra.stack import BROKER, CLICKHOUSE, OBJECTSTORE
 from pipeline.publisher import SpanPublisher
 
 SPANS_PER_ROLLOUT = 16
@@ -77,6 +85,33 @@ def wait_ready(worker: subprocess.Popen, log_path: Path, seconds: float = 90) ->
         time.sleep(0.2)
 
 
+class CpuMeter:
+    """CPU seconds used by named processes between two readings (a process that is not running is left out)."""
+
+    def __init__(self, pids: dict[str, int]) -> None:
+        self.pids = pids
+        self.before = self._read()
+
+    def _read(self) -> dict[str, float]:
+        readings = {name: process_cpu_seconds(pid) for name, pid in self.pids.items()}
+        return {name: seconds for name, seconds in readings.items() if seconds is not None}
+
+    def used(self) -> dict[str, float]:
+        after = self._read()
+        return {name: after[name] - self.before[name] for name in self.before if name in after}
+
+
+def stage_pids(home: Path, worker: subprocess.Popen) -> dict[str, int]:
+    """The ingest path's processes: this one publishes; the stack's services; the worker."""
+    pids = {"publisher": os.getpid(), "worker": worker.pid}
+    services = ServiceDirectory(home)
+    for stage, name in (("broker", BROKER), ("objectstore", OBJECTSTORE), ("clickhouse", CLICKHOUSE)):
+        record = services.record(name)
+        if record is not None and record.alive():
+            pids[stage] = record.pid
+    return pids
+
+
 def rss_mb(pid: int) -> float:
     for line in Path(f"/proc/{pid}/status").read_text().splitlines():
         if line.startswith("VmRSS:"):
@@ -116,6 +151,8 @@ def main() -> None:
     parser.add_argument("--no-peer", action="store_true", help="skip Agent Lightning")
     args = parser.parse_args()
 
+    calibration = calibrate()
+    emit(BENCH, "machine_calibration", calibration.python_loop_s, "s", **calibration.as_dict())
     with private_stack() as (config, endpoints), tempfile.TemporaryDirectory() as scratch:
         env = {k: v for k, v in os.environ.items() if not k.startswith(("KAFKA_", "CLICKHOUSE_", "AGENTSTREAM_"))}
         env.update({"KAFKA_BOOTSTRAP_SERVERS": endpoints.bootstrap_servers, "CLICKHOUSE_URL": endpoints.clickhouse_url,
@@ -133,6 +170,7 @@ def main() -> None:
             workload = Workload()
             with SpanPublisher(config, endpoints.bootstrap_servers, journal_dir=Path(scratch) / "journal") as publisher:
                 total = args.rollouts * SPANS_PER_ROLLOUT
+                meter = CpuMeter(stage_pids(config.stack.home, worker))
                 started = time.perf_counter()
                 for _ in range(args.rollouts):
                     workload.rollout(publisher)
@@ -143,10 +181,19 @@ def main() -> None:
                         kept = Path(tempfile.gettempdir()) / "agentstream-bench-worker.log"
                         kept.write_text((Path(scratch) / "worker.log").read_text())
                         raise RuntimeError(f"spans did not all arrive; the worker's log is kept at {kept}")
-                    time.sleep(0.05)
+                    time.sleep(0.1)
                 elapsed = time.perf_counter() - started
+                cpu = meter.used()
                 ours = total / elapsed
                 emit(BENCH, "publish_phase_spans_per_s", total / (published - started), "spans/s", spans=total)
+                per_span = {stage: seconds / total * 1e6 for stage, seconds in cpu.items()}
+                emit(BENCH, "ingest_cpu_us_per_span", sum(per_span.values()), "us/span",
+                     by_stage={stage: round(us, 1) for stage, us in per_span.items()},
+                     cpu_seconds={stage: round(seconds, 2) for stage, seconds in cpu.items()},
+                     wall_seconds=round(elapsed, 2), spans=total, cores=calibration.cores,
+                     note="publisher = this process (its ClickHouse count query every 0.1 s included)")
+                for stage, us in per_span.items():
+                    emit(BENCH, f"ingest_cpu_us_per_span_{stage}", us, "us/span")
 
                 peer = None
                 watcher = TransitionWatcher(options, topic_name(config.topics, "transitions"))

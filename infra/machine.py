@@ -1,0 +1,75 @@
+"""What the machine is and what a process costs on it, so figures taken on different machines can be compared.
+
+Benchmarks and the demo print one calibration line beside their figures: the CPU model, the
+cores this process may use, and the seconds a fixed pure-Python loop and a fixed numpy workload
+take here. Two machines whose figures disagree by 2-3x usually disagree by as much on these.
+"""
+
+from __future__ import annotations
+
+import os
+import platform
+import time
+from dataclasses import asdict, dataclass
+from pathlib import Path
+
+PYTHON_LOOP_ITERATIONS = 10_000_000
+NUMPY_MATMUL_SIZE = 512
+NUMPY_MATMUL_REPEATS = 40
+_CLOCK_TICKS = os.sysconf("SC_CLK_TCK")
+
+
+@dataclass(frozen=True)
+class Calibration:
+    """One machine's reference times (seconds; lower is faster)."""
+
+    cpu_model: str
+    cores: int
+    python_loop_s: float
+    """``PYTHON_LOOP_ITERATIONS`` iterations of an integer-summing for loop, one thread."""
+    numpy_matmul_s: float
+    """``NUMPY_MATMUL_REPEATS`` float64 matmuls of ``NUMPY_MATMUL_SIZE`` squared, numpy's own threads."""
+
+    def as_dict(self) -> dict[str, object]:
+        return asdict(self)
+
+
+def cpu_model() -> str:
+    """The CPU's model name as the kernel reports it (platform's guess where /proc/cpuinfo has none)."""
+    try:
+        for line in Path("/proc/cpuinfo").read_text().splitlines():
+            if line.startswith("model name"):
+                return line.split(":", 1)[1].strip()
+    except OSError:
+        pass
+    return platform.processor() or platform.machine()
+
+
+def calibrate() -> Calibration:
+    """Time the two fixed workloads (about 1-2 s in all on a 2-core cloud machine)."""
+    import numpy
+
+    began = time.perf_counter()
+    total = 0
+    for number in range(PYTHON_LOOP_ITERATIONS):
+        total += number
+    python_loop_s = time.perf_counter() - began
+
+    rng = numpy.random.default_rng(0)
+    matrix = rng.random((NUMPY_MATMUL_SIZE, NUMPY_MATMUL_SIZE))
+    began = time.perf_counter()
+    for _ in range(NUMPY_MATMUL_REPEATS):
+        matrix = matrix @ matrix
+        matrix /= numpy.abs(matrix).max()
+    numpy_matmul_s = time.perf_counter() - began
+    return Calibration(cpu_model=cpu_model(), cores=len(os.sched_getaffinity(0)),
+                       python_loop_s=round(python_loop_s, 3), numpy_matmul_s=round(numpy_matmul_s, 3))
+
+
+def process_cpu_seconds(pid: int) -> float | None:
+    """User plus system CPU seconds a live process has used so far (its own threads, not its children); None if gone."""
+    try:
+        fields = Path(f"/proc/{pid}/stat").read_text().rsplit(")", 1)[1].split()
+    except (OSError, IndexError):
+        return None
+    return (int(fields[11]) + int(fields[12])) / _CLOCK_TICKS  # utime and stime, fields 14 and 15 of proc(5)
