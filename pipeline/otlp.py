@@ -225,11 +225,11 @@ class OtlpReceiver:
         encoding = JSON
         body = b""
         try:
-            encoding = _media(request)
             try:
-                body = await request.read()
+                body = await request.read()  # before the media check, so a refused body is kept as its dead letter
             except web.HTTPRequestEntityTooLarge as error:
                 raise Refused(413, f"the body is larger than {request.app._client_max_size} bytes") from error
+            encoding = _media(request)
             decoded = decode_request(_inflate(body, request.headers.get("Content-Encoding", "")), encoding)
         except Refused as refused:
             return await self._refuse(refused, body, encoding, request)

@@ -175,6 +175,7 @@ def test_malformed_otlp_gets_otlp_errors_and_dead_letters(otel):
     assert [(letter["source_topic"], letter["error_type"]) for letter in letters] == [
         ("otlp:/v1/traces", "MalformedOtlp")] * 3 + [("otlp:/v1/traces", "RejectedSpan")]
     assert letters[0]["value"].startswith(b"\x0a\xff") and "protobuf" in letters[0]["error"]
+    assert letters[2]["value"] == b"spans" and "text/plain" in letters[2]["error"]
     assert json.loads(letters[3]["value"])["name"] == "bad ids"
     with urllib.request.urlopen(url + "/health", timeout=5) as health:
         stats = json.loads(health.read())
