@@ -7,22 +7,30 @@ generate 4 prompts x 8 samples, group-normalise rewards, skip groups without spr
 optimizer step with the same loss code, repeat. Both are evaluated on the same held-out tasks
 every ``demo.eval_every_s`` of wall time (the clock keeps running during evaluation) and stop at
 the target or after ``demo.seconds``. Prints JSON lines; ``ratio`` = ours / peer (lower is better).
+
+So that a run explains itself, both sides report in the same run: time to 65%, 75% and the
+target (a ratio even when one side misses the last), policy versions per minute (speed) and
+accuracy by version (sample efficiency, apart from speed), the held-out accuracy at the end with
+its 95% Wilson interval (64 tasks: about +-11 points), and each process's share of the machine's
+CPU (1.0 = every core busy), after a machine calibration line.
 """
 
 from __future__ import annotations
 
 import argparse
+import math
 import random
 import time
 import uuid
-from dataclasses import replace
+from dataclasses import dataclass, replace
 
 import torch
 
 from agentstream.demo import run_demo
-from bench.common import emit
+from bench.common import CpuShare, emit
 from examples import arithmetic
 from infra.config import Config, load_config
+from infra.machine import calibrate
 from models import LoadedModel, eos_token_ids
 from serving.generation import BatchRequest, SamplingParams, generate_batch
 from serving.tool_format import render_prompt, renders_tools
@@ -31,9 +39,44 @@ from trainer.batching import Batch, Counts, Sample
 from trainer.policy import build_policy
 from trainer.step import train_step
 
+TARGETS = (0.65, 0.75)  # besides demo.target
 
-def peer_run(config: Config) -> tuple[float | None, list[tuple[float, int, float]]]:
-    """The plain loop; returns (seconds to the target or None, [(seconds, version, accuracy)])."""
+
+@dataclass
+class Run:
+    """One side's learning curve: held-out evaluations (seconds since training began, version, accuracy)."""
+
+    evaluations: list[tuple[float, int, float]]
+    heldout_tasks: int
+    training_seconds: float
+    policy_versions: int
+    cpu_share: dict[str, float]
+
+    def time_to(self, target: float) -> float | None:
+        return next((seconds for seconds, _, accuracy in self.evaluations if seconds >= 0 and accuracy >= target), None)
+
+    @property
+    def versions_per_min(self) -> float:
+        return self.policy_versions / max(self.training_seconds, 1e-9) * 60
+
+    @property
+    def accuracy_by_version(self) -> list[list[float]]:
+        return [[version, round(accuracy, 4)] for _, version, accuracy in self.evaluations]
+
+    @property
+    def after(self) -> float:
+        return self.evaluations[-1][2]
+
+
+def wilson_interval(accuracy: float, tasks: int, z: float = 1.96) -> list[float]:
+    """The 95% Wilson score interval of a success rate measured on ``tasks`` tasks."""
+    centre = (accuracy + z * z / (2 * tasks)) / (1 + z * z / tasks)
+    half = z * math.sqrt(accuracy * (1 - accuracy) / tasks + z * z / (4 * tasks * tasks)) / (1 + z * z / tasks)
+    return [round(max(0.0, centre - half), 4), round(min(1.0, centre + half), 4)]
+
+
+def peer_run(config: Config) -> tuple[float | None, list[tuple[float, int, float]], float]:
+    """The plain loop; returns (seconds to the target or None, [(seconds, version, accuracy)], training seconds)."""
     demo = config.demo
     trainer = replace(config.trainer, model="smollm2", threads=2, lr=demo.lr,
                       temperature=1.0)
@@ -82,8 +125,27 @@ def peer_run(config: Config) -> tuple[float | None, list[tuple[float, int, float
             print(f"peer: {evaluations[-1][0]:.0f} s, v{version}, held-out {evaluations[-1][2]:.1%}", flush=True)
             next_eval = time.monotonic() + demo.eval_every_s
             if evaluations[-1][2] >= demo.target:
-                return evaluations[-1][0], evaluations
-    return None, evaluations
+                return evaluations[-1][0], evaluations, time.monotonic() - started
+    return None, evaluations, time.monotonic() - started
+
+
+def report_side(name: str, run: Run, other: Run | None, target: float) -> None:
+    """The JSON lines of one side (``ours`` or ``peer``), with the other side's figures beside ours."""
+    prefix = "" if name == "ours" else "peer_"
+    for goal in (*TARGETS, target):
+        seconds = run.time_to(goal)
+        extra: dict = {"reached": seconds is not None}
+        if name == "ours" and other is not None:
+            theirs = other.time_to(goal)
+            extra.update(peer=theirs, ratio=round(seconds / theirs, 3) if seconds is not None and theirs else None)
+        emit("learning", f"{prefix}time_to_{round(goal * 100)}pct_s", seconds, "s", **extra)
+    emit("learning", f"{prefix}versions_per_min", run.versions_per_min, "versions/min",
+         policy_versions=run.policy_versions, training_seconds=round(run.training_seconds, 1))
+    emit("learning", f"{prefix}accuracy_by_version", run.after, "accuracy", by_version=run.accuracy_by_version)
+    emit("learning", f"{prefix}heldout_after", run.after, "accuracy", before=run.evaluations[0][2],
+         interval95=wilson_interval(run.after, run.heldout_tasks), heldout_tasks=run.heldout_tasks)
+    emit("learning", f"{prefix}cpu_share", sum(run.cpu_share.values()), "share of all cores",
+         by_process=run.cpu_share)
 
 
 def main() -> None:
@@ -92,30 +154,29 @@ def main() -> None:
     parser.add_argument("--eval-every", type=float, default=90.0, help="Seconds between held-out evaluations.")
     parser.add_argument("--only", choices=["ours", "peer"], default=None)
     args = parser.parse_args()
+    calibration = calibrate()
+    emit("learning", "machine_calibration", calibration.python_loop_s, "s", **calibration.as_dict())
     config = load_config()
     config = replace(config, demo=replace(config.demo, stop_at_target=True, quick=False, output_dir="bench-output",
                                           eval_every_s=args.eval_every,
                                           report_path="bench-output/learning-report.json",
                                           **({"seconds": args.seconds} if args.seconds else {})))
-    report = peer_result = None
+    ours = peer = None
     if args.only in (None, "ours"):
-        report = run_demo(config)
+        with CpuShare("bench (demo driver)", calibration.cores) as cpu:
+            report = run_demo(config)
+        ours = Run([(e.seconds, e.policy_version, e.accuracy) for e in report.evaluations],
+                   report.evaluations[-1].total, report.training_seconds, report.policy_versions, cpu.shares())
     if args.only in (None, "peer"):
         torch.set_num_threads(2)
-        peer_result = peer_run(config)
-    if peer_result is not None:
-        peer, evaluations = peer_result
-        emit("learning", "peer_time_to_85pct_s", peer, "s",
-             reached=peer is not None, heldout_before=evaluations[0][2], heldout_after=evaluations[-1][2],
-             policy_versions=evaluations[-1][1], peer="plain synchronous generate-then-train loop")
-    if report is not None:
-        ours = report.time_to_target_s
-        extra = {}
-        if peer_result is not None and peer_result[0] is not None and ours is not None:
-            extra = {"peer": peer_result[0], "ratio": round(ours / peer_result[0], 3)}
-        emit("learning", "time_to_85pct_s", ours, "s", reached=ours is not None,
-             heldout_before=report.heldout_before, heldout_after=report.heldout_after,
-             policy_versions=report.policy_versions, **extra)
+        with CpuShare("bench (plain loop)", calibration.cores) as cpu:
+            _, evaluations, training_seconds = peer_run(config)
+        peer = Run(evaluations, len(arithmetic.split()[1]), training_seconds, evaluations[-1][1], cpu.shares())
+    if peer is not None:
+        report_side("peer", peer, None, config.demo.target)
+    if ours is not None:
+        report_side("ours", ours, peer, config.demo.target)
+
 
 if __name__ == "__main__":
     main()

@@ -73,3 +73,46 @@ def process_cpu_seconds(pid: int) -> float | None:
     except (OSError, IndexError):
         return None
     return (int(fields[11]) + int(fields[12])) / _CLOCK_TICKS  # utime and stime, fields 14 and 15 of proc(5)
+
+
+def child_processes(pid: int) -> list[int]:
+    """Every live descendant of ``pid`` (children, their children, ...), from /proc."""
+    parents: dict[int, list[int]] = {}
+    for entry in Path("/proc").iterdir():
+        if not entry.name.isdigit():
+            continue
+        try:
+            parent = int((entry / "stat").read_text().rsplit(")", 1)[1].split()[1])
+        except (OSError, IndexError, ValueError):
+            continue
+        parents.setdefault(parent, []).append(int(entry.name))
+    found, frontier = [], [pid]
+    while frontier:
+        children = parents.get(frontier.pop(), [])
+        found += children
+        frontier += children
+    return found
+
+
+def process_label(pid: int) -> str | None:
+    """A short name for one of the project's processes: ``agentstream serve-model``, ``broker``, ``clickhouse``, ..."""
+    try:
+        raw = Path(f"/proc/{pid}/cmdline").read_bytes()
+        argv = [part.decode(errors="replace") for part in raw.split(b"\0") if part]
+    except OSError:
+        return None
+    if not argv:
+        return None
+    for module, label in (("infra.chserver", "clickhouse"), ("infra.objectstore", "objectstore"),
+                          ("infra.schema_registry", "schema-registry")):
+        if module in argv:
+            return label
+    if Path(argv[0]).name == "tansu":
+        return "broker"
+    if "agentstream" in argv:
+        rest = argv[argv.index("agentstream") + 1:]
+        return f"agentstream {rest[0]}" if rest else "agentstream"
+    if len(argv) > 2 and argv[1] == "-m":
+        return argv[2]
+    return Path(argv[0]).name
+
