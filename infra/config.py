@@ -382,6 +382,8 @@ class DemoConfig:
     held-out greedy accuracy is measured before, every ``eval_every_s`` and after. ``concurrency``
     rollouts run at once (``prompts_per_wave`` GRPO groups of ``group_size``). ``target`` is the
     held-out accuracy bench-learning times (``time_to_85pct_s``); ``stop_at_target`` ends a run there.
+    Task waves are paced by the trainer's policy version: at most ``waves_ahead`` waves are enqueued
+    beyond it; the trainer drops transitions more than ``max_policy_lag`` versions old.
 
     ``online_*`` set the online demo (``agentstream demo --online``): seconds of live traffic, the
     users' request rate (per second), the longest feedback delay and the share of answers never
@@ -404,6 +406,8 @@ class DemoConfig:
     stop_at_target: bool = False
     server_threads: int = 1
     trainer_threads: int = 2
+    waves_ahead: int = 2
+    max_policy_lag: int = 3
     output_dir: str = "demo-output"
     report_path: str = "demo-report.json"
     online_seconds: float = 1020.0
@@ -427,6 +431,8 @@ class DemoConfig:
     def __post_init__(self) -> None:
         if min(self.seconds, self.quick_seconds, self.eval_every_s) <= 0 or self.group_size < 2:
             raise ConfigError("demo: seconds, quick_seconds and eval_every_s must be > 0 and group_size >= 2")
+        if self.waves_ahead < 1 or self.max_policy_lag < 0:
+            raise ConfigError("demo: waves_ahead must be >= 1 and max_policy_lag >= 0")
 
 
 SCHEMA_REGISTRY_IDS = ("fingerprint", "sequential")

@@ -85,7 +85,7 @@ def demo_config(config: Config, run_id: str, workdir: Path) -> Config:
                 CreditRule(agent="*", train=False)),
         trainer=replace(config.trainer, model="smollm2", threads=demo.trainer_threads,
                         lr=demo.lr, temperature=1.0, batch_transitions=wave * 3 // 4, batch_tokens=0, batch_wait_s=15.0,
-                        max_policy_lag=3, checkpoint_every_steps=1, keep_checkpoints=3,
+                        max_policy_lag=demo.max_policy_lag, checkpoint_every_steps=1, keep_checkpoints=3,
                         checkpoint_dir=str(workdir / "checkpoints"), session_timeout_s=6.0),
     )
 
@@ -226,7 +226,8 @@ async def train_and_watch(session: TrainingSession, config: Config, endpoints, c
         console.print(f"held-out before training: {before.accuracy:.1%} ({before.correct}/{before.total}, "
                       f"greedy, policy v{before.policy_version})")
         wave_size = demo.group_size * demo.prompts_per_wave
-        queue = PacedQueue(config, endpoints.bootstrap_servers, _waves(train, demo.group_size, wave_size), ahead=2)
+        queue = PacedQueue(config, endpoints.bootstrap_servers, _waves(train, demo.group_size, wave_size),
+                            ahead=demo.waves_ahead)
         await queue.top_up(0)
         session.start_runners(progress=console.print)
         dashboard = Dashboard(client, console, demo.training_seconds)
