@@ -30,6 +30,7 @@ from agentstream.session import SessionPlan, TrainingSession
 from examples import arithmetic
 from infra.clickhouse import ROLLOUT_POLICY_VERSION, connect, migrate
 from infra.config import Config, CreditRule
+from infra.machine import calibrate
 from infra.stack import Stack
 from pipeline.publisher import SpanPublisher
 from pipeline.sdk import emit_reward, rollout, set_sink
@@ -70,6 +71,7 @@ class DemoReport:
     spans: int = 0
     train_steps: int = 0
     quick: bool = False
+    machine: dict = field(default_factory=dict)  # infra.machine.Calibration: compare runs on different machines
 
 
 def demo_config(config: Config, run_id: str, workdir: Path) -> Config:
@@ -206,6 +208,9 @@ def write_markdown(path: Path, report: DemoReport) -> None:
              (f"- {report.policy_versions} policy versions in {report.training_seconds:.0f} s of training "
               f"({report.seconds:.0f} s in all); {report.rollouts} train rollouts, {report.spans} spans"),
              f"- time to {report.target:.0%} held-out: {reached}",
+             *([f"- machine: {report.machine['cpu_model']}, {report.machine['cores']} cores; calibration "
+                f"python_loop_s {report.machine['python_loop_s']}, numpy_matmul_s {report.machine['numpy_matmul_s']}"]
+               if report.machine else []),
              "", "| seconds | policy version | held-out accuracy |", "|---|---|---|",
              *(f"| {e.seconds:.0f} | v{e.policy_version} | {e.accuracy:.1%} ({e.correct}/{e.total}) |"
                for e in report.evaluations),
@@ -289,6 +294,10 @@ def run_demo(config: Config, console: Console | None = None) -> DemoReport:
     config = demo_config(config, run_id, workdir)
     demo = config.demo
     console.rule(f"agentstream demo ({'quick, ' if demo.quick else ''}{demo.training_seconds:.0f} s of training)")
+    machine = calibrate()
+    console.print(f"machine: {machine.cpu_model}, {machine.cores} cores; calibration: a fixed Python loop "
+                  f"{machine.python_loop_s:.2f} s, numpy {machine.numpy_matmul_s:.2f} s (the README's figures name "
+                  "theirs: a slower machine learns slower in the same minutes)")
     stack = Stack(config)
     endpoints = stack.up(progress=console.print)
     session = TrainingSession(config, endpoints, workdir, SessionPlan(
@@ -310,7 +319,8 @@ def run_demo(config: Config, console: Console | None = None) -> DemoReport:
             policy_versions=numbers["version"], seconds=round(time.monotonic() - started, 1),
             training_seconds=round(training_seconds, 1), time_to_target_s=min(reached) if reached else None,
             target=demo.target, evaluations=evaluations, reward_per_version=dashboard.reward_per_version(),
-            rollouts=numbers["rollouts"], spans=numbers["spans"], train_steps=numbers["steps"], quick=demo.quick)
+            rollouts=numbers["rollouts"], spans=numbers["spans"], train_steps=numbers["steps"], quick=demo.quick,
+            machine=machine.as_dict())
     finally:
         if live_dashboard is not None:
             live_dashboard.stop()

@@ -36,6 +36,7 @@ def test_the_demo_trains_evaluates_reports_and_stops_everything(tmp_path):
     assert "held-out before training:" in out and "held-out after training:" in out
     assert "dashboard: http://127.0.0.1:" in out  # up while the demo ran
     assert " rollouts (" in out and "policy v" in out  # the progress lines
+    assert "calibration: a fixed Python loop" in out  # so figures from different machines compare
     report = json.loads((tmp_path / "demo-report.json").read_text())
     evaluations = report["evaluations"]
     assert len(evaluations) >= 3 and all(e["total"] == 64 for e in evaluations)  # before, during, after
@@ -46,8 +47,10 @@ def test_the_demo_trains_evaluates_reports_and_stops_everything(tmp_path):
     assert evaluations[-1]["policy_version"] == report["policy_versions"]  # the server runs the newest checkpoint
     assert report["rollouts"] >= 32 and report["spans"] > report["rollouts"]
     assert report["reward_per_version"] and report["reward_per_version"][0]["policy_version"] == 0
+    assert report["machine"]["cores"] >= 1 and report["machine"]["python_loop_s"] > 0 and report["machine"]["cpu_model"]
     assert (tmp_path / "demo-output" / "reward_per_version.png").read_bytes()[:8] == b"\x89PNG\r\n\x1a\n"
-    assert "held-out greedy accuracy" in (tmp_path / "demo-output" / "report.md").read_text()
+    markdown = (tmp_path / "demo-output" / "report.md").read_text()
+    assert "held-out greedy accuracy" in markdown and "python_loop_s" in markdown
     assert "stopped (pid" in out and not list((home / "run").glob("*.json"))
     assert processes_mentioning(str(home)) == [], "processes the demo started are still running"
 
