@@ -66,7 +66,8 @@ class CpuShare(threading.Thread):
     """Each process's share of the machine while a block runs: this process and every descendant, by label.
 
     CPU counters are read every ``interval_s``; a process that exits between two readings keeps what
-    was last read of it, so short-lived processes are undercounted by at most one interval.
+    was last read of it, so short-lived processes are undercounted by at most one interval. A process
+    already running at the start counts from its counter then; one started later counts all its CPU.
     """
 
     def __init__(self, label: str, cores: int, interval_s: float = 2.0) -> None:
@@ -79,7 +80,7 @@ class CpuShare(threading.Thread):
 
     def __enter__(self) -> CpuShare:
         self.began = time.monotonic()
-        self._read()
+        self._read(baseline=True)
         self.start()
         return self
 
@@ -93,14 +94,14 @@ class CpuShare(threading.Thread):
         while not self.stopping.wait(self.interval_s):
             self._read()
 
-    def _read(self) -> None:
+    def _read(self, baseline: bool = False) -> None:
         me = os.getpid()
         for pid in (me, *child_processes(me)):
             seconds = process_cpu_seconds(pid)
             label = self.label if pid == me else process_label(pid)
             if seconds is None or label is None:
                 continue
-            self.first.setdefault(pid, seconds if pid == me else 0.0)  # children: all their CPU is this run's
+            self.first.setdefault(pid, seconds if baseline else 0.0)
             self.last[pid] = (label, seconds)
 
     def seconds_by_label(self) -> dict[str, float]:

@@ -29,12 +29,10 @@ from pathlib import Path
 
 from aiokafka import AIOKafkaConsumer
 
-from bench.common import emit, llm_span, percentile, private_stack
+from bench.common import CpuShare, emit, llm_span, percentile, private_stack
 from infra.clickhouse import connect
 from infra.kafka import client_options, topic_name
-from infra.machine import calibrate, process_cpu_seconds
-from infra.processes import ServiceDirectory
-from infra.stack import BROKER, CLICKHOUSE, OBJECTSTORE
+from infra.machine import calibrate
 from pipeline.publisher import SpanPublisher
 
 SPANS_PER_ROLLOUT = 16
@@ -85,31 +83,9 @@ def wait_ready(worker: subprocess.Popen, log_path: Path, seconds: float = 90) ->
         time.sleep(0.2)
 
 
-class CpuMeter:
-    """CPU seconds used by named processes between two readings (a process that is not running is left out)."""
-
-    def __init__(self, pids: dict[str, int]) -> None:
-        self.pids = pids
-        self.before = self._read()
-
-    def _read(self) -> dict[str, float]:
-        readings = {name: process_cpu_seconds(pid) for name, pid in self.pids.items()}
-        return {name: seconds for name, seconds in readings.items() if seconds is not None}
-
-    def used(self) -> dict[str, float]:
-        after = self._read()
-        return {name: after[name] - self.before[name] for name in self.before if name in after}
-
-
-def stage_pids(home: Path, worker: subprocess.Popen) -> dict[str, int]:
-    """The ingest path's processes: this one publishes; the stack's services; the worker."""
-    pids = {"publisher": os.getpid(), "worker": worker.pid}
-    services = ServiceDirectory(home)
-    for stage, name in (("broker", BROKER), ("objectstore", OBJECTSTORE), ("clickhouse", CLICKHOUSE)):
-        record = services.record(name)
-        if record is not None and record.alive():
-            pids[stage] = record.pid
-    return pids
+STAGES = {"bench (publisher)": "publisher", "agentstream streams": "worker", "broker": "broker",
+          "objectstore": "objectstore", "clickhouse": "clickhouse"}
+"""The ingest path's processes by their CpuShare labels (the schema registry and the rest are left out)."""
 
 
 def rss_mb(pid: int) -> float:
@@ -170,20 +146,21 @@ def main() -> None:
             workload = Workload()
             with SpanPublisher(config, endpoints.bootstrap_servers, journal_dir=Path(scratch) / "journal") as publisher:
                 total = args.rollouts * SPANS_PER_ROLLOUT
-                meter = CpuMeter(stage_pids(config.stack.home, worker))
-                started = time.perf_counter()
-                for _ in range(args.rollouts):
-                    workload.rollout(publisher)
-                publisher.flush(120)
-                published = time.perf_counter()
-                while client.query("SELECT count() FROM spans").result_rows[0][0] < total:
-                    if time.perf_counter() - started > 300 or worker.poll() is not None:
-                        kept = Path(tempfile.gettempdir()) / "agentstream-bench-worker.log"
-                        kept.write_text((Path(scratch) / "worker.log").read_text())
-                        raise RuntimeError(f"spans did not all arrive; the worker's log is kept at {kept}")
-                    time.sleep(0.1)
-                elapsed = time.perf_counter() - started
-                cpu = meter.used()
+                with CpuShare("bench (publisher)", calibration.cores) as meter:
+                    started = time.perf_counter()
+                    for _ in range(args.rollouts):
+                        workload.rollout(publisher)
+                    publisher.flush(120)
+                    published = time.perf_counter()
+                    while client.query("SELECT count() FROM spans").result_rows[0][0] < total:
+                        if time.perf_counter() - started > 300 or worker.poll() is not None:
+                            kept = Path(tempfile.gettempdir()) / "agentstream-bench-worker.log"
+                            kept.write_text((Path(scratch) / "worker.log").read_text())
+                            raise RuntimeError(f"spans did not all arrive; the worker's log is kept at {kept}")
+                        time.sleep(0.1)
+                    elapsed = time.perf_counter() - started
+                cpu = {STAGES[label]: seconds for label, seconds in meter.seconds_by_label().items()
+                       if label in STAGES}
                 ours = total / elapsed
                 emit(BENCH, "publish_phase_spans_per_s", total / (published - started), "spans/s", spans=total)
                 per_span = {stage: seconds / total * 1e6 for stage, seconds in cpu.items()}

@@ -72,6 +72,21 @@ def test_cpu_share_counts_a_busy_child_by_its_label() -> None:
     assert 0 < shares["timeit"] <= 1.0
 
 
+def test_cpu_share_counts_a_process_already_running_from_its_counter_at_the_start() -> None:
+    busy = subprocess.Popen([sys.executable, "-m", "timeit", "-n", "1", "-r", "1",
+                             "import time\nend = time.process_time() + 1.5\nwhile time.process_time() < end: pass"])
+    try:
+        deadline = time.monotonic() + 20
+        while (process_cpu_seconds(busy.pid) or 0.0) < 0.8 and time.monotonic() < deadline:
+            time.sleep(0.05)
+        with CpuShare("me", cores=2, interval_s=0.2) as share:
+            busy.wait()
+    finally:
+        busy.kill()
+        busy.wait()
+    assert share.seconds_by_label().get("timeit", 0.0) < 1.0, share.seconds_by_label()  # not its ~0.8 s before
+
+
 def test_wilson_interval_brackets_the_rate_and_narrows_with_more_tasks() -> None:
     from bench.learning import wilson_interval
 
