@@ -202,21 +202,26 @@ def generate_batch(model: torch.nn.Module, tokenizer: Any, requests: Sequence[Ba
                    autocast: Callable[[], AbstractContextManager] = nullcontext) -> list[list[SequenceState]]:
     """Sample every request's ``params.n`` continuations in one decode loop (requests may differ in prompt and params).
 
-    Prompts are left-padded and prefilled once each, then each prompt's KV cache is repeated for
-    its n samples. Every step samples each request's rows with that request's own parameters and
-    RNG, so a request's numbers do not depend on what it was batched with (up to float rounding
-    of the padded matmuls). Finished or cancelled rows leave the batch. Every tensor lives on the
-    model's device; the forward passes run inside ``autocast()`` (the model's precision).
+    Prompts are left-padded and each distinct prompt is prefilled once, then its KV cache is
+    repeated for every row that starts from it: a request's n samples, and the requests that send
+    the same prompt (a GRPO group's rollouts arrive as one request each; on a CPU, prefilling each
+    copy made a wave of 4 prompts x 8 rollouts 1.4x slower). Every step samples each request's rows
+    with that request's own parameters and RNG, so a request's numbers do not depend on what it was
+    batched with (up to float rounding of the padded matmuls). Finished or cancelled rows leave the
+    batch. Every tensor lives on the model's device; the forward passes run inside ``autocast()``
+    (the model's precision).
     """
     device = next((parameter.device for parameter in model.parameters()), torch.device("cpu"))
     states = [[SequenceState(index, tokenizer, request.params, eos_ids) for index in range(request.params.n)]
               for request in requests]
     generators = [make_generator(request.params.seed, device) for request in requests]
     with torch.inference_mode(), autocast():
-        cache, logits, mask, next_position = _prefill(model, [r.prompt_ids for r in requests], pad_id, device)
+        distinct: dict[tuple[int, ...], int] = {}
+        prompt_of = [distinct.setdefault(tuple(request.prompt_ids), len(distinct)) for request in requests]
+        cache, logits, mask, next_position = _prefill(model, list(distinct), pad_id, device)
         owner = [number for number, request in enumerate(requests) for _ in range(request.params.n)]
         index = [sample for request in requests for sample in range(request.params.n)]
-        expand = torch.tensor(owner, dtype=torch.long, device=device)
+        expand = torch.tensor([prompt_of[number] for number in owner], dtype=torch.long, device=device)
         cache.batch_select_indices(expand)
         logits, mask, next_position = logits[expand], mask[expand], next_position[expand]
         while owner:

@@ -16,7 +16,7 @@ import torch
 from infra.http_thread import ServerThread
 from models import LoadedModel, ModelLoadError, load_model, tiny_tokenizer
 from serving.app import create_app
-from serving.generation import SamplingParams, SequenceState, truncate
+from serving.generation import BatchRequest, SamplingParams, SequenceState, generate_batch, truncate
 from serving.tool_format import ToolStreamFilter, parse_tool_calls, render_prompt, renders_tools
 from tests.support.servers import TOLERANCE, assert_exact, make_lora, scripted
 
@@ -151,6 +151,62 @@ def test_concurrent_requests_are_batched_and_each_gets_what_it_would_alone(serve
             assert chat_logprobs(mine) == pytest.approx(chat_logprobs(reference), abs=TOLERANCE)
             assert_exact(tiny, tiny.model, batched.model_extra["prompt_token_ids"], mine.model_extra["token_ids"],
                          mine.message.content, chat_logprobs(mine), request["temperature"])
+
+
+def test_requests_with_the_same_prompt_share_one_prefill_and_each_gets_what_it_would_alone(tiny):
+    """A GRPO group's rollouts send one request each with the same prompt: it is prefilled once, not per request."""
+    group, other = [5, 6, 7, 8, 9, 10], [11, 12, 13]
+    requests = [BatchRequest(group, SamplingParams(max_tokens=8, temperature=1.0, seed=seed, logprobs=True))
+                for seed in (1, 2, 3)]
+    requests.append(BatchRequest(other, SamplingParams(max_tokens=8, temperature=1.0, seed=4, logprobs=True)))
+    prefill_rows: list[int] = []
+    hook = tiny.model.register_forward_pre_hook(
+        lambda module, args, kwargs: prefill_rows.append(kwargs["input_ids"].shape[0]), with_kwargs=True)
+    try:
+        together = generate_batch(tiny.model, tiny.tokenizer, requests, eos_ids=set())
+    finally:
+        hook.remove()
+    assert prefill_rows[0] == 2 and set(prefill_rows[1:]) == {4}  # two distinct prompts, then four rows decoding
+    for request, (batched,) in zip(requests, together, strict=True):
+        (alone,) = generate_batch(tiny.model, tiny.tokenizer, [request], eos_ids=set())[0]
+        assert batched.token_ids == alone.token_ids
+        assert [e.logprob for e in batched.logprobs] == pytest.approx([e.logprob for e in alone.logprobs],
+                                                                      abs=TOLERANCE)
+    assert len({tuple(states[0].token_ids) for states in together[:3]}) == 3  # same prompt, own seeds, own samples
+
+
+@pytest.mark.parametrize("linger_s", [0.0, 1.0])
+def test_clients_that_resubmit_at_once_merge_into_one_batch_when_the_batcher_lingers(tiny, linger_s):
+    """Runners send a rollout's request right after its last one finished; a late cohort joins the early one."""
+    from serving.batcher import Batcher, Job
+    from serving.protocol import Output
+
+    batcher = Batcher(tiny, set(), 0, lambda adapter: 0, linger_s=linger_s)
+    output = Output(return_token_ids=True, logprobs=False, stream=False, include_usage=False)
+
+    def client(rounds: int) -> None:
+        for _ in range(rounds):
+            job = Job("tiny", None, [5, 6, 7], SamplingParams(max_tokens=64, temperature=1.0), output)
+            batcher.submit(job).result(timeout=60)
+            time.sleep(0.02)  # the runner records the rollout and takes the next task
+
+    try:
+        with batcher.model_lock:  # the early client's first batch is taken, then waits: the late ones queue
+            early = threading.Thread(target=client, args=(5,))
+            early.start()
+            time.sleep(0.2)
+            late = [threading.Thread(target=client, args=(4,)) for _ in range(3)]
+            for thread in late:
+                thread.start()
+            time.sleep(0.1)
+        for thread in [early, *late]:
+            thread.join(timeout=120)
+    finally:
+        batcher.close()
+    if linger_s:
+        assert batcher.batch_sizes[4] >= 3, batcher.batch_sizes  # merged after one round, and stayed merged
+    else:
+        assert batcher.batch_sizes[4] == 0 and batcher.batch_sizes[1] == 5, batcher.batch_sizes  # they alternate
 
 
 def test_streaming_matches_non_streaming(server, tiny):
