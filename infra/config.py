@@ -171,6 +171,9 @@ class CreditRule:
     the rollout id), so it is the same on every worker and replay, and a GRPO group is kept or
     dropped whole. A rollout's own ``agentstream.train`` flag (SDK ``train=``, proxy header
     ``X-Agentstream-Train``) overrides it: false never trains, true trains whatever the rate.
+    A GRPO group whose rewards are all equal carries no signal and is dropped; ``keep_flat_groups``
+    publishes it as zero-advantage transitions instead, so a trainer that counts experience rather
+    than signal (``trainer.batch_counts_skipped``) sees every group.
     """
 
     agent: str = "*"
@@ -182,6 +185,7 @@ class CreditRule:
     train: bool = True
     train_as: str | None = None
     sample_rate: float = 1.0
+    keep_flat_groups: bool = False
 
 
 STRATEGIES = ("final", "discounted", "grpo", "baseline")
@@ -196,7 +200,9 @@ class TrainerConfig:
     model's name, which is also the dev server's default served name). ``temperature`` must be
     the sampling temperature the behaviour logprobs were computed at. Batches close at
     ``batch_tokens`` padded tokens, ``batch_transitions`` transitions or ``batch_wait_s`` seconds,
-    whichever comes first (0 disables a limit). ``checkpoint_dir`` is a folder or a ``file://`` URI
+    whichever comes first (0 disables a limit); with ``batch_counts_skipped`` the transitions skipped
+    for zero advantage count toward ``batch_transitions`` (a step per amount of experience, not per
+    amount of signal). ``checkpoint_dir`` is a folder or a ``file://`` URI
     (default: ``checkpoints`` under the stack home). ``threads`` is torch's CPU thread count (0: torch's
     default); ``importance_cap`` is the truncation c of the importance ratio (see ``trainer/loss.py``).
     ``dtype`` is the compute dtype (``auto``: bfloat16 autocast on CUDA, float32 elsewhere);
@@ -232,6 +238,7 @@ class TrainerConfig:
     batch_wait_s: float = 5.0
     max_policy_lag: int = 4
     skip_zero_advantage: bool = True
+    batch_counts_skipped: bool = False
     dedupe_window: int = 100_000
     checkpoint_dir: str = ""
     checkpoint_every_steps: int = 1
@@ -382,8 +389,9 @@ class DemoConfig:
     held-out greedy accuracy is measured before, every ``eval_every_s`` and after. ``concurrency``
     rollouts run at once (``prompts_per_wave`` GRPO groups of ``group_size``). ``target`` is the
     held-out accuracy bench-learning times (``time_to_85pct_s``); ``stop_at_target`` ends a run there.
-    Task waves are paced by the trainer's policy version: at most ``waves_ahead`` waves are enqueued
-    beyond it; the trainer drops transitions more than ``max_policy_lag`` versions old.
+    The trainer steps once per wave (its flat groups counted) and drops transitions more than
+    ``max_policy_lag`` versions old; waves are paced so that generation runs at most that many
+    versions ahead (0: generate, then train, then generate, as a plain loop does).
 
     ``online_*`` set the online demo (``agentstream demo --online``): seconds of live traffic, the
     users' request rate (per second), the longest feedback delay and the share of answers never
@@ -406,7 +414,6 @@ class DemoConfig:
     stop_at_target: bool = False
     server_threads: int = 1
     trainer_threads: int = 2
-    waves_ahead: int = 2
     max_policy_lag: int = 3
     output_dir: str = "demo-output"
     report_path: str = "demo-report.json"
@@ -431,8 +438,8 @@ class DemoConfig:
     def __post_init__(self) -> None:
         if min(self.seconds, self.quick_seconds, self.eval_every_s) <= 0 or self.group_size < 2:
             raise ConfigError("demo: seconds, quick_seconds and eval_every_s must be > 0 and group_size >= 2")
-        if self.waves_ahead < 1 or self.max_policy_lag < 0:
-            raise ConfigError("demo: waves_ahead must be >= 1 and max_policy_lag >= 0")
+        if self.max_policy_lag < 0:
+            raise ConfigError("demo: max_policy_lag must be >= 0")
 
 
 SCHEMA_REGISTRY_IDS = ("fingerprint", "sequential")

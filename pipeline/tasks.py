@@ -116,44 +116,76 @@ def _read_jsonl(path: Path) -> list[dict[str, Any]]:
 async def enqueue(config: Config, bootstrap_servers: str, tasks: Iterable[dict[str, Any]],
                   codec: AvroCodec | None = None) -> int:
     """Publish Task records keyed by rollout id; returns how many were acknowledged."""
-    codec = codec or AvroCodec()
     producer = AIOKafkaProducer(**client_options(config.kafka, bootstrap_servers), acks="all", linger_ms=5)
     await producer.start()
-    count = 0
     try:
-        topic = topic_name(config.topics, "tasks")
-        for task in tasks:
-            await producer.send(topic, key=task["rollout_id"].encode(), value=codec.encode(TASK, task))
-            count += 1
-        await producer.flush()
+        return await _publish(producer, config, codec or AvroCodec(), tasks)
     finally:
         await producer.stop()
+
+
+async def _publish(producer: AIOKafkaProducer, config: Config, codec: AvroCodec,
+                   tasks: Iterable[dict[str, Any]]) -> int:
+    topic = topic_name(config.topics, "tasks")
+    count = 0
+    for task in tasks:
+        await producer.send(topic, key=task["rollout_id"].encode(), value=codec.encode(TASK, task))
+        count += 1
+    await producer.flush()
     return count
 
 
 class PacedQueue:
-    """Enqueues tasks in waves, keeping at most ``ahead`` waves beyond the policy version the trainer has reached.
+    """Enqueues tasks in waves so that generation runs at most ``max_lag`` policy versions ahead of training.
 
-    Online RL on a small machine is trainer-bound: runners free to race ahead only burn CPU on
-    rollouts that will be too stale to train on. Calling :meth:`top_up` with each new policy
-    version keeps generation one to ``ahead`` versions ahead of training instead.
+    Wave k goes out once the model server holds version k − ``max_lag``. With one optimizer step
+    per wave, every rollout is then generated at most ``max_lag`` versions behind the version that
+    trains on it, so the trainer's lag bound drops nothing and no CPU goes to rollouts too stale to
+    use (AReaL's staleness control). If every enqueued task has finished and the version has not
+    moved for ``stall_s`` (the trainer had nothing to step on: every group it got was flat), one
+    more wave goes out, so the loop cannot stall; it stays counted, since that wave made no version.
     """
 
     def __init__(self, config: Config, bootstrap_servers: str, waves: Iterable[list[dict[str, Any]]],
-                 ahead: int = 2) -> None:
-        self.config, self.bootstrap_servers, self.ahead = config, bootstrap_servers, ahead
+                 max_lag: int, stall_s: float = 30.0) -> None:
+        self.config, self.bootstrap_servers = config, bootstrap_servers
+        self.max_lag, self.stall_s = max_lag, stall_s
         self._waves = iter(waves)
+        self._codec = AvroCodec()
+        self._producer: AIOKafkaProducer | None = None
+        self._extra_waves = 0
+        self._version, self._version_since = -1, 0.0
         self.enqueued_waves = 0
         self.enqueued_tasks = 0
 
-    async def top_up(self, policy_version: int) -> int:
-        """Enqueue waves until ``ahead`` are beyond ``policy_version``; returns how many tasks went out."""
-        sent = 0
-        while self.enqueued_waves < policy_version + self.ahead:
+    async def start(self) -> PacedQueue:
+        self._producer = AIOKafkaProducer(**client_options(self.config.kafka, self.bootstrap_servers), acks="all",
+                                          linger_ms=5)
+        await self._producer.start()
+        return self
+
+    async def close(self) -> None:
+        if self._producer is not None:
+            await self._producer.stop()
+
+    def waves_due(self, policy_version: int, finished_tasks: int, now: float) -> int:
+        """How many waves should have gone out by now, given the version the model server holds."""
+        if policy_version != self._version:
+            self._version, self._version_since = policy_version, now
+        elif finished_tasks >= self.enqueued_tasks and now - self._version_since >= self.stall_s:
+            self._extra_waves += 1
+            self._version_since = now
+        return policy_version + self.max_lag + 1 + self._extra_waves
+
+    async def top_up(self, policy_version: int, finished_tasks: int, now: float) -> int:
+        """Enqueue the waves ``policy_version`` allows; returns how many tasks went out."""
+        assert self._producer is not None, "PacedQueue.start() first"
+        sent, due = 0, self.waves_due(policy_version, finished_tasks, now)
+        while self.enqueued_waves < due:
             wave = next(self._waves, None)
             if wave is None:
                 break
-            sent += await enqueue(self.config, self.bootstrap_servers, wave)
+            sent += await _publish(self._producer, self.config, self._codec, wave)
             self.enqueued_waves += 1
         self.enqueued_tasks += sent
         return sent

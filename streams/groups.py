@@ -89,8 +89,10 @@ class GroupProcessor(Stage[list[tuple[RawRecord, dict]]]):
             rewards = [member["final_reward"] or 0.0 for member in members]
             if not self.strategy.informative(rewards):
                 self.groups_uninformative += 1
-                continue
-            self.groups_credited += 1
+                if not group.rule.keep_flat_groups:
+                    continue
+            else:
+                self.groups_credited += 1
             for member, reward, advantage in zip(members, rewards, self.strategy.advantages(rewards), strict=False):
                 for item in member["drafts"]:
                     pending = Draft(item["model"], member["rollout_id"], item["head"])

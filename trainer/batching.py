@@ -2,7 +2,10 @@
 
 A batch closes when its padded size (transitions × longest sequence) would pass the token
 budget, when it holds ``batch_transitions`` transitions, or when its oldest transition has
-waited ``batch_wait_s``. Staleness is judged when a transition arrives and again when its
+waited ``batch_wait_s``. With ``count_skipped``, the transitions skipped for carrying no signal
+since the last batch count toward ``batch_transitions`` too: a step then follows a fixed amount
+of generated experience, however many of its groups were flat, as a plain generate-then-train
+loop steps once per round of generation. Staleness is judged when a transition arrives and again when its
 batch is taken: ``current_version − policy_version > max_policy_lag`` drops it (and counts it).
 """
 
@@ -117,13 +120,15 @@ class Batcher:
     """Accepts transitions one by one and hands out batches; remembers which ids it has already handed out."""
 
     def __init__(self, *, batch_tokens: int, batch_transitions: int, batch_wait_s: float, max_policy_lag: int,
-                 skip_zero_advantage: bool, seen: SeenIds) -> None:
+                 skip_zero_advantage: bool, seen: SeenIds, count_skipped: bool = False) -> None:
         self.batch_tokens = batch_tokens
         self.batch_transitions = batch_transitions
         self.batch_wait_s = batch_wait_s
         self.max_policy_lag = max_policy_lag
         self.skip_zero_advantage = skip_zero_advantage
+        self.count_skipped = count_skipped
         self.seen = seen
+        self._skipped = 0  # flat transitions offered since the last batch was taken
         self.counts = Counts()
         self._queue: deque[tuple[float, Sample]] = deque()
         self._queued: set[str] = set()
@@ -143,6 +148,9 @@ class Batcher:
             self.seen.add(sample.transition_id)
             self.counts.uninformative += 1
             self.counts.uninformative_rewards.append(sample.reward)
+            self._skipped += 1
+            if not self._queue and self._skipped >= self.batch_transitions:
+                self._skipped = 0  # a batch's worth with no signal at all: nothing to step on, start the next one
             return False
         self._queue.append((now, sample))
         self._queued.add(sample.transition_id)
@@ -158,7 +166,8 @@ class Batcher:
             return False
         if self.batch_wait_s and now - self._queue[0][0] >= self.batch_wait_s:
             return True
-        full = bool(self.batch_transitions) and len(self._queue) >= self.batch_transitions
+        offered = len(self._queue) + (self._skipped if self.count_skipped else 0)
+        full = bool(self.batch_transitions) and offered >= self.batch_transitions
         return full or self._fits() < len(self._queue)
 
     def take(self, current_version: int) -> Batch | None:
@@ -172,6 +181,7 @@ class Batcher:
                 continue
             self.seen.add(sample.transition_id)
             samples.append(sample)
+        self._skipped = 0
         if not samples:  # everything was stale: the counts go with the next batch
             return None
         counts, self.counts = self.counts, Counts()

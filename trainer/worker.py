@@ -127,6 +127,7 @@ class TrainerWorker:
         s = self.settings
         return Batcher(batch_tokens=s.batch_tokens, batch_transitions=s.batch_transitions, batch_wait_s=s.batch_wait_s,
                        max_policy_lag=s.max_policy_lag, skip_zero_advantage=s.skip_zero_advantage,
+                       count_skipped=s.batch_counts_skipped,
                        seen=SeenIds(s.dedupe_window, trained_ids))
 
     async def run(self, stop: asyncio.Event | None = None, max_steps: int | None = None) -> RunSummary:

@@ -41,6 +41,8 @@ TRAIN_AGENT = "arithmetic"
 EVAL_AGENT = "arithmetic-eval"
 DATABASE = "agentstream_demo"
 RATE_WINDOW_S = 30.0
+PACE_EVERY_S = 0.5  # how soon a new policy version lets the next wave out
+SNAPSHOT_EVERY_S = 3.0  # the live numbers from ClickHouse
 
 
 @dataclass
@@ -83,10 +85,12 @@ def demo_config(config: Config, run_id: str, workdir: Path) -> Config:
         topics=replace(config.topics, prefix=f"demo-{run_id}.", partitions=1),
         clickhouse=replace(config.clickhouse, database=DATABASE),
         streams=replace(config.streams, app_id=f"agentstream-demo-{run_id}"),
-        credit=(CreditRule(agent=TRAIN_AGENT, strategy="grpo", group_size=demo.group_size, group_timeout_s=120),
+        credit=(CreditRule(agent=TRAIN_AGENT, strategy="grpo", group_size=demo.group_size, group_timeout_s=120,
+                           keep_flat_groups=True),  # the trainer steps once per wave, its flat groups counted
                 CreditRule(agent="*", train=False)),
         trainer=replace(config.trainer, model="smollm2", threads=demo.trainer_threads,
-                        lr=demo.lr, temperature=1.0, batch_transitions=wave * 3 // 4, batch_tokens=0, batch_wait_s=15.0,
+                        lr=demo.lr, temperature=1.0, batch_transitions=wave, batch_counts_skipped=True, batch_tokens=0,
+                        batch_wait_s=15.0,
                         max_policy_lag=demo.max_policy_lag, checkpoint_every_steps=1, keep_checkpoints=3,
                         checkpoint_dir=str(workdir / "checkpoints"), session_timeout_s=6.0),
     )
@@ -231,40 +235,48 @@ async def train_and_watch(session: TrainingSession, config: Config, endpoints, c
         console.print(f"held-out before training: {before.accuracy:.1%} ({before.correct}/{before.total}, "
                       f"greedy, policy v{before.policy_version})")
         wave_size = demo.group_size * demo.prompts_per_wave
-        queue = PacedQueue(config, endpoints.bootstrap_servers, _waves(train, demo.group_size, wave_size),
-                            ahead=demo.waves_ahead)
-        await queue.top_up(0)
-        session.start_runners(progress=console.print)
-        dashboard = Dashboard(client, console, demo.training_seconds)
-        dashboard.evaluations.append(before)
-        training_started = time.monotonic()
-        next_eval = training_started + demo.eval_every_s
-        pending: asyncio.Task | None = None
-        last_line = 0.0
-        with (Live(console=console, refresh_per_second=2, transient=False) if console.is_terminal
-              else nullcontext()) as live:
-            while (elapsed := time.monotonic() - training_started) < demo.training_seconds:
-                session.check()
-                numbers, per_version = dashboard.snapshot(), dashboard.reward_per_version()
-                await queue.top_up(numbers["version"])
-                if live is not None:  # a terminal
-                    live.update(dashboard.render(elapsed, numbers, per_version))
-                elif time.monotonic() - last_line >= 15:
-                    console.print(dashboard.line(elapsed, numbers, per_version))
-                    last_line = time.monotonic()
-                if pending is not None and pending.done():
-                    result = pending.result()
-                    result.seconds = round(result.seconds - (training_started - started), 1)
-                    dashboard.evaluations.append(result)
-                    console.print(f"held-out at {result.seconds:.0f} s: {result.accuracy:.1%} "
-                                  f"(policy v{result.policy_version})")
-                    pending = None
-                    if demo.stop_at_target and result.accuracy >= demo.target:
-                        break
-                if pending is None and time.monotonic() >= next_eval:
-                    pending = asyncio.create_task(evaluate(heldout, session.proxy_url, session.server_url, started))
-                    next_eval = time.monotonic() + demo.eval_every_s
-                await asyncio.sleep(3.0)
+        queue = await PacedQueue(config, endpoints.bootstrap_servers, _waves(train, demo.group_size, wave_size),
+                                 max_lag=demo.max_policy_lag).start()
+        try:
+            await queue.top_up(before.policy_version, 0, time.monotonic())
+            session.start_runners(progress=console.print)
+            dashboard = Dashboard(client, console, demo.training_seconds)
+            dashboard.evaluations.append(before)
+            training_started = time.monotonic()
+            next_eval = training_started + demo.eval_every_s
+            pending: asyncio.Task | None = None
+            last_line = last_snapshot = 0.0
+            numbers: dict = {}
+            with (Live(console=console, refresh_per_second=2, transient=False) if console.is_terminal
+                  else nullcontext()) as live:
+                while (elapsed := time.monotonic() - training_started) < demo.training_seconds:
+                    session.check()
+                    if time.monotonic() - last_snapshot >= SNAPSHOT_EVERY_S:
+                        numbers, per_version = dashboard.snapshot(), dashboard.reward_per_version()
+                        last_snapshot = time.monotonic()
+                        if live is not None:  # a terminal
+                            live.update(dashboard.render(elapsed, numbers, per_version))
+                        elif time.monotonic() - last_line >= 15:
+                            console.print(dashboard.line(elapsed, numbers, per_version))
+                            last_line = time.monotonic()
+                    held = await asyncio.to_thread(server_version, session.server_url)
+                    await queue.top_up(held, numbers.get("rollouts", 0), time.monotonic())
+                    if pending is not None and pending.done():
+                        result = pending.result()
+                        result.seconds = round(result.seconds - (training_started - started), 1)
+                        dashboard.evaluations.append(result)
+                        console.print(f"held-out at {result.seconds:.0f} s: {result.accuracy:.1%} "
+                                      f"(policy v{result.policy_version})")
+                        pending = None
+                        if demo.stop_at_target and result.accuracy >= demo.target:
+                            break
+                    if pending is None and time.monotonic() >= next_eval:
+                        pending = asyncio.create_task(evaluate(heldout, session.proxy_url, session.server_url,
+                                                               started))
+                        next_eval = time.monotonic() + demo.eval_every_s
+                    await asyncio.sleep(PACE_EVERY_S)
+        finally:
+            await queue.close()
         training_seconds = time.monotonic() - training_started
         if pending is not None:
             result = await pending

@@ -137,6 +137,22 @@ def test_batches_close_on_count_token_budget_or_wait():
     assert not b.ready(now=11.0) and b.ready(now=12.0)
 
 
+def test_skipped_flat_transitions_count_toward_the_batch_when_asked():
+    counting, plain = batcher(batch_transitions=4, count_skipped=True), batcher(batch_transitions=4)
+    for b in (counting, plain):
+        b.offer(sample("a"), 0, now=0)
+        b.offer(sample("flat1", advantage=0.0), 0, now=0)
+        b.offer(sample("flat2", advantage=0.0), 0, now=0)
+        b.offer(sample("b"), 0, now=0)
+    assert counting.ready(now=0) and not plain.ready(now=0)
+    batch = counting.take(0)
+    assert [s.transition_id for s in batch.samples] == ["a", "b"] and batch.counts.uninformative == 2
+    for name in ("f3", "f4", "f5", "f6"):  # a batch's worth with no signal: nothing to take, and it is not carried
+        counting.offer(sample(name, advantage=0.0), 0, now=0)
+    counting.offer(sample("c"), 0, now=0)
+    assert not counting.ready(now=0)
+
+
 def test_pending_positions_hold_back_commits():
     b = batcher()
     b.offer(sample("a", position=("t", 0, 5)), 0, now=0)

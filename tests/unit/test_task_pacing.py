@@ -1,0 +1,28 @@
+"""Task waves paced by the policy version the model server holds (no broker: the decision only)."""
+
+from __future__ import annotations
+
+from infra.config import load_config
+from pipeline.tasks import PacedQueue
+
+
+def queue(max_lag: int) -> PacedQueue:
+    return PacedQueue(load_config(environ={}), "127.0.0.1:9", iter(()), max_lag=max_lag, stall_s=30.0)
+
+
+def test_generation_runs_at_most_max_lag_versions_ahead():
+    assert queue(0).waves_due(0, 0, 0.0) == 1  # lag 0: one wave, then wait for the version it trains
+    assert queue(0).waves_due(5, 0, 0.0) == 6
+    assert queue(3).waves_due(0, 0, 0.0) == 4
+    assert queue(3).waves_due(2, 0, 0.0) == 6
+
+
+def test_a_wave_that_made_no_version_lets_one_more_out_after_the_stall_time():
+    paced = queue(1)
+    paced.enqueued_tasks = 64
+    assert paced.waves_due(4, 64, 0.0) == 6
+    assert paced.waves_due(4, 63, 40.0) == 6  # a task still running: the trainer may yet step
+    assert paced.waves_due(4, 64, 29.0) == 6  # every task finished, but not stalled for long
+    assert paced.waves_due(4, 64, 40.0) == 7  # stalled: one more wave, and the valve waits again
+    assert paced.waves_due(4, 64, 50.0) == 7
+    assert paced.waves_due(5, 64, 51.0) == 8  # the extra wave stays counted: it made no version
