@@ -169,7 +169,10 @@ class PacedQueue:
             await self._producer.stop()
 
     def waves_due(self, policy_version: int, finished_tasks: int, now: float) -> int:
-        """How many waves should have gone out by now, given the version the model server holds."""
+        """How many waves should have gone out by now, given the version the model server holds.
+
+        Call it once per poll: it also keeps the stall clock (when the version last moved).
+        """
         if policy_version != self._version:
             self._version, self._version_since = policy_version, now
         elif finished_tasks >= self.enqueued_tasks and now - self._version_since >= self.stall_s:

@@ -4,8 +4,9 @@ Completed rollouts that belong to a group arrive keyed by group id, so one worke
 group; each carries its transitions as drafts, which get their advantage here. A group is
 credited when ``group_size`` members arrived or ``group_timeout_s`` after its first one
 (stragglers are left out). A group whose rewards are all equal carries no learning
-signal: it is counted and skipped. The first record of every pending group is held, so a crash
-replays the group.
+signal: it is counted and skipped, or published with advantage 0 where its rule says
+``keep_flat_groups`` (a trainer that steps per amount of experience counts it). The first
+record of every pending group is held, so a crash replays the group.
 """
 
 from __future__ import annotations
