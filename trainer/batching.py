@@ -224,11 +224,43 @@ class MicroBatch:
         return self.input_ids.shape[1] - self.first
 
 
-def collate(samples: list[Sample], pad_id: int, device: torch.device | str, micro_batches: int = 1) -> list[MicroBatch]:
-    """Split samples (sorted by length, to waste little padding) into padded micro-batches."""
-    ordered = sorted(samples, key=lambda s: s.length)
+@dataclass(frozen=True)
+class SharedPromptMicroBatch:
+    """Samples that share prompts, as a GRPO group does: each distinct prompt is run once, then every response after it.
+
+    Prompts are left-padded (``prompt_ids``); response ``r`` follows prompt ``prompt_of[r]``, whose
+    KV cache it reuses. Column c of ``targets``/``response_mask``/``behaviour_logprobs`` is response
+    token c: column 0 is predicted by its prompt's last position, column c > 0 by response token
+    c - 1. A group of 8 rollouts of a 38-token prompt then runs 38 prompt positions instead of 304.
+    """
+
+    prompt_ids: torch.Tensor  # [P, Lp]
+    prompt_mask: torch.Tensor  # [P, Lp]
+    prompt_of: torch.Tensor  # [B]
+    response_ids: torch.Tensor  # [B, Lr]
+    response_mask: torch.Tensor  # [B, Lr]
+    behaviour_logprobs: torch.Tensor  # [B, Lr]
+    advantages: torch.Tensor  # [B]
+
+    @property
+    def targets(self) -> torch.Tensor:
+        return self.response_ids
+
+
+def collate(samples: list[Sample], pad_id: int, device: torch.device | str,
+            micro_batches: int = 1) -> list[MicroBatch | SharedPromptMicroBatch]:
+    """Split samples into padded micro-batches; a micro-batch whose samples repeat a prompt runs each prompt once.
+
+    Samples are sorted by length (to waste little padding), or, when prompts repeat, by prompt so
+    that a group's samples land in the same micro-batch.
+    """
+    shared = len({tuple(s.prompt_ids) for s in samples}) < len(samples)
+    ordered = sorted(samples, key=(lambda s: (len(s.prompt_ids), s.prompt_ids, len(s.response_ids))) if shared
+                     else (lambda s: s.length))
     size = -(-len(ordered) // micro_batches)
-    return [_pad(ordered[i:i + size], pad_id, device) for i in range(0, len(ordered), size)]
+    chunks = [ordered[i:i + size] for i in range(0, len(ordered), size)]
+    return [_pad_shared(chunk, pad_id, device) if len({tuple(s.prompt_ids) for s in chunk}) < len(chunk)
+            else _pad(chunk, pad_id, device) for chunk in chunks]
 
 
 def _pad(samples: list[Sample], pad_id: int, device: torch.device | str) -> MicroBatch:
@@ -248,3 +280,27 @@ def _pad(samples: list[Sample], pad_id: int, device: torch.device | str) -> Micr
     return MicroBatch(input_ids.to(device), attention.to(device), input_ids[:, first + 1:].to(device),
                       response_mask[:, first:].to(device), behaviour[:, first:].to(device), advantages.to(device),
                       first)
+
+
+def _pad_shared(samples: list[Sample], pad_id: int, device: torch.device | str) -> SharedPromptMicroBatch:
+    distinct: dict[tuple[int, ...], int] = {}
+    prompt_of = [distinct.setdefault(tuple(s.prompt_ids), len(distinct)) for s in samples]
+    width = max(len(prompt) for prompt in distinct)
+    prompt_ids = torch.full((len(distinct), width), pad_id, dtype=torch.long)
+    prompt_mask = torch.zeros((len(distinct), width), dtype=torch.long)
+    for row, prompt in enumerate(distinct):
+        prompt_ids[row, width - len(prompt):] = torch.tensor(prompt)
+        prompt_mask[row, width - len(prompt):] = 1
+    length = max(len(s.response_ids) for s in samples)
+    response_ids = torch.full((len(samples), length), pad_id, dtype=torch.long)
+    response_mask = torch.zeros((len(samples), length), dtype=torch.bool)
+    behaviour = torch.zeros((len(samples), length), dtype=torch.float32)
+    for row, sample in enumerate(samples):
+        response_ids[row, :len(sample.response_ids)] = torch.tensor(sample.response_ids)
+        response_mask[row, :len(sample.response_ids)] = True
+        behaviour[row, :len(sample.response_ids)] = torch.tensor(sample.behaviour_logprobs)
+    advantages = torch.tensor([s.advantage for s in samples], dtype=torch.float32)
+    return SharedPromptMicroBatch(prompt_ids.to(device), prompt_mask.to(device),
+                                  torch.tensor(prompt_of, dtype=torch.long, device=device), response_ids.to(device),
+                                  response_mask.to(device), behaviour.to(device),
+                                  advantages.to(device))

@@ -184,6 +184,26 @@ def prune(store: CheckpointStore, model: str, keep: int) -> None:
             store.delete(name)
 
 
+def keep_only_newest(store: FolderStore, drop_files: tuple[str, ...] = ()) -> list[Path]:
+    """Delete all but each model's newest checkpoint, and the named files (e.g. optimizer state) from that one.
+
+    For a run that is over: a SmolLM2 checkpoint with its AdamW state takes 1.6 GB, and a demo
+    keeps three of them while it runs. Returns the folders kept.
+    """
+    kept = []
+    models = sorted(entry.name for entry in store.root.iterdir() if entry.is_dir() and not entry.name.startswith("."))
+    for model in models:
+        names = store.names(model)
+        for name in names[:-1]:
+            store.delete(name)
+        if names:
+            folder = store.root / names[-1]
+            for file in drop_files:
+                (folder / file).unlink(missing_ok=True)
+            kept.append(folder)
+    return kept
+
+
 class CheckpointAnnouncer:
     """Publishes Checkpoint events, keyed by model, on the compacted checkpoints topic."""
 

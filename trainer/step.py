@@ -10,7 +10,7 @@ from typing import Any
 import torch
 
 from infra.config import TrainerConfig
-from trainer.batching import Batch, MicroBatch, collate
+from trainer.batching import Batch, MicroBatch, SharedPromptMicroBatch, collate
 from trainer.loss import TokenStats, policy_loss
 from trainer.policy import Policy
 
@@ -31,18 +31,38 @@ class StepResult:
         return self.tokens / self.seconds if self.seconds > 0 else 0.0
 
 
-def token_logprobs(model: torch.nn.Module, micro: MicroBatch, temperature: float,
+def token_logprobs(model: torch.nn.Module, micro: MicroBatch | SharedPromptMicroBatch, temperature: float,
                    entropy_grad: bool = False) -> tuple[torch.Tensor, torch.Tensor]:
     """Log-probability of each target token under softmax(logits / T), and the entropy of that distribution."""
-    logits = model(input_ids=micro.input_ids, attention_mask=micro.attention_mask,
-                   logits_to_keep=micro.logits_to_keep).logits[:, :-1].float()
+    if isinstance(micro, SharedPromptMicroBatch):
+        logits = _shared_prompt_logits(model, micro).float()
+    else:
+        logits = model(input_ids=micro.input_ids, attention_mask=micro.attention_mask,
+                       logits_to_keep=micro.logits_to_keep).logits[:, :-1].float()
     logprobs = torch.log_softmax(logits / temperature, dim=-1)
     with torch.set_grad_enabled(entropy_grad and torch.is_grad_enabled()):
         entropy = -(logprobs.exp() * logprobs).sum(-1)
     return logprobs.gather(-1, micro.targets[..., None]).squeeze(-1), entropy
 
 
-def reference_logprobs(policy: Policy, micro: MicroBatch, temperature: float) -> torch.Tensor:
+def _shared_prompt_logits(model: torch.nn.Module, micro: SharedPromptMicroBatch) -> torch.Tensor:
+    """Logits for every response column: each prompt runs once, and its KV cache is repeated for its responses."""
+    positions = (micro.prompt_mask.cumsum(-1) - 1).clamp(min=0)
+    prefix = model(input_ids=micro.prompt_ids, attention_mask=micro.prompt_mask, position_ids=positions,
+                   use_cache=True, logits_to_keep=1)
+    first = prefix.logits[:, -1][micro.prompt_of]
+    if micro.response_ids.shape[1] == 1:
+        return first[:, None]
+    cache = prefix.past_key_values
+    cache.batch_select_indices(micro.prompt_of)
+    inputs = micro.response_ids[:, :-1]
+    after = (positions[:, -1] + 1)[micro.prompt_of, None] + torch.arange(inputs.shape[1], device=inputs.device)
+    mask = torch.cat([micro.prompt_mask[micro.prompt_of], torch.ones_like(inputs)], dim=1)
+    rest = model(input_ids=inputs, attention_mask=mask, position_ids=after, past_key_values=cache).logits
+    return torch.cat([first[:, None], rest], dim=1)
+
+
+def reference_logprobs(policy: Policy, micro: MicroBatch | SharedPromptMicroBatch, temperature: float) -> torch.Tensor:
     """Target logprobs under the frozen reference: a separate model, or the LoRA base with the adapter off."""
     model = policy.reference or policy.model
     peft_model: Any = policy.model  # a PeftModel when there is no reference (torch types its attributes as Tensor)

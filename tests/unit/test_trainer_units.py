@@ -16,12 +16,14 @@ from trainer.batching import (
     Counts,
     Sample,
     SeenIds,
+    SharedPromptMicroBatch,
     TransitionError,
     collate,
 )
 from trainer.checkpoints import (
     FolderStore,
     UnsupportedStore,
+    keep_only_newest,
     latest_manifest,
     manifests,
     open_store,
@@ -176,6 +178,57 @@ def test_collate_right_pads_and_aligns_targets_with_response_tokens():
     assert [m.input_ids.shape[0] for m in collate([long, short, long], 0, "cpu", micro_batches=2)] == [2, 1]
 
 
+def test_collate_runs_a_repeated_prompt_once_and_aligns_each_response_after_it():
+    group = [replace(sample(f"g{i}", prompt=3, response=1 + i), response_ids=[60 + i] * (1 + i)) for i in range(3)]
+    alone = sample("a", prompt=2, response=2)
+    micro, = collate([group[2], alone, group[0], group[1]], pad_id=0, device="cpu")
+    assert isinstance(micro, SharedPromptMicroBatch)
+    assert micro.prompt_ids.tolist() == [[0, 10, 11], [10, 11, 12]]  # left-padded, each distinct prompt once
+    assert micro.prompt_mask.tolist() == [[0, 1, 1], [1, 1, 1]]
+    assert micro.prompt_of.tolist() == [0, 1, 1, 1]
+    assert micro.targets.tolist() == [[50, 51, 0], [60, 0, 0], [61, 61, 0], [62, 62, 62]]
+    assert micro.response_mask.sum(-1).tolist() == [2, 1, 2, 3]
+    assert micro.behaviour_logprobs[micro.response_mask].tolist() == [-0.5] * 8
+    two = collate([*group, alone], 0, "cpu", micro_batches=2)  # a group stays together: sorted by prompt
+    assert [type(m).__name__ for m in two] == ["MicroBatch", "SharedPromptMicroBatch"]
+
+
+def test_a_shared_prompt_gives_the_same_logprobs_and_gradients_as_running_it_per_response():
+    policy = build_policy(TrainerConfig(model="tiny", threads=1, device="cpu"))
+    generator = torch.Generator().manual_seed(3)
+    samples = []
+    for group in range(3):
+        prompt = torch.randint(5, 200, (4 + 2 * group,), generator=generator).tolist()
+        for index in range(4):
+            response = torch.randint(5, 200, (1 + (3 * index + group) % 6,), generator=generator).tolist()
+            samples.append(Sample(f"s{group}{index}", "r", 0, prompt, response, [-1.0] * len(response), 1.0,
+                                  float(index) - 1.5))
+    shared, = collate(samples, policy.pad_id, "cpu")
+    plain = [collate([s], policy.pad_id, "cpu")[0] for s in shared_order(samples)]
+    assert isinstance(shared, SharedPromptMicroBatch) and not any(isinstance(m, SharedPromptMicroBatch) for m in plain)
+
+    def weighted_logprobs(micro) -> tuple[torch.Tensor, list[torch.Tensor]]:
+        policy.model.zero_grad(set_to_none=True)
+        logprobs = token_logprobs(policy.model, micro, 1.0)[0]
+        weights = micro.advantages[:, None].expand_as(logprobs)
+        (logprobs * weights * micro.response_mask).sum().backward()
+        return logprobs[micro.response_mask].detach(), [p.grad.clone() for p in policy.trainable()]
+
+    shared_logprobs, shared_grads = weighted_logprobs(shared)
+    rows = [weighted_logprobs(micro) for micro in plain]
+    plain_logprobs = torch.cat([logprobs for logprobs, _ in rows])
+    plain_grads = [sum(grads) for grads in zip(*(grads for _, grads in rows), strict=True)]
+    assert shared_logprobs.shape == (sum(len(s.response_ids) for s in samples),)
+    assert torch.allclose(shared_logprobs, plain_logprobs, atol=1e-5)
+    assert all(torch.allclose(a, b, atol=1e-5) for a, b in zip(shared_grads, plain_grads, strict=True))
+    assert max(float(g.abs().max()) for g in shared_grads) > 0
+
+
+def shared_order(samples: list[Sample]) -> list[Sample]:
+    """The order ``collate`` puts samples in when their prompts repeat."""
+    return sorted(samples, key=lambda s: (len(s.prompt_ids), s.prompt_ids, len(s.response_ids)))
+
+
 # ---------------------------------------------------------------- step and policy
 
 
@@ -293,6 +346,11 @@ def test_store_lists_prunes_and_remembers_trained_ids(tmp_path):
     assert recent_trained_ids(store, "m", limit=3) == ["t3a", "t3b", "t4a", "t4b"]
     prune(store, "m", keep=2)
     assert [m.version for m in manifests(store, "m")] == [3, 4]
+    (store.root / "m" / "v00000004" / "optimizer.pt").write_bytes(b"adam")
+    assert keep_only_newest(store, drop_files=("optimizer.pt",)) == [store.root / "m" / "v00000004"]
+    assert [m.version for m in manifests(store, "m")] == [4]
+    kept = sorted(p.name for p in (store.root / "m" / "v00000004").iterdir())
+    assert kept == ["checkpoint.json", "model.safetensors"]
     with pytest.raises(UnsupportedStore):
         open_store("s3://bucket/checkpoints")
 
