@@ -572,7 +572,8 @@ def serve_model_command(ctx: click.Context, model_spec: str, host: str, port: in
     settings = _config(ctx).server
     try:
         precision = resolve_precision(device or settings.device, dtype or settings.dtype)
-        loaded = load_model(model_spec, precision=precision, threads=settings.threads if threads is None else threads)
+        loaded = load_model(model_spec, precision=precision, threads=settings.threads if threads is None else threads,
+                            inference_only=True)
     except (ModelLoadError, PrecisionError) as error:
         raise click.ClickException(str(error)) from None
     served_contract = Contract(contract or settings.contract)

@@ -2,9 +2,10 @@
 
 Ours is the demo itself (``agentstream.demo.run_demo``): runners, proxy, dev server, Kafka,
 streams, trainer and hot swap as separate processes, generation overlapping training. The
-peer is the plain synchronous loop on the same machine, model, task split and hyperparameters:
-generate 4 prompts x 8 samples, group-normalise rewards, skip groups without spread, one
-optimizer step with the same loss code, repeat. Both are evaluated on the same held-out tasks
+peer is the plain synchronous loop on the same machine, model, task split, precision and
+hyperparameters: generate 4 prompts x 8 samples (from a copy whose Linear weights are cast once,
+as the dev server's are, under mixed precision), group-normalise rewards, skip groups without
+spread, one optimizer step with the same loss code, repeat. Both are evaluated on the same held-out tasks
 every ``demo.eval_every_s`` of wall time (the clock keeps running during evaluation) and stop at
 the target or after ``demo.seconds``. Prints JSON lines; ``ratio`` = ours / peer (lower is better).
 
@@ -18,6 +19,7 @@ CPU (1.0 = every core busy), after a machine calibration line.
 from __future__ import annotations
 
 import argparse
+import copy
 import math
 import random
 import time
@@ -27,11 +29,13 @@ from dataclasses import dataclass, replace
 import torch
 
 from agentstream.demo import run_demo
+from agentstream.demo.training import compute_dtype
 from bench.common import CpuShare, emit
 from examples import arithmetic
 from infra.config import Config, load_config
 from infra.machine import calibrate
-from models import LoadedModel, eos_token_ids
+from models import LoadedModel, assign_weights, eos_token_ids
+from models.precision import cast_linears_for_inference
 from serving.generation import BatchRequest, SamplingParams, generate_batch
 from serving.tool_format import render_prompt, renders_tools
 from streams.credit import GroupNormalized
@@ -78,11 +82,15 @@ def wilson_interval(accuracy: float, tasks: int, z: float = 1.96) -> list[float]
 def peer_run(config: Config) -> tuple[float | None, list[tuple[float, int, float]], float]:
     """The plain loop; returns (seconds to the target or None, [(seconds, version, accuracy)], training seconds)."""
     demo = config.demo
-    trainer = replace(config.trainer, model="smollm2", threads=2, lr=demo.lr,
+    trainer = replace(config.trainer, model="smollm2", threads=2, lr=demo.lr, dtype=compute_dtype(config),
                       temperature=1.0)
     policy = build_policy(trainer)
     tokenizer, model = policy.tokenizer, policy.model
     eos = eos_token_ids(LoadedModel(model, tokenizer, policy.name, policy.dtype))
+    sampler = model  # under mixed precision, a copy with Linear weights cast once, as the dev server holds them
+    if policy.precision.mixed:
+        sampler = copy.deepcopy(model)
+        cast_linears_for_inference(sampler, policy.precision)
     pad = tokenizer.pad_token_id or 0
     native_tools = renders_tools(tokenizer)
 
@@ -90,8 +98,8 @@ def peer_run(config: Config) -> tuple[float | None, list[tuple[float, int, float
         return render_prompt(tokenizer, [{"role": "user", "content": task["prompt"]}], None, native_tools)
 
     def generate(tasks: list[dict], params: SamplingParams):
-        model.eval()
-        return generate_batch(model, tokenizer, [BatchRequest(prompt(t), params) for t in tasks], eos, pad,
+        sampler.eval()
+        return generate_batch(sampler, tokenizer, [BatchRequest(prompt(t), params) for t in tasks], eos, pad,
                               autocast=policy.precision.autocast)
 
     def accuracy(tasks: list[dict]) -> float:
@@ -119,6 +127,8 @@ def peer_run(config: Config) -> tuple[float | None, list[tuple[float, int, float
                                       [entry.logprob for entry in sequence.logprobs], reward, advantage))
         if samples:
             train_step(policy, Batch(samples, version, Counts()), trainer)
+            if sampler is not model:
+                assign_weights(sampler, model.state_dict())
             version += 1
         if time.monotonic() >= next_eval:
             evaluations.append((round(time.monotonic() - started, 1), version, accuracy(heldout)))

@@ -22,7 +22,7 @@ from dataclasses import dataclass
 from pathlib import Path
 from typing import TYPE_CHECKING, Any
 
-from models.precision import Precision, configure_backends, resolve_precision
+from models.precision import Precision, cast_linears_for_inference, configure_backends, resolve_precision
 
 if TYPE_CHECKING:
     import torch
@@ -88,11 +88,14 @@ def model_cache_root() -> Path:
     return Path(configured).expanduser() if configured else Path.home() / ".cache" / "agentstream" / "models"
 
 
-def load_model(spec: str, *, precision: Precision | None = None, threads: int | None = 2) -> LoadedModel:
+def load_model(spec: str, *, precision: Precision | None = None, threads: int | None = 2,
+               inference_only: bool = False) -> LoadedModel:
     """Load ``"tiny"``, ``"smollm2"`` or a HF folder path in eval mode, on the precision's device and weights dtype.
 
     The default precision is float32 on the CPU. ``threads`` sets torch's CPU thread count, and
-    only when the model runs on the CPU.
+    only when the model runs on the CPU. ``inference_only`` (a model server's copy, never trained)
+    stores Linear weights in the compute dtype under mixed precision, which autocast would
+    otherwise cast at every forward (``models.precision.cast_linears_for_inference``).
     """
     precision = precision or resolve_precision("cpu", "float32")
     configure_backends(precision, threads)
@@ -105,6 +108,8 @@ def load_model(spec: str, *, precision: Precision | None = None, threads: int | 
     loaded.model.to(device=precision.device, dtype=precision.weights_dtype)
     loaded.dtype, loaded.precision = precision.weights_dtype, precision
     loaded.model.eval()
+    if inference_only:
+        cast_linears_for_inference(loaded.model, precision)
     return loaded
 
 

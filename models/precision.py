@@ -14,7 +14,7 @@ from __future__ import annotations
 import contextlib
 import logging
 from dataclasses import dataclass
-from typing import TYPE_CHECKING
+from typing import TYPE_CHECKING, Any
 
 if TYPE_CHECKING:
     import torch
@@ -100,6 +100,20 @@ def resolve_precision(device: str = "auto", dtype: str = "auto", weights_dtype: 
     return Precision(resolved, compute, weights)
 
 
+def native_bfloat16(device: str = "auto") -> bool:
+    """Whether the device multiplies bfloat16 natively: CUDA with bfloat16 support, or a CPU with AMX tiles.
+
+    On such a CPU a bfloat16 matmul ran 6x faster than float32 (one thread, 512x576 by 576x1536);
+    without AMX, bfloat16 autocast made the trainer 8x slower.
+    """
+    import torch
+
+    resolved = resolve_device(device)
+    if resolved.type == "cuda":
+        return torch.cuda.is_bf16_supported()
+    return bool(getattr(torch.cpu, "_is_amx_tile_supported", lambda: False)())
+
+
 def configure_backends(precision: Precision, threads: int | None) -> None:
     """TF32 for float32 matmuls on CUDA; the CPU thread count only where the model runs on the CPU."""
     import torch
@@ -109,3 +123,28 @@ def configure_backends(precision: Precision, threads: int | None) -> None:
         torch.backends.cudnn.allow_tf32 = True
     elif threads:
         torch.set_num_threads(threads)
+
+
+def cast_linears_for_inference(model: torch.nn.Module, precision: Precision) -> None:
+    """Store each Linear weight of a model that only infers in the compute dtype, where autocast lowers it.
+
+    Autocast casts float32 Linear weights to the compute dtype at every forward, that is at every
+    decoded token; casting them once gives the same numbers (autocast rounds the same way) and
+    made SmolLM2's generation on one CPU thread 1.6x faster. Embeddings and norms stay float32,
+    as under autocast. A head tied to the input embeddings gets its own copy, which
+    ``models.weights.assign_weights`` refreshes from the embeddings.
+    """
+    import torch
+
+    if not precision.mixed:
+        return
+    hf: Any = model  # a transformers model (torch types its attributes as Tensor | Module)
+    head = hf.get_output_embeddings() if hasattr(hf, "get_output_embeddings") else None
+    embeddings = hf.get_input_embeddings() if hasattr(hf, "get_input_embeddings") else None
+    with torch.no_grad():
+        if head is not None and embeddings is not None and head.weight is embeddings.weight:
+            head.weight = torch.nn.Parameter(embeddings.weight.detach().to(precision.compute_dtype),
+                                             requires_grad=False)
+        for module in model.modules():
+            if isinstance(module, torch.nn.Linear):
+                module.weight.data = module.weight.data.to(precision.compute_dtype)

@@ -8,7 +8,7 @@ from __future__ import annotations
 
 import hashlib
 from pathlib import Path
-from typing import TYPE_CHECKING
+from typing import TYPE_CHECKING, Any
 from urllib.parse import unquote, urlsplit
 
 if TYPE_CHECKING:
@@ -68,6 +68,8 @@ def check_weights(model: torch.nn.Module, state: dict[str, torch.Tensor]) -> Non
     expected = model.state_dict()
     unexpected = sorted(set(state) - set(expected))
     tied = {name for name in expected if name not in state and _is_tied(model, name)}
+    if (names := _untied_head(model)) is not None and any(name in state for name in names):
+        tied.update(names)  # either tensor stands for both, as in a checkpoint of the tied model
     missing = sorted(set(expected) - set(state) - tied)
     mismatched = sorted(name for name, tensor in state.items()
                         if name in expected and tensor.shape != expected[name].shape)
@@ -89,3 +91,25 @@ def assign_weights(model: torch.nn.Module, state: dict[str, torch.Tensor]) -> No
 
     with torch.no_grad():
         model.load_state_dict(state, strict=False)
+        if (names := _untied_head(model)) is not None:
+            head, embeddings = names
+            tensors = model.state_dict(keep_vars=True)
+            for missing, present in ((head, embeddings), (embeddings, head)):
+                if missing not in state and present in state:
+                    tensors[missing].copy_(state[present])
+
+
+def _untied_head(model: torch.nn.Module) -> tuple[str, str] | None:
+    """(head weight, embedding weight) names when the config ties them but the model holds the head apart.
+
+    A server keeps its own compute-dtype copy of a tied head (``models.precision.cast_linears_for_inference``);
+    a checkpoint of the tied model carries only one of the two.
+    """
+    hf: Any = model  # a transformers model (torch types its attributes as Tensor | Module)
+    if not getattr(getattr(hf, "config", None), "tie_word_embeddings", False):
+        return None
+    head, embeddings = hf.get_output_embeddings(), hf.get_input_embeddings()
+    if head is None or embeddings is None or head.weight is embeddings.weight:
+        return None
+    names = {id(parameter): name for name, parameter in model.named_parameters(remove_duplicate=False)}
+    return names[id(head.weight)], names[id(embeddings.weight)]

@@ -32,10 +32,13 @@ from infra.clickhouse import ROLLOUT_POLICY_VERSION, connect, migrate
 from infra.config import Config, CreditRule
 from infra.machine import calibrate
 from infra.stack import Stack
+from models.precision import native_bfloat16
 from pipeline.publisher import SpanPublisher
 from pipeline.sdk import emit_reward, rollout, set_sink
 from pipeline.tasks import PacedQueue, grouped_tasks
 from schemas.contracts import POLICY_VERSION_HEADER
+from trainer.checkpoints import keep_only_newest, open_store
+from trainer.policy import OPTIMIZER_STATE
 
 TRAIN_AGENT = "arithmetic"
 EVAL_AGENT = "arithmetic-eval"
@@ -76,19 +79,28 @@ class DemoReport:
     machine: dict = field(default_factory=dict)  # infra.machine.Calibration: compare runs on different machines
 
 
+def compute_dtype(config: Config) -> str:
+    """The demo's compute dtype for its server and trainer (``[demo] dtype``, see ``infra.config.DemoConfig``)."""
+    if config.demo.dtype != "auto":
+        return config.demo.dtype
+    return "bfloat16" if native_bfloat16(config.trainer.device) else "float32"
+
+
 def demo_config(config: Config, run_id: str, workdir: Path) -> Config:
     """The demo's settings on top of the user's: its own topics and database, GRPO on the train agent only."""
     demo = config.demo
     wave = demo.group_size * demo.prompts_per_wave
+    dtype = compute_dtype(config)
     return replace(
         config,
+        server=replace(config.server, dtype=dtype),
         topics=replace(config.topics, prefix=f"demo-{run_id}.", partitions=1),
         clickhouse=replace(config.clickhouse, database=DATABASE),
         streams=replace(config.streams, app_id=f"agentstream-demo-{run_id}"),
         credit=(CreditRule(agent=TRAIN_AGENT, strategy="grpo", group_size=demo.group_size, group_timeout_s=120,
                            keep_flat_groups=True),  # the trainer steps once per wave, its flat groups counted
                 CreditRule(agent="*", train=False)),
-        trainer=replace(config.trainer, model="smollm2", threads=demo.trainer_threads,
+        trainer=replace(config.trainer, model="smollm2", threads=demo.trainer_threads, dtype=dtype,
                         lr=demo.lr, temperature=1.0, batch_transitions=wave, batch_counts_skipped=True, batch_tokens=0,
                         batch_wait_s=15.0,
                         max_policy_lag=demo.max_policy_lag, checkpoint_every_steps=1, keep_checkpoints=3,
@@ -310,6 +322,8 @@ def run_demo(config: Config, console: Console | None = None) -> DemoReport:
     console.print(f"machine: {machine.cpu_model}, {machine.cores} cores; calibration: a fixed Python loop "
                   f"{machine.python_loop_s:.2f} s, numpy {machine.numpy_matmul_s:.2f} s (the README's figures name "
                   "theirs: a slower machine learns slower in the same minutes)")
+    console.print(f"precision: {config.trainer.dtype} compute, float32 weights (demo.dtype {demo.dtype!r}: "
+                  "bfloat16 where the device multiplies it natively)")
     stack = Stack(config)
     endpoints = stack.up(progress=console.print)
     session = TrainingSession(config, endpoints, workdir, SessionPlan(
@@ -338,6 +352,10 @@ def run_demo(config: Config, console: Console | None = None) -> DemoReport:
             live_dashboard.stop()
         session.stop()
         stack.down(progress=console.print)
+        checkpoints = Path(config.trainer.checkpoint_dir)
+        if checkpoints.is_dir():
+            for folder in keep_only_newest(open_store(str(checkpoints)), drop_files=(OPTIMIZER_STATE,)):
+                console.print(f"final weights kept in {folder} (earlier checkpoints and the optimizer state removed)")
     output = Path(demo.output_dir)
     output.mkdir(parents=True, exist_ok=True)
     Path(demo.report_path).write_text(json.dumps(asdict(report), indent=2) + "\n")

@@ -17,8 +17,8 @@ import torch
 from agentstream.gpu_check import initial_ratio_max_abs_dev
 from infra.config import TrainerConfig
 from infra.http_thread import ServerThread
-from models import load_model, teacher_forced_logprobs
-from models.precision import INITIAL_RATIO_BOUND, PrecisionError, resolve_precision
+from models import assign_weights, check_weights, load_model, teacher_forced_logprobs
+from models.precision import INITIAL_RATIO_BOUND, PrecisionError, cast_linears_for_inference, resolve_precision
 from serving.app import create_app
 from serving.generation import BatchRequest, SamplingParams, generate_batch
 from serving.lora import applied, load_lora
@@ -101,6 +101,47 @@ def test_trainer_and_server_agree_on_the_first_step(device, dtype):
     """Same weights, same tokens: the trainer's recomputed logprobs are the server's within the bound."""
     deviation = initial_ratio_max_abs_dev("tiny", device, dtype, prompts=4, max_tokens=16)
     assert deviation < INITIAL_RATIO_BOUND[dtype]
+
+
+def tied_tiny(device: str, inference_only: bool):
+    """The tiny model under bfloat16 autocast with its head tied to its embeddings, as SmolLM2's is."""
+    loaded = load_model("tiny", precision=resolve_precision(device, "bfloat16"))
+    model = loaded.model
+    model.config.tie_word_embeddings = True
+    model.lm_head.weight = model.get_input_embeddings().weight
+    if inference_only:
+        cast_linears_for_inference(model, loaded.precision)
+    return loaded
+
+
+@pytest.mark.parametrize("device", DEVICES)
+def test_a_server_casts_its_linears_once_and_samples_exactly_what_autocast_samples(device):
+    params = SamplingParams(max_tokens=12, temperature=1.0, n=4, seed=5, logprobs=True)
+    runs = []
+    for inference_only in (False, True):
+        loaded = tied_tiny(device, inference_only)
+        states = generate_batch(loaded.model, loaded.tokenizer, [BatchRequest(PROMPT, params)], eos_ids=set(),
+                                autocast=loaded.autocast)[0]
+        runs.append([(s.token_ids, [e.logprob for e in s.logprobs]) for s in states])
+    assert runs[0] == runs[1]
+    assert loaded.model.lm_head.weight.dtype == loaded.model.model.layers[0].mlp.up_proj.weight.dtype == torch.bfloat16
+    assert loaded.model.get_input_embeddings().weight.dtype == torch.float32
+
+
+@pytest.mark.parametrize("saved", ["lm_head.weight", "model.embed_tokens.weight"])
+def test_loading_weights_refreshes_a_servers_own_copy_of_a_tied_head(saved):
+    trained = tied_tiny("cpu", inference_only=False).model
+    with torch.no_grad():
+        trained.get_input_embeddings().weight.mul_(2.0)
+    tied = {"lm_head.weight", "model.embed_tokens.weight"}
+    state = {name: tensor for name, tensor in trained.state_dict().items() if name not in tied - {saved}}
+    served = tied_tiny("cpu", inference_only=True).model
+    check_weights(served, state)  # a checkpoint of a tied model carries one of the two
+    assign_weights(served, state)
+    assert torch.equal(served.lm_head.weight, trained.get_input_embeddings().weight.to(torch.bfloat16))
+    assert torch.equal(served.get_input_embeddings().weight, trained.get_input_embeddings().weight)
+    assert torch.equal(served.model.layers[0].mlp.up_proj.weight,
+                       trained.model.layers[0].mlp.up_proj.weight.to(torch.bfloat16))
 
 
 @pytest.mark.parametrize("device", DEVICES)
