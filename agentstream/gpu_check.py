@@ -11,6 +11,8 @@ import time
 import torch
 
 from infra.config import TrainerConfig
+from models import load_model
+from models.precision import resolve_precision
 from serving.generation import BatchRequest, SamplingParams, generate_batch
 from trainer.batching import Batch, Counts, Sample, collate
 from trainer.policy import Policy, build_policy
@@ -48,14 +50,26 @@ def initial_ratio_max_abs_dev(model: str, device: str, dtype: str, *, prompts: i
 
 
 def generation_tokens_per_s(model: str, device: str, dtype: str, *, batch: int = 16, max_tokens: int = 64) -> float:
-    """Sampled tokens per second for a batch of prompts (after one warm-up batch)."""
-    policy = _policy(model, device, dtype)
-    prompts = _prompts(batch, len(policy.tokenizer))
-    _generate(policy, prompts[:2], 4)
+    """Sampled tokens per second for a batch of prompts (after one warm-up batch), on a model server's copy.
+
+    The copy is loaded as ``serve-model`` loads it (``inference_only``: Linear weights cast once
+    under mixed precision).
+    """
+    served = load_model(model, precision=resolve_precision(device, dtype), inference_only=True)
+    prompts = _prompts(batch, len(served.tokenizer))
+
+    def sample(requests: list[list[int]], tokens: int) -> int:
+        params = SamplingParams(max_tokens=tokens, temperature=1.0, seed=0, logprobs=True)
+        results = generate_batch(served.model, served.tokenizer, [BatchRequest(p, params) for p in requests],
+                                 eos_ids=set(), autocast=served.autocast)
+        return sum(len(states[0].token_ids) for states in results)
+
+    sample(prompts[:2], 4)
     started = time.perf_counter()
-    samples = _generate(policy, prompts, max_tokens)
-    _synchronize(policy)
-    return sum(len(s.response_ids) for s in samples) / (time.perf_counter() - started)
+    sampled = sample(prompts, max_tokens)
+    if served.precision is not None and served.precision.device.type == "cuda":
+        torch.cuda.synchronize(served.precision.device)
+    return sampled / (time.perf_counter() - started)
 
 
 def trainer_tokens_per_s(model: str, device: str, dtype: str, *, batch: int = 16, length: int = 256,

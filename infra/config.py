@@ -203,7 +203,10 @@ class TrainerConfig:
     whichever comes first (0 disables a limit); with ``batch_counts_skipped`` the transitions skipped
     for zero advantage count toward ``batch_transitions`` (a step per amount of experience, not per
     amount of signal). ``checkpoint_dir`` is a folder or a ``file://`` URI
-    (default: ``checkpoints`` under the stack home). ``threads`` is torch's CPU thread count (0: torch's
+    (default: ``checkpoints`` under the stack home). The optimizer state (AdamW's moments: twice
+    the weights, 1 GB for SmolLM2, 2 s to write on a CPU) goes with every ``optimizer_state_every``-th
+    checkpoint (0: none); a trainer resumed from a checkpoint without it starts the moments afresh
+    and says so. ``threads`` is torch's CPU thread count (0: torch's
     default); ``importance_cap`` is the truncation c of the importance ratio (see ``trainer/loss.py``).
     ``dtype`` is the compute dtype (``auto``: bfloat16 autocast on CUDA, float32 elsewhere);
     weights and optimizer state stay ``weights_dtype``, float32 unless pure bfloat16 is asked for
@@ -242,6 +245,7 @@ class TrainerConfig:
     dedupe_window: int = 100_000
     checkpoint_dir: str = ""
     checkpoint_every_steps: int = 1
+    optimizer_state_every: int = 1
     keep_checkpoints: int = 0
     session_timeout_s: float = 4.0  # tansu holds a join about half of it (see infra/members.py)
     shutdown_grace_s: float = 30.0  # time to write a last checkpoint after SIGTERM; then it exits regardless
@@ -261,6 +265,7 @@ class TrainerConfig:
                 and max(self.batch_transitions, self.batch_tokens) > 0,
             "max_policy_lag must be >= 0": self.max_policy_lag >= 0,
             "checkpoint_every_steps must be >= 1": self.checkpoint_every_steps >= 1,
+            "optimizer_state_every must be >= 0": self.optimizer_state_every >= 0,
             "lora_r must be >= 1": self.lora_r >= 1,
         }
         for message, ok in checks.items():

@@ -93,8 +93,8 @@ def build_policy(config: TrainerConfig) -> Policy:
                   reference, precision)
 
 
-def save_weights(policy: Policy, folder: Path) -> Path:
-    """Write the weights (or the adapter) and the optimizer state into ``folder``; returns the weights file."""
+def save_weights(policy: Policy, folder: Path, optimizer_state: bool = True) -> Path:
+    """Write the weights (or the adapter), and the optimizer state if asked, to ``folder``; returns the weights file."""
     from safetensors.torch import save_model
 
     if policy.lora:
@@ -102,7 +102,8 @@ def save_weights(policy: Policy, folder: Path) -> Path:
         peft_model.save_pretrained(folder, safe_serialization=True)
     else:
         save_model(policy.model, str(folder / FULL_WEIGHTS_FILE))  # save_model copes with tied embeddings
-    torch.save(policy.optimizer.state_dict(), folder / OPTIMIZER_STATE)
+    if optimizer_state:
+        torch.save(policy.optimizer.state_dict(), folder / OPTIMIZER_STATE)
     return folder / policy.weights_file
 
 

@@ -41,7 +41,7 @@ from trainer.checkpoints import (
     write_checkpoint,
 )
 from trainer.metrics import MetricsWriter, StepReport
-from trainer.policy import Policy, build_policy, load_weights, save_weights
+from trainer.policy import OPTIMIZER_STATE, Policy, build_policy, load_weights, save_weights
 from trainer.step import train_step
 
 log = logging.getLogger("agentstream.trainer")
@@ -177,7 +177,11 @@ class TrainerWorker:
         if manifest is None:
             self.progress(f"trainer {self.name}: no checkpoint yet, starting from {self.settings.model} at version 0")
             return
-        await self._on_model_thread(load_weights, self.policy, self.store.get(manifest.uri))
+        folder = self.store.get(manifest.uri)
+        await self._on_model_thread(load_weights, self.policy, folder)
+        if not (folder / OPTIMIZER_STATE).is_file():
+            self.progress(f"trainer {self.name}: version {manifest.version} was written without the optimizer state "
+                          "(trainer.optimizer_state_every): AdamW's moments start afresh")
         self.version, self.step, self.resume_offsets = manifest.version, manifest.step, dict(manifest.offsets)
         self.batcher = self._batcher(recent_trained_ids(self.store, self.name, self.settings.dedupe_window))
         await self._announce(manifest)
@@ -260,7 +264,9 @@ class TrainerWorker:
         positions = self._committable()
         offsets = {f"{tp.topic}:{tp.partition}": offset for tp, offset in positions.items()}
         staging = self.store.staging()
-        weights = await self._on_model_thread(save_weights, self.policy, staging)
+        every = self.settings.optimizer_state_every
+        optimizer_state = every > 0 and (self.version + 1) % every == 0
+        weights = await self._on_model_thread(save_weights, self.policy, staging, optimizer_state)
         metrics = self._last_report.checkpoint_metrics() if self._last_report else {}
         manifest = await asyncio.to_thread(
             write_checkpoint, self.store, staging, weights, model=self.name, version=self.version + 1, step=self.step,

@@ -104,6 +104,7 @@ def demo_config(config: Config, run_id: str, workdir: Path) -> Config:
                         lr=demo.lr, temperature=1.0, batch_transitions=wave, batch_counts_skipped=True, batch_tokens=0,
                         batch_wait_s=15.0,
                         max_policy_lag=demo.max_policy_lag, checkpoint_every_steps=1, keep_checkpoints=3,
+                        optimizer_state_every=0,  # 2 s per version on a CPU; the demo never resumes
                         checkpoint_dir=str(workdir / "checkpoints"), session_timeout_s=6.0),
     )
 

@@ -82,6 +82,7 @@ def trainer_setup(topics_config, tmp_path, stack):
 def test_trains_from_kafka_drops_duplicates_and_stale_commits_after_checkpoints_and_resumes(
         trainer_setup, stack, kafka_options, clickhouse, stack_config):
     config, model = trainer_setup
+    config = replace(config, trainer=replace(config.trainer, optimizer_state_every=2))
     database = stack_config.clickhouse.database
     topic = topic_name(config.topics, "transitions")
     lines: list[str] = []
@@ -125,6 +126,9 @@ def test_trains_from_kafka_drops_duplicates_and_stale_commits_after_checkpoints_
     assert [(m.version, m.step, sorted(m.trained_ids)) for m in lineage] == [
         (1, 1, ["a0", "a1", "a2", "a3"]), (2, 2, ["b0", "b1", "b2", "b3"]), (3, 3, ["c0", "c1", "c2", "c3"])]
     assert all(m.sha256 and m.uri.startswith("file://") for m in lineage)
+    # the optimizer state goes with every second version; v2, which the restart resumed from, had it
+    assert [(store.get(m.uri) / "optimizer.pt").is_file() for m in lineage] == [False, True, False]
+    assert not any("moments start afresh" in line for line in lines)
 
     rows = clickhouse.query(
         f"SELECT step, policy_version, transitions, tokens, dropped_stale, staleness_max, reward_mean, "

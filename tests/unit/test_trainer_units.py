@@ -193,8 +193,9 @@ def test_collate_runs_a_repeated_prompt_once_and_aligns_each_response_after_it()
     assert [type(m).__name__ for m in two] == ["MicroBatch", "SharedPromptMicroBatch"]
 
 
-def test_a_shared_prompt_gives_the_same_logprobs_and_gradients_as_running_it_per_response():
-    policy = build_policy(TrainerConfig(model="tiny", threads=1, device="cpu"))
+@pytest.mark.parametrize("lora", [False, True])
+def test_a_shared_prompt_gives_the_same_logprobs_and_gradients_as_running_it_per_response(lora):
+    policy = build_policy(TrainerConfig(model="tiny", threads=1, device="cpu", lora=lora, lora_r=4))
     generator = torch.Generator().manual_seed(3)
     samples = []
     for group in range(3):
