@@ -67,8 +67,7 @@ def generation_tokens_per_s(model: str, device: str, dtype: str, *, batch: int =
     sample(prompts[:2], 4)
     started = time.perf_counter()
     sampled = sample(prompts, max_tokens)
-    if served.precision is not None and served.precision.device.type == "cuda":
-        torch.cuda.synchronize(served.precision.device)
+    _synchronize(served.model)
     return sampled / (time.perf_counter() - started)
 
 
@@ -86,14 +85,16 @@ def trainer_tokens_per_s(model: str, device: str, dtype: str, *, batch: int = 16
         samples.append(Sample(f"t{index}", "r", 0, ids[:half], ids[half:], [-5.0] * (length - half), 1.0,
                               1.0 if index % 2 else -1.0))
     train_step(policy, Batch(samples, 0, Counts()), config)  # warm-up
-    _synchronize(policy)
+    _synchronize(policy.model)
     started = time.perf_counter()
     for _ in range(steps):
         train_step(policy, Batch(samples, 0, Counts()), config)
-    _synchronize(policy)
+    _synchronize(policy.model)
     return steps * batch * length / (time.perf_counter() - started)
 
 
-def _synchronize(policy: Policy) -> None:
-    if policy.device.type == "cuda":
-        torch.cuda.synchronize(policy.device)
+def _synchronize(model: torch.nn.Module) -> None:
+    """Wait for the model's device to finish queued work (CUDA runs kernels asynchronously)."""
+    device = next(model.parameters()).device
+    if device.type == "cuda":
+        torch.cuda.synchronize(device)

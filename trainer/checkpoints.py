@@ -179,9 +179,17 @@ def recent_trained_ids(store: CheckpointStore, model: str, limit: int) -> list[s
 
 def prune(store: CheckpointStore, model: str, keep: int) -> None:
     """Delete all but the newest ``keep`` checkpoints of ``model`` (0 keeps everything)."""
+    _prune_folder(store, model_folder(model), keep)
+
+
+def _prune_folder(store: CheckpointStore, folder: str, keep: int) -> list[str]:
+    """Delete all but the newest ``keep`` checkpoints under ``folder`` (0 keeps everything); returns those left."""
+    names = store.names(folder)
     if keep > 0:
-        for name in store.names(model_folder(model))[:-keep]:
+        for name in names[:-keep]:
             store.delete(name)
+        names = names[-keep:]
+    return names
 
 
 def keep_only_newest(store: FolderStore, drop_files: tuple[str, ...] = ()) -> list[Path]:
@@ -193,11 +201,8 @@ def keep_only_newest(store: FolderStore, drop_files: tuple[str, ...] = ()) -> li
     kept = []
     models = sorted(entry.name for entry in store.root.iterdir() if entry.is_dir() and not entry.name.startswith("."))
     for model in models:
-        names = store.names(model)
-        for name in names[:-1]:
-            store.delete(name)
-        if names:
-            folder = store.root / names[-1]
+        for name in _prune_folder(store, model, keep=1):
+            folder = store.root / name
             for file in drop_files:
                 (folder / file).unlink(missing_ok=True)
             kept.append(folder)
