@@ -2,7 +2,8 @@
 
 Nothing here imports agentstream: the runner hands the agent a task and a rollout whose
 ``llm_base_url()`` points at the capturing proxy, and the returned float is the reward. The
-task set is every pair a, b in 1..20; a fixed, seeded 64 of them are held out for evaluation.
+task set is every pair a, b in 1..20; a fixed, seeded 64 of them are held out for evaluation
+(``make bench-learning`` holds out more: the first 64 of its held-out tasks are the demo's).
 """
 
 from __future__ import annotations
@@ -25,11 +26,13 @@ def all_tasks() -> list[dict]:
             for a in range(1, 21) for b in range(1, 21)]
 
 
-def split(seed: int = 7) -> tuple[list[dict], list[dict]]:
-    """(train, held-out): a seeded shuffle, the first HELDOUT_SIZE tasks held out."""
+def split(seed: int = 7, heldout: int = HELDOUT_SIZE) -> tuple[list[dict], list[dict]]:
+    """(train, held-out): a seeded shuffle, its first ``heldout`` tasks held out."""
     tasks = all_tasks()
+    if not 0 < heldout < len(tasks):
+        raise ValueError(f"heldout must be between 1 and {len(tasks) - 1}, got {heldout}")
     random.Random(seed).shuffle(tasks)
-    return tasks[HELDOUT_SIZE:], tasks[:HELDOUT_SIZE]
+    return tasks[heldout:], tasks[:heldout]
 
 
 def final_number(text: str) -> int | None:

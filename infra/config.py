@@ -396,7 +396,8 @@ class DemoConfig:
     held-out accuracy bench-learning times (``time_to_85pct_s``); ``stop_at_target`` ends a run there.
     The trainer steps once per wave (its flat groups counted) and drops transitions more than
     ``max_policy_lag`` versions old; waves are paced so that generation runs at most that many
-    versions ahead (0: generate, then train, then generate, as a plain loop does). ``dtype`` is the
+    versions ahead (0: generate, then train, then generate, as a plain loop does). ``heldout_tasks``
+    of the 400 arithmetic tasks are held out (``examples.arithmetic.split``). ``dtype`` is the
     compute dtype of the demo's server and trainer: ``auto`` is bfloat16 autocast where the device
     multiplies bfloat16 natively (CUDA, or a CPU with AMX), which trains SmolLM2 about twice as fast
     there, and float32 elsewhere.
@@ -423,6 +424,7 @@ class DemoConfig:
     server_threads: int = 1
     trainer_threads: int = 2
     max_policy_lag: int = 3
+    heldout_tasks: int = 64
     dtype: str = "auto"
     output_dir: str = "demo-output"
     report_path: str = "demo-report.json"
@@ -449,6 +451,8 @@ class DemoConfig:
             raise ConfigError("demo: seconds, quick_seconds and eval_every_s must be > 0 and group_size >= 2")
         if self.max_policy_lag < 0:
             raise ConfigError("demo: max_policy_lag must be >= 0")
+        if not 0 < self.heldout_tasks < 400:
+            raise ConfigError("demo: heldout_tasks must be between 1 and 399 (the arithmetic task set has 400)")
         if self.dtype not in ("auto", "float32", "bfloat16"):
             raise ConfigError("demo: dtype must be auto, float32 or bfloat16")
 

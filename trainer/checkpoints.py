@@ -126,7 +126,11 @@ def open_store(location: str) -> FolderStore:
 
 def checkpoint_name(model: str, version: int) -> str:
     """``<model>/v<version>``, the model name quoted so any name makes one safe folder."""
-    return f"{model_folder(model)}/v{version:08d}"
+    return f"{model_folder(model)}/{_version_folder(version)}"
+
+
+def _version_folder(version: int) -> str:
+    return f"v{version:08d}"
 
 
 def model_folder(model: str) -> str:
@@ -199,14 +203,26 @@ def keep_only_newest(store: FolderStore, drop_files: tuple[str, ...] = ()) -> li
     keeps three of them while it runs. Returns the folders kept.
     """
     kept = []
-    models = sorted(entry.name for entry in store.root.iterdir() if entry.is_dir() and not entry.name.startswith("."))
-    for model in models:
+    for model in _model_folders(store):
         for name in _prune_folder(store, model, keep=1):
             folder = store.root / name
             for file in drop_files:
                 (folder / file).unlink(missing_ok=True)
             kept.append(folder)
     return kept
+
+
+def find_version(store: FolderStore, version: int) -> Manifest:
+    """The checkpoint of ``version`` in a store that holds one model's checkpoints (a demo's), whatever its name."""
+    for folder in _model_folders(store):
+        name = f"{folder}/{_version_folder(version)}"
+        if name in store.names(folder):
+            return read_manifest(store, name)
+    raise CheckpointError(f"no checkpoint of version {version} in {store.root}")
+
+
+def _model_folders(store: FolderStore) -> list[str]:
+    return sorted(entry.name for entry in store.root.iterdir() if entry.is_dir() and not entry.name.startswith("."))
 
 
 class CheckpointAnnouncer:

@@ -4,7 +4,10 @@ Stack up; the agent in ``examples/arithmetic.py`` (plain OpenAI SDK) runs in run
 through the capturing proxy against the dev model server; streams assign GRPO credit; the
 trainer steps and checkpoints; hot swap loads every checkpoint into the server while the
 runners keep going. Held-out greedy accuracy is measured before, every ``eval_every_s`` and
-after, through the same proxy under a separate agent name (captured, never trained on).
+after, through the same proxy under a separate agent name (captured, never trained on). A caller
+that evaluates afterwards (``make bench-learning``) asks for snapshots instead of the evaluations
+during training: the weights the server held every ``eval_every_s``, kept as hard links, so the
+evaluation takes no CPU from the run and can use more tasks.
 Writes ``demo-report.json``, a plot and a Markdown report, then stops what it started.
 """
 
@@ -12,6 +15,7 @@ from __future__ import annotations
 
 import asyncio
 import json
+import os
 import random
 import time
 import urllib.request
@@ -32,12 +36,13 @@ from infra.clickhouse import ROLLOUT_POLICY_VERSION, connect, migrate
 from infra.config import Config, CreditRule
 from infra.machine import calibrate
 from infra.stack import Stack
+from models import local_path
 from models.precision import native_bfloat16
 from pipeline.publisher import SpanPublisher
 from pipeline.sdk import emit_reward, rollout, set_sink
 from pipeline.tasks import PacedQueue, grouped_tasks
 from schemas.contracts import POLICY_VERSION_HEADER
-from trainer.checkpoints import keep_only_newest, open_store
+from trainer.checkpoints import find_version, keep_only_newest, open_store
 from trainer.policy import OPTIMIZER_STATE
 
 TRAIN_AGENT = "arithmetic"
@@ -60,6 +65,15 @@ class Evaluation:
 
 
 @dataclass
+class Snapshot:
+    """The weights the server held ``seconds`` after training started (``weights`` empty: the base model's)."""
+
+    seconds: float
+    policy_version: int
+    weights: str
+
+
+@dataclass
 class DemoReport:
     """What ``demo-report.json`` holds."""
 
@@ -77,6 +91,7 @@ class DemoReport:
     train_steps: int = 0
     quick: bool = False
     machine: dict = field(default_factory=dict)  # infra.machine.Calibration: compare runs on different machines
+    snapshots: list[Snapshot] = field(default_factory=list)
 
 
 def compute_dtype(config: Config) -> str:
@@ -128,6 +143,18 @@ async def evaluate(tasks: list[dict], proxy_url: str, server_url: str, started: 
     rewards = await asyncio.gather(*(one(task) for task in tasks))
     correct = int(sum(rewards))
     return Evaluation(round(time.monotonic() - started, 1), version, correct / len(tasks), correct, len(tasks))
+
+
+def snapshot_served(server_url: str, checkpoint_dir: str, folder: Path, seconds: float) -> Snapshot:
+    """Hard-link the weights the server holds now into ``folder`` (the trainer prunes its own copies)."""
+    version = server_version(server_url)
+    if version == 0:
+        return Snapshot(seconds, 0, "")
+    manifest = find_version(open_store(checkpoint_dir), version)
+    source = local_path(manifest.uri) / manifest.weights_file
+    target = folder / f"{seconds:07.1f}s-v{version}-{manifest.weights_file}"
+    os.link(source, target)
+    return Snapshot(seconds, version, str(target))
 
 
 def _waves(train: list[dict], group_size: int, wave_size: int):
@@ -236,10 +263,14 @@ def write_markdown(path: Path, report: DemoReport) -> None:
 
 
 async def train_and_watch(session: TrainingSession, config: Config, endpoints, client, console: Console,
-                          started: float) -> tuple[list[Evaluation], float]:
-    """Enqueue the train tasks, run until the time is up (or the target is reached), evaluating as it goes."""
+                          started: float, snapshots: Path | None) -> tuple[list[Evaluation], list[Snapshot], float]:
+    """Enqueue the train tasks, run until the time is up (or the target is reached), evaluating as it goes.
+
+    With ``snapshots``, the served weights are linked there every ``eval_every_s`` instead of evaluated.
+    """
     demo = config.demo
-    train, heldout = arithmetic.split()
+    train, heldout = arithmetic.split(heldout=demo.heldout_tasks)
+    taken: list[Snapshot] = []
     publisher = SpanPublisher(config, endpoints.bootstrap_servers, journal_dir=session.workdir / "journal").start()
     set_sink(publisher)
     try:
@@ -283,7 +314,12 @@ async def train_and_watch(session: TrainingSession, config: Config, endpoints, c
                         pending = None
                         if demo.stop_at_target and result.accuracy >= demo.target:
                             break
-                    if pending is None and time.monotonic() >= next_eval:
+                    if snapshots is not None and time.monotonic() >= next_eval:
+                        taken.append(await asyncio.to_thread(
+                            snapshot_served, session.server_url, config.trainer.checkpoint_dir, snapshots,
+                            round(time.monotonic() - training_started, 1)))
+                        next_eval += demo.eval_every_s
+                    elif pending is None and time.monotonic() >= next_eval:
                         pending = asyncio.create_task(evaluate(heldout, session.proxy_url, session.server_url,
                                                                started))
                         next_eval = time.monotonic() + demo.eval_every_s
@@ -291,6 +327,9 @@ async def train_and_watch(session: TrainingSession, config: Config, endpoints, c
         finally:
             await queue.close()
         training_seconds = time.monotonic() - training_started
+        if snapshots is not None:
+            taken.append(await asyncio.to_thread(snapshot_served, session.server_url, config.trainer.checkpoint_dir,
+                                                 snapshots, round(training_seconds, 1)))
         if pending is not None:
             result = await pending
             result.seconds = round(result.seconds - (training_started - started), 1)
@@ -303,14 +342,14 @@ async def train_and_watch(session: TrainingSession, config: Config, endpoints, c
         dashboard.evaluations.append(after)
         console.print(f"held-out after training: {after.accuracy:.1%} ({after.correct}/{after.total}, "
                       f"greedy, policy v{after.policy_version})")
-        return dashboard.evaluations, training_seconds
+        return dashboard.evaluations, taken, training_seconds
     finally:
         set_sink(None)
         await asyncio.to_thread(publisher.close)
 
 
-def run_demo(config: Config, console: Console | None = None) -> DemoReport:
-    """The whole demo; returns (and writes) its report."""
+def run_demo(config: Config, console: Console | None = None, snapshots: Path | None = None) -> DemoReport:
+    """The whole demo; returns (and writes) its report. ``snapshots``: a folder for the served weights over time."""
     console = console or Console()
     started = time.monotonic()
     run_id = uuid.uuid4().hex[:8]
@@ -336,8 +375,10 @@ def run_demo(config: Config, console: Console | None = None) -> DemoReport:
         client.command(f"DROP DATABASE IF EXISTS {DATABASE}")  # the demo's own database, fresh each run
         migrate(client, DATABASE)
         session.start(progress=console.print)
-        evaluations, training_seconds = asyncio.run(
-            train_and_watch(session, config, endpoints, client, console, started))
+        if snapshots is not None:
+            snapshots.mkdir(parents=True, exist_ok=True)
+        evaluations, taken, training_seconds = asyncio.run(
+            train_and_watch(session, config, endpoints, client, console, started, snapshots))
         dashboard = Dashboard(client, console, demo.training_seconds)
         numbers = dashboard.snapshot()
         reached = [e.seconds for e in evaluations if e.seconds >= 0 and e.accuracy >= demo.target]
@@ -347,7 +388,7 @@ def run_demo(config: Config, console: Console | None = None) -> DemoReport:
             training_seconds=round(training_seconds, 1), time_to_target_s=min(reached) if reached else None,
             target=demo.target, evaluations=evaluations, reward_per_version=dashboard.reward_per_version(),
             rollouts=numbers["rollouts"], spans=numbers["spans"], train_steps=numbers["steps"], quick=demo.quick,
-            machine=machine.as_dict())
+            machine=machine.as_dict(), snapshots=taken)
     finally:
         if live_dashboard is not None:
             live_dashboard.stop()

@@ -272,6 +272,14 @@ def test_task_files_are_the_seeded_split(tmp_path):
     assert all(t["answer"] == sum(map(int, re.findall(r"\d+", t["prompt"]))) for t in train + heldout)
 
 
+def test_a_larger_heldout_set_extends_the_demos():
+    train, heldout = arithmetic.split(heldout=160)
+    assert len(heldout) == 160 and heldout[:arithmetic.HELDOUT_SIZE] == arithmetic.split()[1]
+    assert {t["id"] for t in train}.isdisjoint(t["id"] for t in heldout) and len(train) + 160 == 400
+    with pytest.raises(ValueError, match="between 1 and 399"):
+        arithmetic.split(heldout=400)
+
+
 # ---------------------------------------------------------------- every agent end to end
 
 

@@ -21,8 +21,10 @@ from trainer.batching import (
     collate,
 )
 from trainer.checkpoints import (
+    CheckpointError,
     FolderStore,
     UnsupportedStore,
+    find_version,
     keep_only_newest,
     latest_manifest,
     manifests,
@@ -347,6 +349,9 @@ def test_store_lists_prunes_and_remembers_trained_ids(tmp_path):
     assert recent_trained_ids(store, "m", limit=3) == ["t3a", "t3b", "t4a", "t4b"]
     prune(store, "m", keep=2)
     assert [m.version for m in manifests(store, "m")] == [3, 4]
+    assert find_version(store, 3).version == 3
+    with pytest.raises(CheckpointError, match="no checkpoint of version 2"):
+        find_version(store, 2)
     (store.root / "m" / "v00000004" / "optimizer.pt").write_bytes(b"adam")
     assert keep_only_newest(store, drop_files=("optimizer.pt",)) == [store.root / "m" / "v00000004"]
     assert [m.version for m in manifests(store, "m")] == [4]
@@ -364,4 +369,13 @@ def test_trainer_config_section_is_typed_and_validated(tmp_path):
         ("tiny", 0.002, True, 32)
     path.write_text('[trainer]\nclip_eps = 1.5\n')
     with pytest.raises(ConfigError, match="clip_eps"):
+        load_config(path, environ={})
+
+
+def test_demo_heldout_tasks_are_bounded_by_the_task_set(tmp_path):
+    path = tmp_path / "agentstream.toml"
+    path.write_text('[demo]\nheldout_tasks = 160\n')
+    assert load_config(path, environ={}).demo.heldout_tasks == 160
+    path.write_text('[demo]\nheldout_tasks = 400\n')
+    with pytest.raises(ConfigError, match="heldout_tasks must be between 1 and 399"):
         load_config(path, environ={})
