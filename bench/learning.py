@@ -193,7 +193,12 @@ def peer_run(config: Config) -> tuple[list[Snapshot], float]:
 
 
 def _copy(model: torch.nn.Module) -> dict[str, torch.Tensor]:
-    return {name: tensor.detach().clone() for name, tensor in model.state_dict().items()}
+    """The model's weights, one copy per storage (a tied head and its embeddings stay one tensor)."""
+    copies: dict[int, torch.Tensor] = {}
+    for tensor in model.state_dict().values():
+        if tensor.data_ptr() not in copies:
+            copies[tensor.data_ptr()] = tensor.detach().clone()
+    return {name: copies[tensor.data_ptr()] for name, tensor in model.state_dict().items()}
 
 
 def report_side(name: str, run: Run, other: Run | None, target: float) -> None:

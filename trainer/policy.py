@@ -7,6 +7,8 @@ state is saved beside them so a restarted trainer continues exactly where it sto
 
 from __future__ import annotations
 
+import copy
+from collections.abc import Callable
 from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
@@ -105,6 +107,33 @@ def save_weights(policy: Policy, folder: Path, optimizer_state: bool = True) -> 
     if optimizer_state:
         torch.save(policy.optimizer.state_dict(), folder / OPTIMIZER_STATE)
     return folder / policy.weights_file
+
+
+def save_weights_later(policy: Policy, folder: Path, optimizer_state: bool = True) -> Callable[[], Path]:
+    """``save_weights`` in two halves: copy the weights now (on the model's thread), write them when called.
+
+    The copy is what the next optimizer step cannot change, so the write (serialising 0.5 GB for
+    SmolLM2, about a second on a CPU) can run on another thread beside that step. One tensor per
+    storage is kept, as ``save_model`` does for a tied head. A LoRA adapter is small: it is written now.
+    """
+    if policy.lora:
+        written = save_weights(policy, folder, optimizer_state)
+        return lambda: written
+    by_storage: dict[int, tuple[str, torch.Tensor]] = {}
+    for name, tensor in policy.model.state_dict().items():
+        by_storage[tensor.data_ptr()] = (name, tensor.detach().clone())  # the last name of a tied pair stays
+    tensors = dict(by_storage.values())
+    optimizer = copy.deepcopy(policy.optimizer.state_dict()) if optimizer_state else None
+
+    def write() -> Path:
+        from safetensors.torch import save_file
+
+        save_file(tensors, str(folder / FULL_WEIGHTS_FILE))
+        if optimizer is not None:
+            torch.save(optimizer, folder / OPTIMIZER_STATE)
+        return folder / FULL_WEIGHTS_FILE
+
+    return write
 
 
 def load_weights(policy: Policy, folder: Path) -> None:

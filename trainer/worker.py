@@ -19,6 +19,7 @@ import time
 from collections.abc import Callable
 from concurrent.futures import ThreadPoolExecutor
 from dataclasses import dataclass
+from pathlib import Path
 from typing import Any
 
 from aiokafka import AIOKafkaConsumer, ConsumerRebalanceListener, TopicPartition
@@ -41,7 +42,7 @@ from trainer.checkpoints import (
     write_checkpoint,
 )
 from trainer.metrics import MetricsWriter, StepReport
-from trainer.policy import OPTIMIZER_STATE, Policy, build_policy, load_weights, save_weights
+from trainer.policy import OPTIMIZER_STATE, Policy, build_policy, load_weights, save_weights_later
 from trainer.step import train_step
 
 log = logging.getLogger("agentstream.trainer")
@@ -119,6 +120,7 @@ class TrainerWorker:
         self._reports: list[StepReport] = []
         self._flushed_at = 0.0
         self._writes: set[asyncio.Task] = set()
+        self._writing: asyncio.Task | None = None  # the checkpoint being written while the next step runs
         self._metrics_lock = asyncio.Lock()
         self._model_thread = ThreadPoolExecutor(max_workers=1, thread_name_prefix="trainer-model")
         self.batcher = self._batcher([])
@@ -149,7 +151,10 @@ class TrainerWorker:
                 await self._consume(stop, max_steps)
                 if self._steps_since:
                     await self._checkpoint()
+                await self._written()
             finally:
+                if self._writing is not None:  # failed on the way: the checkpoint's records are read again
+                    self._writing.cancel()
                 self._flush_metrics()
                 await asyncio.gather(*self._writes)
                 await self.consumer.stop()
@@ -160,7 +165,8 @@ class TrainerWorker:
 
     def unfinished(self) -> str:
         """What a forced exit abandons, for its log line (read from another thread: plain reads only)."""
-        return (f"{self._steps_since} steps since checkpoint v{self.version} and {len(self.batcher)} queued "
+        writing = f" (v{self.version} was still being written)" if self._writing is not None else ""
+        return (f"{self._steps_since} steps since checkpoint v{self.version}{writing} and {len(self.batcher)} queued "
                 f"transitions (their offsets were not committed: they are trained again from the last checkpoint)")
 
     async def _on_model_thread(self, function: Callable, *args: Any) -> Any:
@@ -208,7 +214,7 @@ class TrainerWorker:
                     await self._train(batch)
                 if self._steps_since >= self.settings.checkpoint_every_steps:
                     await self._checkpoint()
-            if not self._steps_since:  # nothing trained since the last checkpoint: skipped records can be committed
+            if not self._steps_since and self._writing is None:  # all trained is announced: commit what was skipped
                 await self._commit(self._committable())
 
     def _start_over(self, tp: TopicPartition) -> None:
@@ -260,25 +266,47 @@ class TrainerWorker:
             self._flush_metrics()
 
     async def _checkpoint(self) -> None:
-        """Write the weights and manifest, announce the new version, then commit the positions it covers."""
+        """Copy the weights as the next version, then write, announce and commit it while the next step runs.
+
+        One checkpoint is in flight at a time, so versions are announced, and their positions
+        committed, in order. A crash before the announcement loses only that version: its
+        transitions are read again from the previous checkpoint's positions.
+        """
+        await self._written()
         positions = self._committable()
-        offsets = {f"{tp.topic}:{tp.partition}": offset for tp, offset in positions.items()}
         staging = self.store.staging()
         every = self.settings.optimizer_state_every
-        optimizer_state = every > 0 and (self.version + 1) % every == 0
-        weights = await self._on_model_thread(save_weights, self.policy, staging, optimizer_state)
+        version = self.version + 1
+        write = await self._on_model_thread(save_weights_later, self.policy, staging,
+                                            every > 0 and version % every == 0)
         metrics = self._last_report.checkpoint_metrics() if self._last_report else {}
+        trained_ids, self._trained_since, self._steps_since = self._trained_since, [], 0
+        self.version = version
+        self._writing = asyncio.create_task(self._write(write, staging, version, self.step, positions, trained_ids,
+                                                        metrics))
+
+    async def _write(self, write: Callable[[], Path], staging: Path, version: int, step: int,
+                     positions: dict[TopicPartition, int], trained_ids: list[str], metrics: dict[str, float]) -> None:
+        offsets = {f"{tp.topic}:{tp.partition}": offset for tp, offset in positions.items()}
+        weights = await asyncio.to_thread(write)
         manifest = await asyncio.to_thread(
-            write_checkpoint, self.store, staging, weights, model=self.name, version=self.version + 1, step=self.step,
-            format=self.policy.format, offsets=offsets, trained_ids=self._trained_since, metrics=metrics)
+            write_checkpoint, self.store, staging, weights, model=self.name, version=version, step=step,
+            format=self.policy.format, offsets=offsets, trained_ids=trained_ids, metrics=metrics)
         await self._announce(manifest)
-        self.version, self.resume_offsets = manifest.version, offsets
-        self._trained_since, self._steps_since = [], 0
+        self.resume_offsets = offsets
         self.summary.checkpoints += 1
         await self._commit(positions)
         await asyncio.to_thread(prune, self.store, self.name, self.settings.keep_checkpoints)
         self.progress(f"checkpoint v{manifest.version} (step {manifest.step}) sha256 {manifest.sha256[:12]} "
                       f"-> {manifest.uri}")
+
+    async def _written(self) -> None:
+        """Wait for the checkpoint in flight, if any (its failure is raised here)."""
+        if self._writing is not None:
+            try:
+                await self._writing
+            finally:
+                self._writing = None
 
     async def _announce(self, manifest: Manifest) -> None:
         await self.announcer.announce(manifest)

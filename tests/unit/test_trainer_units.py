@@ -34,7 +34,7 @@ from trainer.checkpoints import (
     write_checkpoint,
 )
 from trainer.loss import policy_loss
-from trainer.policy import build_policy, load_weights, save_weights
+from trainer.policy import build_policy, load_weights, save_weights, save_weights_later
 from trainer.step import token_logprobs, train_step
 
 # ---------------------------------------------------------------- loss
@@ -314,6 +314,28 @@ def test_full_weights_checkpoint_round_trips_and_fits_the_dev_server(tmp_path, t
     for name, tensor in policy.model.state_dict().items():
         assert torch.equal(tensor, restored.model.state_dict()[name])
     assert restored.optimizer.state_dict()["state"].keys() == policy.optimizer.state_dict()["state"].keys()
+
+
+def test_weights_saved_later_are_the_ones_copied_before_the_next_step(tmp_path, tiny_config):
+    from safetensors.torch import load_file
+
+    policy = build_policy(tiny_config)
+    train_step(policy, Batch(generated(policy, 2, 1.0), 0, Counts()), tiny_config)
+    before = {name: tensor.clone() for name, tensor in policy.model.state_dict().items()}
+    write = save_weights_later(policy, tmp_path, optimizer_state=True)
+    moments = {k: v["exp_avg"].clone() for k, v in policy.optimizer.state_dict()["state"].items()}
+    train_step(policy, Batch(generated(policy, 2, 1.0), 1, Counts()), tiny_config)  # changes weights and moments
+    assert any(not torch.equal(before[name], tensor) for name, tensor in policy.model.state_dict().items())
+    weights = write()
+    saved = load_file(weights)
+    storages = {tensor.data_ptr() for tensor in policy.model.state_dict().values()}
+    assert len(saved) == len(storages)  # a tied head is written once, as save_model writes it
+    restored = build_policy(tiny_config)
+    load_weights(restored, tmp_path)
+    for name, tensor in before.items():
+        assert torch.equal(tensor, restored.model.state_dict()[name]), name
+    for key, state in restored.optimizer.state_dict()["state"].items():
+        assert torch.equal(state["exp_avg"], moments[key])
 
 
 def test_lora_checkpoint_is_a_peft_adapter_the_dev_server_loads(tmp_path, tiny_config):
