@@ -141,9 +141,11 @@ class PacedQueue:
     Wave k goes out once the model server holds version k − ``max_lag``. With one optimizer step
     per wave, every rollout is then generated at most ``max_lag`` versions behind the version that
     trains on it, so the trainer's lag bound drops nothing and no CPU goes to rollouts too stale to
-    use (AReaL's staleness control). If every enqueued task has finished and the version has not
-    moved for ``stall_s`` (the trainer had nothing to step on: every group it got was flat), one
-    more wave goes out, so the loop cannot stall; it stays counted, since that wave made no version.
+    use (AReaL's staleness control). A wave whose GRPO groups all had equal rewards carries no
+    signal and makes no step: once the caller reports it (``settle``), one more wave goes out in its
+    place, or generation would fall a wave further behind for each such wave. As a safety valve, if
+    every enqueued task has finished and the version has not moved for ``stall_s``, one more wave
+    goes out too, so the loop cannot stall; it stays counted, since that wave made no version.
     """
 
     def __init__(self, config: Config, bootstrap_servers: str, waves: Iterable[list[dict[str, Any]]],
@@ -154,6 +156,7 @@ class PacedQueue:
         self._codec = AvroCodec()
         self._producer: AIOKafkaProducer | None = None
         self._extra_waves = 0
+        self._unsettled: list[set[str]] = []  # group ids of each wave not yet known to carry signal or not
         self._version, self._version_since = -1, 0.0
         self.enqueued_waves = 0
         self.enqueued_tasks = 0
@@ -180,6 +183,24 @@ class PacedQueue:
             self._version_since = now
         return policy_version + self.max_lag + 1 + self._extra_waves
 
+    def unsettled_groups(self) -> set[str]:
+        """The group ids of the waves ``settle`` has not yet accounted for."""
+        return set().union(*self._unsettled)
+
+    def settle(self, finished: Mapping[str, bool]) -> int:
+        """Account for the waves whose groups have all finished; returns how many carried no signal.
+
+        ``finished`` maps each finished group id to whether it was flat (every reward equal, so
+        no advantage). Each wave of only flat groups lets one more wave out, as a version would.
+        """
+        flat = 0
+        for groups in list(self._unsettled):
+            if groups <= finished.keys():
+                self._unsettled.remove(groups)
+                flat += all(finished[group] for group in groups)
+        self._extra_waves += flat
+        return flat
+
     async def top_up(self, policy_version: int, finished_tasks: int, now: float) -> int:
         """Enqueue the waves ``policy_version`` allows; returns how many tasks went out."""
         assert self._producer is not None, "PacedQueue.start() first"
@@ -190,5 +211,7 @@ class PacedQueue:
                 break
             sent += await _publish(self._producer, self.config, self._codec, wave)
             self.enqueued_waves += 1
+            if groups := {task["group_id"] for task in wave if task.get("group_id")}:
+                self._unsettled.append(groups)
         self.enqueued_tasks += sent
         return sent

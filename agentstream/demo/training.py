@@ -194,6 +194,17 @@ class Dashboard:
         return {"rollouts": rollouts, "spans": spans, "steps": steps[0], "version": steps[1] if steps[0] else 0,
                 "staleness": steps[2] if steps[0] else 0.0, "last_reward": steps[3] if steps[0] else None}
 
+    def finished_groups(self, groups: set[str], group_size: int) -> dict[str, bool]:
+        """Of ``groups``, those whose rollouts have all been rewarded, each with whether it was flat."""
+        if not groups:
+            return {}
+        listed = ", ".join("'" + group.replace("\\", "\\\\").replace("'", "\\'") + "'" for group in groups)
+        rows = self.client.query(
+            f"SELECT group_id, min(final_reward) = max(final_reward) FROM rollouts FINAL "
+            f"WHERE agent_name = '{TRAIN_AGENT}' AND group_id IN ({listed}) AND final_reward IS NOT NULL "
+            f"GROUP BY group_id HAVING count() = {int(group_size)}").result_rows
+        return {group: bool(flat) for group, flat in rows}
+
     def reward_per_version(self) -> list[dict]:
         rows = self.client.query(
             f"SELECT {ROLLOUT_POLICY_VERSION} AS version, count() AS rollouts, avg(final_reward) AS reward "
@@ -297,6 +308,7 @@ async def train_and_watch(session: TrainingSession, config: Config, endpoints, c
                     session.check()
                     if time.monotonic() - last_snapshot >= SNAPSHOT_EVERY_S:
                         numbers, per_version = dashboard.snapshot(), dashboard.reward_per_version()
+                        queue.settle(dashboard.finished_groups(queue.unsettled_groups(), demo.group_size))
                         last_snapshot = time.monotonic()
                         if live is not None:  # a terminal
                             live.update(dashboard.render(elapsed, numbers, per_version))

@@ -26,3 +26,14 @@ def test_a_wave_that_made_no_version_lets_one_more_out_after_the_stall_time():
     assert paced.waves_due(4, 64, 40.0) == 7  # stalled: one more wave, and the valve waits again
     assert paced.waves_due(4, 64, 50.0) == 7
     assert paced.waves_due(5, 64, 51.0) == 8  # the extra wave stays counted: it made no version
+
+
+def test_a_wave_of_flat_groups_lets_one_more_out_once_settled():
+    paced = queue(2)
+    paced._unsettled = [{"a", "b"}, {"c", "d"}, {"e", "f"}]  # what top_up records for three waves of two groups
+    assert paced.waves_due(3, 0, 0.0) == 6
+    assert paced.settle({"a": True, "b": False, "c": True}) == 0  # wave 1 had signal; wave 2 is not finished
+    assert paced.unsettled_groups() == {"c", "d", "e", "f"}
+    assert paced.settle({"c": True, "d": True, "e": True, "f": True}) == 2  # both flat: two more waves
+    assert paced.waves_due(3, 0, 1.0) == 8
+    assert paced.unsettled_groups() == set() and paced.settle({"a": True}) == 0
