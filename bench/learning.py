@@ -82,7 +82,9 @@ class Run:
 
     @property
     def accuracy_by_version(self) -> list[list[float]]:
-        return [[version, round(accuracy, 4)] for _, version, accuracy in self.evaluations]
+        """[version, accuracy] per distinct version (a side may hold one version over several snapshots)."""
+        first = {version: accuracy for _, version, accuracy in reversed(self.evaluations)}
+        return [[version, round(accuracy, 4)] for version, accuracy in sorted(first.items())]
 
     @property
     def after(self) -> float:

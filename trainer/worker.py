@@ -214,6 +214,8 @@ class TrainerWorker:
                     await self._train(batch)
                 if self._steps_since >= self.settings.checkpoint_every_steps:
                     await self._checkpoint()
+            if self._writing is not None and self._writing.done():
+                await self._written()  # a failed write is raised here, not a step later
             if not self._steps_since and self._writing is None:  # all trained is announced: commit what was skipped
                 await self._commit(self._committable())
 
