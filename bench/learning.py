@@ -39,7 +39,7 @@ from agentstream.demo import run_demo
 from agentstream.demo.training import compute_dtype
 from bench.common import CpuShare, emit
 from examples import arithmetic
-from infra.config import Config, load_config
+from infra.config import Config, ConfigError, load_config
 from infra.machine import calibrate
 from models import LoadedModel, assign_weights, eos_token_ids, load_model
 from models.precision import cast_linears_for_inference, resolve_precision
@@ -230,13 +230,16 @@ def main() -> None:
                         help="Held-out tasks (of 400) both sides are scored on; the rest train.")
     parser.add_argument("--only", choices=["ours", "peer"], default=None)
     args = parser.parse_args()
+    config = load_config()
+    try:
+        config = replace(config, demo=replace(config.demo, quick=False,
+                                              output_dir="bench-output", eval_every_s=args.eval_every,
+                                              seconds=args.seconds, heldout_tasks=args.heldout,
+                                              report_path="bench-output/learning-report.json"))
+    except ConfigError as error:
+        parser.error(str(error))
     calibration = calibrate()
     emit("learning", "machine_calibration", calibration.python_loop_s, "s", **calibration.as_dict())
-    config = load_config()
-    config = replace(config, demo=replace(config.demo, stop_at_target=False, quick=False, output_dir="bench-output",
-                                          eval_every_s=args.eval_every, seconds=args.seconds,
-                                          heldout_tasks=args.heldout,
-                                          report_path="bench-output/learning-report.json"))
     snapshots: dict[str, list[Snapshot]] = {}
     shares: dict[str, dict[str, float]] = {}
     speed: dict[str, tuple[float, int]] = {}
