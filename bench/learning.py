@@ -98,6 +98,11 @@ def wilson_interval(accuracy: float, tasks: int, z: float = 1.96) -> list[float]
     return [round(max(0.0, centre - half), 4), round(min(1.0, centre + half), 4)]
 
 
+def task_prompt(tokenizer, native_tools: bool, task: dict) -> list[int]:
+    """The token ids the agent's one chat call sends for ``task``, as both sides and the judge render it."""
+    return render_prompt(tokenizer, [{"role": "user", "content": task["prompt"]}], None, native_tools)
+
+
 class Judge:
     """Greedy held-out accuracy of any snapshot, computed the same way for both sides after both ran."""
 
@@ -113,8 +118,7 @@ class Judge:
         assign_weights(self.loaded.model, self.base if weights is None else
                        load_file(weights) if isinstance(weights, Path) else weights)
         tokenizer = self.loaded.tokenizer
-        requests = [BatchRequest(render_prompt(tokenizer, [{"role": "user", "content": task["prompt"]}], None,
-                                               self.native_tools),
+        requests = [BatchRequest(task_prompt(tokenizer, self.native_tools, task),
                                  SamplingParams(max_tokens=arithmetic.MAX_TOKENS, temperature=0.0))
                     for task in self.heldout]
         results = generate_batch(self.loaded.model, tokenizer, requests, eos_token_ids(self.loaded),
@@ -153,7 +157,7 @@ def peer_run(config: Config) -> tuple[list[Snapshot], float]:
     native_tools = renders_tools(tokenizer)
 
     def prompt(task: dict) -> list[int]:
-        return render_prompt(tokenizer, [{"role": "user", "content": task["prompt"]}], None, native_tools)
+        return task_prompt(tokenizer, native_tools, task)
 
     def generate(tasks: list[dict], params: SamplingParams):
         sampler.eval()
