@@ -404,12 +404,15 @@ class DemoConfig:
 
     ``online_*`` set the online demo (``agentstream demo --online``): seconds of live traffic, the
     users' request rate (per second), the longest feedback delay and the share of answers never
-    rated, the service's sampling temperature (SmolLM2 answers a third right at 0.3, a twentieth at
-    1.0), the LoRA learning rate (adapters on every linear layer), batch (transitions) and optimizer steps
-    per checkpoint (each checkpoint is a candidate; the gate takes the newest when it is free), the
-    trainer's lag bound in checkpoints (the stable version trails the trainer by a gate cycle of
-    about five checkpoints; a bound of 8 dropped half the transitions as stale), the gate's
-    evaluation size, canary share and minimum canary window.
+    rated, the service's sampling temperature (SmolLM2 answers about a third right at 0.2 and 0.3,
+    a twentieth at 1.0; at 0.2 live success rose faster, 31% -> 80% against 26% -> 72% at 0.3
+    in otherwise equal runs), the LoRA learning rate (adapters on every linear layer), batch
+    (transitions) and optimizer steps per checkpoint (each checkpoint is a candidate; the gate
+    takes the newest when it is free), the trainer's lag bound in checkpoints (the stable version
+    trails the trainer by a gate cycle of about five checkpoints; a bound of 8 dropped half the
+    transitions as stale), the gate's
+    evaluation size, canary share and minimum canary window (a half-share canary at two users a
+    second has its 12 rated rollouts in about 40 s, so a gate cycle takes about a minute).
     """
 
     quick: bool = False
@@ -429,16 +432,16 @@ class DemoConfig:
     output_dir: str = "demo-output"
     report_path: str = "demo-report.json"
     online_seconds: float = 1020.0
-    online_rate: float = 1.0
+    online_rate: float = 2.0
     online_feedback_max_delay_s: float = 60.0
     online_silent_share: float = 0.1
-    online_temperature: float = 0.3
+    online_temperature: float = 0.2
     online_lr: float = 5e-4
     online_batch: int = 16
     online_steps_per_checkpoint: int = 1
     online_max_policy_lag: int = 20
     online_eval_tasks: int = 32
-    online_canary_share: float = 0.3
+    online_canary_share: float = 0.5
     online_canary_s: float = 30.0
     online_report_path: str = "online-report.json"
 
