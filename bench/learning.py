@@ -37,10 +37,10 @@ from safetensors.torch import load_file
 
 from agentstream.demo import run_demo
 from agentstream.demo.training import compute_dtype
-from bench.common import CpuShare, emit
+from bench.common import emit
 from examples import arithmetic
 from infra.config import Config, ConfigError, load_config
-from infra.machine import calibrate
+from infra.machine import CpuShare, calibrate
 from models import LoadedModel, assign_weights, eos_token_ids, load_model
 from models.precision import cast_linears_for_inference, resolve_precision
 from serving.generation import BatchRequest, SamplingParams, generate_batch

@@ -29,10 +29,10 @@ from pathlib import Path
 
 from aiokafka import AIOKafkaConsumer
 
-from bench.common import CpuShare, emit, llm_span, percentile, private_stack
+from bench.common import emit, llm_span, percentile, private_stack
 from infra.clickhouse import connect
 from infra.kafka import client_options, topic_name
-from infra.machine import calibrate
+from infra.machine import CpuShare, calibrate
 from pipeline.publisher import SpanPublisher
 
 SPANS_PER_ROLLOUT = 16

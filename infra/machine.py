@@ -9,7 +9,9 @@ from __future__ import annotations
 
 import os
 import platform
+import threading
 import time
+from collections import defaultdict
 from dataclasses import asdict, dataclass
 from pathlib import Path
 
@@ -32,6 +34,11 @@ class Calibration:
 
     def as_dict(self) -> dict[str, object]:
         return asdict(self)
+
+    def describe(self) -> str:
+        """``<cpu model>, 2 cores; calibration: a fixed Python loop 0.25 s, numpy 0.40 s``, for start-up lines."""
+        return (f"{self.cpu_model}, {self.cores} cores; calibration: a fixed Python loop {self.python_loop_s:.2f} s, "
+                f"numpy {self.numpy_matmul_s:.2f} s")
 
 
 def cpu_model() -> str:
@@ -116,3 +123,57 @@ def process_label(pid: int) -> str | None:
         return argv[2]
     return Path(argv[0]).name
 
+
+class CpuShare(threading.Thread):
+    """Each process's share of the machine while a block runs: this process and every descendant, by label.
+
+    CPU counters are read every ``interval_s``; a process that exits between two readings keeps what
+    was last read of it, so short-lived processes are undercounted by at most one interval. A process
+    already running at the start counts from its counter then; one started later counts all its CPU.
+    """
+
+    def __init__(self, label: str, cores: int, interval_s: float = 2.0) -> None:
+        super().__init__(name="cpu-share", daemon=True)
+        self.label, self.cores, self.interval_s = label, cores, interval_s
+        self.first: dict[int, float] = {}
+        self.last: dict[int, tuple[str, float]] = {}
+        self.began = self.ended = 0.0
+        self.stopping = threading.Event()
+
+    def __enter__(self) -> CpuShare:
+        self.began = time.monotonic()
+        self._read(baseline=True)
+        self.start()
+        return self
+
+    def __exit__(self, *exc: object) -> None:
+        self.stopping.set()
+        self.join()
+        self._read()
+        self.ended = time.monotonic()
+
+    def run(self) -> None:
+        while not self.stopping.wait(self.interval_s):
+            self._read()
+
+    def _read(self, baseline: bool = False) -> None:
+        me = os.getpid()
+        for pid in (me, *child_processes(me)):
+            seconds = process_cpu_seconds(pid)
+            label = self.label if pid == me else process_label(pid)
+            if seconds is None or label is None:
+                continue
+            self.first.setdefault(pid, seconds if baseline else 0.0)
+            self.last[pid] = (label, seconds)
+
+    def seconds_by_label(self) -> dict[str, float]:
+        totals: dict[str, float] = defaultdict(float)
+        for pid, (label, seconds) in self.last.items():
+            totals[label] += seconds - self.first[pid]
+        return dict(totals)
+
+    def shares(self) -> dict[str, float]:
+        """CPU seconds per label over (wall seconds x cores), largest first; 1.0 is every core busy."""
+        available = max(self.ended - self.began, 1e-9) * self.cores
+        ordered = sorted(self.seconds_by_label().items(), key=lambda item: -item[1])
+        return {label: round(seconds / available, 3) for label, seconds in ordered}

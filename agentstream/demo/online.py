@@ -33,6 +33,7 @@ from examples import arithmetic
 from infra.clickhouse import connect, migrate
 from infra.config import Config, CreditRule
 from infra.deployments import DeploymentFollower, split_adapter_name
+from infra.machine import CpuShare, calibrate
 from infra.processes import free_port
 from infra.stack import Stack
 from pipeline.publisher import SpanPublisher
@@ -189,6 +190,9 @@ class OnlineReport:
     feedback_sent: int = 0
     feedback_withheld: int = 0
     failures: list[str] = field(default_factory=list)
+    settings: dict = field(default_factory=dict)  # what this run varied: rate, temperature, canary share, dtype, lr
+    machine: dict = field(default_factory=dict)  # infra.machine.Calibration: compare runs on different machines
+    cpu_share: dict[str, float] = field(default_factory=dict)  # each process's share of all cores while users asked
 
 
 def success(answers: list[Answer]) -> float | None:
@@ -226,6 +230,13 @@ def build_report(users: Users, deployments: list[dict], traffic_seconds: float, 
         deployments=deployments, promotions=actions.count("PROMOTED"), rollbacks=actions.count("ROLLED_BACK"),
         rejections=actions.count("REJECTED"), feedback_sent=users.feedback_sent,
         feedback_withheld=users.feedback_withheld, failures=[a.error for a in answers if a.error][:10])
+
+
+def settings(config: Config) -> dict:
+    """The settings a reader compares two runs by."""
+    demo = config.demo
+    return {"rate_per_s": demo.online_rate, "temperature": demo.online_temperature, "lr": demo.online_lr,
+            "batch": demo.online_batch, "canary_share": demo.online_canary_share, "dtype": config.trainer.dtype}
 
 
 def decisions(client) -> list[dict]:
@@ -280,6 +291,10 @@ def print_report(console: Console, report: OnlineReport) -> None:
                   f"{report.failed_requests} failed; latency p50 {report.latency_ms['p50']:.0f} ms, "
                   f"p95 {report.latency_ms['p95']:.0f} ms, p99 {report.latency_ms['p99']:.0f} ms; "
                   f"{report.promotions} promotions, {report.rollbacks} rollbacks, {report.rejections} rejections")
+    if report.cpu_share:
+        console.print(f"CPU while users asked, share of all cores: {sum(report.cpu_share.values()):.2f} ("
+                      + ", ".join(f"{label} {share:.2f}" for label, share in report.cpu_share.items() if share >= 0.01)
+                      + ")")
 
 
 async def serve_traffic(session: TrainingSession, config: Config, endpoints, console: Console,
@@ -336,6 +351,8 @@ def run_online_demo(config: Config, console: Console | None = None) -> OnlineRep
     demo = config.demo
     console.rule(f"agentstream online demo ({demo.online_seconds:.0f} s of live traffic, vLLM contract, gated, "
                  f"{config.trainer.dtype})")
+    machine = calibrate()
+    console.print(f"machine: {machine.describe()} (the README's figures name theirs)")
     stack = Stack(config)
     endpoints = stack.up(progress=console.print)
     session = TrainingSession(config, endpoints, workdir, SessionPlan(
@@ -346,8 +363,10 @@ def run_online_demo(config: Config, console: Console | None = None) -> OnlineRep
         client.command(f"DROP DATABASE IF EXISTS {DATABASE}")  # the demo's own database, fresh each run
         migrate(client, DATABASE)
         session.start(progress=console.print)
-        users, traffic_seconds = asyncio.run(serve_traffic(session, config, endpoints, console, workdir))
-        report = build_report(users, decisions(client), traffic_seconds, time.monotonic() - started)
+        with CpuShare("agentstream demo", machine.cores) as cpu:
+            users, traffic_seconds = asyncio.run(serve_traffic(session, config, endpoints, console, workdir))
+        report = replace(build_report(users, decisions(client), traffic_seconds, time.monotonic() - started),
+                         settings=settings(config), machine=machine.as_dict(), cpu_share=cpu.shares())
     finally:
         if live_dashboard is not None:
             live_dashboard.stop()

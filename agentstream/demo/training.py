@@ -371,9 +371,8 @@ def run_demo(config: Config, console: Console | None = None, snapshots: Path | N
     demo = config.demo
     console.rule(f"agentstream demo ({'quick, ' if demo.quick else ''}{demo.training_seconds:.0f} s of training)")
     machine = calibrate()
-    console.print(f"machine: {machine.cpu_model}, {machine.cores} cores; calibration: a fixed Python loop "
-                  f"{machine.python_loop_s:.2f} s, numpy {machine.numpy_matmul_s:.2f} s (the README's figures name "
-                  "theirs: a slower machine learns slower in the same minutes)")
+    console.print(f"machine: {machine.describe()} (the README's figures name theirs: a slower machine learns "
+                  "slower in the same minutes)")
     console.print(f"precision: {config.trainer.dtype} compute, float32 weights (demo.dtype {demo.dtype!r}: "
                   "bfloat16 where the device multiplies it natively)")
     stack = Stack(config)

@@ -72,6 +72,9 @@ def test_the_online_demo_serves_users_gates_a_candidate_reports_and_stops_everyt
     assert report["requests"] >= 30 and report["failed_requests"] == 0
     assert report["feedback_sent"] > 0 and report["per_minute"] and report["per_version"][0]["version"] == 0
     assert 0 < report["latency_ms"]["p50"] <= report["latency_ms"]["p99"]
+    assert report["settings"]["rate_per_s"] == 1.0 and report["machine"]["python_loop_s"] > 0
+    assert report["cpu_share"]["agentstream serve-model"] > 0 and report["cpu_share"]["agentstream train-worker"] > 0
+    assert "machine: " in out and "CPU while users asked" in out
     actions = [row["action"] for row in report["deployments"]]
     assert actions and actions[0] == "CANDIDATE"  # the first checkpoint reached the gate, and its row ClickHouse
     assert (tmp_path / "demo-output" / "online.png").read_bytes()[:8] == b"\x89PNG\r\n\x1a\n"

@@ -8,8 +8,7 @@ import sys
 import time
 from pathlib import Path
 
-from bench.common import CpuShare
-from infra.machine import calibrate, child_processes, cpu_model, process_cpu_seconds, process_label
+from infra.machine import CpuShare, calibrate, child_processes, cpu_model, process_cpu_seconds, process_label
 
 
 def test_process_cpu_seconds_counts_this_process_work() -> None:
