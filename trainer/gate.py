@@ -8,7 +8,10 @@ For each new checkpoint of its model the gate (one process per trained model):
    held-out tasks, pinned to each version; the stable score is kept per version) and REJECTS
    it when it is worse by more than ``deploy.tolerance``: when the upper confidence bound of
    the mean paired difference (candidate - stable on each task, its standard error from the
-   differences' spread) is below ``-deploy.tolerance``, so evaluation noise alone does not reject;
+   differences' spread) is below ``-deploy.tolerance``, so evaluation noise alone does not reject.
+   The same test runs against the best-scoring version that has served all traffic (of those this
+   gate process has scored), so a run of candidates each a little worse than the one before
+   cannot slide below the best by more than the tolerance one noise-sized step at a time;
 3. otherwise makes it the CANARY for ``deploy.canary_share`` of live rollouts and watches the
    live rewards of both versions in ClickHouse's ``rollouts`` table since the canary began:
    it is ROLLED_BACK as soon as it is worse, and PROMOTED once the window is over if not.
@@ -104,6 +107,24 @@ def evaluation_bound(candidate: Score, stable: Score, confidence: float) -> tupl
     return mean, mean + NormalDist().inv_cdf(confidence) * math.sqrt(variance / len(differences))
 
 
+def evaluation_verdict(candidate: Score, references: list[tuple[int, Score]], *, tolerance: float,
+                       confidence: float) -> tuple[bool, str]:
+    """Whether the candidate is worse than any reference (version, score) beyond the tolerance, and the comparisons."""
+    worse, compared = False, []
+    for version, reference in references:
+        difference, upper = evaluation_bound(candidate, reference, confidence)
+        worse = worse or upper < -tolerance
+        compared.append(f"v{version}'s {reference.mean:.3f} (paired difference {difference:+.3f}, upper bound "
+                        f"{upper:+.3f})")
+    return worse, (f"evaluation: {candidate.mean:.3f} on {candidate.tasks} tasks vs "
+                   + " and best served ".join(compared))
+
+
+def best_served(scores: dict[int, Score], served: set[int]) -> int | None:
+    """The version that served all traffic with the highest evaluation score (the newest of equals)."""
+    return max((v for v in served if v in scores), key=lambda v: (scores[v].mean, v), default=None)
+
+
 def judge_canary(canary: LiveRewards, stable: LiveRewards, *, tolerance: float, confidence: float,
                  min_rollouts: int) -> CanaryVerdict:
     """The one-sided Welch test of the module docstring."""
@@ -148,6 +169,7 @@ class Gate:
         self.considered = 0  # the newest version decided on (by anyone) or under consideration
         self.seen_ids: set[str] = set()  # decisions about this model read back from the topic
         self.scores: dict[int, Score] = {}
+        self.served: set[int] = {0}  # versions that served all traffic and no person rolled back
         self.codec = AvroCodec()
 
     @property
@@ -183,6 +205,10 @@ class Gate:
     def _seen(self, decision: Decision) -> None:
         if decision.model == self.model:
             self.considered = max(self.considered, decision.version)
+            if decision.action == Action.PROMOTED:
+                self.served.add(decision.version)
+            elif decision.action == Action.ROLLED_BACK and decision.decided_by != "gate":
+                self.served.discard(decision.version)
             if len(self.seen_ids) > 10_000:
                 self.seen_ids.clear()
             self.seen_ids.add(decision.decision_id)
@@ -248,10 +274,13 @@ class Gate:
         scores = dict(candidate_score=candidate.mean, stable_score=stable.mean, eval_tasks=candidate.tasks)
         if self.routing.candidate_version != version:
             return  # a person decided meanwhile
-        difference, upper = evaluation_bound(candidate, stable, self.settings.confidence)
-        summary = (f"evaluation: {candidate.mean:.3f} vs v{stable_version}'s {stable.mean:.3f} on {candidate.tasks} "
-                   f"tasks (paired difference {difference:+.3f}, upper bound {upper:+.3f})")
-        if upper < -self.settings.tolerance:
+        references = [(stable_version, stable)]
+        best = best_served(self.scores, self.served)
+        if best is not None and self.scores[best].mean > stable.mean:
+            references.append((best, self.scores[best]))
+        worse, summary = evaluation_verdict(candidate, references, tolerance=self.settings.tolerance,
+                                            confidence=self.settings.confidence)
+        if worse:
             await self._record(decide(
                 self.routing, version, Action.REJECTED, "gate",
                 f"{summary}: worse by more than the tolerance {self.settings.tolerance} at "

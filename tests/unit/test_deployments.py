@@ -106,3 +106,41 @@ def test_the_evaluation_rejects_what_is_worse_beyond_its_noise_not_the_noise_its
     noisy = Score(tuple(1.0 - r if i in (0, 2) else r for i, r in enumerate(stable.rewards)))  # two tasks lost
     difference, upper = evaluation_bound(noisy, stable, 0.95)
     assert difference == pytest.approx(-2 / 32) and upper > -0.05
+
+
+def test_candidates_each_a_little_worse_cannot_slide_far_below_the_best_served_version():
+    from trainer.gate import Score, best_served, evaluation_verdict
+
+    def score(correct: int) -> Score:  # the first `correct` of 32 tasks right, so a worse version loses tasks
+        return Score(tuple(1.0 if task < correct else 0.0 for task in range(32)))
+
+    scores = {version: score(28 - 2 * version) for version in range(7)}  # each two tasks (0.0625) worse
+
+    def promote_in_turn(against_best: bool) -> tuple[int, list[str]]:
+        served, stable, reasons = {0}, 0, []
+        for version in range(1, 7):
+            best = best_served(scores, served)
+            references = [(stable, scores[stable])]
+            if against_best and best is not None and best != stable:
+                references.append((best, scores[best]))
+            worse, reason = evaluation_verdict(scores[version], references, tolerance=0.05, confidence=0.95)
+            reasons.append(reason)
+            if not worse:
+                served.add(version)
+                stable = version
+        return stable, reasons
+
+    stable_only, _ = promote_in_turn(against_best=False)
+    assert stable_only == 6 and scores[6].mean == 0.5  # step by step each looked like noise: 0.875 slid to 0.5
+    with_best, reasons = promote_in_turn(against_best=True)
+    assert scores[with_best].mean >= 0.75  # the slide stopped within about two noise-sized steps of the best
+    assert "and best served v0's 0.875" in reasons[-1]
+
+
+def test_best_served_is_the_highest_scoring_served_version_and_ignores_unscored_ones():
+    from trainer.gate import Score, best_served
+
+    scores = {0: Score((0.0, 1.0)), 3: Score((1.0, 1.0)), 5: Score((1.0, 1.0)), 7: Score((0.0, 0.0))}
+    assert best_served(scores, {0, 3, 5, 7, 9}) == 5  # the newest of equals; v9 was never scored here
+    assert best_served(scores, {0, 7}) == 0
+    assert best_served(scores, set()) is None
