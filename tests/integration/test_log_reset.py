@@ -8,6 +8,7 @@ reached ClickHouse, with no error anywhere. Each test here runs its own in-memor
 from __future__ import annotations
 
 import asyncio
+import signal
 import time
 import uuid
 
@@ -76,12 +77,17 @@ def test_the_stream_worker_reads_a_restarted_brokers_new_log_from_its_start(tmp_
         wait_for(lambda: stored("before"), 60, what="the first log stored", equals=240)
         time.sleep(1.5)  # several commit intervals: the group's offsets are ~60 per partition
         positions = asyncio.run(_committed(broker.bootstrap_servers, group, spans_topic))
-        broker.restart()  # memory://: every topic starts again at offset 0, and the group's offsets are gone
-        asyncio.run(create_topics(config, broker.bootstrap_servers))
         # Under load a worker can commit what it acknowledged during the outage as soon as the new broker answers
         # (tansu accepts a commit from a client that is no member), before it rejoins and seeks to the committed
-        # offsets: here those old offsets are committed for it, so the test does not depend on that race.
-        asyncio.run(_commit(broker.bootstrap_servers, group, positions))
+        # offsets: here those old offsets are committed for it, so the test does not depend on that race. The
+        # worker is paused meanwhile: once it has rejoined, tansu refuses a non-member's commit (UnknownMemberId).
+        worker.process.send_signal(signal.SIGSTOP)
+        try:
+            broker.restart()  # memory://: every topic starts again at offset 0, and the group's offsets are gone
+            asyncio.run(create_topics(config, broker.bootstrap_servers))
+            asyncio.run(_commit(broker.bootstrap_servers, group, positions))
+        finally:
+            worker.process.send_signal(signal.SIGCONT)
         asyncio.run(produce(broker.bootstrap_servers, spans_topic, _rollouts("after", 20)))  # ~15 per partition
         wait_for(lambda: stored("after"), 45, what="every span of the new log stored", equals=60)
         resets = [line for line in worker.log().splitlines() if "log reset on" in line]
