@@ -211,6 +211,9 @@ class TrainerConfig:
     ``dtype`` is the compute dtype (``auto``: bfloat16 autocast on CUDA, float32 elsewhere);
     weights and optimizer state stay ``weights_dtype``, float32 unless pure bfloat16 is asked for
     (which loses updates below bfloat16's resolution, and warns). See ``models/precision.py``.
+    With ``rebase_after_rejections`` N > 0, after the promotion gate refused N of this model's
+    candidates in a row (rejected or rolled back), the trainer goes back to the version serving
+    users and trains on from it (``trainer/rebase.py``); 0 never does.
     """
 
     model: str = "smollm2"
@@ -247,6 +250,7 @@ class TrainerConfig:
     checkpoint_every_steps: int = 1
     optimizer_state_every: int = 1
     keep_checkpoints: int = 0
+    rebase_after_rejections: int = 0
     session_timeout_s: float = 4.0  # tansu holds a join about half of it (see infra/members.py)
     shutdown_grace_s: float = 30.0  # time to write a last checkpoint after SIGTERM; then it exits regardless
 
@@ -267,6 +271,7 @@ class TrainerConfig:
             "checkpoint_every_steps must be >= 1": self.checkpoint_every_steps >= 1,
             "optimizer_state_every must be >= 0": self.optimizer_state_every >= 0,
             "lora_r must be >= 1": self.lora_r >= 1,
+            "rebase_after_rejections must be >= 0": self.rebase_after_rejections >= 0,
         }
         for message, ok in checks.items():
             if not ok:
@@ -412,7 +417,8 @@ class DemoConfig:
     trails the trainer by a gate cycle of about five checkpoints; a bound of 8 dropped half the
     transitions as stale), the gate's
     evaluation size, canary share and minimum canary window (a half-share canary at two users a
-    second has its 12 rated rollouts in about 40 s, so a gate cycle takes about a minute).
+    second has its 12 rated rollouts in about 40 s, so a gate cycle takes about a minute), and after
+    how many refused candidates in a row the trainer goes back to the serving version.
     """
 
     quick: bool = False
@@ -441,6 +447,7 @@ class DemoConfig:
     online_steps_per_checkpoint: int = 1
     online_max_policy_lag: int = 20
     online_eval_tasks: int = 32
+    online_rebase_after_rejections: int = 3
     online_canary_share: float = 0.5
     online_canary_s: float = 30.0
     online_report_path: str = "online-report.json"

@@ -26,6 +26,7 @@ from aiokafka import AIOKafkaConsumer, ConsumerRebalanceListener, TopicPartition
 from aiokafka.errors import KafkaError
 
 from infra.config import Config
+from infra.deployments import DeploymentFollower, Routing
 from infra.kafka import client_options, topic_name
 from infra.logreset import ConsumerLogWatch
 from infra.members import MemberLedger, evict_dead_members, member_id
@@ -33,6 +34,7 @@ from schemas import TRANSITION, TRANSITION_BATCH, AvroCodec, CodecError
 from trainer.batching import Batch, Batcher, Sample, SeenIds, TransitionError
 from trainer.checkpoints import (
     CheckpointAnnouncer,
+    CheckpointError,
     CheckpointStore,
     Manifest,
     latest_manifest,
@@ -42,7 +44,8 @@ from trainer.checkpoints import (
     write_checkpoint,
 )
 from trainer.metrics import MetricsWriter, StepReport
-from trainer.policy import OPTIMIZER_STATE, Policy, build_policy, load_weights, save_weights_later
+from trainer.policy import OPTIMIZER_STATE, Policy, PolicyError, build_policy, load_weights, save_weights_later
+from trainer.rebase import RejectionStreak
 from trainer.step import train_step
 
 log = logging.getLogger("agentstream.trainer")
@@ -59,6 +62,7 @@ class RunSummary:
     transitions: int = 0
     tokens: int = 0
     train_seconds: float = 0.0
+    rebases: int = 0
     first_record_at: float | None = None
     last_step_at: float | None = None
 
@@ -124,6 +128,8 @@ class TrainerWorker:
         self._metrics_lock = asyncio.Lock()
         self._model_thread = ThreadPoolExecutor(max_workers=1, thread_name_prefix="trainer-model")
         self.batcher = self._batcher([])
+        self.streak = RejectionStreak(self.name, self.settings.rebase_after_rejections)
+        self._rebased_on: int | None = None  # the version the next checkpoint was rebased on, if any
 
     def _batcher(self, trained_ids: list[str]) -> Batcher:
         s = self.settings
@@ -136,6 +142,8 @@ class TrainerWorker:
         """Resume from the latest checkpoint, train until ``stop`` is set, write a last checkpoint on the way out."""
         stop = stop or asyncio.Event()
         await self.announcer.start()
+        following = asyncio.Event()
+        follower = asyncio.create_task(self._follow_decisions(following)) if self.streak.limit > 0 else None
         try:
             await self._resume()
             options = client_options(self.config.kafka, self.bootstrap_servers)
@@ -159,9 +167,21 @@ class TrainerWorker:
                 await asyncio.gather(*self._writes)
                 await self.consumer.stop()
         finally:
+            following.set()
+            if follower is not None:
+                await follower
             await self.announcer.stop()
             self._model_thread.shutdown()
         return self.summary
+
+    async def _follow_decisions(self, stop: asyncio.Event) -> None:
+        """Feed the gate's decisions to the rejection streak; those made before this run only set the routing."""
+        follower = DeploymentFollower(self.config, self.bootstrap_servers, on_decision=self.streak.seen)
+        following, ready = asyncio.create_task(follower.run(stop)), asyncio.create_task(follower.ready.wait())
+        await asyncio.wait([following, ready], return_when=asyncio.FIRST_COMPLETED)
+        ready.cancel()
+        self.streak.live = True
+        await following
 
     def unfinished(self) -> str:
         """What a forced exit abandons, for its log line (read from another thread: plain reads only)."""
@@ -207,6 +227,8 @@ class TrainerWorker:
                     self._consumed[tp] = record.offset + 1
                     if record.key == key:
                         self._offer(record, tp, now)
+            if (routing := self.streak.due()) is not None:
+                await self._rebase(routing)
             while (self.batcher.ready(time.monotonic()) and not stop.is_set()
                    and (max_steps is None or self.summary.steps < max_steps)):
                 batch = self.batcher.take(self.version)
@@ -267,6 +289,27 @@ class TrainerWorker:
         if time.monotonic() - self._flushed_at >= METRICS_FLUSH_S:
             self._flush_metrics()
 
+    async def _rebase(self, routing: Routing) -> None:
+        """Train on from the serving version's weights and optimizer state; versions keep counting up.
+
+        Steps since the last checkpoint are dropped with the weights they changed; their
+        transitions still count as trained. A serving checkpoint that cannot be loaded (pruned,
+        unreadable) leaves the trainer on its own weights, and the streak starts again.
+        """
+        refused = self.streak.clear()
+        try:
+            folder = await asyncio.to_thread(self.store.get, routing.stable_uri)
+            await self._on_model_thread(load_weights, self.policy, folder)
+        except (CheckpointError, PolicyError, OSError) as error:
+            log.error("could not go back to %s v%d after %d refused candidates: %s", self.name,
+                      routing.stable_version, len(refused), error)
+            return
+        self._rebased_on = routing.stable_version
+        self.summary.rebases += 1
+        self.progress(f"trainer {self.name}: back to v{routing.stable_version}, the version serving, after the gate "
+                      f"refused {len(refused)} candidates in a row ({', '.join(f'v{v}' for v in refused)}); "
+                      f"training on from its weights as v{self.version + 1}")
+
     async def _checkpoint(self) -> None:
         """Copy the weights as the next version, then write, announce and commit it while the next step runs.
 
@@ -282,6 +325,8 @@ class TrainerWorker:
         write = await self._on_model_thread(save_weights_later, self.policy, staging,
                                             every > 0 and version % every == 0)
         metrics = self._last_report.checkpoint_metrics() if self._last_report else {}
+        if self._rebased_on is not None:
+            metrics["rebased_on_version"], self._rebased_on = float(self._rebased_on), None
         trained_ids, self._trained_since, self._steps_since = self._trained_since, [], 0
         self.version = version
         self._writing = asyncio.create_task(self._write(write, staging, version, self.step, positions, trained_ids,

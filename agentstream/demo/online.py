@@ -64,6 +64,7 @@ def online_config(config: Config, run_id: str, workdir: Path) -> Config:
                         batch_wait_s=20.0,
                         max_policy_lag=demo.online_max_policy_lag,
                         checkpoint_every_steps=demo.online_steps_per_checkpoint, keep_checkpoints=0,
+                        rebase_after_rejections=demo.online_rebase_after_rejections,
                         checkpoint_dir=str(workdir / "checkpoints"), session_timeout_s=6.0),
         deploy=replace(config.deploy, gate=True, eval_agent="examples.arithmetic:solve", eval_tasks=str(heldout),
                        eval_limit=demo.online_eval_tasks, eval_concurrency=16, tolerance=0.05,
@@ -233,10 +234,12 @@ def build_report(users: Users, deployments: list[dict], traffic_seconds: float, 
 
 
 def settings(config: Config) -> dict:
-    """The settings a reader compares two runs by."""
-    demo = config.demo
-    return {"rate_per_s": demo.online_rate, "temperature": demo.online_temperature, "lr": demo.online_lr,
-            "batch": demo.online_batch, "canary_share": demo.online_canary_share, "dtype": config.trainer.dtype}
+    """The settings a reader compares two runs by (``config`` as ``online_config`` made it)."""
+    trainer = config.trainer
+    return {"rate_per_s": config.demo.online_rate, "temperature": trainer.temperature, "lr": trainer.lr,
+            "batch": trainer.batch_transitions, "kl_coef": trainer.kl_coef,
+            "rebase_after_rejections": trainer.rebase_after_rejections, "canary_share": config.deploy.canary_share,
+            "dtype": trainer.dtype}
 
 
 def decisions(client) -> list[dict]:

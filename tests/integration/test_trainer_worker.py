@@ -8,10 +8,13 @@ import uuid
 from dataclasses import replace
 
 import pytest
+import torch
 from aiokafka import AIOKafkaConsumer, AIOKafkaProducer, TopicPartition
 
 from infra.config import Config, TrainerConfig
+from infra.deployments import Action, DeploymentLog, Routing, decide
 from infra.kafka import create_topics, topic_name
+from models.weights import ADAPTER_WEIGHTS_FILE
 from schemas import CHECKPOINT, TRANSITION, TRANSITION_BATCH, AvroCodec
 from tests.support.streams_harness import CliProcess, worker_env
 from trainer.checkpoints import manifests, open_store
@@ -213,3 +216,59 @@ def test_a_killed_trainer_resumes_from_its_checkpoint_and_trains_no_transition_t
     log = trainer.log()
     print("\n".join(line for line in log.splitlines() if "resumed" in line or "checkpoint v" in line))
     clickhouse.command(f"DROP DATABASE IF EXISTS {database}")
+
+
+def test_after_a_streak_of_refused_candidates_the_trainer_trains_on_from_the_serving_version(
+        trainer_setup, stack, kafka_options):
+    config, model = trainer_setup
+    config = replace(config, trainer=replace(config.trainer, lora=True, lora_r=4, lora_alpha=16, lr=5e-2,
+                                             max_policy_lag=1000, rebase_after_rejections=2))
+    topic = topic_name(config.topics, "transitions")
+    store = open_store(config.trainer.checkpoint_dir)
+    lines: list[str] = []
+
+    def adapter(policy) -> dict:
+        from peft import get_peft_model_state_dict
+        return {k: v.detach().clone() for k, v in get_peft_model_state_dict(policy.model).items()}
+
+    def saved(version: int) -> dict:
+        from safetensors.torch import load_file
+        uri = next(m.uri for m in manifests(store, model) if m.version == version)
+        return load_file(store.get(uri) / ADAPTER_WEIGHTS_FILE)
+
+    def same(left: dict, right: dict) -> bool:
+        return left.keys() == right.keys() and all(torch.equal(left[k], right[k]) for k in left)
+
+    async def scenario() -> TrainerWorker:
+        running = TrainerWorker(config, stack.bootstrap_servers, progress=lines.append)
+        log = DeploymentLog(config, stack.bootstrap_servers)
+        await log.start()
+        old = decide(Routing(model), 1, Action.REJECTED, "gate", "made before this trainer started")
+        await log.record(old)
+        await log.record(decide(old.routing, 2, Action.REJECTED, "gate", "made before this trainer started"))
+        task = asyncio.create_task(running.run(max_steps=4))
+        for version in (1, 2, 3):
+            await produce(kafka_options, topic, [transition(f"v{version}-{i}", model, advantage=(-1.0) ** i)
+                                                 for i in range(4)])
+            await until(lambda v=version: running.version == v and running._writing is None)
+        assert running.summary.rebases == 0  # the history's two rejections did not count
+        promoted = decide(Routing(model), 1, Action.PROMOTED, "gate", "canary passed", stable_version=1,
+                          stable_uri=next(m.uri for m in manifests(store, model) if m.version == 1))
+        await log.record(promoted)
+        await log.record(decide(promoted.routing, 2, Action.REJECTED, "gate", "worse"))
+        assert not same(adapter(running.policy), saved(1))
+        await log.record(decide(promoted.routing, 3, Action.ROLLED_BACK, "gate", "canary worse"))
+        await until(lambda: running.summary.rebases == 1)
+        assert same(adapter(running.policy), saved(1))  # v1's weights, not v3's
+        await produce(kafka_options, topic, [transition(f"v4-{i}", model, advantage=(-1.0) ** i) for i in range(4)])
+        await asyncio.wait_for(task, 60)
+        await log.stop()
+        return running
+
+    done = asyncio.run(scenario())
+    assert (done.version, done.summary.rebases) == (4, 1)
+    assert any("back to v1, the version serving, after the gate refused 2 candidates in a row (v2, v3)" in line
+               for line in lines)
+    v4 = next(m for m in manifests(store, model) if m.version == 4)
+    assert v4.metrics["rebased_on_version"] == 1.0
+    assert "rebased_on_version" not in next(m for m in manifests(store, model) if m.version == 3).metrics

@@ -1,0 +1,62 @@
+"""When the gate keeps refusing the trainer's checkpoints, the trainer goes back to the version serving users.
+
+The gate stops a worse checkpoint from reaching users, but it cannot stop the trainer that
+made it: a trainer that has drifted (its entropy collapsed, a run of bad updates) keeps
+stepping from its own weights, and every later candidate is refused too. ``RejectionStreak``
+follows the deployment decisions about the trainer's model and, after ``limit`` candidates in
+a row were rejected by evaluation or rolled back from their canary, names the stable version
+for the trainer to load (weights and optimizer state) and train on from. A candidate that
+reaches the canary or is promoted ends the streak; superseded versions do not count.
+
+Only decisions made while the trainer runs count: the history read at start-up was made
+before the checkpoint it resumed from, which already carries any earlier rebase.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass, field
+
+from infra.deployments import Action, Decision, Routing
+
+REFUSED = (Action.REJECTED, Action.ROLLED_BACK)
+ACCEPTED = (Action.CANARY, Action.PROMOTED)
+
+
+@dataclass
+class RejectionStreak:
+    """Counts the refused candidates of one model in a row; ``due`` names the routing to rebase on."""
+
+    model: str
+    limit: int
+    refused: list[int] = field(default_factory=list)
+    routing: Routing | None = None
+    live: bool = False  # set once the decisions written before the trainer started have been read
+
+    def seen(self, decision: Decision) -> None:
+        if decision.model != self.model:
+            return
+        self.routing = decision.routing
+        if not self.live:
+            return
+        if decision.action in REFUSED:
+            self.refused.append(decision.version)
+        elif decision.action in ACCEPTED:
+            self.refused.clear()
+
+    def due(self) -> Routing | None:
+        """The routing whose stable version the trainer should go back to, once ``limit`` were refused in a row.
+
+        The base model (version 0) is no checkpoint to load, so a streak while it serves waits
+        until a trained version does.
+        """
+        routing = self.routing
+        if self.limit <= 0 or len(self.refused) < self.limit or routing is None:
+            return None
+        if routing.stable_version == 0 or not routing.stable_uri:
+            return None
+        return routing
+
+    def clear(self) -> list[int]:
+        """Start a new streak (after a rebase); returns the refused versions that caused it."""
+        refused, self.refused = self.refused, []
+        return refused
