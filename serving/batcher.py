@@ -1,8 +1,7 @@
 """The generation thread: requests that wait together are generated together, because RL traffic arrives in bursts.
 
-One thread runs one batch at a time, taking every queued request whatever its adapter (prompts
-left-padded, each row with its request's adapter, each request sampled with its own parameters
-and RNG). Rollouts of a GRPO group
+One thread runs one batch at a time, taking every queued request on the same adapter (prompts
+left-padded, each request sampled with its own parameters and RNG). Rollouts of a GRPO group
 and evaluation sweeps arrive together, so this is what makes a CPU server usable for RL.
 Weight updates take ``model_lock`` too: ``load_weights`` waits for the batch in progress to
 finish on the old weights, batches after it run on the new ones, and a job's ``version`` is
@@ -48,7 +47,7 @@ class _Queued:
 
 
 class Batcher:
-    """Runs the queued requests (on any adapters) as one batch, one batch at a time, on its own thread.
+    """Runs the queued requests on one adapter as one batch, one batch at a time, on its own thread.
 
     ``model_lock`` is held for a whole batch; weight updates take it too, so a batch never sees
     half-assigned weights. After the first request of an idle spell arrives the thread waits
@@ -111,11 +110,13 @@ class Batcher:
                 return []
         time.sleep(self.window_s)
         with self._wakeup:
+            adapter = self._queue[0].job.adapter
             batch: list[_Queued] = []
             rest: deque[_Queued] = deque()
             rows = 0
             for queued in self._queue:
-                if not batch or rows + queued.job.params.n <= self.max_sequences:
+                fits = not batch or rows + queued.job.params.n <= self.max_sequences
+                if queued.job.adapter is adapter and fits:
                     batch.append(queued)
                     rows += queued.job.params.n
                 else:
@@ -130,12 +131,11 @@ class Batcher:
                     queued.job.version = self.version_of(queued.job.adapter)
                 self.batch_sizes[len(batch)] += 1
                 self._last_rows = sum(queued.job.params.n for queued in batch)
-                requests = [BatchRequest(q.job.prompt_ids, q.job.params, q.emit, q.cancelled, q.job.adapter)
-                            for q in batch]
+                requests = [BatchRequest(q.job.prompt_ids, q.job.params, q.emit, q.cancelled) for q in batch]
                 try:
-                    with applied([q.job.adapter for q in batch], self.loaded.model) as adapters:
+                    with applied(batch[0].job.adapter, self.loaded.model):
                         results = generate_batch(self.loaded.model, self.loaded.tokenizer, requests, self.eos_ids,
-                                                 self.pad_id, autocast=self.loaded.autocast, route=adapters.route)
+                                                 self.pad_id, autocast=self.loaded.autocast)
                 except Exception as error:
                     log.exception("generation failed for a batch of %d requests", len(batch))
                     for queued in batch:

@@ -181,7 +181,6 @@ class BatchRequest:
     params: SamplingParams
     emit: Callable[[list[Delta]], None] = lambda deltas: None
     cancelled: Callable[[], bool] = lambda: False
-    adapter: Any = None  # what its rows run with, handed to generate_batch's ``route`` (None: the model as is)
 
 
 def _prefill(model: torch.nn.Module, prompts: list[Sequence[int]], pad_id: int, device: torch.device):
@@ -200,8 +199,7 @@ def _prefill(model: torch.nn.Module, prompts: list[Sequence[int]], pad_id: int, 
 
 def generate_batch(model: torch.nn.Module, tokenizer: Any, requests: Sequence[BatchRequest],
                    eos_ids: Collection[int], pad_id: int = 0,
-                   autocast: Callable[[], AbstractContextManager] = nullcontext,
-                   route: Callable[[list[Any]], None] = lambda adapters: None) -> list[list[SequenceState]]:
+                   autocast: Callable[[], AbstractContextManager] = nullcontext) -> list[list[SequenceState]]:
     """Sample every request's ``params.n`` continuations in one decode loop (requests may differ in prompt and params).
 
     Prompts are left-padded and each distinct prompt is prefilled once, then its KV cache is
@@ -211,25 +209,16 @@ def generate_batch(model: torch.nn.Module, tokenizer: Any, requests: Sequence[Ba
     with that request's own parameters and RNG, so a request's numbers do not depend on what it was
     batched with (up to float rounding of the padded matmuls). Finished or cancelled rows leave the
     batch. Every tensor lives on the model's device; the forward passes run inside ``autocast()``
-    (the model's precision). Before every forward pass ``route`` gets each row's ``adapter``
-    (``serving.lora.RowAdapters.route``), so requests on different adapters share the loop; a
-    prompt is prefilled once per adapter it runs on.
+    (the model's precision).
     """
     device = next((parameter.device for parameter in model.parameters()), torch.device("cpu"))
     states = [[SequenceState(index, tokenizer, request.params, eos_ids) for index in range(request.params.n)]
               for request in requests]
     generators = [make_generator(request.params.seed, device) for request in requests]
     with torch.inference_mode(), autocast():
-        distinct: dict[tuple[int, tuple[int, ...]], int] = {}  # (adapter, prompt) -> prefill row
-        prompt_of, prefill_adapters = [], []
-        for request in requests:
-            key = (id(request.adapter), tuple(request.prompt_ids))
-            if key not in distinct:
-                distinct[key] = len(distinct)
-                prefill_adapters.append(request.adapter)
-            prompt_of.append(distinct[key])
-        route(prefill_adapters)
-        cache, logits, mask, next_position = _prefill(model, [prompt for _, prompt in distinct], pad_id, device)
+        distinct: dict[tuple[int, ...], int] = {}
+        prompt_of = [distinct.setdefault(tuple(request.prompt_ids), len(distinct)) for request in requests]
+        cache, logits, mask, next_position = _prefill(model, list(distinct), pad_id, device)
         owner = [number for number, request in enumerate(requests) for _ in range(request.params.n)]
         index = [sample for request in requests for sample in range(request.params.n)]
         expand = torch.tensor([prompt_of[number] for number in owner], dtype=torch.long, device=device)
@@ -259,7 +248,6 @@ def generate_batch(model: torch.nn.Module, tokenizer: Any, requests: Sequence[Ba
                 ids, mask, next_position = ids[selected], mask[selected], next_position[selected]
                 owner, index = [owner[row] for row in keep], [index[row] for row in keep]
             mask = torch.cat([mask, torch.ones((len(owner), 1), dtype=torch.long, device=device)], dim=1)
-            route([requests[number].adapter for number in owner])
             output = model(input_ids=ids[:, None], attention_mask=mask, position_ids=next_position[:, None],
                            past_key_values=cache, use_cache=True, logits_to_keep=1)
             cache, logits, next_position = output.past_key_values, output.logits[:, -1, :], next_position + 1

@@ -12,7 +12,7 @@ from __future__ import annotations
 import json
 import math
 import re
-from collections.abc import Collection, Iterator
+from collections.abc import Iterator
 from contextlib import contextmanager
 from dataclasses import dataclass
 from pathlib import Path
@@ -114,59 +114,24 @@ def _pattern_value(module_name: str, patterns: dict[str, float], default: float)
     return default
 
 
-class RowAdapters:
-    """Forward hooks that add to each row of a batch its own adapter's update: one batch serves several adapters.
-
-    ``route`` says, before each forward pass, which adapter (or None, the base model) each row
-    runs with. The base layers run once for the whole batch; each adapter's low-rank update
-    runs on its own rows only, so a canary, its stable version and evaluation requests pinned to
-    a candidate share one decode loop instead of taking turns (as vLLM batches LoRA requests).
-    """
-
-    def __init__(self) -> None:
-        self._groups: list[tuple[LoraAdapter, torch.Tensor | None]] = []  # None: every row
-
-    def route(self, adapters: list[LoraAdapter | None]) -> None:
-        rows: dict[int, tuple[LoraAdapter, list[int]]] = {}
-        for row, adapter in enumerate(adapters):
-            if adapter is not None:
-                rows.setdefault(id(adapter), (adapter, []))[1].append(row)
-        self._groups = [(adapter, None if len(taken) == len(adapters) else _index(adapter, taken))
-                        for adapter, taken in rows.values()]
-
-    def _hook(self, module_name: str):
-        def add_updates(module: torch.nn.Module, inputs: tuple[torch.Tensor, ...],
-                        output: torch.Tensor) -> torch.Tensor:
-            for adapter, rows in self._groups:
-                layer = adapter.layers.get(module_name)
-                if layer is None:
-                    continue
-                if rows is None:
-                    output = output + _update(layer, inputs[0])
-                else:
-                    output = output.index_add(0, rows, _update(layer, inputs[0][rows]).to(output.dtype))
-            return output
-        return add_updates
-
-
-def _index(adapter: LoraAdapter, rows: list[int]) -> torch.Tensor:
-    device = next(iter(adapter.layers.values())).a.device
-    return torch.tensor(rows, dtype=torch.long, device=device)
-
-
-def _update(layer: LoraLayer, x: torch.Tensor) -> torch.Tensor:
-    return layer.scale * torch.nn.functional.linear(torch.nn.functional.linear(x, layer.a), layer.b)
-
-
 @contextmanager
-def applied(adapters: Collection[LoraAdapter | None], model: torch.nn.Module) -> Iterator[RowAdapters]:
-    """Hook the modules any of ``adapters`` changes for the duration; ``route`` assigns them to rows."""
-    routed = RowAdapters()
-    names = {name for adapter in adapters if adapter is not None for name in adapter.layers}
+def applied(adapter: LoraAdapter | None, model: torch.nn.Module) -> Iterator[None]:
+    """Run the model with the adapter's updates added to its linear modules (no-op for None)."""
+    if adapter is None:
+        yield
+        return
     modules = dict(model.named_modules())
-    handles = [modules[name].register_forward_hook(routed._hook(name)) for name in sorted(names)]
+    handles = [modules[name].register_forward_hook(_hook(layer)) for name, layer in adapter.layers.items()]
     try:
-        yield routed
+        yield
     finally:
         for handle in handles:
             handle.remove()
+
+
+def _hook(layer: LoraLayer):
+    """A forward hook adding one layer's low-rank update to the module's output."""
+    def add_update(module: torch.nn.Module, inputs: tuple[torch.Tensor, ...], output: torch.Tensor) -> torch.Tensor:
+        return output + layer.scale * torch.nn.functional.linear(
+            torch.nn.functional.linear(inputs[0], layer.a), layer.b)
+    return add_update

@@ -162,7 +162,7 @@ def test_the_server_contract_and_lora_serving_on_the_device(device, tmp_path):
     adapter = load_lora(tmp_path / "adapter", loaded.model, "skill", 1)
     assert {layer.a.device.type for layer in adapter.layers.values()} == {device}
     params = SamplingParams(max_tokens=4, temperature=0.0, logprobs=True)
-    with applied([adapter], loaded.model) as adapters:
-        (state,) = generate_batch(loaded.model, loaded.tokenizer, [BatchRequest(PROMPT, params, adapter=adapter)],
-                                  eos_ids=set(), autocast=loaded.autocast, route=adapters.route)[0]
+    with applied(adapter, loaded.model):
+        (state,) = generate_batch(loaded.model, loaded.tokenizer, [BatchRequest(PROMPT, params)], eos_ids=set(),
+                                  autocast=loaded.autocast)[0]
     assert len(state.token_ids) == 4

@@ -175,37 +175,6 @@ def test_requests_with_the_same_prompt_share_one_prefill_and_each_gets_what_it_w
     assert len({tuple(states[0].token_ids) for states in together[:3]}) == 3  # same prompt, own seeds, own samples
 
 
-def test_requests_on_different_adapters_share_one_batch_and_each_gets_what_it_would_alone(tiny, tmp_path):
-    """A canary, its stable version and the base model in one decode loop: each row gets its own adapter's update."""
-    from serving.lora import LoraAdapter, LoraLayer, applied, load_lora
-
-    make_lora(tmp_path / "adapter")
-    stable = load_lora(tmp_path / "adapter", tiny.model, "m@v1", 1)
-    canary = LoraAdapter("m@v2", "", 2, {name: LoraLayer(layer.a, -3.0 * layer.b, layer.scale)
-                                         for name, layer in stable.layers.items()})
-    prompt, other = [5, 6, 7, 8, 9, 10], [11, 12, 13]
-    requests = [BatchRequest(ids, SamplingParams(max_tokens=8, temperature=1.0, seed=7, logprobs=True),
-                             adapter=adapter)
-                for ids in (prompt, other) for adapter in (stable, canary, None)]
-    prefill_rows: list[int] = []
-    hook = tiny.model.register_forward_pre_hook(
-        lambda module, args, kwargs: prefill_rows.append(kwargs["input_ids"].shape[0]), with_kwargs=True)
-    try:
-        with applied([stable, canary, None], tiny.model) as adapters:
-            together = generate_batch(tiny.model, tiny.tokenizer, requests, eos_ids=set(), route=adapters.route)
-    finally:
-        hook.remove()
-    assert prefill_rows[0] == 6 and len(prefill_rows) == 8  # one batch: each prompt once per adapter, then decoding
-    for request, (batched,) in zip(requests, together, strict=True):
-        with applied([request.adapter], tiny.model) as adapters:
-            (alone,) = generate_batch(tiny.model, tiny.tokenizer, [request], eos_ids=set(), route=adapters.route)[0]
-        assert batched.token_ids == alone.token_ids
-        assert [e.logprob for e in batched.logprobs] == pytest.approx([e.logprob for e in alone.logprobs],
-                                                                      abs=TOLERANCE)
-    first_logprobs = {round(states[0].logprobs[0].logprob, 4) for states in together[:3]}
-    assert len(first_logprobs) == 3  # same prompt and seed: the three adapters gave three distributions
-
-
 @pytest.mark.parametrize("linger_s", [0.0, 1.0])
 def test_clients_that_resubmit_at_once_merge_into_one_batch_when_the_batcher_lingers(tiny, linger_s):
     """Runners send a rollout's request right after its last one finished; a late cohort joins the early one."""
