@@ -1,7 +1,7 @@
-"""Serve peft LoRA adapters without wrapping the base model: forward hooks add the low-rank update per request.
+"""Serve peft LoRA adapters without wrapping the base model: each batch swaps in its adapter's merged weights.
 
-Keeping the base model untouched lets several adapters share it, lets full-weight swaps
-(``load_weights``) happen under them, and makes "no adapter" free. Supported: peft LoRA on
+Keeping the base model's own weights untouched lets several adapters share it, lets full-weight
+swaps (``load_weights``) happen under them, and makes "no adapter" free. Supported: peft LoRA on
 ``nn.Linear`` modules saved as ``adapter_model.safetensors`` (plain or rsLoRA scaling,
 ``alpha_pattern``). Refused with a clear error: DoRA, bias training, ``modules_to_save``,
 embedding LoRA, ``fan_in_fan_out``.
@@ -14,7 +14,7 @@ import math
 import re
 from collections.abc import Iterator
 from contextlib import contextmanager
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 from pathlib import Path
 
 import torch
@@ -49,6 +49,8 @@ class LoraAdapter:
     path: str
     version: int
     layers: dict[str, LoraLayer]
+    merged: dict[str, tuple[tuple[int, int], torch.Tensor]] = field(default_factory=dict, compare=False, repr=False)
+    """Per module, W + scale * B A and the base weight it was made from (id, version): see ``applied``."""
 
 
 def load_lora(path: Path, model: torch.nn.Module, name: str, version: int) -> LoraAdapter:
@@ -76,7 +78,7 @@ def load_lora(path: Path, model: torch.nn.Module, name: str, version: int) -> Lo
 
 
 def _check_supported(config: dict) -> None:
-    """Refuse adapter features the hook-based runtime does not implement."""
+    """Refuse adapter features this runtime does not implement."""
     if config.get("peft_type", "LORA") != "LORA":
         raise LoraError(f"peft_type {config.get('peft_type')!r} is not LoRA")
     for flag in ("use_dora", "fan_in_fan_out"):
@@ -116,22 +118,32 @@ def _pattern_value(module_name: str, patterns: dict[str, float], default: float)
 
 @contextmanager
 def applied(adapter: LoraAdapter | None, model: torch.nn.Module) -> Iterator[None]:
-    """Run the model with the adapter's updates added to its linear modules (no-op for None)."""
+    """Run the model with the adapter's merged weights (W + scale * B A) in place of its modules' own (None: as is).
+
+    Each module's merged weight is made once per adapter and base weight, then swapped in and
+    out per batch, so an adapter decodes at the base model's speed: forward hooks adding the
+    low-rank update at every token made SmolLM2's decode steps 1.6x slower on a CPU thread. A
+    full-weight load changes the base weights in place (their version), and the next batch merges
+    again. The merged copies live as long as the adapter is loaded.
+    """
     if adapter is None:
         yield
         return
     modules = dict(model.named_modules())
-    handles = [modules[name].register_forward_hook(_hook(layer)) for name, layer in adapter.layers.items()]
+    originals: dict[str, torch.nn.Parameter] = {}
     try:
+        for name, layer in adapter.layers.items():
+            module = modules[name]
+            base = module.weight
+            made_from = (id(base), base._version)
+            cached = adapter.merged.get(name)
+            if cached is None or cached[0] != made_from:
+                with torch.no_grad():
+                    merged = base.float() + layer.scale * (layer.b.float() @ layer.a.float())
+                cached = adapter.merged[name] = (made_from, merged.to(base.dtype))
+            originals[name] = base
+            module.weight = torch.nn.Parameter(cached[1], requires_grad=False)
         yield
     finally:
-        for handle in handles:
-            handle.remove()
-
-
-def _hook(layer: LoraLayer):
-    """A forward hook adding one layer's low-rank update to the module's output."""
-    def add_update(module: torch.nn.Module, inputs: tuple[torch.Tensor, ...], output: torch.Tensor) -> torch.Tensor:
-        return output + layer.scale * torch.nn.functional.linear(
-            torch.nn.functional.linear(inputs[0], layer.a), layer.b)
-    return add_update
+        for name, base in originals.items():
+            modules[name].weight = base

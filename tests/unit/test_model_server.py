@@ -485,6 +485,32 @@ def test_lora_load_serve_unload(server, client, tiny, tmp_path):
     assert post(server.url + "/v1/unload_lora_adapter", {"lora_name": "skill-v7"})[0] == 404
 
 
+def test_an_adapter_runs_on_merged_weights_made_again_when_the_base_weights_change(tmp_path):
+    from serving.lora import applied, load_lora
+
+    model = load_model("tiny").model
+    reference = make_lora(tmp_path / "adapter")
+    adapter = load_lora(tmp_path / "adapter", model, "skill", 1)
+    ids = torch.tensor([[5, 6, 7, 8, 9]])
+    weights = {name: module.weight for name, module in model.named_modules() if name in adapter.layers}
+    with torch.no_grad():
+        with applied(adapter, model):
+            merged = model(input_ids=ids).logits
+        expected = reference(input_ids=ids).logits
+        assert torch.allclose(merged, expected, atol=1e-5)  # what peft computes unmerged
+        assert all(module.weight is weights[name] for name, module in model.named_modules() if name in weights)
+        assert not torch.allclose(model(input_ids=ids).logits, merged)  # the base model, untouched
+
+        changed = next(iter(weights))
+        weights[changed].mul_(1.5)  # a full-weight load assigns in place
+        with applied(adapter, model):
+            after = model(input_ids=ids).logits
+        fresh = load_lora(tmp_path / "adapter", model, "skill", 1)  # no merged copies yet
+        with applied(fresh, model):
+            assert torch.equal(after, model(input_ids=ids).logits)
+        assert not torch.allclose(after, merged)
+
+
 def test_unknown_model_and_bad_requests_get_openai_errors(server, client):
     status, body, headers = post(server.url + "/v1/chat/completions", {"model": "nope", "messages": HELLO})
     assert status == 404 and headers["X-Policy-Version"] == "0"
