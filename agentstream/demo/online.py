@@ -49,8 +49,9 @@ def online_config(config: Config, run_id: str, workdir: Path) -> Config:
     """The demo's settings: its own topics and database, the vLLM contract, LoRA, the gate, online credit."""
     demo = config.demo
     dtype = compute_dtype(config)  # bfloat16 on AMX: a LoRA step 4.4 s instead of 6.4 s here
-    heldout = workdir / "heldout-greedy.jsonl"
-    heldout.write_text("\n".join(json.dumps({**task, "temperature": 0.0}) for task in arithmetic.split()[1]))
+    heldout = workdir / "heldout.jsonl"  # sampled as the service samples: greedy scores did not predict live ones
+    heldout.write_text("\n".join(json.dumps({**task, "temperature": demo.online_temperature})
+                                 for task in arithmetic.split()[1]))
     return replace(
         config,
         topics=replace(config.topics, prefix=f"online-{run_id}.", partitions=1),
