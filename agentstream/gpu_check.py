@@ -7,6 +7,7 @@ figures; the tests use the same functions, so the bench measures what the tests 
 from __future__ import annotations
 
 import time
+from typing import Any
 
 import torch
 
@@ -14,6 +15,7 @@ from infra.config import TrainerConfig
 from models import load_model
 from models.precision import resolve_precision
 from serving.generation import BatchRequest, SamplingParams, generate_batch
+from serving.lora import LoraAdapter, LoraLayer, applied
 from trainer.batching import Batch, Counts, Sample, collate
 from trainer.policy import Policy, build_policy
 from trainer.step import token_logprobs, train_step
@@ -49,19 +51,23 @@ def initial_ratio_max_abs_dev(model: str, device: str, dtype: str, *, prompts: i
     return float((recomputed[mask] - micro.behaviour_logprobs[mask]).abs().max())
 
 
-def generation_tokens_per_s(model: str, device: str, dtype: str, *, batch: int = 16, max_tokens: int = 64) -> float:
+def generation_tokens_per_s(model: str, device: str, dtype: str, *, batch: int = 16, max_tokens: int = 64,
+                            lora_rank: int = 0) -> float:
     """Sampled tokens per second for a batch of prompts (after one warm-up batch), on a model server's copy.
 
     The copy is loaded as ``serve-model`` loads it (``inference_only``: Linear weights cast once
-    under mixed precision).
+    under mixed precision). With ``lora_rank`` > 0 the batch runs on a random LoRA adapter of that
+    rank on every linear layer but the head, as a served checkpoint of the online demo does.
     """
     served = load_model(model, precision=resolve_precision(device, dtype), inference_only=True)
     prompts = _prompts(batch, len(served.tokenizer))
+    adapter = _random_adapter(served.model, lora_rank) if lora_rank else None
 
     def sample(requests: list[list[int]], tokens: int) -> int:
         params = SamplingParams(max_tokens=tokens, temperature=1.0, seed=0, logprobs=True)
-        results = generate_batch(served.model, served.tokenizer, [BatchRequest(p, params) for p in requests],
-                                 eos_ids=set(), autocast=served.autocast)
+        with applied(adapter, served.model):
+            results = generate_batch(served.model, served.tokenizer, [BatchRequest(p, params) for p in requests],
+                                     eos_ids=set(), autocast=served.autocast)
         return sum(len(states[0].token_ids) for states in results)
 
     sample(prompts[:2], 4)
@@ -69,6 +75,20 @@ def generation_tokens_per_s(model: str, device: str, dtype: str, *, batch: int =
     sampled = sample(prompts, max_tokens)
     _synchronize(served.model)
     return sampled / (time.perf_counter() - started)
+
+
+def _random_adapter(model: torch.nn.Module, rank: int) -> LoraAdapter:
+    hf: Any = model  # a transformers model (torch types its attributes as Tensor | Module)
+    head = hf.get_output_embeddings() if hasattr(hf, "get_output_embeddings") else None
+    generator = torch.Generator().manual_seed(3)
+    layers = {}
+    for name, module in model.named_modules():
+        if isinstance(module, torch.nn.Linear) and module is not head:
+            a = torch.randn(rank, module.in_features, generator=generator) * module.in_features ** -0.5
+            b = torch.randn(module.out_features, rank, generator=generator) * 1e-3
+            weight = module.weight
+            layers[name] = LoraLayer(a.to(weight.device, weight.dtype), b.to(weight.device, weight.dtype), 2.0)
+    return LoraAdapter("random", "", 1, layers)
 
 
 def trainer_tokens_per_s(model: str, device: str, dtype: str, *, batch: int = 16, length: int = 256,

@@ -2,9 +2,10 @@
 
 For every device this machine has (the CPU; CUDA when present, or only CUDA with ``--cuda``,
 which ``make gpu-check`` passes) and both compute dtypes, prints one JSON line per figure:
-``trainer_tokens_per_s``, ``generation_tokens_per_s`` and ``initial_ratio_max_abs_dev`` (the
-largest |log ratio| between the server's sampled logprobs and the trainer's recomputation of
-the same tokens with the same weights; its bound is ``models.precision.INITIAL_RATIO_BOUND``).
+``trainer_tokens_per_s``, ``generation_tokens_per_s`` (the base model, and on a LoRA adapter of
+``--lora-rank``) and ``initial_ratio_max_abs_dev`` (the largest |log ratio| between the server's
+sampled logprobs and the trainer's recomputation of the same tokens with the same weights; its
+bound is ``models.precision.INITIAL_RATIO_BOUND``).
 """
 
 from __future__ import annotations
@@ -25,6 +26,8 @@ def main() -> int:
     parser.add_argument("--cuda", action="store_true", help="CUDA only, and fail when there is none")
     parser.add_argument("--batch", type=int, default=16)
     parser.add_argument("--length", type=int, default=256, help="tokens per trained sequence")
+    parser.add_argument("--lora-rank", type=int, default=16,
+                        help="generation is also measured on a random adapter of this rank (as a served checkpoint)")
     args = parser.parse_args()
     if args.cuda and not torch.cuda.is_available():
         print("bench.precision --cuda: torch sees no CUDA device", file=sys.stderr)
@@ -38,8 +41,10 @@ def main() -> int:
             emit("precision", "trainer_tokens_per_s",
                  trainer_tokens_per_s(args.model, device, dtype, batch=args.batch, length=args.length),
                  "tokens/s", batch=args.batch, length=args.length, **extra)
-            emit("precision", "generation_tokens_per_s",
-                 generation_tokens_per_s(args.model, device, dtype, batch=args.batch), "tokens/s", **extra)
+            for rank in (0, args.lora_rank):
+                emit("precision", "generation_tokens_per_s",
+                     generation_tokens_per_s(args.model, device, dtype, batch=args.batch, lora_rank=rank), "tokens/s",
+                     lora_rank=rank, **extra)
             deviation = initial_ratio_max_abs_dev(args.model, device, dtype)
             within = deviation < INITIAL_RATIO_BOUND[dtype]
             failed |= not within
