@@ -290,7 +290,7 @@ class TrainerWorker:
             self._flush_metrics()
 
     async def _rebase(self, routing: Routing) -> None:
-        """Train on from the serving version's weights and optimizer state; versions keep counting up.
+        """Train on from the serving version's weights (and optimizer state, where it was written); versions count on.
 
         Steps since the last checkpoint are dropped with the weights they changed; their
         transitions still count as trained. A serving checkpoint that cannot be loaded (pruned,
