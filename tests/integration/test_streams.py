@@ -13,6 +13,7 @@ from aiokafka import AIOKafkaConsumer, TopicPartition
 from infra.clickhouse import connect
 from schemas import TASK, AvroCodec
 from schemas.contracts import TRAIN_ATTRIBUTE
+from schemas.spanwriter import SpanBatchEncoder
 from streams.ocf import container_file
 from tests.support.streams_harness import (
     CODEC,
@@ -419,3 +420,33 @@ def test_training_selection_opt_out_opt_in_and_sampling(setup, stack):
     stored = query(client, f"SELECT span_id, attributes['agentstream.train'] FROM {db}.spans FINAL "
                            "WHERE rollout_id = 'out' ORDER BY span_id")
     assert stored == [("out-llm0", "false"), ("out-llm1", ""), ("out-r0", "")], "every span is still captured"
+
+
+def test_token_ids_in_sized_blocks_reach_clickhouse_and_transitions_as_written(setup, stack):
+    """The publisher writes token ids as one block with its byte size (the worker steps over it without walking the
+    varints): ClickHouse decodes them, and the transition copies them, to the same values."""
+    env, tag, client, workers = setup
+    db, spans_topic = f"streams_{tag}", f"s{tag}.spans"
+    workers.append(Worker(env, env_path(env) / "worker.log").start())
+    prompt, response = [0, 1, 63, 64, 8191, 8192, 49151, 2**31 - 1], [-1, 300, 128000]
+    span = {"span_id": "sized-llm", "rollout_id": "sized", "attempt_id": "sized-1", "name": "chat", "kind": "LLM",
+            "start_time_us": now_us(), "end_time_us": now_us() + 10, "agent_name": "agent", "model": "m",
+            "policy_version": 2, "prompt_token_ids": prompt, "response_token_ids": response,
+            "response_logprobs": [-0.5, -0.25, -2.0]}
+    reward = {"span_id": "sized-r", "rollout_id": "sized", "attempt_id": "sized-1", "name": "reward",
+              "kind": "REWARD", "start_time_us": now_us(), "end_time_us": now_us(), "reward": 1.0}
+    body = SpanBatchEncoder().encode_span_batch([span, reward])
+    assert body != CODEC.encode_span_batch([span, reward]) and CODEC.decode(body)[1]["spans"][0]["prompt_token_ids"] \
+        == prompt  # the sized blocks differ from fastavro's bytes, not in what they hold
+    records = rollout_records("sized", llm_at=[])
+    asyncio.run(produce(stack.bootstrap_servers, spans_topic,
+                        [(b"sized", records[0]), (b"sized", body), (b"sized", records[-1])]))
+
+    transitions = f"SELECT prompt_token_ids, response_token_ids, behaviour_logprobs FROM {db}.transitions FINAL"
+    wait_for(lambda: query(client, transitions), 30, what="the transition")
+    assert query(client, transitions) == [(prompt, [2**32 - 1, 300, 128000], [-0.5, -0.25, -2.0])]  # UInt32 columns
+    assert query(client, f"SELECT prompt_token_ids, response_token_ids FROM {db}.spans FINAL "
+                         "WHERE span_id = 'sized-llm'") == [(prompt, [2**32 - 1, 300, 128000])]
+    (record,) = read_all(stack.bootstrap_servers, f"s{tag}.transitions", 4)
+    (transition,) = CODEC.decode(record.value)[1]["transitions"]
+    assert (transition["prompt_token_ids"], transition["response_token_ids"]) == (prompt, response)
