@@ -348,6 +348,45 @@ _DOUBLE_VALUE = """\
     pos += 8
 """
 _INLINE = {"string": _STRING, "long": _LONG, "int": _LONG, "double": _DOUBLE_VALUE}
+_RAW_ARRAY = """\
+    branch = buf[pos]
+    pos += 1
+    if branch == 0:
+        {var} = None
+    elif branch == 2:
+        start = pos
+        while True:
+            byte = buf[pos]
+            if byte < 0x80:
+                count = (byte >> 1) ^ -(byte & 1)
+                pos += 1
+            else:
+                count, pos = read_long(buf, pos)
+            if count == 0:
+                break
+            if count < 0:  # a block with its size in bytes (the span writer's): stepped over at once
+                size, pos = read_long(buf, pos)
+                if size < 0:
+                    raise MalformedSpan(f'negative block size {size}')
+                pos += size
+            else:
+                pos = {skip}
+        if pos > len(buf):
+            raise MalformedSpan('array runs past the end of the datum')
+        {var} = buf[start:pos]
+    else:
+        raise MalformedSpan(f'union branch byte {branch} does not name a branch')
+"""
+_ITEM_BYTES = {"float": 4, "double": 8}
+
+
+def _inline_raw_array(schema: Any) -> str | None:
+    """Source that keeps a nullable array of numbers encoded into {var}; None for any other shape."""
+    if not (isinstance(schema, list) and len(schema) == 2 and schema[0] == "null" and isinstance(schema[1], dict)
+            and schema[1].get("type") == "array" and schema[1].get("items") in ("int", "long", "float", "double")):
+        return None
+    size = _ITEM_BYTES.get(schema[1]["items"])
+    return _RAW_ARRAY.replace("{skip}", f"pos + count * {size}" if size else "skip_varints(buf, pos, count)")
 
 
 def _inline(schema: Any) -> str | None:
@@ -375,10 +414,15 @@ def _span_reader(schema: dict[str, Any], raw_arrays: frozenset[str], skipped: fr
     names = {f["name"] for f in schema["fields"]}
     lines = ["def read(buf, pos):"]
     scope: dict[str, Any] = {"read_long": read_long, "MalformedSpan": MalformedSpan, "SpanNode": SpanNode,
-                             "EMPTY": EMPTY_ARRAY, "unpack_double": _DOUBLE.unpack_from}
+                             "EMPTY": EMPTY_ARRAY, "unpack_double": _DOUBLE.unpack_from, "skip_varints": _skip_varints}
     for index, spec in enumerate(schema["fields"]):
         variable = f"v_{index}"
-        source = None if spec["name"] in skipped or spec["name"] in raw_arrays else _inline(spec["type"])
+        if spec["name"] in skipped:
+            source = None
+        elif spec["name"] in raw_arrays:
+            source = _inline_raw_array(spec["type"])
+        else:
+            source = _inline(spec["type"])
         if spec["name"] == FLAG_FIELD:
             scope[f"read_{index}"] = _flag_reader(spec["type"])
             lines.append(f"    {variable}, pos = read_{index}(buf, pos)")

@@ -47,6 +47,20 @@ def _string(value: str) -> bytes:
     return write_long(len(encoded)) + encoded
 
 
+_REPEATED: dict[str, bytes] = {}  # the Avro of strings every transition of a rollout repeats (rollout, agent, model)
+_REPEATED_MAX = 4096
+
+
+def _repeated_string(value: str) -> bytes:
+    """``_string``, kept for the next call: a rollout's id, its agent and its model come once per transition."""
+    written = _REPEATED.get(value)
+    if written is None:
+        if len(_REPEATED) >= _REPEATED_MAX:
+            _REPEATED.clear()
+        written = _REPEATED[value] = _string(value)
+    return written
+
+
 @dataclass(frozen=True)
 class Draft:
     """A transition waiting for its credit: the model it trains and the Avro of its fields up to the logprobs."""
@@ -76,8 +90,9 @@ class Transitions:
 def draft(rollout_id: str, attempt_id: str, agent_name: str, model: str, step_index: int, call: SpanNode) -> Draft:
     """The draft of the transition of ``call``, the ``step_index``-th trainable call of its rollout."""
     head = b"".join((
-        _string(transition_id(rollout_id, attempt_id, call.span_id)), _string(rollout_id), _string(call.span_id),
-        _string(agent_name), _string(model), write_long(call.policy_version or 0), write_long(step_index),
+        _string(transition_id(rollout_id, attempt_id, call.span_id)), _repeated_string(rollout_id),
+        _string(call.span_id), _repeated_string(agent_name), _repeated_string(model),
+        write_long(call.policy_version or 0), write_long(step_index),
         call.tokens,
     ))
     return Draft(model, rollout_id, head)
