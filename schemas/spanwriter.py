@@ -58,6 +58,7 @@ _CACHED_STRING_BYTES = 64
 _STRINGS: dict[str, bytes] = {}  # short string -> its Avro bytes
 _HIGH_VARINTS: dict[int, bytes] = {}  # bits above the lowest 21 of a zigzag value -> their varint
 _OPTIONAL_STRINGS: dict[str, bytes] = {}  # short string -> its branch and Avro bytes in a nullable union
+_BLOCK_HEADERS: dict[int, bytes] = {}  # (item count, byte size) of a token-id block -> its header
 _INT32S: dict[int, struct.Struct] = {}  # item count -> struct packing that many int32
 _FLOAT32S: dict[int, struct.Struct] = {}  # item count -> struct packing that many float32
 
@@ -208,7 +209,13 @@ def _list_of_ints(value: Any, name: str) -> tuple[bytes, bytes]:
 
 def _block_header(count: int, size: int) -> bytes:
     """The header of one array block of ``count`` items in ``size`` bytes: the negated count, then the size."""
-    return write_long(-count) + write_long(size)
+    key = count << 32 | size  # both fit 32 bits: an int key costs less than a tuple
+    header = _BLOCK_HEADERS.get(key)
+    if header is None:
+        if len(_BLOCK_HEADERS) >= _CACHE_SIZE:
+            _BLOCK_HEADERS.clear()
+        header = _BLOCK_HEADERS[key] = write_long(-count) + write_long(size)
+    return header
 
 
 def _array_start(count: int) -> bytes:
