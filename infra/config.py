@@ -134,8 +134,8 @@ class StreamsConfig:
     clickhouse_retry_max_s: float = 10.0
     session_timeout_s: float = 3.0  # tansu holds a join about half of it: a restarted worker is back in ~4 s
     fetch_max_wait_ms: int = 50  # tansu answers a fetch only after this wait when it had nothing at first
-    ingest_interval_s: float = 0.25  # span batches read meanwhile are inserted together
-    store_interval_s: float = 0.5  # rollouts and transitions rows are written to ClickHouse this often
+    ingest_interval_s: float = 1.0  # span batches read meanwhile are inserted together
+    store_interval_s: float = 1.0  # rollouts and transitions rows are written to ClickHouse this often
     shutdown_grace_s: float = 10.0  # after SIGTERM/SIGINT the worker exits within this, broker or not
 
 

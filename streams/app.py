@@ -36,6 +36,9 @@ from streams.warehouse import Warehouse
 
 log = logging.getLogger("agentstream.streams")
 
+INGEST_QUEUE_BYTES = 64 << 20
+"""Record bytes an agent may have read but not yet stored before it waits (a few seconds of full-speed ingest)."""
+
 
 class KafkaEmitter:
     """Output records through one aiokafka producer, started on the worker's loop at first use."""
@@ -72,28 +75,44 @@ class KafkaEmitter:
 class Ingestion:
     """Stores an agent's batches on its own task, those of ``interval_s`` together; each record stays held until stored.
 
-    Fewer, larger inserts spare ClickHouse a part (and its merges) per batch. The queue is
-    short, so a slow or unavailable ClickHouse soon makes the agent wait too.
+    Fewer, larger inserts spare ClickHouse a part (and its merges) per batch. The queue is bounded
+    by the bytes it holds, not by a count of batches: a count short enough to stop a worker soon
+    when ClickHouse is slow or down (4 batches) made the agent wait on every insert in normal
+    operation too, and the rollout ends behind it waited with it (transition latency p50 380 ms
+    at 0.25 s between inserts, 460 ms at 0.5 s; 350 ms either way when the agent does not wait).
     """
 
-    def __init__(self, processor: Stage[Any], holder: FaustHolder, interval_s: float, depth: int = 4) -> None:
+    def __init__(self, processor: Stage[Any], holder: FaustHolder, interval_s: float,
+                 max_bytes: int = INGEST_QUEUE_BYTES) -> None:
         self.processor = processor
         self.holder = holder
         self.interval_s = interval_s
-        self.queue: asyncio.Queue = asyncio.Queue(depth)
+        self.max_bytes = max_bytes
+        self.queue: asyncio.Queue = asyncio.Queue()  # bounded by put(), in bytes
+        self.queued_bytes = 0
+        self.room = asyncio.Event()
+        self.room.set()
 
     async def put(self, records: list[RawRecord], batch: Any) -> None:
+        """Queue a read batch for storing; waits while the batches queued hold ``max_bytes`` or more."""
+        while self.queued_bytes >= self.max_bytes:
+            self.room.clear()
+            await self.room.wait()
         for record in records:
             self.holder.hold(record)
-        await self.queue.put((records, batch))
+        size = sum(len(record.value or b"") for record in records)
+        self.queued_bytes += size
+        self.queue.put_nowait((records, batch, size))
 
     async def run(self) -> None:
         while True:
             queued = await gather(self.queue, self.interval_s)
-            await self.processor.ingest([batch for _, batch in queued])
-            for records, _ in queued:
+            await self.processor.ingest([batch for _, batch, _ in queued])
+            for records, _, size in queued:
                 for record in records:
                     self.holder.release(record)
+                self.queued_bytes -= size
+            self.room.set()
 
 
 class FaustHolder:

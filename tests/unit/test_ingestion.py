@@ -1,0 +1,56 @@
+"""The streams worker's ingestion queue: records stay held until stored, and the agent waits only on queued bytes."""
+
+from __future__ import annotations
+
+import asyncio
+from typing import Any
+
+from streams.app import Ingestion
+from streams.records import RawRecord
+
+
+class Store:
+    """A processor whose inserts wait until ``open`` is set (ClickHouse slow or down), recording what they stored."""
+
+    def __init__(self) -> None:
+        self.open = asyncio.Event()
+        self.stored: list[Any] = []
+
+    async def ingest(self, batches: list[Any]) -> None:
+        await self.open.wait()
+        self.stored.extend(batches)
+
+
+class Holds:
+    def __init__(self) -> None:
+        self.held: set[int] = set()
+
+    def hold(self, record: RawRecord) -> None:
+        self.held.add(record.offset)
+
+    def release(self, record: RawRecord) -> None:
+        self.held.remove(record.offset)
+
+
+def records(first: int, count: int, size: int) -> list[RawRecord]:
+    return [RawRecord("spans", 0, first + n, b"k", b"x" * size) for n in range(count)]
+
+
+def test_the_agent_waits_only_once_the_queued_bytes_reach_the_bound() -> None:
+    async def scenario() -> None:
+        store, holds = Store(), Holds()
+        ingestion = Ingestion(store, holds, interval_s=0.01, max_bytes=1000)  # type: ignore[arg-type]
+        runner = asyncio.create_task(ingestion.run())
+        for batch in range(9):  # 900 bytes: many more batches than a count-bounded queue of 4 let through
+            await asyncio.wait_for(ingestion.put(records(batch * 10, 10, 10), f"b{batch}"), 1)
+        await asyncio.wait_for(ingestion.put(records(90, 10, 10), "b9"), 1)  # 1000 bytes queued now
+        blocked = asyncio.create_task(ingestion.put(records(100, 1, 10), "b10"))
+        await asyncio.sleep(0.1)
+        assert not blocked.done() and len(holds.held) == 100 and store.stored == []
+        store.open.set()  # ClickHouse is back: what was queued is stored and released, and the agent goes on
+        await asyncio.wait_for(blocked, 1)
+        await asyncio.sleep(0.1)
+        assert store.stored == [f"b{n}" for n in range(11)] and holds.held == set() and ingestion.queued_bytes == 0
+        runner.cancel()
+
+    asyncio.run(scenario())
