@@ -211,6 +211,11 @@ class TrainerConfig:
     ``dtype`` is the compute dtype (``auto``: bfloat16 autocast on CUDA, float32 elsewhere);
     weights and optimizer state stay ``weights_dtype``, float32 unless pure bfloat16 is asked for
     (which loses updates below bfloat16's resolution, and warns). See ``models/precision.py``.
+    ``checkpoint_dtype`` is the dtype of full weights in checkpoints (``auto``: ``weights_dtype``).
+    ``bfloat16`` over float32 weights halves what the trainer writes and hashes and what hot swap
+    hashes and the server loads per version, and a server computing in bfloat16 serves the same
+    Linear weights either way; a trainer resumed from such a checkpoint starts from weights rounded
+    to bfloat16 (it says so). LoRA adapters are written as trained.
     With ``rebase_after_rejections`` N > 0, after the promotion gate refused N of this model's
     candidates in a row (rejected or rolled back), the trainer goes back to the version serving
     users and trains on from it (``trainer/rebase.py``); 0 never does.
@@ -221,6 +226,7 @@ class TrainerConfig:
     device: str = "auto"
     dtype: str = "auto"
     weights_dtype: str = "float32"
+    checkpoint_dtype: str = "auto"
     threads: int = 2
     seed: int = 0
     lr: float = 1e-5
@@ -259,6 +265,8 @@ class TrainerConfig:
             "device must be auto, cpu or cuda[:N]": self.device in ("auto", "cpu") or self.device.startswith("cuda"),
             "dtype must be auto, float32 or bfloat16": self.dtype in ("auto", "float32", "bfloat16"),
             "weights_dtype must be float32 or bfloat16": self.weights_dtype in ("float32", "bfloat16"),
+            "checkpoint_dtype must be auto, float32 or bfloat16": self.checkpoint_dtype in ("auto", "float32",
+                                                                                            "bfloat16"),
             "lr must be > 0": self.lr > 0,
             "clip_eps must be within (0, 1)": 0 < self.clip_eps < 1,
             "importance_cap must be > 1": self.importance_cap > 1,

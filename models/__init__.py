@@ -28,6 +28,7 @@ from models.weights import (
     read_weights,
     sha256_file,
     verify_sha256,
+    write_safetensors,
 )
 
 __all__ = [
@@ -52,4 +53,5 @@ __all__ = [
     "teacher_forced_logprobs",
     "tiny_tokenizer",
     "verify_sha256",
+    "write_safetensors",
 ]

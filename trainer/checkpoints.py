@@ -139,12 +139,15 @@ def model_folder(model: str) -> str:
 
 def write_checkpoint(store: CheckpointStore, staging: Path, weights: Path, *, model: str, version: int, step: int,
                      format: str, offsets: dict[str, int], trained_ids: list[str],
-                     metrics: dict[str, float]) -> Manifest:
-    """Add the manifest to a staging folder that already holds the weights, and put it in the store."""
+                     metrics: dict[str, float], sha256: str | None = None) -> Manifest:
+    """Add the manifest to a staging folder that already holds the weights, and put it in the store.
+
+    ``sha256`` is the weights file's digest when the writer computed it on the way (else it is read here).
+    """
     name = checkpoint_name(model, version)
     manifest = Manifest(model=model, version=version, step=step, format=format, weights_file=weights.name,
-                        sha256=sha256_file(weights), uri=store.uri(name), created_at_us=time.time_ns() // 1000,
-                        offsets=offsets, trained_ids=trained_ids, metrics=metrics)
+                        sha256=sha256 or sha256_file(weights), uri=store.uri(name),
+                        created_at_us=time.time_ns() // 1000, offsets=offsets, trained_ids=trained_ids, metrics=metrics)
     (staging / MANIFEST).write_text(json.dumps(asdict(manifest)))
     store.put(name, staging)
     return manifest

@@ -1,13 +1,15 @@
 """The model being trained: a Hugging Face causal LM (full or LoRA) on its device and dtype, with its optimizer.
 
 Weights are saved the way model servers load them: the full state dict as ``model.safetensors``
-(``/v1/load_weights``), or a peft adapter folder (``/v1/load_lora_adapter``). The optimizer
-state is saved beside them so a restarted trainer continues exactly where it stopped.
+(``/v1/load_weights``, in ``trainer.checkpoint_dtype``), or a peft adapter folder
+(``/v1/load_lora_adapter``). The optimizer state is saved beside them so a restarted trainer
+continues exactly where it stopped.
 """
 
 from __future__ import annotations
 
 import copy
+import logging
 from collections.abc import Callable
 from dataclasses import dataclass
 from pathlib import Path
@@ -24,10 +26,13 @@ from models import (
     check_weights,
     load_model,
     read_weights,
+    write_safetensors,
 )
 from models.precision import Precision, PrecisionError, resolve_precision
 
 OPTIMIZER_STATE = "optimizer.pt"
+
+log = logging.getLogger(__name__)
 
 
 class PolicyError(RuntimeError):
@@ -48,6 +53,8 @@ class Policy:
     reference: torch.nn.Module | None
     precision: Precision
     """Where the forward pass runs and in which dtype; weights and optimizer state stay ``dtype``."""
+    checkpoint_dtype: torch.dtype
+    """The dtype full weights are written in (``trainer.checkpoint_dtype``)."""
 
     @property
     def format(self) -> str:
@@ -91,47 +98,45 @@ def build_policy(config: TrainerConfig) -> Policy:
     trainable = [p for p in model.parameters() if p.requires_grad]
     optimizer = torch.optim.AdamW(trainable, lr=config.lr, betas=(config.beta1, config.beta2),
                                   weight_decay=config.weight_decay, foreach=device.type == "cuda")
+    checkpoint_dtype = dtype if config.checkpoint_dtype == "auto" else getattr(torch, config.checkpoint_dtype)
     return Policy(model, loaded.tokenizer, config.model_name or loaded.name, device, dtype, config.lora, optimizer,
-                  reference, precision)
+                  reference, precision, checkpoint_dtype)
 
 
 def save_weights(policy: Policy, folder: Path, optimizer_state: bool = True) -> Path:
     """Write the weights (or the adapter), and the optimizer state if asked, to ``folder``; returns the weights file."""
-    from safetensors.torch import save_model
+    return save_weights_later(policy, folder, optimizer_state)()[0]
 
+
+Written = tuple[Path, str | None]
+"""A written checkpoint's weights file and its sha256 (None: not computed on the way, hash the file)."""
+
+
+def save_weights_later(policy: Policy, folder: Path, optimizer_state: bool = True) -> Callable[[], Written]:
+    """``save_weights`` in two halves: copy the weights now (on the model's thread), write them when called.
+
+    The copy, in ``policy.checkpoint_dtype``, is what the next optimizer step cannot change, so
+    the write (0.5 GB for SmolLM2 in float32) can run on another thread beside that step; it
+    hashes the bytes as it writes them. One tensor per storage is kept, as ``save_model`` does
+    for a tied head. A LoRA adapter is small: it is written now.
+    """
     if policy.lora:
         peft_model: Any = policy.model  # a PeftModel (torch types module attributes as Tensor | Module)
         peft_model.save_pretrained(folder, safe_serialization=True)
-    else:
-        save_model(policy.model, str(folder / FULL_WEIGHTS_FILE))  # save_model copes with tied embeddings
-    if optimizer_state:
-        torch.save(policy.optimizer.state_dict(), folder / OPTIMIZER_STATE)
-    return folder / policy.weights_file
-
-
-def save_weights_later(policy: Policy, folder: Path, optimizer_state: bool = True) -> Callable[[], Path]:
-    """``save_weights`` in two halves: copy the weights now (on the model's thread), write them when called.
-
-    The copy is what the next optimizer step cannot change, so the write (serialising 0.5 GB for
-    SmolLM2, about a second on a CPU) can run on another thread beside that step. One tensor per
-    storage is kept, as ``save_model`` does for a tied head. A LoRA adapter is small: it is written now.
-    """
-    if policy.lora:
-        written = save_weights(policy, folder, optimizer_state)
-        return lambda: written
+        if optimizer_state:
+            torch.save(policy.optimizer.state_dict(), folder / OPTIMIZER_STATE)
+        return lambda: (folder / ADAPTER_WEIGHTS_FILE, None)
     by_storage: dict[int, tuple[str, torch.Tensor]] = {}
-    for name, tensor in policy.model.state_dict().items():
-        by_storage[tensor.data_ptr()] = (name, tensor.detach().clone())  # the last name of a tied pair stays
+    for name, tensor in policy.model.state_dict().items():  # the last name of a tied pair stays
+        by_storage[tensor.data_ptr()] = (name, tensor.detach().to("cpu", policy.checkpoint_dtype, copy=True))
     tensors = dict(by_storage.values())
     optimizer = copy.deepcopy(policy.optimizer.state_dict()) if optimizer_state else None
 
-    def write() -> Path:
-        from safetensors.torch import save_file
-
-        save_file(tensors, str(folder / FULL_WEIGHTS_FILE))
+    def write() -> Written:
+        sha256 = write_safetensors(tensors, folder / FULL_WEIGHTS_FILE)
         if optimizer is not None:
             torch.save(optimizer, folder / OPTIMIZER_STATE)
-        return folder / FULL_WEIGHTS_FILE
+        return folder / FULL_WEIGHTS_FILE, sha256
 
     return write
 
@@ -152,6 +157,12 @@ def load_weights(policy: Policy, folder: Path) -> None:
         else:
             state = read_weights(folder)
             check_weights(policy.model, state)
+            width = torch.empty((), dtype=policy.dtype).element_size()
+            narrower = sorted({str(t.dtype) for t in state.values() if t.element_size() < width})
+            if narrower:
+                log.warning("checkpoint %s holds %s weights: training resumes from them rounded, not from the "
+                            "%s weights it trained (trainer.checkpoint_dtype)", folder, ", ".join(narrower),
+                            policy.dtype)
             assign_weights(policy.model, state)
     except (WeightsError, FileNotFoundError) as error:
         raise PolicyError(f"checkpoint {folder} does not fit the policy: {error}") from None

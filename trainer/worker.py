@@ -44,7 +44,15 @@ from trainer.checkpoints import (
     write_checkpoint,
 )
 from trainer.metrics import MetricsWriter, StepReport
-from trainer.policy import OPTIMIZER_STATE, Policy, PolicyError, build_policy, load_weights, save_weights_later
+from trainer.policy import (
+    OPTIMIZER_STATE,
+    Policy,
+    PolicyError,
+    Written,
+    build_policy,
+    load_weights,
+    save_weights_later,
+)
 from trainer.rebase import RejectionStreak
 from trainer.step import train_step
 
@@ -332,13 +340,13 @@ class TrainerWorker:
         self._writing = asyncio.create_task(self._write(write, staging, version, self.step, positions, trained_ids,
                                                         metrics))
 
-    async def _write(self, write: Callable[[], Path], staging: Path, version: int, step: int,
+    async def _write(self, write: Callable[[], Written], staging: Path, version: int, step: int,
                      positions: dict[TopicPartition, int], trained_ids: list[str], metrics: dict[str, float]) -> None:
         offsets = {f"{tp.topic}:{tp.partition}": offset for tp, offset in positions.items()}
-        weights = await asyncio.to_thread(write)
+        weights, sha256 = await asyncio.to_thread(write)
         manifest = await asyncio.to_thread(
             write_checkpoint, self.store, staging, weights, model=self.name, version=version, step=step,
-            format=self.policy.format, offsets=offsets, trained_ids=trained_ids, metrics=metrics)
+            format=self.policy.format, offsets=offsets, trained_ids=trained_ids, metrics=metrics, sha256=sha256)
         await self._announce(manifest)
         self.resume_offsets = offsets
         self.summary.checkpoints += 1

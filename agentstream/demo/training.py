@@ -116,6 +116,7 @@ def demo_config(config: Config, run_id: str, workdir: Path) -> Config:
                            keep_flat_groups=True),  # the trainer steps once per wave, its flat groups counted
                 CreditRule(agent="*", train=False)),
         trainer=replace(config.trainer, model="smollm2", threads=demo.trainer_threads, dtype=dtype,
+                        checkpoint_dtype=dtype,  # the server computes in it: half the bytes per version in bfloat16
                         lr=demo.lr, temperature=1.0, batch_transitions=wave, batch_counts_skipped=True, batch_tokens=0,
                         batch_wait_s=15.0,
                         max_policy_lag=demo.max_policy_lag, checkpoint_every_steps=1, keep_checkpoints=3,

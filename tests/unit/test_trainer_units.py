@@ -326,7 +326,8 @@ def test_weights_saved_later_are_the_ones_copied_before_the_next_step(tmp_path, 
     moments = {k: v["exp_avg"].clone() for k, v in policy.optimizer.state_dict()["state"].items()}
     train_step(policy, Batch(generated(policy, 2, 1.0), 1, Counts()), tiny_config)  # changes weights and moments
     assert any(not torch.equal(before[name], tensor) for name, tensor in policy.model.state_dict().items())
-    weights = write()
+    weights, digest = write()
+    assert digest == sha256_file(weights)  # hashed on the way, as written
     saved = load_file(weights)
     storages = {tensor.data_ptr() for tensor in policy.model.state_dict().values()}
     assert len(saved) == len(storages)  # a tied head is written once, as save_model writes it
@@ -336,6 +337,53 @@ def test_weights_saved_later_are_the_ones_copied_before_the_next_step(tmp_path, 
         assert torch.equal(tensor, restored.model.state_dict()[name]), name
     for key, state in restored.optimizer.state_dict()["state"].items():
         assert torch.equal(state["exp_avg"], moments[key])
+
+
+def test_safetensors_written_in_one_pass_read_back_as_safetensors_writes_them(tmp_path):
+    from safetensors import safe_open
+    from safetensors.torch import load_file
+
+    from models import WeightsError, write_safetensors
+
+    tensors = {"b.weight": torch.randn(3, 4), "a.norm": torch.randn(5).to(torch.bfloat16), "step": torch.tensor(7),
+               "empty": torch.zeros(0, 2), "transposed": torch.arange(6).reshape(2, 3).t(),
+               "mask": torch.tensor([True, False, True])}
+    digest = write_safetensors(tensors, tmp_path / "w.safetensors")
+    assert digest == sha256_file(tmp_path / "w.safetensors")
+    back = load_file(tmp_path / "w.safetensors")
+    assert back.keys() == tensors.keys()
+    for name, tensor in tensors.items():
+        assert back[name].dtype == tensor.dtype and torch.equal(back[name], tensor), name
+    with safe_open(tmp_path / "w.safetensors", "pt") as handle:
+        assert handle.metadata() == {"format": "pt"}  # what transformers and vLLM look for
+    header_size = int.from_bytes((tmp_path / "w.safetensors").read_bytes()[:8], "little")
+    assert header_size % 8 == 0
+    with pytest.raises(WeightsError, match="complex64"):
+        write_safetensors({"z": torch.zeros(2, dtype=torch.complex64)}, tmp_path / "z.safetensors")
+
+
+def test_bfloat16_checkpoints_hold_the_weights_rounded_and_a_resumed_trainer_says_so(tmp_path, tiny_config, caplog):
+    from models import check_weights, load_model, read_weights
+
+    config = replace(tiny_config, checkpoint_dtype="bfloat16")
+    policy = build_policy(config)
+    train_step(policy, Batch(generated(policy, 2, 1.0), 0, Counts()), config)
+    weights, digest = save_weights_later(policy, tmp_path, optimizer_state=False)()
+    state = read_weights(tmp_path)
+    assert {tensor.dtype for tensor in state.values()} == {torch.bfloat16} and digest == sha256_file(weights)
+    full = {name: tensor for name, tensor in policy.model.state_dict().items() if name in state}
+    assert sum(tensor.numel() * 2 for tensor in state.values()) < weights.stat().st_size < \
+        sum(tensor.numel() * 4 for tensor in full.values())  # half the bytes of float32, plus the header
+    served = load_model("tiny", threads=None)
+    check_weights(served.model, state)
+    restored = build_policy(tiny_config)
+    with caplog.at_level("WARNING", logger="trainer.policy"):
+        load_weights(restored, tmp_path)
+    assert "rounded" in caplog.text and "torch.bfloat16" in caplog.text
+    for name, tensor in full.items():
+        assert torch.equal(restored.model.state_dict()[name], tensor.to(torch.bfloat16).float()), name
+    with pytest.raises(ConfigError, match="checkpoint_dtype"):
+        replace(tiny_config, checkpoint_dtype="float16")
 
 
 def test_lora_checkpoint_is_a_peft_adapter_the_dev_server_loads(tmp_path, tiny_config):
