@@ -3,10 +3,12 @@
 A batch closes when its padded size (transitions × longest sequence) would pass the token
 budget, when it holds ``batch_transitions`` transitions, or when its oldest transition has
 waited ``batch_wait_s``. With ``count_skipped``, the transitions skipped for carrying no signal
-since the last batch count toward ``batch_transitions`` too: a step then follows a fixed amount
+count toward ``batch_transitions`` too, where they arrived: a step then follows a fixed amount
 of generated experience, however many of its groups were flat, as a plain generate-then-train
-loop steps once per round of generation. Staleness is judged when a transition arrives and again when its
-batch is taken: ``current_version − policy_version > max_policy_lag`` drops it (and counts it).
+loop steps once per round of generation, and a backlog of several rounds is cut where each round
+ends (not wherever ``batch_transitions`` informative transitions have gathered, which split
+groups across steps). Staleness is judged when a transition arrives and again when its batch is
+taken: ``current_version − policy_version > max_policy_lag`` drops it (and counts it).
 """
 
 from __future__ import annotations
@@ -128,9 +130,9 @@ class Batcher:
         self.skip_zero_advantage = skip_zero_advantage
         self.count_skipped = count_skipped
         self.seen = seen
-        self._skipped = 0  # flat transitions offered since the last batch was taken
+        self._skipped = 0  # flat transitions offered since the last queued one
         self.counts = Counts()
-        self._queue: deque[tuple[float, Sample]] = deque()
+        self._queue: deque[tuple[float, Sample, int]] = deque()  # (arrived, sample, flat ones offered just before it)
         self._queued: set[str] = set()
 
     def __len__(self) -> int:
@@ -152,13 +154,14 @@ class Batcher:
             if not self._queue and self._skipped >= self.batch_transitions:
                 self._skipped = 0  # a batch's worth with no signal at all: nothing to step on, start the next one
             return False
-        self._queue.append((now, sample))
+        self._queue.append((now, sample, self._skipped))
+        self._skipped = 0
         self._queued.add(sample.transition_id)
         return True
 
     def pending_positions(self) -> Iterable[tuple[str, int, int]]:
         """Kafka positions of the queued samples (not yet trained, so not yet committable)."""
-        return (sample.position for _, sample in self._queue if sample.position is not None)
+        return (sample.position for _, sample, _ in self._queue if sample.position is not None)
 
     def ready(self, now: float) -> bool:
         """Whether a batch should be taken now: the budget or the count is reached, or the oldest waited long enough."""
@@ -166,22 +169,31 @@ class Batcher:
             return False
         if self.batch_wait_s and now - self._queue[0][0] >= self.batch_wait_s:
             return True
-        offered = len(self._queue) + (self._skipped if self.count_skipped else 0)
+        offered = len(self._queue)
+        if self.count_skipped:
+            offered += sum(skipped for _, _, skipped in self._queue) + self._skipped
         full = bool(self.batch_transitions) and offered >= self.batch_transitions
         return full or self._fits() < len(self._queue)
 
     def take(self, current_version: int) -> Batch | None:
         """The next batch (queue order), stale samples dropped; None when nothing fresh is queued."""
         samples: list[Sample] = []
+        room = self.batch_transitions
         for _ in range(self._fits()):
-            _, sample = self._queue.popleft()
+            _, sample, skipped = self._queue.popleft()
+            room -= 1 + (skipped if self.count_skipped else 0)
             self._queued.discard(sample.transition_id)
             if current_version - sample.policy_version > self.max_policy_lag:
                 self.counts.stale += 1
                 continue
             self.seen.add(sample.transition_id)
             samples.append(sample)
-        self._skipped = 0
+        if self.count_skipped and self.batch_transitions and room > 0:  # flat ones next in line fill the room left
+            if self._queue:
+                arrived, head, skipped = self._queue[0]
+                self._queue[0] = (arrived, head, max(0, skipped - room))
+            else:
+                self._skipped = max(0, self._skipped - room)
         if not samples:  # everything was stale: the counts go with the next batch
             return None
         counts, self.counts = self.counts, Counts()
@@ -189,10 +201,11 @@ class Batcher:
 
     def _fits(self) -> int:
         """How many queued samples, from the front, fit one batch (at least one, however long it is)."""
-        longest = 0
-        for count, (_, sample) in enumerate(self._queue, start=1):
+        longest = counted = 0
+        for count, (_, sample, skipped) in enumerate(self._queue, start=1):
             longest = max(longest, sample.length)
-            if self.batch_transitions and count > self.batch_transitions:
+            counted += 1 + (skipped if self.count_skipped else 0)
+            if count > 1 and self.batch_transitions and counted > self.batch_transitions:
                 return count - 1
             if self.batch_tokens and count * longest > self.batch_tokens and count > 1:
                 return count - 1

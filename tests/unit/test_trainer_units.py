@@ -157,6 +157,21 @@ def test_skipped_flat_transitions_count_toward_the_batch_when_asked():
     assert not counting.ready(now=0)
 
 
+def test_a_backlog_of_rounds_is_cut_where_each_round_ends_when_skipped_ones_count():
+    b = batcher(batch_transitions=4, count_skipped=True)
+    rounds = [["a1", "flat", "a2", "flat"], ["flat", "flat", "b1", "b2"], ["c1", "c2", "c3", "c4"], ["flat"] * 3]
+    for round_ in rounds:  # three rounds of four arrive while the trainer is busy
+        for index, name in enumerate(round_):
+            b.offer(sample(f"{name}{index}{len(b)}", advantage=0.0 if name == "flat" else 1.0), 0, now=0)
+    taken = []
+    while b.ready(now=0):
+        taken.append([s.transition_id[:2] for s in b.take(0).samples])
+    assert taken == [["a1", "a2"], ["b1", "b2"], ["c1", "c2", "c3", "c4"]]  # not [a1 a2 b1 b2], [c1 c2 c3 c4]
+    b.offer(sample("d1"), 0, now=0)  # the last round's three flat ones count with it
+    assert b.ready(now=0) and [s.transition_id for s in b.take(0).samples] == ["d1"]
+    assert not b.ready(now=0)
+
+
 def test_pending_positions_hold_back_commits():
     b = batcher()
     b.offer(sample("a", position=("t", 0, 5)), 0, now=0)
