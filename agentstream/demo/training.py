@@ -286,6 +286,7 @@ async def train_and_watch(session: TrainingSession, config: Config, endpoints, c
     publisher = SpanPublisher(config, endpoints.bootstrap_servers, journal_dir=session.workdir / "journal").start()
     set_sink(publisher)
     try:
+        session.start_runners(progress=console.print)  # they join the task queue while the base model is evaluated
         before = await evaluate(heldout, session.proxy_url, session.server_url, started)
         before.seconds = 0.0  # training starts now
         console.print(f"held-out before training: {before.accuracy:.1%} ({before.correct}/{before.total}, "
@@ -295,7 +296,6 @@ async def train_and_watch(session: TrainingSession, config: Config, endpoints, c
                                  max_lag=demo.max_policy_lag).start()
         try:
             await queue.top_up(before.policy_version, 0, time.monotonic())
-            session.start_runners(progress=console.print)
             dashboard = Dashboard(client, console, demo.training_seconds)
             dashboard.evaluations.append(before)
             training_started = time.monotonic()
