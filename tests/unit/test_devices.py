@@ -98,8 +98,12 @@ def test_generation_runs_on_the_device_and_matches_teacher_forcing(device, dtype
 @pytest.mark.parametrize("device", DEVICES)
 @pytest.mark.parametrize("dtype", DTYPES)
 def test_trainer_and_server_agree_on_the_first_step(device, dtype):
-    """Same weights, same tokens: the trainer's recomputed logprobs are the server's within the bound."""
-    deviation = initial_ratio_max_abs_dev("tiny", device, dtype, prompts=4, max_tokens=16)
+    """Same weights, same tokens: the trainer's recomputed logprobs are the server's within the bound.
+
+    The bench's sample (8 prompts x 32 tokens): with TF32 on, 4 x 16 tokens came out exact on an
+    H100 while 8 x 32 did not.
+    """
+    deviation = initial_ratio_max_abs_dev("tiny", device, dtype)
     assert deviation < INITIAL_RATIO_BOUND[dtype]
 
 
