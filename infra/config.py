@@ -47,7 +47,15 @@ class Secret:
 
 @dataclass(frozen=True)
 class KafkaConfig:
-    """Where the Kafka cluster is and how to authenticate; None bootstrap means the embedded broker."""
+    """Where the Kafka cluster is and how to authenticate; None bootstrap means the embedded broker.
+
+    ``fetch_max_wait_ms`` is how long the pipeline's consumers (runners, trainer, hot swap, gate,
+    deployment followers) let the broker hold a fetch that finds nothing. tansu answers such a
+    fetch only when the wait is over, even if records arrive meanwhile, so it is the latency of
+    every hop: at aiokafka's 500 ms a task reached its runner and a transition its trainer up to
+    half a second late, once per policy version. The stream processors have their own
+    (``streams.fetch_max_wait_ms``).
+    """
 
     bootstrap_servers: str | None = None
     security_protocol: str = "PLAINTEXT"
@@ -58,6 +66,11 @@ class KafkaConfig:
     ssl_certfile: str | None = None
     ssl_keyfile: str | None = None
     client_id: str = "agentstream"
+    fetch_max_wait_ms: int = 50
+
+    def __post_init__(self) -> None:
+        if self.fetch_max_wait_ms < 1:
+            raise ConfigError(f"kafka.fetch_max_wait_ms must be >= 1 (got {self.fetch_max_wait_ms})")
 
     @property
     def external(self) -> bool:

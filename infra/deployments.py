@@ -254,7 +254,8 @@ class DeploymentFollower:
 
     async def _follow(self, stop: asyncio.Event) -> None:
         consumer = AIOKafkaConsumer(**client_options(self.config.kafka, self.bootstrap_servers), group_id=None,
-                                    enable_auto_commit=False, auto_offset_reset="earliest", fetch_max_wait_ms=100)
+                                    enable_auto_commit=False, auto_offset_reset="earliest",
+                                    fetch_max_wait_ms=self.config.kafka.fetch_max_wait_ms)
         await consumer.start()
         try:
             partition = TopicPartition(self.topic, 0)

@@ -168,6 +168,7 @@ class Runner:
             **options, group_id=self.options.group_id,
             enable_auto_commit=False, auto_offset_reset="earliest",
             session_timeout_ms=self.options.session_timeout_ms, heartbeat_interval_ms=500,
+            fetch_max_wait_ms=self.config.kafka.fetch_max_wait_ms,
             max_poll_interval_ms=24 * 3600 * 1000,
         )
         consumer.subscribe([topic], listener=_CommitOnRevoke(self))

@@ -98,7 +98,8 @@ class HotSwapper:
     async def run(self, stop: asyncio.Event) -> None:
         topic = topic_name(self.config.topics, "checkpoints")
         consumer = AIOKafkaConsumer(topic, **client_options(self.config.kafka, self.bootstrap_servers), group_id=None,
-                                    enable_auto_commit=False, auto_offset_reset="earliest", fetch_max_wait_ms=50)
+                                    enable_auto_commit=False, auto_offset_reset="earliest",
+                                    fetch_max_wait_ms=self.config.kafka.fetch_max_wait_ms)
         follower = DeploymentFollower(self.config, self.bootstrap_servers, on_decision=self._follow)
         following = asyncio.create_task(follower.run(stop))
         await consumer.start()

@@ -179,7 +179,8 @@ class Gate:
     async def run(self, stop: asyncio.Event) -> None:
         consumer = AIOKafkaConsumer(topic_name(self.config.topics, "checkpoints"),
                                     **client_options(self.config.kafka, self.bootstrap_servers), group_id=None,
-                                    enable_auto_commit=False, auto_offset_reset="earliest", fetch_max_wait_ms=100)
+                                    enable_auto_commit=False, auto_offset_reset="earliest",
+                                    fetch_max_wait_ms=self.config.kafka.fetch_max_wait_ms)
         following = asyncio.create_task(self.follower.run(stop))
         await consumer.start()
         try:

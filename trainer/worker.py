@@ -159,6 +159,7 @@ class TrainerWorker:
             self.consumer = AIOKafkaConsumer(
                 **options, group_id=self.ledger.group,
                 enable_auto_commit=False, auto_offset_reset="earliest", heartbeat_interval_ms=500,
+                fetch_max_wait_ms=self.config.kafka.fetch_max_wait_ms,
                 session_timeout_ms=int(self.settings.session_timeout_s * 1000), max_poll_interval_ms=24 * 3600 * 1000)
             self.log_watch = ConsumerLogWatch("trainer", self.consumer)
             self.consumer.subscribe([topic_name(self.config.topics, "transitions")], listener=_ResumePositions(self))

@@ -49,7 +49,7 @@ TRAIN_AGENT = "arithmetic"
 EVAL_AGENT = "arithmetic-eval"
 DATABASE = "agentstream_demo"
 RATE_WINDOW_S = 30.0
-PACE_EVERY_S = 0.5  # how soon a new policy version lets the next wave out
+PACE_EVERY_S = 0.2  # how soon a new policy version lets the next wave out (a /health call a time)
 SNAPSHOT_EVERY_S = 3.0  # the live numbers from ClickHouse
 
 
