@@ -75,6 +75,13 @@ class Policy:
         return [p for p in self.model.parameters() if p.requires_grad]
 
 
+def training_attention(setting: str, device: torch.device) -> str:
+    """The trained model's attention kernel (``trainer.attention``): ``auto`` is eager on the CPU, sdpa elsewhere."""
+    if setting != "auto":
+        return setting
+    return "eager" if device.type == "cpu" else "sdpa"
+
+
 def build_policy(config: TrainerConfig) -> Policy:
     """Load the model spec, move it to the configured device and dtype, wrap it in LoRA if asked, add the optimizer."""
     torch.manual_seed(config.seed)
@@ -85,6 +92,8 @@ def build_policy(config: TrainerConfig) -> Policy:
     loaded = load_model(config.model, precision=precision, threads=config.threads or None)
     model = loaded.model
     device, dtype = precision.device, precision.weights_dtype
+    pretrained: Any = model  # a transformers PreTrainedModel (torch types a Module's attributes as Tensor)
+    pretrained.set_attn_implementation(training_attention(config.attention, device))
     reference = None
     if config.lora:
         from peft import LoraConfig, get_peft_model
@@ -97,7 +106,7 @@ def build_policy(config: TrainerConfig) -> Policy:
         reference.requires_grad_(False).eval()
     trainable = [p for p in model.parameters() if p.requires_grad]
     optimizer = torch.optim.AdamW(trainable, lr=config.lr, betas=(config.beta1, config.beta2),
-                                  weight_decay=config.weight_decay, foreach=device.type == "cuda")
+                                  weight_decay=config.weight_decay, fused=True)  # 0.3 s of a SmolLM2 CPU step
     checkpoint_dtype = dtype if config.checkpoint_dtype == "auto" else getattr(torch, config.checkpoint_dtype)
     return Policy(model, loaded.tokenizer, config.model_name or loaded.name, device, dtype, config.lora, optimizer,
                   reference, precision, checkpoint_dtype)

@@ -39,7 +39,7 @@ def token_logprobs(model: torch.nn.Module, micro: MicroBatch | SharedPromptMicro
     else:
         logits = model(input_ids=micro.input_ids, attention_mask=micro.attention_mask,
                        logits_to_keep=micro.logits_to_keep).logits[:, :-1].float()
-    logprobs = torch.log_softmax(logits / temperature, dim=-1)
+    logprobs = torch.log_softmax(logits / temperature if temperature != 1.0 else logits, dim=-1)
     with torch.set_grad_enabled(entropy_grad and torch.is_grad_enabled()):
         entropy = -(logprobs.exp() * logprobs).sum(-1)
     return logprobs.gather(-1, micro.targets[..., None]).squeeze(-1), entropy

@@ -457,6 +457,15 @@ def test_trainer_config_section_is_typed_and_validated(tmp_path):
         load_config(path, environ={})
 
 
+def test_the_trained_model_runs_eager_attention_on_the_cpu_unless_told_otherwise(tmp_path, tiny_config):
+    assert build_policy(tiny_config).model.config._attn_implementation == "eager"
+    assert build_policy(replace(tiny_config, attention="sdpa")).model.config._attn_implementation == "sdpa"
+    path = tmp_path / "agentstream.toml"
+    path.write_text('[trainer]\nattention = "flash"\n')
+    with pytest.raises(ConfigError, match="attention must be auto, eager or sdpa"):
+        load_config(path, environ={})
+
+
 def test_demo_heldout_tasks_are_bounded_by_the_task_set(tmp_path):
     path = tmp_path / "agentstream.toml"
     path.write_text('[demo]\nheldout_tasks = 160\n')
