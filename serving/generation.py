@@ -151,7 +151,19 @@ def sample(logits: torch.Tensor, params: SamplingParams,
     if params.temperature == 0:
         return logits.argmax(dim=-1), logprobs
     probs = torch.softmax(truncate(logprobs, params.top_k, params.top_p), dim=-1)
-    return torch.multinomial(probs, 1, generator=generator).squeeze(-1), logprobs
+    return draw(probs, generator), logprobs
+
+
+def draw(probs: torch.Tensor, generator: torch.Generator) -> torch.Tensor:
+    """One token per row by inverse CDF: one uniform a row, where ``torch.multinomial`` draws one per vocabulary entry.
+
+    On a CPU, multinomial's 49,152 exponentials a row were 15% of a SmolLM2 wave's generation.
+    A zero-probability token is never drawn: the cumulative sum does not rise at it.
+    """
+    cumulative = probs.cumsum(dim=-1)
+    uniform = torch.rand((probs.shape[0], 1), generator=generator, device=probs.device, dtype=cumulative.dtype)
+    picked = torch.searchsorted(cumulative, uniform * cumulative[:, -1:], right=True)
+    return picked.squeeze(-1).clamp(max=probs.shape[-1] - 1)
 
 
 def token_logprobs(ids: torch.Tensor, logprobs: torch.Tensor, top: int) -> list[TokenLogprob]:

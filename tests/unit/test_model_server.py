@@ -16,7 +16,7 @@ import torch
 from infra.http_thread import ServerThread
 from models import LoadedModel, ModelLoadError, load_model, tiny_tokenizer
 from serving.app import create_app
-from serving.generation import BatchRequest, SamplingParams, SequenceState, generate_batch, truncate
+from serving.generation import BatchRequest, SamplingParams, SequenceState, draw, generate_batch, truncate
 from serving.tool_format import ToolStreamFilter, parse_tool_calls, render_prompt, renders_tools
 from tests.support.servers import TOLERANCE, assert_exact, make_lora, scripted
 
@@ -298,6 +298,17 @@ def test_top_k_and_top_p_truncation():
     assert probs[0] < 0.7 < probs[0] + probs[1]
     assert kept(truncate(logprobs, 0, 0.7)) == [True, True, False, False, False]
     assert kept(truncate(logprobs, 0, 1.0)) == [True] * 5
+
+
+def test_draw_follows_the_probabilities_and_never_picks_an_impossible_token():
+    probs = torch.tensor([[0.0, 0.5, 0.0, 0.3, 0.2, 0.0]]).repeat(20_000, 1)
+    picked = draw(probs, torch.Generator().manual_seed(3))
+    counts = torch.bincount(picked, minlength=6) / len(picked)
+    assert counts[[0, 2, 5]].tolist() == [0.0, 0.0, 0.0]
+    assert torch.allclose(counts[[1, 3, 4]], torch.tensor([0.5, 0.3, 0.2]), atol=0.015)
+    assert torch.equal(draw(probs[:50], torch.Generator().manual_seed(3)), picked[:50])  # a seed replays
+    unnormalised = torch.tensor([[0.0, 0.0, 0.0, 7.0]])  # truncation leaves rows that need not sum to 1
+    assert draw(unnormalised, torch.Generator().manual_seed(0)).tolist() == [3]
 
 
 def test_chat_with_top_k_top_p_still_reports_untruncated_logprobs(client, tiny):
