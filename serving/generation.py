@@ -24,6 +24,8 @@ from typing import Any
 
 import torch
 
+from serving.kv_cache import decoding_cache
+
 REPLACEMENT_CHAR = "\ufffd"
 
 
@@ -205,7 +207,8 @@ def _prefill(model: torch.nn.Module, prompts: list[Sequence[int]], pad_id: int, 
         mask[row, width - len(prompt):] = 1
     ids, mask = ids.to(device), mask.to(device)
     positions = (mask.cumsum(-1) - 1).clamp(min=0)
-    output = model(input_ids=ids, attention_mask=mask, position_ids=positions, use_cache=True, logits_to_keep=1)
+    output = model(input_ids=ids, attention_mask=mask, position_ids=positions, past_key_values=decoding_cache(model),
+                   use_cache=True, logits_to_keep=1)
     return output.past_key_values, output.logits[:, -1, :], mask, positions[:, -1] + 1
 
 

@@ -12,11 +12,13 @@ import urllib.request
 import openai
 import pytest
 import torch
+from transformers.cache_utils import Cache
 
 from infra.http_thread import ServerThread
 from models import LoadedModel, ModelLoadError, load_model, tiny_tokenizer
 from serving.app import create_app
 from serving.generation import BatchRequest, SamplingParams, SequenceState, draw, generate_batch, truncate
+from serving.kv_cache import ROOM, decoding_cache
 from serving.tool_format import ToolStreamFilter, parse_tool_calls, render_prompt, renders_tools
 from tests.support.servers import TOLERANCE, assert_exact, make_lora, scripted
 
@@ -298,6 +300,21 @@ def test_top_k_and_top_p_truncation():
     assert probs[0] < 0.7 < probs[0] + probs[1]
     assert kept(truncate(logprobs, 0, 0.7)) == [True, True, False, False, False]
     assert kept(truncate(logprobs, 0, 1.0)) == [True] * 5
+
+
+def test_decoding_in_place_past_the_reserved_room_keeps_every_row_exact(tiny):
+    """Rows that end at different steps leave the batch, and decoding past ``ROOM`` grows the buffers: still exact."""
+    assert isinstance(decoding_cache(tiny.model), Cache)
+    prompts = [[5, 6, 7, 8, 9, 10], [11, 12, 13]]
+    lengths = [3, 40, ROOM + 20]
+    requests = [BatchRequest(prompts[number % 2], SamplingParams(max_tokens=length, temperature=1.0, seed=number,
+                                                                 ignore_eos=True, logprobs=True))
+                for number, length in enumerate(lengths)]
+    results = generate_batch(tiny.model, tiny.tokenizer, requests, eos_ids=set())
+    for request, (state,), length in zip(requests, results, lengths, strict=True):
+        assert len(state.token_ids) == length
+        assert_exact(tiny, tiny.model, list(request.prompt_ids), state.token_ids, None,
+                     [entry.logprob for entry in state.logprobs], 1.0)
 
 
 def test_draw_follows_the_probabilities_and_never_picks_an_impossible_token():
