@@ -27,6 +27,7 @@ import copy
 import math
 import random
 import shutil
+import signal
 import time
 import uuid
 from dataclasses import dataclass, replace
@@ -234,6 +235,7 @@ def main() -> None:
                         help="Held-out tasks (of 400) both sides are scored on; the rest train.")
     parser.add_argument("--only", choices=["ours", "peer"], default=None)
     args = parser.parse_args()
+    signal.signal(signal.SIGTERM, signal.default_int_handler)  # stop like Ctrl-C: the demo's stack goes down with it
     config = load_config()
     try:
         config = replace(config, demo=replace(config.demo, quick=False,
