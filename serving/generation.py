@@ -159,7 +159,7 @@ def sample(logits: torch.Tensor, params: SamplingParams,
 def draw(probs: torch.Tensor, generator: torch.Generator) -> torch.Tensor:
     """One token per row by inverse CDF: one uniform a row, where ``torch.multinomial`` draws one per vocabulary entry.
 
-    On a CPU, multinomial's 49,152 exponentials a row were 15% of a SmolLM2 wave's generation.
+    On a CPU, multinomial's 49,152 exponentials a row took 15% of a profiled SmolLM2 wave.
     A zero-probability token is never drawn: the cumulative sum does not rise at it.
     """
     cumulative = probs.cumsum(dim=-1)

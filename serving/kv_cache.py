@@ -1,7 +1,7 @@
 """A KV cache that decodes in place: each layer keeps room for the next tokens instead of concatenating every step.
 
 transformers' ``DynamicLayer`` appends a step's keys and values with ``torch.cat``, which copies
-the whole cache of every layer at every decoded token: on one CPU thread that was 1.1 s of a
+the whole cache of every layer at every decoded token: on one CPU thread, 1.1 s of a profiled
 5.4 s SmolLM2 wave (4 prompts x 8 samples of 32 tokens). Here a layer's keys and values are views
 of a buffer with ``ROOM`` more positions than they hold; a step writes its tokens into the room,
 and only a full buffer is copied into a larger one. Only for models whose layers all attend
