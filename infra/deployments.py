@@ -26,7 +26,7 @@ from aiokafka import AIOKafkaConsumer, AIOKafkaProducer, TopicPartition
 from aiokafka.errors import KafkaError
 
 from infra.config import Config
-from infra.kafka import client_options, topic_name
+from infra.kafka import client_options, consumer_options, topic_name
 from schemas import CHECKPOINT, DEPLOYMENT, AvroCodec, CodecError
 
 log = logging.getLogger("agentstream.deployments")
@@ -253,9 +253,8 @@ class DeploymentFollower:
                 await asyncio.sleep(self.retry_s)
 
     async def _follow(self, stop: asyncio.Event) -> None:
-        consumer = AIOKafkaConsumer(**client_options(self.config.kafka, self.bootstrap_servers), group_id=None,
-                                    enable_auto_commit=False, auto_offset_reset="earliest",
-                                    fetch_max_wait_ms=self.config.kafka.fetch_max_wait_ms)
+        consumer = AIOKafkaConsumer(**consumer_options(self.config.kafka, self.bootstrap_servers), group_id=None,
+                                    enable_auto_commit=False, auto_offset_reset="earliest")
         await consumer.start()
         try:
             partition = TopicPartition(self.topic, 0)

@@ -48,6 +48,11 @@ def client_options(kafka: KafkaConfig, bootstrap_servers: str) -> dict[str, Any]
     return options
 
 
+def consumer_options(kafka: KafkaConfig, bootstrap_servers: str) -> dict[str, Any]:
+    """``client_options`` plus what every pipeline consumer shares: the broker's longest wait on an empty fetch."""
+    return {**client_options(kafka, bootstrap_servers), "fetch_max_wait_ms": kafka.fetch_max_wait_ms}
+
+
 def topic_name(topics: TopicsConfig, role: str) -> str:
     return f"{topics.prefix}{role}"
 

@@ -26,7 +26,7 @@ from typing import Any
 from aiokafka import AIOKafkaConsumer, ConsumerRebalanceListener, TopicPartition
 
 from infra.config import AglConfig, Config
-from infra.kafka import client_options, topic_name
+from infra.kafka import client_options, consumer_options, topic_name
 from infra.logreset import ConsumerLogWatch
 from infra.members import MemberLedger, evict_dead_members, member_id
 from pipeline.agl import adapt_agent
@@ -165,10 +165,9 @@ class Runner:
         self.ledger = MemberLedger(self.config.stack.home, self.options.group_id)
         await evict_dead_members(options, self.ledger)  # a crashed predecessor would hold its tasks for a session
         consumer = AIOKafkaConsumer(
-            **options, group_id=self.options.group_id,
+            **consumer_options(self.config.kafka, self.bootstrap_servers), group_id=self.options.group_id,
             enable_auto_commit=False, auto_offset_reset="earliest",
             session_timeout_ms=self.options.session_timeout_ms, heartbeat_interval_ms=500,
-            fetch_max_wait_ms=self.config.kafka.fetch_max_wait_ms,
             max_poll_interval_ms=24 * 3600 * 1000,
         )
         consumer.subscribe([topic], listener=_CommitOnRevoke(self))

@@ -41,7 +41,7 @@ from infra.deployments import (
     decide,
     split_adapter_name,
 )
-from infra.kafka import client_options, topic_name
+from infra.kafka import consumer_options, topic_name
 from models import WeightsError, local_path, verify_sha256
 from schemas import AvroCodec
 from schemas.contracts import policy_version
@@ -97,9 +97,8 @@ class HotSwapper:
 
     async def run(self, stop: asyncio.Event) -> None:
         topic = topic_name(self.config.topics, "checkpoints")
-        consumer = AIOKafkaConsumer(topic, **client_options(self.config.kafka, self.bootstrap_servers), group_id=None,
-                                    enable_auto_commit=False, auto_offset_reset="earliest",
-                                    fetch_max_wait_ms=self.config.kafka.fetch_max_wait_ms)
+        consumer = AIOKafkaConsumer(topic, **consumer_options(self.config.kafka, self.bootstrap_servers), group_id=None,
+                                    enable_auto_commit=False, auto_offset_reset="earliest")
         follower = DeploymentFollower(self.config, self.bootstrap_servers, on_decision=self._follow)
         following = asyncio.create_task(follower.run(stop))
         await consumer.start()

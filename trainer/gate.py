@@ -52,7 +52,7 @@ from infra.deployments import (
     checkpoint_of,
     decide,
 )
-from infra.kafka import client_options, topic_name
+from infra.kafka import consumer_options, topic_name
 from schemas import AvroCodec
 
 log = logging.getLogger("agentstream.gate")
@@ -178,9 +178,8 @@ class Gate:
 
     async def run(self, stop: asyncio.Event) -> None:
         consumer = AIOKafkaConsumer(topic_name(self.config.topics, "checkpoints"),
-                                    **client_options(self.config.kafka, self.bootstrap_servers), group_id=None,
-                                    enable_auto_commit=False, auto_offset_reset="earliest",
-                                    fetch_max_wait_ms=self.config.kafka.fetch_max_wait_ms)
+                                    **consumer_options(self.config.kafka, self.bootstrap_servers), group_id=None,
+                                    enable_auto_commit=False, auto_offset_reset="earliest")
         following = asyncio.create_task(self.follower.run(stop))
         await consumer.start()
         try:

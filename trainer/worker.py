@@ -27,7 +27,7 @@ from aiokafka.errors import KafkaError
 
 from infra.config import Config
 from infra.deployments import DeploymentFollower, Routing
-from infra.kafka import client_options, topic_name
+from infra.kafka import client_options, consumer_options, topic_name
 from infra.logreset import ConsumerLogWatch
 from infra.members import MemberLedger, evict_dead_members, member_id
 from schemas import TRANSITION, TRANSITION_BATCH, AvroCodec, CodecError
@@ -157,9 +157,8 @@ class TrainerWorker:
             options = client_options(self.config.kafka, self.bootstrap_servers)
             await evict_dead_members(options, self.ledger)  # a crashed predecessor would hold the partitions a session
             self.consumer = AIOKafkaConsumer(
-                **options, group_id=self.ledger.group,
+                **consumer_options(self.config.kafka, self.bootstrap_servers), group_id=self.ledger.group,
                 enable_auto_commit=False, auto_offset_reset="earliest", heartbeat_interval_ms=500,
-                fetch_max_wait_ms=self.config.kafka.fetch_max_wait_ms,
                 session_timeout_ms=int(self.settings.session_timeout_s * 1000), max_poll_interval_ms=24 * 3600 * 1000)
             self.log_watch = ConsumerLogWatch("trainer", self.consumer)
             self.consumer.subscribe([topic_name(self.config.topics, "transitions")], listener=_ResumePositions(self))
