@@ -31,6 +31,7 @@ from aiokafka import AIOKafkaConsumer
 
 from bench.common import emit, llm_span, percentile, private_stack
 from infra.clickhouse import connect
+from infra.config import BROKER_STORAGES
 from infra.kafka import client_options, topic_name
 from infra.machine import CpuShare, calibrate
 from pipeline.publisher import SpanPublisher
@@ -125,11 +126,14 @@ def main() -> None:
     parser.add_argument("--rollouts", type=int, default=12_500, help="rollouts of 16 spans for the ingest figure")
     parser.add_argument("--latency-seconds", type=float, default=15.0)
     parser.add_argument("--no-peer", action="store_true", help="skip Agent Lightning")
+    parser.add_argument("--broker-storage", choices=BROKER_STORAGES, default="durable",
+                        help="the broker's storage (memory: no object store, what durability costs)")
     args = parser.parse_args()
 
     calibration = calibrate()
     emit(BENCH, "machine_calibration", calibration.python_loop_s, "s", **calibration.as_dict())
-    with private_stack() as (config, endpoints), tempfile.TemporaryDirectory() as scratch:
+    with (private_stack(AGENTSTREAM_BROKER_STORAGE=args.broker_storage) as (config, endpoints),
+          tempfile.TemporaryDirectory() as scratch):
         env = {k: v for k, v in os.environ.items() if not k.startswith(("KAFKA_", "CLICKHOUSE_", "AGENTSTREAM_"))}
         env.update({"KAFKA_BOOTSTRAP_SERVERS": endpoints.bootstrap_servers, "CLICKHOUSE_URL": endpoints.clickhouse_url,
                     "AGENTSTREAM_HOME": scratch})
@@ -168,6 +172,7 @@ def main() -> None:
                      by_stage={stage: round(us, 1) for stage, us in per_span.items()},
                      cpu_seconds={stage: round(seconds, 2) for stage, seconds in cpu.items()},
                      wall_seconds=round(elapsed, 2), spans=total, cores=calibration.cores,
+                     broker_storage=args.broker_storage,
                      note="publisher = this process (its ClickHouse count query every 0.1 s included)")
                 for stage, us in per_span.items():
                     emit(BENCH, f"ingest_cpu_us_per_span_{stage}", us, "us/span")
