@@ -21,6 +21,8 @@ from typing import Any
 
 import torch
 
+PACKED_ROW_TOKENS = 512  # a longer row holds the prompt again: attention is quadratic in a row's length
+
 
 class TransitionError(ValueError):
     """A transition that cannot be trained on: no prompt or response, or logprobs that do not match the tokens."""
@@ -238,18 +240,22 @@ class MicroBatch:
 
 
 @dataclass(frozen=True)
-class SharedPromptMicroBatch:
-    """Samples that share prompts, as a GRPO group does: each distinct prompt is run once, then every response after it.
+class PackedMicroBatch:
+    """Samples that share prompts, as a GRPO group does, packed: a row holds a prompt once, then responses to it.
 
-    Prompts are left-padded (``prompt_ids``); response ``r`` follows prompt ``prompt_of[r]``, whose
-    KV cache it reuses. Column c of ``targets``/``response_mask``/``behaviour_logprobs`` is response
-    token c: column 0 is predicted by its prompt's last position, column c > 0 by response token
-    c - 1. A group of 8 rollouts of a 38-token prompt then runs 38 prompt positions instead of 304.
+    Each response attends to its prompt and to itself only (``attends``, a block-causal mask), with
+    positions that continue its prompt's (``position_ids``), so it sees exactly what it saw alone,
+    while the prompt runs once per row and every weight is used by one matmul (on a CPU that cut
+    a SmolLM2 step's forward and backward by about a fifth against reusing the prompt's KV cache,
+    which used each weight twice). Response ``r`` lies in row ``row_of[r]``; its column c is
+    predicted by the hidden state at ``predictors[r, c]`` of that row. Rows are right-padded.
     """
 
-    prompt_ids: torch.Tensor  # [P, Lp]
-    prompt_mask: torch.Tensor  # [P, Lp]
-    prompt_of: torch.Tensor  # [B]
+    input_ids: torch.Tensor  # [R, L]
+    position_ids: torch.Tensor  # [R, L]
+    attends: torch.Tensor  # [R, L, L] bool: query position attends to key position
+    row_of: torch.Tensor  # [B]
+    predictors: torch.Tensor  # [B, Lr]
     response_ids: torch.Tensor  # [B, Lr]
     response_mask: torch.Tensor  # [B, Lr]
     behaviour_logprobs: torch.Tensor  # [B, Lr]
@@ -260,19 +266,20 @@ class SharedPromptMicroBatch:
         return self.response_ids
 
 
-def collate(samples: list[Sample], pad_id: int, device: torch.device | str,
-            micro_batches: int = 1) -> list[MicroBatch | SharedPromptMicroBatch]:
-    """Split samples into padded micro-batches; a micro-batch whose samples repeat a prompt runs each prompt once.
+def collate(samples: list[Sample], pad_id: int, device: torch.device | str, micro_batches: int = 1,
+            row_tokens: int = PACKED_ROW_TOKENS) -> list[MicroBatch | PackedMicroBatch]:
+    """Split samples into padded micro-batches; a micro-batch whose samples repeat a prompt is packed (see above).
 
     Samples are sorted by length (to waste little padding), or, when prompts repeat, by prompt so
-    that a group's samples land in the same micro-batch.
+    that a group's samples land in the same micro-batch. A packed row takes responses to its prompt
+    while it stays within ``row_tokens``; the next starts a new row with the prompt again.
     """
     shared = len({tuple(s.prompt_ids) for s in samples}) < len(samples)
     ordered = sorted(samples, key=(lambda s: (len(s.prompt_ids), s.prompt_ids, len(s.response_ids))) if shared
                      else (lambda s: s.length))
     size = -(-len(ordered) // micro_batches)
     chunks = [ordered[i:i + size] for i in range(0, len(ordered), size)]
-    return [_pad_shared(chunk, pad_id, device) if len({tuple(s.prompt_ids) for s in chunk}) < len(chunk)
+    return [_pack(chunk, pad_id, device, row_tokens) if len({tuple(s.prompt_ids) for s in chunk}) < len(chunk)
             else _pad(chunk, pad_id, device) for chunk in chunks]
 
 
@@ -295,25 +302,56 @@ def _pad(samples: list[Sample], pad_id: int, device: torch.device | str) -> Micr
                       first)
 
 
-def _pad_shared(samples: list[Sample], pad_id: int, device: torch.device | str) -> SharedPromptMicroBatch:
-    distinct: dict[tuple[int, ...], int] = {}
-    prompt_of = [distinct.setdefault(tuple(s.prompt_ids), len(distinct)) for s in samples]
-    width = max(len(prompt) for prompt in distinct)
-    prompt_ids = torch.full((len(distinct), width), pad_id, dtype=torch.long)
-    prompt_mask = torch.zeros((len(distinct), width), dtype=torch.long)
-    for row, prompt in enumerate(distinct):
-        prompt_ids[row, width - len(prompt):] = torch.tensor(prompt)
-        prompt_mask[row, width - len(prompt):] = 1
-    length = max(len(s.response_ids) for s in samples)
-    response_ids = torch.full((len(samples), length), pad_id, dtype=torch.long)
-    response_mask = torch.zeros((len(samples), length), dtype=torch.bool)
-    behaviour = torch.zeros((len(samples), length), dtype=torch.float32)
-    for row, sample in enumerate(samples):
-        response_ids[row, :len(sample.response_ids)] = torch.tensor(sample.response_ids)
-        response_mask[row, :len(sample.response_ids)] = True
-        behaviour[row, :len(sample.response_ids)] = torch.tensor(sample.behaviour_logprobs)
-    advantages = torch.tensor([s.advantage for s in samples], dtype=torch.float32)
-    return SharedPromptMicroBatch(prompt_ids.to(device), prompt_mask.to(device),
-                                  torch.tensor(prompt_of, dtype=torch.long, device=device), response_ids.to(device),
-                                  response_mask.to(device), behaviour.to(device),
-                                  advantages.to(device))
+def _pack(samples: list[Sample], pad_id: int, device: torch.device | str, row_tokens: int) -> PackedMicroBatch:
+    rows: list[tuple[list[int], list[Sample]]] = []  # a prompt and the responses after it in one row
+    open_rows: dict[tuple[int, ...], int] = {}
+    for sample in samples:
+        prompt_key = tuple(sample.prompt_ids)
+        number = open_rows.get(prompt_key)
+        if number is None or len(rows[number][0]) + len(sample.response_ids) > row_tokens:
+            open_rows[prompt_key], number = len(rows), len(rows)
+            rows.append((list(sample.prompt_ids), []))
+        rows[number][0].extend(sample.response_ids)
+        rows[number][1].append(sample)
+    width = max(len(ids) for ids, _ in rows)
+    input_ids = torch.full((len(rows), width), pad_id, dtype=torch.long)
+    positions = torch.zeros((len(rows), width), dtype=torch.long)
+    segments = torch.full((len(rows), width), -1, dtype=torch.long)  # 0: the prompt, k: the k-th response, -1: pad
+    ordered: list[Sample] = []
+    row_of: list[int] = []
+    starts: list[int] = []
+    for number, (ids, members) in enumerate(rows):
+        prompt = len(members[0].prompt_ids)
+        input_ids[number, :len(ids)] = torch.tensor(ids)
+        positions[number, :prompt] = torch.arange(prompt)
+        segments[number, :prompt] = 0
+        start = prompt
+        for k, sample in enumerate(members, start=1):
+            end = start + len(sample.response_ids)
+            positions[number, start:end] = torch.arange(prompt, prompt + len(sample.response_ids))
+            segments[number, start:end] = k
+            ordered.append(sample)
+            row_of.append(number)
+            starts.append(start)
+            start = end
+    index = torch.arange(width)
+    query, key = segments[:, :, None], segments[:, None, :]  # each position's segment, as query and as key
+    attends = (index[:, None] >= index[None, :]) & (query >= 0) & (key >= 0) & ((key == 0) | (key == query))
+    attends |= torch.eye(width, dtype=torch.bool)  # a pad attends to itself: no row of the softmax is empty
+    length = max(len(s.response_ids) for s in ordered)
+    predictors = torch.zeros((len(ordered), length), dtype=torch.long)
+    response_ids = torch.full((len(ordered), length), pad_id, dtype=torch.long)
+    response_mask = torch.zeros((len(ordered), length), dtype=torch.bool)
+    behaviour = torch.zeros((len(ordered), length), dtype=torch.float32)
+    for row, (sample, start) in enumerate(zip(ordered, starts, strict=True)):
+        count = len(sample.response_ids)
+        predictors[row, 0] = len(sample.prompt_ids) - 1  # the prompt's last position predicts the first token
+        predictors[row, 1:count] = torch.arange(start, start + count - 1)
+        response_ids[row, :count] = torch.tensor(sample.response_ids)
+        response_mask[row, :count] = True
+        behaviour[row, :count] = torch.tensor(sample.behaviour_logprobs)
+    advantages = torch.tensor([s.advantage for s in ordered], dtype=torch.float32)
+    return PackedMicroBatch(input_ids.to(device), positions.to(device), attends.to(device),
+                            torch.tensor(row_of, dtype=torch.long, device=device), predictors.to(device),
+                            response_ids.to(device), response_mask.to(device), behaviour.to(device),
+                            advantages.to(device))

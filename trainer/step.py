@@ -10,7 +10,7 @@ from typing import Any
 import torch
 
 from infra.config import TrainerConfig
-from trainer.batching import Batch, MicroBatch, SharedPromptMicroBatch, collate
+from trainer.batching import Batch, MicroBatch, PackedMicroBatch, collate
 from trainer.loss import TokenStats, policy_loss
 from trainer.policy import Policy
 
@@ -31,11 +31,11 @@ class StepResult:
         return self.tokens / self.seconds if self.seconds > 0 else 0.0
 
 
-def token_logprobs(model: torch.nn.Module, micro: MicroBatch | SharedPromptMicroBatch, temperature: float,
+def token_logprobs(model: torch.nn.Module, micro: MicroBatch | PackedMicroBatch, temperature: float,
                    entropy_grad: bool = False) -> tuple[torch.Tensor, torch.Tensor]:
     """Log-probability of each target token under softmax(logits / T), and the entropy of that distribution."""
-    if isinstance(micro, SharedPromptMicroBatch):
-        logits = _shared_prompt_logits(model, micro).float()
+    if isinstance(micro, PackedMicroBatch):
+        logits = _packed_logits(model, micro).float()
     else:
         logits = model(input_ids=micro.input_ids, attention_mask=micro.attention_mask,
                        logits_to_keep=micro.logits_to_keep).logits[:, :-1].float()
@@ -45,24 +45,23 @@ def token_logprobs(model: torch.nn.Module, micro: MicroBatch | SharedPromptMicro
     return logprobs.gather(-1, micro.targets[..., None]).squeeze(-1), entropy
 
 
-def _shared_prompt_logits(model: torch.nn.Module, micro: SharedPromptMicroBatch) -> torch.Tensor:
-    """Logits for every response column: each prompt runs once, and its KV cache is repeated for its responses."""
-    positions = (micro.prompt_mask.cumsum(-1) - 1).clamp(min=0)
-    prefix = model(input_ids=micro.prompt_ids, attention_mask=micro.prompt_mask, position_ids=positions,
-                   use_cache=True, logits_to_keep=1)
-    first = prefix.logits[:, -1][micro.prompt_of]
-    if micro.response_ids.shape[1] == 1:
-        return first[:, None]
-    cache = prefix.past_key_values
-    cache.batch_select_indices(micro.prompt_of)
-    inputs = micro.response_ids[:, :-1]
-    after = (positions[:, -1] + 1)[micro.prompt_of, None] + torch.arange(inputs.shape[1], device=inputs.device)
-    mask = torch.cat([micro.prompt_mask[micro.prompt_of], torch.ones_like(inputs)], dim=1)
-    rest = model(input_ids=inputs, attention_mask=mask, position_ids=after, past_key_values=cache).logits
-    return torch.cat([first[:, None], rest], dim=1)
+def _packed_logits(model: Any, micro: PackedMicroBatch) -> torch.Tensor:
+    """Logits for every response column of packed rows: the decoder under the block mask, the head at the predictors.
+
+    The head runs only where a response token is predicted; a causal LM's logits are its output
+    embeddings applied to its decoder's last hidden state (as in Llama-family models). Eager
+    attention adds the mask to its scores, so it is given as 0 / -inf-like floats; sdpa takes it
+    as booleans.
+    """
+    mask = micro.attends[:, None]
+    if model.config._attn_implementation == "eager":
+        mask = torch.zeros(mask.shape, device=mask.device).masked_fill_(~mask, torch.finfo(torch.float32).min)
+    hidden = model.get_decoder()(input_ids=micro.input_ids, attention_mask=mask,
+                                 position_ids=micro.position_ids).last_hidden_state
+    return model.get_output_embeddings()(hidden[micro.row_of[:, None], micro.predictors])
 
 
-def reference_logprobs(policy: Policy, micro: MicroBatch | SharedPromptMicroBatch, temperature: float) -> torch.Tensor:
+def reference_logprobs(policy: Policy, micro: MicroBatch | PackedMicroBatch, temperature: float) -> torch.Tensor:
     """Target logprobs under the frozen reference: a separate model, or the LoRA base with the adapter off."""
     model = policy.reference or policy.model
     peft_model: Any = policy.model  # a PeftModel when there is no reference (torch types its attributes as Tensor)

@@ -14,9 +14,9 @@ from trainer.batching import (
     Batch,
     Batcher,
     Counts,
+    PackedMicroBatch,
     Sample,
     SeenIds,
-    SharedPromptMicroBatch,
     TransitionError,
     collate,
 )
@@ -195,24 +195,35 @@ def test_collate_right_pads_and_aligns_targets_with_response_tokens():
     assert [m.input_ids.shape[0] for m in collate([long, short, long], 0, "cpu", micro_batches=2)] == [2, 1]
 
 
-def test_collate_runs_a_repeated_prompt_once_and_aligns_each_response_after_it():
+def test_collate_packs_a_repeated_prompt_once_per_row_with_each_response_after_it():
     group = [replace(sample(f"g{i}", prompt=3, response=1 + i), response_ids=[60 + i] * (1 + i)) for i in range(3)]
     alone = sample("a", prompt=2, response=2)
     micro, = collate([group[2], alone, group[0], group[1]], pad_id=0, device="cpu")
-    assert isinstance(micro, SharedPromptMicroBatch)
-    assert micro.prompt_ids.tolist() == [[0, 10, 11], [10, 11, 12]]  # left-padded, each distinct prompt once
-    assert micro.prompt_mask.tolist() == [[0, 1, 1], [1, 1, 1]]
-    assert micro.prompt_of.tolist() == [0, 1, 1, 1]
+    assert isinstance(micro, PackedMicroBatch)
+    assert micro.input_ids.tolist() == [[10, 11, 50, 51, 0, 0, 0, 0, 0], [10, 11, 12, 60, 61, 61, 62, 62, 62]]
+    # each response continues its prompt's positions
+    assert micro.position_ids.tolist() == [[0, 1, 2, 3, 0, 0, 0, 0, 0], [0, 1, 2, 3, 3, 4, 3, 4, 5]]
+    # the second token of response 61 sees the prompt and its own first token, not response 60
+    assert micro.attends[1, 5].tolist() == [True, True, True, False, True, True, False, False, False]
+    assert micro.attends[1, 2].tolist() == [True, True, True] + [False] * 6  # the prompt is causal
+    assert micro.attends[0, 6].tolist() == [False] * 6 + [True, False, False]  # a pad sees only itself
+    assert micro.row_of.tolist() == [0, 1, 1, 1]
+    # column 0 is predicted by the prompt's last position, column c by the response's token c - 1
+    assert micro.predictors[micro.response_mask].tolist() == [1, 2, 2, 2, 4, 2, 6, 7]
     assert micro.targets.tolist() == [[50, 51, 0], [60, 0, 0], [61, 61, 0], [62, 62, 62]]
-    assert micro.response_mask.sum(-1).tolist() == [2, 1, 2, 3]
     assert micro.behaviour_logprobs[micro.response_mask].tolist() == [-0.5] * 8
     two = collate([*group, alone], 0, "cpu", micro_batches=2)  # a group stays together: sorted by prompt
-    assert [type(m).__name__ for m in two] == ["MicroBatch", "SharedPromptMicroBatch"]
+    assert [type(m).__name__ for m in two] == ["MicroBatch", "PackedMicroBatch"]
+    split, = collate(group, 0, "cpu", row_tokens=6)  # the third response would make the row 9 tokens long
+    assert split.input_ids.tolist() == [[10, 11, 12, 60, 61, 61], [10, 11, 12, 62, 62, 62]]
+    assert split.row_of.tolist() == [0, 0, 1] and split.predictors[2].tolist() == [2, 3, 4]
 
 
 @pytest.mark.parametrize("lora", [False, True])
-def test_a_shared_prompt_gives_the_same_logprobs_and_gradients_as_running_it_per_response(lora):
-    policy = build_policy(TrainerConfig(model="tiny", threads=1, device="cpu", lora=lora, lora_r=4))
+@pytest.mark.parametrize(("row_tokens", "attention"), [(512, "eager"), (12, "eager"), (512, "sdpa")])
+def test_a_packed_prompt_gives_the_same_logprobs_and_gradients_as_running_it_per_response(lora, row_tokens, attention):
+    policy = build_policy(TrainerConfig(model="tiny", threads=1, device="cpu", lora=lora, lora_r=4,
+                                        attention=attention))
     generator = torch.Generator().manual_seed(3)
     samples = []
     for group in range(3):
@@ -221,9 +232,10 @@ def test_a_shared_prompt_gives_the_same_logprobs_and_gradients_as_running_it_per
             response = torch.randint(5, 200, (1 + (3 * index + group) % 6,), generator=generator).tolist()
             samples.append(Sample(f"s{group}{index}", "r", 0, prompt, response, [-1.0] * len(response), 1.0,
                                   float(index) - 1.5))
-    shared, = collate(samples, policy.pad_id, "cpu")
+    shared, = collate(samples, policy.pad_id, "cpu", row_tokens=row_tokens)
     plain = [collate([s], policy.pad_id, "cpu")[0] for s in shared_order(samples)]
-    assert isinstance(shared, SharedPromptMicroBatch) and not any(isinstance(m, SharedPromptMicroBatch) for m in plain)
+    assert isinstance(shared, PackedMicroBatch) and not any(isinstance(m, PackedMicroBatch) for m in plain)
+    assert (shared.input_ids.shape[0] == 3) == (row_tokens == 512)  # one row per group, or several
 
     def weighted_logprobs(micro) -> tuple[torch.Tensor, list[torch.Tensor]]:
         policy.model.zero_grad(set_to_none=True)
@@ -238,7 +250,9 @@ def test_a_shared_prompt_gives_the_same_logprobs_and_gradients_as_running_it_per
     plain_grads = [sum(grads) for grads in zip(*(grads for _, grads in rows), strict=True)]
     assert shared_logprobs.shape == (sum(len(s.response_ids) for s in samples),)
     assert torch.allclose(shared_logprobs, plain_logprobs, atol=1e-5)
-    assert all(torch.allclose(a, b, atol=1e-5) for a, b in zip(shared_grads, plain_grads, strict=True))
+    # equal up to float32 rounding, which a different summation order changes (gradients reach 20 here)
+    assert all(float((a - b).norm()) <= 1e-5 * float(b.norm()) + 1e-6
+               for a, b in zip(shared_grads, plain_grads, strict=True))
     assert max(float(g.abs().max()) for g in shared_grads) > 0
 
 
