@@ -15,11 +15,14 @@ import uuid
 from infra.clickhouse import connect
 from infra.config import load_config
 from infra.kafka import create_topics, topic_name
+from infra.machine import calibrate
 from pipeline.tasks import enqueue, make_task
 from tests.support.broker import MemoryBroker
 from tests.support.streams_harness import CliProcess, Worker, produce, rollout_records, wait_for, worker_env
 
 GRACE_S = 3.0
+RESTART_BOUND_S = 5.0  # on the machine the bound was set on: README's, `python_loop_s` 0.22-0.25
+REFERENCE_PYTHON_LOOP_S = 0.25
 CONFIG = """
 [streams]
 app_id = "{app_id}"
@@ -51,7 +54,7 @@ def _env(tmp_path, stack, tag: str, **overrides: str) -> dict:
     return env
 
 
-def test_a_sigkilled_worker_restarted_processes_a_new_record_within_5_s(tmp_path, stack, stack_config):
+def test_a_sigkilled_worker_restarted_processes_a_new_record_within_a_scaled_5_s(tmp_path, stack, stack_config):
     tag = uuid.uuid4().hex[:8]
     env = _env(tmp_path, stack, tag)
     config = load_config(environ=env)
@@ -71,6 +74,8 @@ def test_a_sigkilled_worker_restarted_processes_a_new_record_within_5_s(tmp_path
     try:
         publish("first")
         wait_for(lambda: stored("first"), 30, what="the first rollout stored")
+        # the machine's speed drifts (1.7x within a day here): the bound scales with how slow it runs Python now
+        bound = RESTART_BOUND_S * max(1.0, calibrate().python_loop_s / REFERENCE_PYTHON_LOOP_S)
         worker.kill()
         started = time.monotonic()
         worker = Worker(env, tmp_path / "worker.log")
@@ -78,8 +83,8 @@ def test_a_sigkilled_worker_restarted_processes_a_new_record_within_5_s(tmp_path
         publish("second")
         wait_for(lambda: stored("second"), 30, interval_s=0.05, what="the second rollout stored")
         seconds = time.monotonic() - started
-        print(f'{{"metric": "worker_restart_to_processing_s", "value": {seconds:.2f}}}')
-        assert seconds <= 5.0
+        print(f'{{"metric": "worker_restart_to_processing_s", "value": {seconds:.2f}, "bound": {bound:.2f}}}')
+        assert seconds <= bound
     finally:
         worker.stop()
         client.command(f"DROP DATABASE IF EXISTS {database}")
