@@ -46,7 +46,7 @@ def wave(tokenizer, tasks: list[dict], rng: random.Random) -> Batch:
 
 def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
-    parser.add_argument("--threads", type=int, default=1)
+    parser.add_argument("--threads", type=int, default=1, help="Torch threads (1: as the demo's trainer runs).")
     parser.add_argument("--rounds", type=int, default=3, help="Steps measured per wave size.")
     args = parser.parse_args()
     calibration = calibrate()
