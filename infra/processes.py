@@ -15,6 +15,9 @@ import time
 from dataclasses import dataclass
 from pathlib import Path
 
+PORT_RELEASE_S = 5.0
+"""How long `start` waits for a port whose last owner was just killed (its sockets are still closing)."""
+
 
 class ServiceError(RuntimeError):
     """A service could not be started or stopped; the message is one line a user can act on."""
@@ -63,6 +66,28 @@ def port_is_free(host: str, port: int) -> bool:
             sock.bind((host, port))
         except OSError:
             return False
+    return True
+
+
+def _accepts_connections(host: str, port: int) -> bool:
+    try:
+        with socket.create_connection((host, port), timeout=0.2):
+            return True
+    except OSError:
+        return False
+
+
+def wait_until_port_is_free(host: str, port: int, within_s: float = PORT_RELEASE_S) -> bool:
+    """Whether host:port can be bound, waiting up to ``within_s`` while nothing listens on it.
+
+    A process killed a moment ago leaves its sockets closing for a few hundred milliseconds,
+    during which the port cannot be bound; a port with a listener is taken, and answered at once.
+    """
+    deadline = time.monotonic() + within_s
+    while not port_is_free(host, port):
+        if time.monotonic() >= deadline or _accepts_connections(host, port):
+            return False
+        time.sleep(0.05)
     return True
 
 
@@ -118,7 +143,7 @@ class ServiceDirectory:
         existing = self.record(name)
         if existing and existing.alive():
             return existing
-        if not port_is_free(host, port):
+        if not wait_until_port_is_free(host, port):
             raise PortInUse(f"{name}: port {port} on {host} is already in use by another process; choose another port")
         self.run_dir.mkdir(parents=True, exist_ok=True)
         self.log_dir.mkdir(parents=True, exist_ok=True)

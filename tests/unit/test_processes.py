@@ -1,0 +1,42 @@
+"""Starting a service on a port: a port whose owner was just killed is waited for, a listened-on port is not."""
+
+from __future__ import annotations
+
+import socket
+import threading
+import time
+
+from infra.processes import free_port, wait_until_port_is_free
+
+
+def bound_socket(port: int) -> socket.socket:
+    """A socket holding ``port`` the way a killed process's closing sockets do: bound, accepting nothing."""
+    sock = socket.socket(socket.AF_INET, socket.SOCK_STREAM)
+    sock.bind(("127.0.0.1", port))
+    return sock
+
+
+def test_a_port_released_within_the_grace_is_free():
+    port = free_port()
+    holder = bound_socket(port)
+    threading.Timer(0.5, holder.close).start()
+    started = time.monotonic()
+    assert wait_until_port_is_free("127.0.0.1", port, within_s=5.0)
+    assert time.monotonic() - started >= 0.4
+
+
+def test_a_port_still_held_after_the_grace_is_not_free():
+    port = free_port()
+    with bound_socket(port):
+        started = time.monotonic()
+        assert not wait_until_port_is_free("127.0.0.1", port, within_s=0.5)
+        assert time.monotonic() - started >= 0.5
+
+
+def test_a_port_with_a_listener_is_taken_at_once():
+    port = free_port()
+    with bound_socket(port) as listener:
+        listener.listen()
+        started = time.monotonic()
+        assert not wait_until_port_is_free("127.0.0.1", port, within_s=5.0)
+        assert time.monotonic() - started < 1.0
