@@ -3,14 +3,15 @@
 Ours is the demo itself (``agentstream.demo.run_demo``): runners, proxy, dev server, Kafka,
 streams, trainer and hot swap as separate processes, generation overlapping training. The
 peer is the plain synchronous loop on the same machine, model, task split, precision and
-hyperparameters: generate 4 prompts x 8 samples (from a copy whose Linear weights are cast once,
-as the dev server's are, under mixed precision), group-normalise rewards, skip groups without
-spread, one optimizer step with the same loss code, repeat. Each side trains for ``--seconds``
-and keeps a snapshot of its weights every ``--eval-every`` seconds (ours: what the model server
-held, hard-linked from the trainer's checkpoints; the peer: a copy in memory). Afterwards one
-evaluator scores every snapshot of both sides the same way (greedy, on ``--heldout`` held-out
-tasks, 160 by default: about +-5.5 points at 85% instead of +-11 on the demo's 64), so
-evaluation takes no time from either run and the two curves differ only in how they trained.
+hyperparameters: generate 4 prompts x 8 samples (from a copy that generates as the dev server
+does: the same attention kernel, Linear weights cast once under mixed precision),
+group-normalise rewards, skip groups without spread, one optimizer step with the same loss
+code, repeat. Each side trains for ``--seconds`` and keeps a snapshot of its weights every
+``--eval-every`` seconds (ours: what the model server held, hard-linked from the trainer's
+checkpoints; the peer: a copy in memory). Afterwards one evaluator scores every snapshot of
+both sides the same way (greedy, on ``--heldout`` held-out tasks, 160 by default: about +-5.5
+points at 85% instead of +-11 on the demo's 64), so evaluation takes no time from either run
+and the two curves differ only in how they trained.
 Prints JSON lines; ``ratio`` = ours / peer (lower is better).
 
 So that a run explains itself, both sides report in the same run: time to 65%, 75% and the
@@ -44,6 +45,7 @@ from infra.config import Config, ConfigError, load_config
 from infra.machine import CpuShare, calibrate
 from models import LoadedModel, assign_weights, eos_token_ids, load_model
 from models.precision import cast_linears_for_inference, resolve_precision
+from serving.attention import use_grouped_attention
 from serving.generation import BatchRequest, SamplingParams, generate_batch
 from serving.tool_format import render_prompt, renders_tools
 from streams.credit import GroupNormalized
@@ -150,9 +152,10 @@ def peer_run(config: Config) -> tuple[list[Snapshot], float]:
     policy = build_policy(trainer)
     tokenizer, model = policy.tokenizer, policy.model
     eos = eos_token_ids(LoadedModel(model, tokenizer, policy.name, policy.dtype))
-    sampler = model  # under mixed precision, a copy with Linear weights cast once, as the dev server holds them
+    sampler = copy.deepcopy(model)  # generates as the dev server does: its attention, Linear weights cast once
+    sampler.set_attn_implementation("sdpa")
+    use_grouped_attention(sampler)
     if policy.precision.mixed:
-        sampler = copy.deepcopy(model)
         cast_linears_for_inference(sampler, policy.precision)
     pad = tokenizer.pad_token_id or 0
     native_tools = renders_tools(tokenizer)
@@ -187,8 +190,7 @@ def peer_run(config: Config) -> tuple[list[Snapshot], float]:
                                       [entry.logprob for entry in sequence.logprobs], reward, advantage))
         if samples:
             train_step(policy, Batch(samples, version, Counts()), trainer)
-            if sampler is not model:
-                assign_weights(sampler, model.state_dict())
+            assign_weights(sampler, model.state_dict())
             version += 1
         if time.monotonic() >= next_snapshot:
             snapshots.append(Snapshot(round(time.monotonic() - started, 1), version, _copy(model)))

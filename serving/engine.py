@@ -13,6 +13,7 @@ from collections.abc import AsyncGenerator
 from typing import Any
 
 from models import LoadedModel, context_length, eos_token_ids
+from serving.attention import use_grouped_attention
 from serving.batcher import Batcher, Job
 from serving.generation import Delta, SequenceState, TokenLogprob
 from serving.lora import LoraAdapter
@@ -26,6 +27,7 @@ class ModelServer:
     def __init__(self, loaded: LoadedModel, served_model_name: str | None = None,
                  max_tokens: int | None = None) -> None:
         self.loaded = loaded
+        use_grouped_attention(loaded.model)
         self.name = served_model_name or loaded.name
         self.default_max_tokens = max_tokens or None  # a chat request naming none gets this (None: up to the context)
         self.version = 0
