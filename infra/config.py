@@ -568,6 +568,40 @@ class OtlpConfig:
 
 
 @dataclass(frozen=True)
+class SecurityConfig:
+    """Who may call what: API keys for the servers that face users, feedback tokens, and where servers may bind.
+
+    Every ``*_keys`` value is a comma-separated list of keys (``Secret``: never printed). Unset means
+    that server takes any caller, which :func:`infra.security.check_bind` allows only on loopback.
+    ``proxy_keys``: the LLM proxy's OpenAI routes and Agent Lightning event API
+    (``Authorization: Bearer <key>``, what the openai SDK sends as ``api_key``). ``collector_keys``:
+    the OTLP receiver (``OTEL_EXPORTER_OTLP_HEADERS=Authorization=Bearer%20<key>``).
+    ``registry_keys``: writes to the stack's Schema Registry (Bearer, or HTTP basic auth with the key
+    as password, what ``basic.auth.user.info`` sends); reads stay open. ``dashboard_keys``: the
+    dashboard. ``admin_token``: the model server's weight-loading routes, which only hot swap calls.
+    ``clickhouse_readers``: ``user:password`` pairs the embedded ClickHouse front serves read-only
+    (its writer is ``[clickhouse] username``/``password``).
+
+    ``feedback_tokens`` (on by default) makes ``POST /rollouts/{id}/reward`` take only a token made
+    for that rollout (HMAC-SHA256 of the rollout id under ``feedback_secret``), which the proxy hands
+    the service on every LLM response (``X-Agentstream-Feedback-Token``) for it to put in the feedback
+    URL it gives its user, so a guessed rollout id cannot be rewarded. Without ``feedback_secret`` the
+    stack keeps a random one in ``<home>/feedback.secret``; proxies on several hosts need the same one
+    configured. ``allow_open_bind`` lets a server without keys listen beyond loopback (not advised).
+    """
+
+    proxy_keys: Secret | None = None
+    collector_keys: Secret | None = None
+    registry_keys: Secret | None = None
+    dashboard_keys: Secret | None = None
+    admin_token: Secret | None = None
+    clickhouse_readers: Secret | None = None
+    feedback_tokens: bool = True
+    feedback_secret: Secret | None = None
+    allow_open_bind: bool = False
+
+
+@dataclass(frozen=True)
 class Config:
     """The whole configuration; build it with :func:`load_config`."""
 
@@ -586,6 +620,7 @@ class Config:
     demo: DemoConfig = field(default_factory=DemoConfig)
     schema_registry: SchemaRegistryConfig = field(default_factory=SchemaRegistryConfig)
     otlp: OtlpConfig = field(default_factory=OtlpConfig)
+    security: SecurityConfig = field(default_factory=SecurityConfig)
 
 
 # Environment variable -> (section, field). The one place environment names are defined.
@@ -618,6 +653,14 @@ ENVIRONMENT: dict[str, tuple[str, str]] = {
     "AGENTSTREAM_SCHEMA_REGISTRY_PORT": ("schema_registry", "port"),
     "AGENTSTREAM_OTLP_HOST": ("otlp", "host"),
     "AGENTSTREAM_OTLP_PORT": ("otlp", "port"),
+    "AGENTSTREAM_PROXY_KEYS": ("security", "proxy_keys"),
+    "AGENTSTREAM_COLLECTOR_KEYS": ("security", "collector_keys"),
+    "AGENTSTREAM_REGISTRY_KEYS": ("security", "registry_keys"),
+    "AGENTSTREAM_DASHBOARD_KEYS": ("security", "dashboard_keys"),
+    "AGENTSTREAM_ADMIN_TOKEN": ("security", "admin_token"),
+    "AGENTSTREAM_CLICKHOUSE_READERS": ("security", "clickhouse_readers"),
+    "AGENTSTREAM_FEEDBACK_SECRET": ("security", "feedback_secret"),
+    "AGENTSTREAM_ALLOW_OPEN_BIND": ("security", "allow_open_bind"),
     "DEMO_QUICK": ("demo", "quick"),
     "DEMO_SECONDS": ("demo", "seconds"),
 }
@@ -637,6 +680,7 @@ SECTIONS: dict[str, type] = {
     "demo": DemoConfig,
     "schema_registry": SchemaRegistryConfig,
     "otlp": OtlpConfig,
+    "security": SecurityConfig,
 }
 RULE_LISTS: dict[str, type] = {"credit": CreditRule}
 
