@@ -7,7 +7,8 @@ and the loop), ``sender`` (the background loop that delivers, journals and repla
 ``aiokafka_compat`` (every use of aiokafka internals).
 """
 
-from pipeline.publisher.errors import FlushTimeout, PublisherClosed, PublisherError
+from pipeline.publisher.errors import FlushTimeout, PublisherClosed, PublisherError, PublisherFull
 from pipeline.publisher.front import PublisherStats, SpanPublisher
 
-__all__ = ["FlushTimeout", "PublisherClosed", "PublisherError", "PublisherStats", "SpanPublisher"]
+__all__ = ["FlushTimeout", "PublisherClosed", "PublisherError", "PublisherFull", "PublisherStats",
+           "SpanPublisher"]

@@ -11,7 +11,7 @@ from __future__ import annotations
 import threading
 import time
 from collections import deque
-from collections.abc import Callable
+from collections.abc import Callable, Sequence
 from dataclasses import dataclass, field
 
 from pipeline.publisher.errors import FlushTimeout, PublisherClosed
@@ -130,6 +130,28 @@ class Accumulator:
                 return False
             self._append(rollout_id, payload, nbytes)
             return True
+
+    def try_enqueue_all(self, items: Sequence[tuple[str, PreparedSpan | bytes, int]]) -> int:
+        """Queue all of these (rollout id, payload, bytes) items in order if the buffer has room for them together now.
+
+        Returns 0 when they were queued, else the buffered bytes that left no room (nothing queued):
+        a server answers "retry later" with that rather than hold its caller.
+        """
+        needed = sum(nbytes for _, _, nbytes in items)
+        if self._encoding.locked():
+            with self._encoding:
+                pass
+        with self._lock:
+            if self._buffered and self._buffered + needed > self._max_buffered and not self._closing:
+                return self._buffered
+            for rollout_id, payload, nbytes in items:
+                self._append(rollout_id, payload, nbytes)
+            return 0
+
+    @property
+    def max_buffered(self) -> int:
+        """The most bytes that may wait for the broker before publish calls wait (or offers are refused)."""
+        return self._max_buffered
 
     def request_flush(self) -> int | None:
         """Ask the loop to send what is queued now; the sequence number to wait for, or None if all is settled."""

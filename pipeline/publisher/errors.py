@@ -13,3 +13,11 @@ class PublisherClosed(PublisherError):
 
 class FlushTimeout(PublisherError):
     """flush() ran out of time before every span published before it was acknowledged or journaled."""
+
+
+class PublisherFull(PublisherError):
+    """offer() found no room in the buffer toward the broker for what it was given, so it queued none of it."""
+
+    def __init__(self, needed: int, buffered: int, limit: int, state: str) -> None:
+        super().__init__(f"{buffered} of {limit} buffered bytes wait for the broker ({state}); "
+                         f"{needed} more do not fit now")

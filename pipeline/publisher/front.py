@@ -16,7 +16,7 @@ from __future__ import annotations
 import asyncio
 import logging
 import time
-from collections.abc import Mapping
+from collections.abc import Mapping, Sequence
 from dataclasses import dataclass
 from pathlib import Path
 from typing import Any, Self
@@ -25,9 +25,10 @@ from infra.config import Config
 from infra.kafka import topic_name
 from pipeline.publisher import exit_hooks
 from pipeline.publisher.accumulator import Accumulator
+from pipeline.publisher.errors import PublisherFull
 from pipeline.publisher.sender import SenderSettings, SenderThread
-from schemas import ROLLOUT_EVENT, AvroCodec
-from schemas.spanwriter import prepare_span
+from schemas import ROLLOUT_EVENT, AvroCodec, EncodeError
+from schemas.spanwriter import PreparedSpan, prepare_span
 
 log = logging.getLogger(__name__)
 
@@ -101,6 +102,33 @@ class SpanPublisher:
         prepared = prepare_span(span)
         if not self._queue.try_enqueue(span["rollout_id"], prepared, prepared[5]):
             await asyncio.to_thread(self._queue.enqueue, span["rollout_id"], prepared, prepared[5])
+
+    def offer(self, spans: Sequence[Mapping[str, Any]], events: Sequence[Mapping[str, Any]] = ()
+              ) -> list[tuple[Mapping[str, Any], EncodeError]]:
+        """Queue these spans, then these RolloutEvents, all together if the buffer has room for them now; never waits.
+
+        For servers that answer "retry later" rather than hold a request: raises PublisherFull, with
+        nothing queued, while `max_buffered_bytes` wait for the broker (PublisherClosed once closed).
+        Spans that do not fit the Span schema are left out and returned with their EncodeError.
+        """
+        items: list[tuple[str, PreparedSpan | bytes, int]] = []
+        refused: list[tuple[Mapping[str, Any], EncodeError]] = []
+        for span in spans:
+            try:
+                prepared = prepare_span(span)
+            except EncodeError as error:
+                refused.append((span, error))
+                continue
+            items.append((span["rollout_id"], prepared, prepared[5]))
+        for event in events:
+            value = self._codec.encode(ROLLOUT_EVENT, event)
+            items.append((event["rollout_id"], value, len(value)))
+        if items:
+            buffered = self._queue.try_enqueue_all(items)
+            if buffered:
+                raise PublisherFull(sum(item[2] for item in items), buffered, self._queue.max_buffered,
+                                    self._sender.state_name(False))
+        return refused
 
     def flush(self, timeout_s: float = 30.0) -> None:
         """Wait until every span published before this call is acknowledged by the broker or journaled."""
