@@ -287,43 +287,75 @@ def proxy_command(ctx: click.Context, upstream: str, host: str, port: int, agent
 
 @main.command("collector")
 @click.option("--host", default=None, help="Address to listen on (default: [otlp] host, 127.0.0.1).")
-@click.option("--port", default=None, type=int, help="Port (default: [otlp] port, 4318, OTLP/HTTP's own).")
+@click.option("--port", default=None, type=int, help="OTLP/HTTP port (default: [otlp] port, 4318, OTLP/HTTP's own).")
+@click.option("--grpc-port", default=None, type=int,
+              help="OTLP/gRPC port (default: [otlp] grpc_port, 4317, OTLP/gRPC's own; 0: no gRPC receiver).")
 @click.pass_context
-def collector_command(ctx: click.Context, host: str | None, port: int | None) -> None:
-    """Receive OpenTelemetry traces over OTLP/HTTP (POST /v1/traces) and publish them as spans.
+def collector_command(ctx: click.Context, host: str | None, port: int | None, grpc_port: int | None) -> None:
+    """Receive OpenTelemetry over OTLP/HTTP and OTLP/gRPC, and publish its traces as spans.
 
-    Point any OpenTelemetry exporter at it: OTEL_EXPORTER_OTLP_ENDPOINT=http://127.0.0.1:4318.
+    Point any OpenTelemetry SDK or Collector at it: OTEL_EXPORTER_OTLP_ENDPOINT=http://127.0.0.1:4318
+    (http/protobuf or http/json: POST /v1/traces, /v1/logs, /v1/metrics) or http://127.0.0.1:4317
+    with OTEL_EXPORTER_OTLP_PROTOCOL=grpc; gzip works on both. With [security] collector_keys set,
+    exports need OTEL_EXPORTER_OTLP_HEADERS=Authorization=Bearer%20<key>.
+
     gen_ai.* (GenAI semantic conventions), OpenInference and OpenLLMetry spans map to LLM, TOOL,
     AGENT and REWARD spans; a trace is a rollout unless an agentstream.rollout_id attribute names one.
-    Spans without token ids are analytics only (stored, never trained on). Malformed requests get
-    an OTLP error response and a record on the dlq topic.
+    Spans without token ids are analytics only (stored, never trained on). Logs and metrics are
+    accepted and counted, not stored: agentstream keeps traces only.
+
+    Malformed requests get an OTLP error response and a record on the dlq topic; while the broker
+    cannot keep up, exports get 503 + Retry-After (gRPC: UNAVAILABLE + RetryInfo), which the
+    exporters retry.
     """
     import uvloop
 
     from infra.kafka import client_options, topic_name
-    from pipeline.otlp import KafkaDeadLetters, OtlpReceiver, serve_receiver
+    from infra.processes import ServiceError
+    from infra.security import KeySet, check_bind
+    from pipeline.otlp import KafkaDeadLetters, OtlpReceiver
+    from pipeline.otlp_grpc import serve_grpc
+    from pipeline.otlp_http import serve_http
 
     config = _config(ctx)
     host = host or config.otlp.host
     port = port or config.otlp.port
+    grpc_port = config.otlp.grpc_port if grpc_port is None else grpc_port
+    keys = KeySet(config.security.collector_keys)
+    check_bind("OTLP collector", host, keys, "collector_keys", config.security)
 
     async def serve() -> None:
         bootstrap = Stack(config).endpoints().bootstrap_servers
         dead_letters = KafkaDeadLetters(client_options(config.kafka, bootstrap), topic_name(config.topics, "dlq"))
         with _publisher(config, "collector") as publisher:
-            receiver = OtlpReceiver(publisher, dead_letters, complete_on_root=config.otlp.complete_on_root,
+            receiver = OtlpReceiver(publisher, dead_letters, keys=keys, complete_on_root=config.otlp.complete_on_root,
                                     max_body_bytes=config.otlp.max_body_mb << 20)
-            runner = await serve_receiver(receiver, host, port)
-            click.echo(f"collector on http://{host}:{port}/v1/traces; export with "
-                       f"OTEL_EXPORTER_OTLP_ENDPOINT=http://{host}:{port}")
+            try:
+                runner = await serve_http(receiver, host, port)
+            except OSError as error:
+                raise ServiceError(f"the OTLP/HTTP receiver cannot listen on {host}:{port}: {error}") from None
+            try:
+                grpc = await serve_grpc(receiver, host, grpc_port) if grpc_port else None
+            except ServiceError:
+                await runner.cleanup()
+                raise
+            keyed = " (keys required: OTEL_EXPORTER_OTLP_HEADERS=Authorization=Bearer%20<key>)" if keys else ""
+            click.echo(f"collector on http://{host}:{port} (OTLP/HTTP: /v1/traces, /v1/logs, /v1/metrics)"
+                       + (f" and {host}:{grpc_port} (OTLP/gRPC)" if grpc else "") + f"{keyed}; export with "
+                       f"OTEL_EXPORTER_OTLP_ENDPOINT=http://{host}:{port}"
+                       + (f", or http://{host}:{grpc_port} and OTEL_EXPORTER_OTLP_PROTOCOL=grpc" if grpc else ""))
             try:
                 await _until_signalled()
             finally:
+                if grpc is not None:
+                    await grpc.stop()
                 await runner.cleanup()
                 stats = receiver.stats
                 click.echo(f"collector: {stats.spans_published} spans published, {stats.spans_rejected} refused, "
-                           f"{stats.requests_refused} requests refused, {stats.analytics_only_llm_spans} LLM spans "
-                           "without token ids (analytics only)")
+                           f"{stats.requests_refused} requests refused, {stats.requests_busy} answered 'retry later', "
+                           f"{stats.requests_unauthorized} without a key, {stats.analytics_only_llm_spans} LLM spans "
+                           f"without token ids (analytics only); {stats.log_records_received} log records and "
+                           f"{stats.metric_points_received} metric points accepted, not stored")
 
     uvloop.run(serve())
 

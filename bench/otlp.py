@@ -120,7 +120,7 @@ def main() -> None:
         env = {k: v for k, v in os.environ.items() if not k.startswith(("KAFKA_", "CLICKHOUSE_", "AGENTSTREAM_"))}
         port = free_port()
         env.update({"KAFKA_BOOTSTRAP_SERVERS": endpoints.bootstrap_servers, "CLICKHOUSE_URL": endpoints.clickhouse_url,
-                    "AGENTSTREAM_HOME": scratch, "AGENTSTREAM_OTLP_PORT": str(port)})
+                    "AGENTSTREAM_HOME": scratch, "AGENTSTREAM_OTLP_PORT": str(port), "AGENTSTREAM_OTLP_GRPC_PORT": "0"})
         worker = start_worker(env, Path(scratch) / "worker.log")
         with open(Path(scratch) / "collector.log", "ab") as log:
             collector = subprocess.Popen([sys.executable, "-m", "agentstream", "collector"], env=env, stdout=log,

@@ -546,23 +546,32 @@ class SchemaRegistryConfig:
 
 @dataclass(frozen=True)
 class OtlpConfig:
-    """The OTLP/HTTP trace receiver (``agentstream collector``): where it listens and how traces end.
+    """The OTLP receiver (``agentstream collector``): where it listens and how traces end.
 
     ``port`` 4318 is OTLP/HTTP's registered port, so exporters find it with just
-    ``OTEL_EXPORTER_OTLP_ENDPOINT=http://<host>:4318``. With ``complete_on_root`` a trace that is its
+    ``OTEL_EXPORTER_OTLP_ENDPOINT=http://<host>:4318``; ``grpc_port`` 4317 is OTLP/gRPC's (0 turns
+    the gRPC receiver off), on the same ``host``. With ``complete_on_root`` a trace that is its
     own rollout completes when its root span arrives (the root ends last); otherwise, and for
     rollouts named by an ``agentstream.rollout_id`` attribute, after ``streams.idle_timeout_s`` of
-    silence. Bodies over ``max_body_mb`` are refused with 413.
+    silence. Bodies (requests, once decompressed) over ``max_body_mb`` are refused with 413
+    (gRPC: RESOURCE_EXHAUSTED).
     """
 
     host: str = "127.0.0.1"
     port: int = 4318
+    grpc_port: int = 4317
     complete_on_root: bool = True
     max_body_mb: int = 32
 
     def __post_init__(self) -> None:
         if not 0 < self.port < 65536:
             raise ConfigError(f"otlp.port must be a TCP port (1-65535), got {self.port}")
+        if not 0 <= self.grpc_port < 65536:
+            raise ConfigError(f"otlp.grpc_port must be a TCP port (1-65535) or 0 (no gRPC receiver), "
+                              f"got {self.grpc_port}")
+        if self.grpc_port == self.port:
+            raise ConfigError(f"otlp.grpc_port and otlp.port are both {self.port}: OTLP/gRPC and OTLP/HTTP "
+                              "need a port each")
         if self.max_body_mb < 1:
             raise ConfigError("otlp.max_body_mb must be >= 1")
 
@@ -653,6 +662,7 @@ ENVIRONMENT: dict[str, tuple[str, str]] = {
     "AGENTSTREAM_SCHEMA_REGISTRY_PORT": ("schema_registry", "port"),
     "AGENTSTREAM_OTLP_HOST": ("otlp", "host"),
     "AGENTSTREAM_OTLP_PORT": ("otlp", "port"),
+    "AGENTSTREAM_OTLP_GRPC_PORT": ("otlp", "grpc_port"),
     "AGENTSTREAM_PROXY_KEYS": ("security", "proxy_keys"),
     "AGENTSTREAM_COLLECTOR_KEYS": ("security", "collector_keys"),
     "AGENTSTREAM_REGISTRY_KEYS": ("security", "registry_keys"),

@@ -1,36 +1,48 @@
-"""The OTLP/HTTP trace receiver: ``POST /v1/traces`` (protobuf or JSON) → Span records on the spans topic.
+"""The OTLP receiver behind ``agentstream collector``, shared by its OTLP/HTTP and OTLP/gRPC fronts.
 
-OpenTelemetry exporters point at it unchanged (``OTEL_EXPORTER_OTLP_ENDPOINT=http://host:4318``);
-:mod:`pipeline.otlp_map` says what each OTel span becomes. Responses follow the OTLP/HTTP
-specification: 200 with an ``ExportTraceServiceResponse`` in the request's encoding (its
-``partial_success`` counts the spans refused and says why), 400 with a ``google.rpc.Status`` for a
-body that does not decode, 413 for one over the size limit, 415 for another media type or
-content encoding. Every refusal also goes to the dlq topic as a DeadLetter record (the body, or
-the refused span as JSON, and the reason); the receiver never crashes on what it is sent.
+What the OpenTelemetry SDKs and the Collector send, as they send it (:mod:`pipeline.otlp_http`:
+``POST /v1/traces``, ``/v1/logs``, ``/v1/metrics``, protobuf or JSON, gzip; :mod:`pipeline.otlp_grpc`:
+TraceService, LogsService and MetricsService, gzip too):
 
-Spans are handed to the span publisher, which batches them per rollout and journals them on
-local disk while the broker is away, so the 200 means "taken", not "in ClickHouse".
+* **traces** become Span records on the spans topic (:mod:`pipeline.otlp_map` says what each OTel
+  span becomes), handed to the span publisher, which batches them per rollout and journals them on
+  local disk while the broker is away: a success means "taken", not "in ClickHouse".
+* **logs and metrics** are decoded, counted (``/health``, the collector's exit line) and answered,
+  not stored: agentstream keeps traces only. An SDK pointed at the collector with
+  ``OTEL_EXPORTER_OTLP_ENDPOINT`` sends all three signals and gets no error for any.
+
+Answers follow the OTLP specification on both transports: success with the signal's
+``Export*ServiceResponse`` (``partial_success`` counts the spans refused and says why); a body that
+does not decode, 400 / INVALID_ARGUMENT with a ``google.rpc.Status`` saying why; no key of
+``[security] collector_keys``, 401 / UNAUTHENTICATED; and back-pressure, while the publisher's
+buffer toward the broker is full, 503 with ``Retry-After`` / UNAVAILABLE with a ``RetryInfo`` (both
+retried by the SDK exporters). A request's spans are taken all together or not at all, so a retry
+never duplicates what was taken. Every refused body or span also goes to the dlq topic as a
+DeadLetter record; the receiver never crashes on what it is sent.
 """
 
 from __future__ import annotations
 
 import base64
-import gzip
 import json
 import logging
-import zlib
+from collections.abc import Mapping, Sequence
 from dataclasses import dataclass
 from typing import Any, Protocol
 
-from aiohttp import web
 from google.protobuf import json_format
-from google.protobuf.message import DecodeError
+from google.protobuf.message import DecodeError, Message
+from opentelemetry.proto.collector.logs.v1 import logs_service_pb2
+from opentelemetry.proto.collector.metrics.v1 import metrics_service_pb2
+from opentelemetry.proto.collector.trace.v1 import trace_service_pb2
 from opentelemetry.proto.collector.trace.v1.trace_service_pb2 import (
     ExportTraceServiceRequest,
     ExportTraceServiceResponse,
 )
 
+from infra.security import KeySet
 from pipeline.otlp_map import Mapped, TraceMapper
+from pipeline.publisher import PublisherClosed, PublisherFull
 from pipeline.sdk import now_us
 from schemas import DEAD_LETTER, AvroCodec, EncodeError
 
@@ -38,15 +50,47 @@ log = logging.getLogger("agentstream.otlp")
 
 PROTOBUF = "application/x-protobuf"
 JSON = "application/json"
-SOURCE = "otlp:/v1/traces"
 MAX_DEAD_LETTER_BYTES = 512 * 1024  # a dead letter keeps at most this much of a refused body
-INVALID_ARGUMENT = 3  # google.rpc.Code
+RETRY_AFTER_S = 1  # what a refused-for-now exporter is told to wait: the publisher drains a full buffer in about that
+# google.rpc.Code values used in the error bodies
+INVALID_ARGUMENT, UNAVAILABLE, UNAUTHENTICATED = 3, 14, 16
+
+
+@dataclass(frozen=True)
+class Signal:
+    """One OTLP signal: its HTTP path, its gRPC service, and its request and response messages."""
+
+    name: str
+    request: type[Message]
+    response: type[Message]
+    service: str
+
+    @property
+    def path(self) -> str:
+        return f"/v1/{self.name}"
+
+    @property
+    def source(self) -> str:
+        """The ``source_topic`` of its dead letters."""
+        return f"otlp:{self.path}"
+
+
+def _service(module: Any, name: str) -> str:
+    return str(module.DESCRIPTOR.services_by_name[name].full_name)
+
+
+TRACES = Signal("traces", ExportTraceServiceRequest, ExportTraceServiceResponse,
+                _service(trace_service_pb2, "TraceService"))
+LOGS = Signal("logs", logs_service_pb2.ExportLogsServiceRequest, logs_service_pb2.ExportLogsServiceResponse,
+              _service(logs_service_pb2, "LogsService"))
+METRICS = Signal("metrics", metrics_service_pb2.ExportMetricsServiceRequest,
+                 metrics_service_pb2.ExportMetricsServiceResponse, _service(metrics_service_pb2, "MetricsService"))
+SIGNALS = (TRACES, LOGS, METRICS)
 
 
 class SpanSink(Protocol):
-    async def publish_async(self, span: dict[str, Any]) -> None: ...
-
-    def publish_event(self, event: dict[str, Any]) -> None: ...
+    def offer(self, spans: Sequence[Mapping[str, Any]], events: Sequence[Mapping[str, Any]] = ()
+              ) -> list[tuple[Mapping[str, Any], EncodeError]]: ...
 
 
 class DeadLetterSink(Protocol):
@@ -86,7 +130,15 @@ class ReceiverStats:
     spans_received: int = 0
     spans_published: int = 0
     spans_rejected: int = 0
+    log_records_received: int = 0
+    """Accepted and counted, not stored (agentstream keeps traces only)."""
+    metric_points_received: int = 0
+    """Data points of every metric kind, accepted and counted, not stored."""
     requests_refused: int = 0
+    """Bodies that did not decode, too large, or of another media type or encoding."""
+    requests_busy: int = 0
+    """Answered "retry later" (503 / UNAVAILABLE): the publisher's buffer was full."""
+    requests_unauthorized: int = 0
     analytics_only_llm_spans: int = 0
     dead_letters: int = 0
     dead_letters_failed: int = 0
@@ -100,10 +152,24 @@ class Refused(Exception):
         self.status = status
 
 
+class Busy(Exception):
+    """The request cannot be taken now (back-pressure): none of it was taken; a retry after `retry_after_s` may be."""
+
+    def __init__(self, message: str, retry_after_s: int) -> None:
+        super().__init__(message)
+        self.retry_after_s = retry_after_s
+
+
 def status_protobuf(code: int, message: str) -> bytes:
     """A ``google.rpc.Status`` (code = 1, message = 2) in protobuf, written by hand: two fields need no library."""
     encoded = message.encode()
     return b"\x08" + _varint(code) + b"\x12" + _varint(len(encoded)) + encoded
+
+
+def retry_info_protobuf(seconds: int) -> bytes:
+    """A ``google.rpc.RetryInfo`` (retry_delay = 1, a Duration with seconds = 1) in protobuf, written by hand."""
+    duration = b"\x08" + _varint(seconds)
+    return b"\x0a" + _varint(len(duration)) + duration
 
 
 def _varint(value: int) -> bytes:
@@ -115,129 +181,124 @@ def _varint(value: int) -> bytes:
             return bytes(out)
 
 
-ID_FIELDS = ("traceId", "spanId", "parentSpanId", "trace_id", "span_id", "parent_span_id")
+ID_FIELDS = frozenset({"traceId", "spanId", "parentSpanId", "trace_id", "span_id", "parent_span_id"})
 
 
 def _hex_ids_to_base64(document: Any) -> None:
-    """OTLP/JSON writes trace and span ids as hex; protobuf's JSON mapping reads bytes as base64."""
-    for resource_spans in _list(document, "resourceSpans", "resource_spans"):
-        for scope_spans in _list(resource_spans, "scopeSpans", "scope_spans"):
-            for span in _list(scope_spans, "spans"):
-                for item in (span, *_list(span, "links")):
-                    if not isinstance(item, dict):
-                        continue
-                    for key in ID_FIELDS:
-                        value = item.get(key)
-                        if isinstance(value, str) and value:
-                            try:
-                                item[key] = base64.b64encode(bytes.fromhex(value)).decode()
-                            except ValueError:
-                                raise Refused(400, f"{key} {value[:64]!r} is not hex (OTLP/JSON ids are hex)") \
-                                    from None
+    """OTLP/JSON writes trace and span ids as hex (spans, links, log records, exemplars); protobuf's JSON reads base64.
+
+    Only protobuf field names are object keys in OTLP/JSON (attributes are ``{"key", "value"}`` lists), so
+    every id field is found by walking the whole document, without recursion.
+    """
+    stack = [document]
+    while stack:
+        node = stack.pop()
+        if isinstance(node, list):
+            stack.extend(node)
+            continue
+        if not isinstance(node, dict):
+            continue
+        for key, value in node.items():
+            if key in ID_FIELDS and isinstance(value, str):
+                if value:
+                    try:
+                        node[key] = base64.b64encode(bytes.fromhex(value)).decode()
+                    except ValueError:
+                        raise Refused(400, f"{key} {value[:64]!r} is not hex (OTLP/JSON ids are hex)") from None
+            elif isinstance(value, (dict, list)):
+                stack.append(value)
 
 
-def _list(node: Any, *keys: str) -> list[Any]:
-    if not isinstance(node, dict):
-        return []
-    for key in keys:
-        value = node.get(key)
-        if isinstance(value, list):
-            return value
-    return []
-
-
-def decode_request(body: bytes, encoding: str) -> ExportTraceServiceRequest:
-    """An ExportTraceServiceRequest from an OTLP/HTTP body; raises Refused(400) with the reason."""
-    request = ExportTraceServiceRequest()
+def decode_request(body: bytes, encoding: str, kind: type[Message] = ExportTraceServiceRequest) -> Any:
+    """An OTLP export request (of `kind`) from a protobuf or JSON body; raises Refused(400) with the reason."""
+    request = kind()
     if encoding == PROTOBUF:
         try:
             request.ParseFromString(body)
         except (DecodeError, ValueError, RuntimeError) as error:
-            raise Refused(400, f"the body is not an OTLP ExportTraceServiceRequest in protobuf: {error}") from None
+            raise Refused(400, f"the body is not an OTLP {kind.__name__} in protobuf: {error}") from None
         return request
     try:
         document = json.loads(body)
-    except (ValueError, UnicodeDecodeError) as error:
+    except (ValueError, UnicodeDecodeError, RecursionError) as error:
         raise Refused(400, f"the body is not JSON: {error}") from None
     if not isinstance(document, dict):
-        raise Refused(400, "an OTLP/JSON body is an object with resourceSpans")
+        raise Refused(400, f"an OTLP/JSON {kind.__name__} is a JSON object")
     _hex_ids_to_base64(document)
     try:
         json_format.ParseDict(document, request, ignore_unknown_fields=True)
-    except (json_format.ParseError, ValueError, TypeError) as error:
-        raise Refused(400, f"the body is not an OTLP ExportTraceServiceRequest in JSON: {error}") from None
+    except (json_format.ParseError, ValueError, TypeError, RecursionError) as error:
+        raise Refused(400, f"the body is not an OTLP {kind.__name__} in JSON: {error}") from None
     return request
 
 
-def _media(request: web.Request) -> str:
-    media = request.content_type.lower()
-    if media == PROTOBUF or media == "application/protobuf":
-        return PROTOBUF
-    if media == JSON:
-        return JSON
-    raise Refused(415, f"Content-Type must be {PROTOBUF} or {JSON}, got {request.content_type!r}")
+def log_records(request: logs_service_pb2.ExportLogsServiceRequest) -> int:
+    return sum(len(scope.log_records) for resource in request.resource_logs for scope in resource.scope_logs)
 
 
-def _inflate(body: bytes, content_encoding: str) -> bytes:
-    encoding = content_encoding.lower().strip()
-    try:
-        if encoding in ("", "identity"):
-            return body
-        if encoding == "gzip":
-            return gzip.decompress(body)
-        if encoding == "deflate":
-            return zlib.decompress(body)
-    except (OSError, EOFError, zlib.error) as error:
-        raise Refused(400, f"the body is not valid {encoding}: {error}") from None
-    raise Refused(415, f"Content-Encoding {content_encoding!r} is not supported (gzip, deflate or none)")
+def metric_points(request: metrics_service_pb2.ExportMetricsServiceRequest) -> int:
+    """Data points of every kind (gauge, sum, histogram, exponential histogram, summary) in the request."""
+    total = 0
+    for resource in request.resource_metrics:
+        for scope in resource.scope_metrics:
+            for metric in scope.metrics:
+                data = metric.WhichOneof("data")
+                if data is not None:
+                    total += len(getattr(metric, data).data_points)
+    return total
 
 
 class OtlpReceiver:
-    """The aiohttp application: ``POST /v1/traces``, ``GET /health`` (counters as JSON)."""
+    """What both fronts call: checks keys, maps and publishes traces, counts logs and metrics, writes dead letters."""
 
-    def __init__(self, spans: SpanSink, dead_letters: DeadLetterSink | None = None, *, complete_on_root: bool = True,
-                 max_body_bytes: int = 32 << 20) -> None:
+    def __init__(self, spans: SpanSink, dead_letters: DeadLetterSink | None = None, *, keys: KeySet | None = None,
+                 complete_on_root: bool = True, max_body_bytes: int = 32 << 20,
+                 retry_after_s: int = RETRY_AFTER_S) -> None:
         self.spans = spans
         self.dead_letters = dead_letters
+        self.keys = keys if keys is not None else KeySet(None)
+        self.max_body_bytes = max_body_bytes
+        self.retry_after_s = retry_after_s
         self.mapper = TraceMapper(complete_on_root=complete_on_root)
         self.codec = AvroCodec()
         self.stats = ReceiverStats()
-        self.app = web.Application(client_max_size=max_body_bytes)
-        self.app.router.add_post("/v1/traces", self.traces)
-        self.app.router.add_get("/health", self.health)
-        if isinstance(dead_letters, KafkaDeadLetters):  # its producer lives on the loop that serves the app
-            self.app.on_startup.append(self._start_dead_letters)
-            self.app.on_cleanup.append(self._stop_dead_letters)
+        self._busy_since: int | None = None  # requests_busy when the current stretch of "retry later" began
 
-    async def _start_dead_letters(self, app: web.Application) -> None:
-        assert isinstance(self.dead_letters, KafkaDeadLetters)
-        await self.dead_letters.start()
+    def authorized(self, headers: Mapping[str, str]) -> bool:
+        """Whether a request with these headers (or gRPC metadata) may export: no keys set, or it presents one."""
+        if self.keys.allows(headers):
+            return True
+        self.stats.requests_unauthorized += 1
+        return False
 
-    async def _stop_dead_letters(self, app: web.Application) -> None:
-        assert isinstance(self.dead_letters, KafkaDeadLetters)
-        await self.dead_letters.stop()
+    async def export(self, signal: Signal, request: Any) -> Message:
+        """Take one decoded export request; its response message. Raises Busy (nothing taken) under back-pressure."""
+        if signal is TRACES:
+            return await self._traces(request)
+        if signal is LOGS:
+            self.stats.log_records_received += log_records(request)
+        else:
+            self.stats.metric_points_received += metric_points(request)
+        return signal.response()
 
-    async def health(self, request: web.Request) -> web.Response:
-        return web.json_response({"status": "ok", **self.stats.__dict__})
+    async def refuse(self, signal: Signal, refused: Refused, body: bytes, peer: str | None) -> None:
+        """Count and log a request refused as a whole, and keep its body as a dead letter."""
+        self.stats.requests_refused += 1
+        log.warning("refused an OTLP %s request from %s: %s", signal.name, peer, refused)
+        await self._dead_letter(signal, body, str(refused), "MalformedOtlp")
 
-    async def traces(self, request: web.Request) -> web.Response:
-        self.stats.requests += 1
-        encoding = JSON
-        body = b""
-        try:
-            try:
-                body = await request.read()  # before the media check, so a refused body is kept as its dead letter
-            except web.HTTPRequestEntityTooLarge as error:
-                raise Refused(413, f"the body is larger than {request.app._client_max_size} bytes") from error
-            encoding = _media(request)
-            decoded = decode_request(_inflate(body, request.headers.get("Content-Encoding", "")), encoding)
-        except Refused as refused:
-            return await self._refuse(refused, body, encoding, request)
-        mapped = self.mapper.map(decoded, now_us())
+    async def _traces(self, request: ExportTraceServiceRequest) -> ExportTraceServiceResponse:
+        mapped = self.mapper.map(request, now_us())
         received = len(mapped.spans) + len(mapped.rejected)
-        await self._publish(mapped)
-        self.stats.spans_received += received
-        self.stats.analytics_only_llm_spans += mapped.analytics_only_llm
+        try:
+            unfit = self.spans.offer(mapped.spans, mapped.events)
+        except (PublisherFull, PublisherClosed) as error:
+            raise self._busy(error) from None
+        if self._busy_since is not None:
+            log.warning("taking spans again, after %d requests answered 'retry later'",
+                        self.stats.requests_busy - self._busy_since)
+            self._busy_since = None
+        self._count(mapped, unfit, received)
         response = ExportTraceServiceResponse()
         if mapped.rejected:
             self.stats.spans_rejected += len(mapped.rejected)
@@ -245,42 +306,36 @@ class OtlpReceiver:
             reasons = sorted({reason for reason, _ in mapped.rejected})
             response.partial_success.error_message = "; ".join(reasons)[:2000]
             for reason, span in mapped.rejected:
-                await self._dead_letter(json.dumps(span, default=str).encode(), reason, "RejectedSpan")
-        return self._answer(200, response, encoding)
+                await self._dead_letter(TRACES, json.dumps(span, default=str).encode(), reason, "RejectedSpan")
+        return response
 
-    async def _publish(self, mapped: Mapped) -> None:
-        kept = []
-        for span in mapped.spans:
-            try:
-                await self.spans.publish_async(span)
-            except EncodeError as error:
-                mapped.rejected.append((f"span {span.get('name')!r} does not fit the Span schema: {error}",
-                                        {key: value for key, value in span.items() if key != "attributes"}))
-                continue
-            kept.append(span)
-        self.stats.spans_published += len(kept)
-        for event in mapped.events:
-            self.spans.publish_event(event)
+    def _busy(self, error: PublisherFull | PublisherClosed) -> Busy:
+        self.stats.requests_busy += 1
+        if isinstance(error, PublisherClosed):
+            return Busy("the collector is shutting down: export to another one, or retry", self.retry_after_s)
+        if self._busy_since is None:
+            self._busy_since = self.stats.requests_busy - 1
+            log.warning("answering 'retry later' to trace exports: %s", error)
+        return Busy(f"the collector cannot take more spans now ({error}); retry after {self.retry_after_s}s",
+                    self.retry_after_s)
 
-    async def _refuse(self, refused: Refused, body: bytes, encoding: str, request: web.Request) -> web.Response:
-        self.stats.requests_refused += 1
-        log.warning("refused an OTLP request from %s: %s", request.remote, refused)
-        await self._dead_letter(body, str(refused), "MalformedOtlp")
-        message = str(refused)
-        if encoding == PROTOBUF:
-            return web.Response(status=refused.status, body=status_protobuf(INVALID_ARGUMENT, message),
-                                content_type=PROTOBUF)
-        return web.json_response({"code": INVALID_ARGUMENT, "message": message}, status=refused.status)
+    def _count(self, mapped: Mapped, unfit: list[tuple[Mapping[str, Any], EncodeError]], received: int) -> None:
+        for span, error in unfit:
+            mapped.rejected.append((f"span {span.get('name')!r} does not fit the Span schema: {error}",
+                                    {key: value for key, value in span.items() if key != "attributes"}))
+        self.stats.spans_received += received
+        self.stats.spans_published += len(mapped.spans) - len(unfit)
+        self.stats.analytics_only_llm_spans += mapped.analytics_only_llm
 
-    async def _dead_letter(self, value: bytes, reason: str, error_type: str) -> None:
+    async def _dead_letter(self, signal: Signal, value: bytes, reason: str, error_type: str) -> None:
         if self.dead_letters is None:
             return
         if len(value) > MAX_DEAD_LETTER_BYTES:
             reason = f"{reason} (body truncated from {len(value)} bytes)"
             value = value[:MAX_DEAD_LETTER_BYTES]
-        record = self.codec.encode(DEAD_LETTER, {"source_topic": SOURCE, "partition": -1, "offset": -1, "key": None,
-                                                 "value": value, "error": reason, "error_type": error_type,
-                                                 "at_us": now_us()})
+        record = self.codec.encode(DEAD_LETTER, {"source_topic": signal.source, "partition": -1, "offset": -1,
+                                                 "key": None, "value": value, "error": reason,
+                                                 "error_type": error_type, "at_us": now_us()})
         try:
             await self.dead_letters.send(record)
             self.stats.dead_letters += 1
@@ -288,18 +343,6 @@ class OtlpReceiver:
             self.stats.dead_letters_failed += 1
             log.error("could not write a dead letter (%s): %s", reason, error)
 
-    @staticmethod
-    def _answer(status: int, response: ExportTraceServiceResponse, encoding: str) -> web.Response:
-        if encoding == PROTOBUF:
-            return web.Response(status=status, body=response.SerializeToString(), content_type=PROTOBUF)
-        return web.json_response(json_format.MessageToDict(response), status=status)
 
-
-async def serve_receiver(receiver: OtlpReceiver, host: str, port: int) -> web.AppRunner:
-    runner = web.AppRunner(receiver.app, access_log=None)
-    await runner.setup()
-    await web.TCPSite(runner, host, port, reuse_address=True).start()
-    return runner
-
-
-__all__ = ["KafkaDeadLetters", "OtlpReceiver", "Refused", "decode_request", "serve_receiver", "status_protobuf"]
+__all__ = ["LOGS", "METRICS", "SIGNALS", "TRACES", "Busy", "KafkaDeadLetters", "OtlpReceiver", "Refused", "Signal",
+           "decode_request", "retry_info_protobuf", "status_protobuf"]

@@ -1,10 +1,12 @@
 """OpenTelemetry in: an instrumented agent (official SDK, OTLP exporter, OpenAI and httpx instrumentations) whose
 spans reach the OTLP receiver while its LLM calls go through the proxy; one trajectory in ClickHouse. And
-malformed OTLP: error responses and dead letters, never a crash."""
+malformed OTLP, over HTTP (a body that claims gzip and is not, too) and gRPC: error responses and dead letters,
+never a crash; logs and metrics, protobuf and JSON, answered and counted."""
 
 from __future__ import annotations
 
 import asyncio
+import gzip
 import json
 import os
 import subprocess
@@ -12,11 +14,19 @@ import sys
 import urllib.error
 import urllib.request
 import uuid
+import zlib
 from pathlib import Path
 
+import grpc
 import pytest
 from aiokafka import AIOKafkaConsumer, TopicPartition
 from google.rpc import status_pb2
+from opentelemetry.proto.collector.logs.v1.logs_service_pb2 import ExportLogsServiceRequest, ExportLogsServiceResponse
+from opentelemetry.proto.collector.logs.v1.logs_service_pb2_grpc import LogsServiceStub
+from opentelemetry.proto.collector.metrics.v1.metrics_service_pb2 import (
+    ExportMetricsServiceRequest,
+    ExportMetricsServiceResponse,
+)
 from opentelemetry.proto.collector.trace.v1.trace_service_pb2 import (
     ExportTraceServiceRequest,
     ExportTraceServiceResponse,
@@ -28,6 +38,8 @@ from infra.http_thread import ServerThread
 from infra.kafka import client_options, topic_name
 from models import load_model
 from pipeline.otlp import KafkaDeadLetters, OtlpReceiver
+from pipeline.otlp_grpc import serve_grpc
+from pipeline.otlp_http import OtlpHttp
 from pipeline.proxy import LLMProxy
 from pipeline.publisher import SpanPublisher
 from schemas import AvroCodec
@@ -63,13 +75,16 @@ def otel(tmp_path, stack, stack_config, upstream):
     proxy = ServerThread(LLMProxy(upstream.url, publisher).app)
     dlq = topic_name(config.topics, "dlq")
     receiver = OtlpReceiver(publisher, KafkaDeadLetters(client_options(config.kafka, stack.bootstrap_servers), dlq))
-    collector = ServerThread(receiver.app)
+    collector = ServerThread(OtlpHttp(receiver).app)
+    grpc_server = collector.call(serve_grpc(receiver, "127.0.0.1", 0))
     client = connect(stack_config.clickhouse, stack.clickhouse_url)
     try:
         yield {"database": database, "proxy": proxy, "collector": collector, "client": client, "dlq": dlq,
+               "grpc": f"127.0.0.1:{grpc_server.port}", "receiver": receiver,
                "kafka": client_options(config.kafka, stack.bootstrap_servers),
                "start_worker": lambda: Worker(env, tmp_path / "worker.log").start()}
     finally:
+        collector.call(grpc_server.stop(0))
         collector.stop()
         proxy.stop()
         publisher.close()
@@ -118,9 +133,9 @@ def test_instrumented_agent_and_proxy_make_one_trajectory_with_token_ids(otel):
         worker.stop()
 
 
-def post(url: str, body: bytes, content_type: str) -> tuple[int, bytes]:
-    request = urllib.request.Request(url + "/v1/traces", data=body, method="POST",
-                                     headers={"Content-Type": content_type})
+def post(url: str, body: bytes, content_type: str, path: str = "/v1/traces", **headers: str) -> tuple[int, bytes]:
+    request = urllib.request.Request(url + path, data=body, method="POST",
+                                     headers={"Content-Type": content_type, **headers})
     try:
         with urllib.request.urlopen(request, timeout=10) as response:
             return response.status, response.read()
@@ -180,3 +195,53 @@ def test_malformed_otlp_gets_otlp_errors_and_dead_letters(otel):
     with urllib.request.urlopen(url + "/health", timeout=5) as health:
         stats = json.loads(health.read())
     assert (stats["requests_refused"], stats["spans_rejected"], stats["spans_published"]) == (3, 1, 1)
+
+
+def test_compressed_bodies_logs_metrics_and_grpc_errors(otel):
+    url = otel["collector"].url
+    traces = ExportTraceServiceRequest()
+    traces.resource_spans.add().scope_spans.add().spans.add(
+        trace_id=bytes(range(1, 17)), span_id=b"\x02" * 8, name="zipped", start_time_unix_nano=10**18,
+        end_time_unix_nano=10**18 + 1000)
+    for encoding, compress in (("gzip", gzip.compress), ("deflate", zlib.compress)):
+        status, body = post(url, compress(traces.SerializeToString()), "application/x-protobuf",
+                            **{"Content-Encoding": encoding})
+        assert (status, body) == (200, b""), "inflated once, by the server"
+    status, body = post(url, b"plain bytes, not gzip", "application/x-protobuf", **{"Content-Encoding": "gzip"})
+    assert status == 400 and "not valid gzip" in status_pb2.Status.FromString(body).message
+    status, body = post(url, gzip.compress(b"{}"), "application/json", **{"Content-Encoding": "compress"})
+    assert status == 415 and "compress" in json.loads(body)["message"]
+
+    logs = {"resourceLogs": [{"scopeLogs": [{"logRecords": [
+        {"timeUnixNano": "1", "body": {"stringValue": "one"}, "traceId": "0102030405060708090a0b0c0d0e0f10",
+         "spanId": "0102030405060708"}, {"body": {"stringValue": "two"}}]}]}]}
+    status, body = post(url, json.dumps(logs).encode(), "application/json", path="/v1/logs")
+    assert (status, json.loads(body)) == (200, {})
+    logs["resourceLogs"][0]["scopeLogs"][0]["logRecords"][0]["traceId"] = "not hex"
+    status, body = post(url, json.dumps(logs).encode(), "application/json", path="/v1/logs")
+    assert status == 400 and "not hex" in json.loads(body)["message"]
+    metrics = ExportMetricsServiceRequest()
+    metric = metrics.resource_metrics.add().scope_metrics.add().metrics.add(name="calls")
+    metric.sum.data_points.add(as_int=3)
+    metric.sum.data_points.add(as_int=4)
+    status, body = post(url, gzip.compress(metrics.SerializeToString()), "application/x-protobuf", path="/v1/metrics",
+                        **{"Content-Encoding": "gzip"})
+    assert status == 200 and ExportMetricsServiceResponse.FromString(body) == ExportMetricsServiceResponse()
+
+    with grpc.insecure_channel(otel["grpc"]) as channel:
+        garbage = channel.unary_unary("/opentelemetry.proto.collector.trace.v1.TraceService/Export")
+        with pytest.raises(grpc.RpcError) as raised:
+            garbage(b"\x0a\xff\xff\xff\xff\x0f not protobuf", timeout=10)
+        assert raised.value.code() == grpc.StatusCode.INVALID_ARGUMENT and "protobuf" in raised.value.details()
+        answer = LogsServiceStub(channel).Export(ExportLogsServiceRequest(), timeout=10,
+                                                 compression=grpc.Compression.Gzip)
+        assert answer == ExportLogsServiceResponse()
+
+    letters = dead_letters(otel["kafka"], otel["dlq"], 4)
+    assert [(letter["source_topic"], letter["error_type"]) for letter in letters] == [
+        ("otlp:/v1/traces", "MalformedOtlp"), ("otlp:/v1/traces", "MalformedOtlp"),
+        ("otlp:/v1/logs", "MalformedOtlp"), ("otlp:/v1/traces", "MalformedOtlp")]
+    assert "gzip" in letters[0]["error"] and letters[3]["value"].startswith(b"\x0a\xff")
+    stats = otel["receiver"].stats
+    assert (stats.spans_published, stats.log_records_received, stats.metric_points_received) == (2, 2, 2)
+    assert stats.requests_refused == 4
