@@ -600,8 +600,13 @@ def serve_model_command(ctx: click.Context, model_spec: str, host: str, port: in
         from serving.protocol import Contract
     except ImportError as error:
         raise click.ClickException(f"serve-model needs {error.name}: pip install 'agentstream[train]'") from None
+    from infra.security import KeySet, check_bind
+
     logging.getLogger("agentstream").setLevel(logging.INFO)
-    settings = _config(ctx).server
+    config = _config(ctx)
+    settings = config.server
+    admin_token = KeySet(config.security.admin_token)
+    check_bind("model server", host, admin_token, "admin_token", config.security)
     try:
         precision = resolve_precision(device or settings.device, dtype or settings.dtype)
         loaded = load_model(model_spec, precision=precision, threads=settings.threads if threads is None else threads,
@@ -612,7 +617,7 @@ def serve_model_command(ctx: click.Context, model_spec: str, host: str, port: in
     click.echo(f"serving {loaded.name} on {precision.describe()} ({served_contract} contract)")
     try:
         uvloop.run(serve(loaded, host=host, port=port, served_model_name=served_model_name,
-                         contract=served_contract,
+                         contract=served_contract, admin_token=admin_token,
                          max_tokens=settings.max_tokens if max_tokens is None else max_tokens))
     except KeyboardInterrupt:
         pass

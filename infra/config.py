@@ -389,6 +389,10 @@ class DeployConfig:
     ``tolerance`` at ``confidence`` (one-sided Welch test), promoted once the window is over
     otherwise, and rolled back if ``canary_max_s`` passes without enough rewards. The gate
     needs LoRA checkpoints (``trainer.lora``): full weights replace the only copy a server holds.
+
+    Every ``reconcile_s`` seconds (0: never) hot swap asks the server what it really holds and
+    restores what the deployments say it should (a restarted server, an adapter unloaded or
+    replaced behind its back).
     """
 
     gate: bool = False
@@ -403,6 +407,7 @@ class DeployConfig:
     canary_min_rollouts: int = 20
     confidence: float = 0.95
     load_timeout_s: float = 300.0
+    reconcile_s: float = 10.0
 
     def __post_init__(self) -> None:
         checks = {
@@ -413,6 +418,7 @@ class DeployConfig:
             "canary_min_rollouts must be >= 2": self.canary_min_rollouts >= 2,
             "confidence must be within (0.5, 1)": 0.5 < self.confidence < 1,
             "eval_limit must be >= 0 and eval_concurrency >= 1": self.eval_limit >= 0 and self.eval_concurrency >= 1,
+            "reconcile_s must be >= 0 (0: never re-check the server)": self.reconcile_s >= 0,
         }
         for message, ok in checks.items():
             if not ok:

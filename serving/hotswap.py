@@ -11,6 +11,13 @@ the dev server's ``POST /v1/load_weights {"path", "version"}``, which waits for 
 in progress. The sha256 in the Checkpoint event is checked before loading whenever the weights
 file is readable here.
 
+The admin routes it calls take ``[security] admin_token``, which hot swap sends as
+``Authorization: Bearer``; a 401 is logged and tried again at the next re-check, never taken as
+a bad checkpoint. Every ``deploy.reconcile_s`` seconds it asks the server what it really holds
+(``X-Policy-Version`` on ``/health`` for full weights, the adapters ``/v1/models`` lists with the
+folder each was loaded from) and restores what the deployments say it should hold: a server
+restarted on the same address, an adapter unloaded or replaced behind its back.
+
 Without the gate (``deploy.gate = false``) hot swap also decides: each newer checkpoint is
 loaded and then promoted to all traffic (a PROMOTED decision by ``hotswap``), so the proxy
 routes to it only once the server holds it. With the gate, candidates, canaries and promotions
@@ -48,9 +55,16 @@ from schemas.contracts import policy_version
 
 log = logging.getLogger("agentstream.hotswap")
 
+CHECK_TIMEOUT_S = 10.0
+"""How long one question about what the server holds may take (a hung server must not stall hot swap)."""
+
 
 class HotSwapError(RuntimeError):
     """A checkpoint cannot be loaded: its file does not match its sha256, or the server refused it."""
+
+
+class AdminTokenRefused(HotSwapError):
+    """The server answered 401 to an admin route: ``[security] admin_token`` is missing or not the server's."""
 
 
 @dataclass(frozen=True)
@@ -89,6 +103,8 @@ class HotSwapper:
         self.checkpoints: dict[int, dict] = {}
         self.refused: set[int] = set()
         self.missing: set[int] = set()
+        self.unauthorized: set[int] = set()  # versions a 401 stopped until the next re-check
+        self._next_check = 0.0
         self.routing = Routing(model)
         self.previous_stable: int | None = None
         self._routing_at_us = 0
@@ -127,7 +143,8 @@ class HotSwapper:
 
     def _http(self) -> aiohttp.ClientSession:
         if self._session is None:
-            self._session = aiohttp.ClientSession(timeout=aiohttp.ClientTimeout(total=600))
+            self._session = aiohttp.ClientSession(timeout=aiohttp.ClientTimeout(total=600),
+                                                  headers=_admin_headers(self.config))
         return self._session
 
     def _follow(self, decision: Decision) -> None:
@@ -143,6 +160,7 @@ class HotSwapper:
     # -- reconciling the server with the routing
 
     async def _reconcile(self, stop: asyncio.Event) -> None:
+        await self._check_server()
         if not self.gated:
             await self._promote_newest(stop)
         routing = self.routing
@@ -177,7 +195,7 @@ class HotSwapper:
         """Load one version, retrying while the server is unreachable; False if it is unknown or refused."""
         if self._holds(version):
             return True
-        if version in self.refused:
+        if version in self.refused or version in self.unauthorized:
             return False
         checkpoint = self.checkpoints.get(version)
         if checkpoint is None:  # its event may still be on the way: the next round tries again
@@ -192,6 +210,11 @@ class HotSwapper:
                 log.warning("model server %s unreachable (%s); retrying", self.server_url, error)
                 await asyncio.sleep(self.retry_s)
                 continue
+            except AdminTokenRefused as error:
+                log.error("%s v%d not loaded: %s; set [security] admin_token to the model server's (retrying at the "
+                          "next re-check)", checkpoint["model"], version, error)
+                self.unauthorized.add(version)
+                return False
             except HotSwapError as error:
                 log.error("checkpoint %s v%d not loaded: %s", checkpoint["model"], version, error)
                 self.refused.add(version)
@@ -217,7 +240,8 @@ class HotSwapper:
         if checkpoint["format"] == "lora":
             served = adapter_name(self.model, version)
             await self._post("/v1/load_lora_adapter", {"lora_name": served, "lora_path": str(folder),
-                                                       "version": version}, tolerate="already been loaded")
+                                                       "version": version, "load_inplace": True},
+                             tolerate="already been loaded")
             self.adapters[version] = served
         else:
             served = self.model
@@ -237,6 +261,59 @@ class HotSwapper:
             log.warning("could not unload %s: %s (will retry)", self.adapters[version], error)
             return
         log.info("unloaded %s from %s", self.adapters.pop(version), self.server_url)
+
+    # -- what the server really holds
+
+    async def _check_server(self) -> None:
+        """Every ``deploy.reconcile_s``: take what the server really holds as known, so this round restores the rest."""
+        period = self.config.deploy.reconcile_s
+        if not period or time.monotonic() < self._next_check:
+            return
+        self._next_check = time.monotonic() + period
+        try:
+            version, listed = await self._holdings()
+        except (TimeoutError, aiohttp.ClientError, ValueError) as error:
+            log.warning("could not ask %s what it holds (%s); asking again in %g s", self.server_url,
+                        str(error) or type(error).__name__, period)
+            return
+        self.unauthorized.clear()
+        if version is not None and version != self.version:
+            log.warning("%s holds weights v%d where hot swap loaded v%s (restarted, or loaded behind hot swap's "
+                        "back)", self.server_url, version, self.version)
+            self.version = version
+        lost = sorted(set(self.adapters) - set(listed))
+        if lost:
+            log.warning("%s no longer holds %s (restarted, or unloaded behind hot swap's back): restoring those "
+                        "still deployed", self.server_url, ", ".join(self.adapters[v] for v in lost))
+        self.adapters = {v: name for v, (name, _) in listed.items()}
+        wanted = set(self.routing.loaded_versions())
+        for v, (name, root) in sorted(listed.items()):
+            checkpoint = self.checkpoints.get(v)
+            if checkpoint is None or not root or root == str(local_path(checkpoint["uri"])):
+                continue
+            log.warning("%s serves %s from %s, not from its checkpoint %s (replaced behind hot swap's back): %s",
+                        self.server_url, name, root, checkpoint["uri"],
+                        "reloading it" if v in wanted else "unloading it")
+            if v in wanted:
+                del self.adapters[v]
+            else:
+                await self._unload(v)
+
+    async def _holdings(self) -> tuple[int | None, dict[int, tuple[str, str]]]:
+        """The server's weights version (None: it names none) and this model's adapters, version -> (name, root)."""
+        timeout = aiohttp.ClientTimeout(total=CHECK_TIMEOUT_S)
+        async with self._http().get(f"{self.server_url}/health", timeout=timeout) as response:
+            response.raise_for_status()
+            version = policy_version(response.headers)
+        async with self._http().get(f"{self.server_url}/v1/models", timeout=timeout) as response:
+            response.raise_for_status()
+            listed: Any = await response.json(content_type=None)
+        adapters: dict[int, tuple[str, str]] = {}
+        for entry in (listed or {}).get("data") or ():
+            model, adapter_version = split_adapter_name(str(entry.get("id", "")))
+            if model == self.model and adapter_version is not None:
+                adapters[adapter_version] = (entry["id"], str(entry.get("root") or ""))
+        return version, adapters
 
     # -- what the server holds when we start
 
@@ -269,4 +346,13 @@ class HotSwapper:
             text = await response.text()
             if tolerate is not None and tolerate in text:
                 return
+            if response.status == 401:
+                raise AdminTokenRefused(f"{path} answered HTTP 401: {text[:300]}")
             raise HotSwapError(f"{path} answered HTTP {response.status}: {text[:300]}")
+
+
+def _admin_headers(config: Config) -> dict[str, str]:
+    """The header that carries ``[security] admin_token`` (its first key, where it lists several), if one is set."""
+    token = config.security.admin_token
+    first = next((key.strip() for key in (token.reveal() if token else "").split(",") if key.strip()), "")
+    return {"Authorization": f"Bearer {first}"} if first else {}
