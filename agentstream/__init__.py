@@ -9,10 +9,12 @@ What an agent needs, in one import::
             ...
         ags.emit_reward(1.0)
 
-LLM calls are captured by the proxy (``agentstream proxy``); everything else is the CLI
-(``agentstream --help``).
+LLM calls are captured by the proxy (``agentstream proxy``); a user's late feedback goes to
+``ags.feedback_url(proxy_url, rollout_id, token)`` with the token the proxy returned (or
+``ags.feedback_token(rollout_id)``); everything else is the CLI (``agentstream --help``).
 """
 
+from pipeline.feedback import feedback_token, feedback_url
 from pipeline.publisher import FlushTimeout, PublisherClosed, PublisherError, SpanPublisher
 from pipeline.sdk import (
     NoRollout,
@@ -41,6 +43,8 @@ __all__ = [
     "emit_message",
     "emit_object",
     "emit_reward",
+    "feedback_token",
+    "feedback_url",
     "rollout",
     "set_sink",
     "span",

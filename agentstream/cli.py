@@ -246,14 +246,22 @@ def proxy_command(ctx: click.Context, upstream: str, host: str, port: int, agent
     """Serve the OpenAI-compatible LLM proxy that records every call as a span with exact token ids.
 
     It follows the deployments topic and sends each request for a trained model to the version
-    deployed for it (stable or canary; ``model@vN`` or X-Agentstream-Version pins one).
+    deployed for it (stable or canary; ``model@vN`` or X-Agentstream-Version pins one). It forwards
+    only the OpenAI routes users may call; with ``[security] proxy_keys`` they need a key, and the
+    reward endpoint takes a rollout's feedback token (``[security] feedback_tokens``). Beyond loopback
+    it refuses to start without keys unless ``[security] allow_open_bind`` says so.
     """
     import uvloop
 
     from infra.deployments import DeploymentFollower
+    from infra.security import KeySet, check_bind
+    from pipeline.feedback import proxy_feedback_secret
     from pipeline.proxy import LLMProxy, serve_proxy
 
     config = _config(ctx)
+    keys = KeySet(config.security.proxy_keys)
+    check_bind("LLM proxy", host, keys, "proxy_keys", config.security)
+    feedback_secret = proxy_feedback_secret(config)
     logging.getLogger("agentstream.deployments").setLevel(logging.INFO)
 
     async def serve() -> None:
@@ -270,7 +278,7 @@ def proxy_command(ctx: click.Context, upstream: str, host: str, port: int, agent
                            "they name until it does", err=True)
         with _publisher(config, "proxy") as publisher:
             proxy = LLMProxy(upstream, publisher, agent_name=agent_name, deployments=follower,
-                             max_tokens=config.proxy.max_tokens)
+                             max_tokens=config.proxy.max_tokens, keys=keys, feedback_secret=feedback_secret)
             runner = await serve_proxy(proxy, host, port)
             click.echo(f"proxy on http://{host}:{port} -> {upstream}; point OpenAI clients at "
                        f"http://{host}:{port}/rollouts/<rollout_id>/v1")

@@ -9,6 +9,17 @@ records one span per returned choice with the ids exactly as generated, and stri
 whatever the client did not ask for, so the client sees what it would have seen without the proxy. Streams are
 relayed chunk by chunk as they arrive. Late rewards arrive at ``POST /rollouts/{id}/reward``.
 
+It faces untrusted users, so it forwards only what they may call (``pipeline/access.py``): POST
+``chat/completions`` and ``completions``, GET ``models`` (and ``models/{id}``) and POST ``embeddings``
+under each prefix; any other method or path (a model server's admin routes included) gets the proxy's
+own 404 and never reaches the model server. With API keys (``[security] proxy_keys``) every route but
+``/health`` and the reward endpoint needs ``Authorization: Bearer <key>`` (the openai SDK's ``api_key``),
+and the client's credentials are not forwarded upstream: they are the proxy's key, not the model
+server's. With a feedback secret, every LLM response of a rollout carries that rollout's
+``X-Agentstream-Feedback-Token``, and the reward endpoint takes only that token (``?token=`` or the
+header), so a guessed rollout id cannot be rewarded; a service puts it in the feedback URL it hands
+its user.
+
 Requests for a trained model go to the version deployed for it (``pipeline/routing.py``), and
 every LLM span records the version that served it. ``X-Agentstream-Train: true|false`` opts a
 request's rollout in or out of training (it is captured either way).
@@ -27,12 +38,22 @@ import logging
 import re
 from dataclasses import dataclass, field
 from typing import Any
-from urllib.parse import unquote
+from urllib.parse import quote, unquote
 
 import aiohttp
 from aiohttp import web
 
 from infra.deployments import split_adapter_name
+from infra.security import FEEDBACK_TOKEN_HEADER, KeySet, feedback_token
+from pipeline.access import (
+    HEALTH_ROUTE,
+    MODEL_ROUTES,
+    REWARD_ROUTE,
+    access_guard,
+    feedback_refusal,
+    not_served,
+    upstream_headers,
+)
 from pipeline.routing import Route, RouteError, RoutingTable, resolve_route
 from pipeline.sdk import Rollout, SpanSink, build_span, new_id, now_us
 from schemas.contracts import (
@@ -54,7 +75,6 @@ from schemas.contracts import (
 
 log = logging.getLogger("agentstream.proxy")
 
-CAPTURED = {"chat/completions": "chat", "completions": "text_completion"}
 HOP_BY_HOP = {"connection", "keep-alive", "transfer-encoding", "content-length", "content-encoding", "host",
               "upgrade", "proxy-authorization", "te", "trailer"}
 
@@ -287,6 +307,8 @@ def _choice_usage(capture: CallCapture, choice: ChoiceCapture, *, first: bool) -
 # Agent Lightning's URL shapes, served as aliases: 0.3's ProxyLLM and 1.0's gateway (its mode is not needed here).
 AGL_PREFIXES = ("/rollout/{rollout_id}/attempt/{attempt_id}",
                 "/proxy/rollout/{rollout_id}/attempt/{attempt_id}/mode/{mode}/openai")
+PREFIXES = ("", "/rollouts/{rollout_id}", "/rollouts/{rollout_id}/attempts/{attempt_id}",
+            "/rollouts/{rollout_id}/attempts/{attempt_id}/agents/{agent_name}", *AGL_PREFIXES)
 AGL_EVENTS = "/api/rollouts/{rollout_id}/attempt/{attempt_id}/events"
 AUTO_MODEL = "auto"  # Agent Lightning 1.0 agents ask for model "auto": the upstream's first model
 
@@ -311,11 +333,19 @@ def served_version(headers, capture: CallCapture) -> int | None:
 
 
 class LLMProxy:
-    """The proxy application: routes, attribution, relay and capture."""
+    """The proxy application: routes, attribution, relay and capture.
+
+    ``keys``: the API keys callers must present (empty or None: any caller). ``feedback_secret``: what
+    feedback tokens are made with (None: tokens off, the reward endpoint takes any caller); the CLI
+    builds both from ``[security]``.
+    """
 
     def __init__(self, upstream: str, sink: SpanSink, *, agent_name: str | None = None,
-                 timeout_s: float = 600.0, deployments: RoutingTable | None = None, max_tokens: int = 0) -> None:
+                 timeout_s: float = 600.0, deployments: RoutingTable | None = None, max_tokens: int = 0,
+                 keys: KeySet | None = None, feedback_secret: bytes | None = None) -> None:
         self.deployments = deployments
+        self.keys = keys or KeySet(None)
+        self.feedback_secret = feedback_secret
         self.max_tokens = max_tokens  # added to a chat request that names no limit (0: none added)
         self._auto_model: str | None = None
         self.upstream = upstream.rstrip("/")
@@ -325,13 +355,15 @@ class LLMProxy:
         self.agent_name = agent_name
         self.timeout = aiohttp.ClientTimeout(total=timeout_s, sock_connect=10)
         self.session: aiohttp.ClientSession | None = None
-        self.app = web.Application(client_max_size=64 << 20)
-        self.app.router.add_get("/health", self.health)
-        self.app.router.add_post("/rollouts/{rollout_id}/reward", self.reward)
+        self.app = web.Application(client_max_size=64 << 20, middlewares=[access_guard(self.keys)])
+        self.app.router.add_get("/health", self.health, name=HEALTH_ROUTE, allow_head=False)
+        self.app.router.add_post("/rollouts/{rollout_id}/reward", self.reward, name=REWARD_ROUTE)
         self.app.router.add_post(AGL_EVENTS, self.agl_event)
-        for prefix in ("", "/rollouts/{rollout_id}", "/rollouts/{rollout_id}/attempts/{attempt_id}",
-                       "/rollouts/{rollout_id}/attempts/{attempt_id}/agents/{agent_name}", *AGL_PREFIXES):
-            self.app.router.add_route("*", prefix + "/v1/{tail:.*}", self.relay)
+        handlers = {"chat": self.chat, "completions": self.completions, "models": self.models, "model": self.model,
+                    "embeddings": self.embeddings}
+        for prefix in PREFIXES:
+            for route in MODEL_ROUTES:
+                self.app.router.add_route(route.method, f"{prefix}/v1/{route.path}", handlers[route.name])
         self.app.on_startup.append(self._open)
         self.app.on_cleanup.append(self._close)
 
@@ -365,7 +397,10 @@ class LLMProxy:
                        train=parse_train_flag(named(None, TRAIN_HEADER, "train")))
 
     async def reward(self, request: web.Request) -> web.Response:
-        """A late reward (production feedback, possibly hours later) for a rollout."""
+        """A late reward (production feedback, possibly hours later) for a rollout, with its feedback token."""
+        refused = feedback_refusal(self.feedback_secret, request.match_info["rollout_id"], request)
+        if refused is not None:
+            return refused
         try:
             body = await request.json()
             if not isinstance(body, dict):
@@ -436,11 +471,30 @@ class LLMProxy:
         if self._auto_model is not None:
             body["model"] = self._auto_model
 
-    async def relay(self, request: web.Request) -> web.StreamResponse:
-        tail = request.match_info["tail"]
-        operation = CAPTURED.get(tail.rstrip("/"))
-        if request.method != "POST" or operation is None:
-            return await self._passthrough(request, tail)
+    async def chat(self, request: web.Request) -> web.StreamResponse:
+        """POST chat/completions, captured."""
+        return await self._relay(request, "chat", "chat/completions")
+
+    async def completions(self, request: web.Request) -> web.StreamResponse:
+        """POST completions, captured."""
+        return await self._relay(request, "text_completion", "completions")
+
+    async def models(self, request: web.Request) -> web.Response:
+        """GET models: the upstream's list."""
+        return await self._forward(request, "models")
+
+    async def model(self, request: web.Request) -> web.Response:
+        """GET models/{id}: one model, its id's segments (``org/name``) each percent-encoded, dot segments refused."""
+        segments = request.match_info["model_id"].split("/")
+        if any(segment in ("", ".", "..") for segment in segments):
+            return not_served(request)
+        return await self._forward(request, "models/" + "/".join(quote(segment, safe="") for segment in segments))
+
+    async def embeddings(self, request: web.Request) -> web.Response:
+        """POST embeddings, forwarded (nothing to train on)."""
+        return await self._forward(request, "embeddings")
+
+    async def _relay(self, request: web.Request, operation: str, path: str) -> web.StreamResponse:
         try:
             body = await request.json()
             if not isinstance(body, dict):
@@ -465,8 +519,8 @@ class LLMProxy:
             self._record(capture)
             return openai_error(error.status, str(error), "NotFoundError" if error.status == 404
                                 else "invalid_request_error", param="model")
-        headers = _forward_headers(request.headers)
-        url = f"{self.upstream}/v1/{tail}"
+        headers = self._upstream_headers(request)
+        url = f"{self.upstream}/v1/{path}"
         try:
             if body.get("stream"):
                 return await self._relay_stream(request, url, headers, capture)
@@ -483,7 +537,7 @@ class LLMProxy:
                 capture.policy_version = served_version(upstream.headers, capture)
                 if upstream.status != 200:
                     capture.error = f"upstream HTTP {upstream.status}: {raw[:500].decode(errors='replace')}"
-                    return web.Response(status=upstream.status, body=raw,
+                    return web.Response(status=upstream.status, body=raw, headers=self._response_headers(capture),
                                         content_type=upstream.content_type or "application/json")
                 try:
                     payload = json.loads(raw)
@@ -493,7 +547,7 @@ class LLMProxy:
             return self._upstream_failed(capture, error)
         absorb(capture, payload, streamed=False)
         return web.json_response(client_view(payload, capture.request, capture.operation),
-                                 headers=_policy_header(capture))
+                                 headers=self._response_headers(capture))
 
     async def _relay_stream(self, request: web.Request, url: str, headers: dict[str, str],
                             capture: CallCapture) -> web.StreamResponse:
@@ -509,10 +563,10 @@ class LLMProxy:
             if upstream.status != 200:
                 raw = await upstream.read()
                 capture.error = f"upstream HTTP {upstream.status}: {raw[:500].decode(errors='replace')}"
-                return web.Response(status=upstream.status, body=raw,
+                return web.Response(status=upstream.status, body=raw, headers=self._response_headers(capture),
                                     content_type=upstream.content_type or "application/json")
             response = web.StreamResponse(headers={"Content-Type": "text/event-stream", "Cache-Control": "no-cache",
-                                                   **_policy_header(capture)})
+                                                   **self._response_headers(capture)})
             await response.prepare(request)
             try:
                 async for line in upstream.content:
@@ -557,12 +611,23 @@ class LLMProxy:
         for span in spans_of(capture, now_us()):
             self.sink.publish(span)
 
-    async def _passthrough(self, request: web.Request, tail: str) -> web.Response:
+    def _upstream_headers(self, request: web.Request) -> dict[str, str]:
+        return upstream_headers(_forward_headers(request.headers), self.keys)
+
+    def _response_headers(self, capture: CallCapture) -> dict[str, str]:
+        """The served version and, with tokens on, the rollout's feedback token: for the service to hand its user."""
+        headers = _policy_header(capture)
+        if self.feedback_secret is not None:
+            headers[FEEDBACK_TOKEN_HEADER] = feedback_token(self.feedback_secret, capture.owner.rollout_id)
+        return headers
+
+    async def _forward(self, request: web.Request, path: str) -> web.Response:
+        """Forward an allowed, uncaptured route (``path`` under the upstream's /v1, built here) as it is."""
         assert self.session is not None
         try:
-            async with self.session.request(request.method, f"{self.upstream}/v1/{tail}", params=request.query,
+            async with self.session.request(request.method, f"{self.upstream}/v1/{path}", params=request.query,
                                             data=await request.read(),
-                                            headers=_forward_headers(request.headers)) as upstream:
+                                            headers=self._upstream_headers(request)) as upstream:
                 return web.Response(status=upstream.status, body=await upstream.read(),
                                     content_type=upstream.content_type or "application/json")
         except (aiohttp.ClientError, TimeoutError) as error:

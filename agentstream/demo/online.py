@@ -3,7 +3,8 @@
 On the embedded stack, in ``--contract vllm`` mode: SmolLM2 behind the proxy, a small HTTP
 service (``POST /ask {"question"}``) answering with the arithmetic agent's prompt, one rollout
 per request; simulated users asking at a steady rate and sending feedback for each answer
-after a random delay (sometimes never) to the proxy's reward endpoint; streams credit each
+after a random delay (sometimes never) to the feedback URL the service gave them (the proxy's reward
+endpoint with the rollout's feedback token); streams credit each
 rollout against a running baseline when its feedback arrives; the trainer learns LoRA
 adapters; every checkpoint is a candidate that the gate evaluates, canaries and promotes or
 rolls back. Ends with a report: live success per minute and per served version, the
@@ -35,7 +36,9 @@ from infra.config import Config, CreditRule
 from infra.deployments import DeploymentFollower, split_adapter_name
 from infra.machine import CpuShare, calibrate
 from infra.processes import free_port
+from infra.security import FEEDBACK_TOKEN_HEADER
 from infra.stack import Stack
+from pipeline.feedback import feedback_url
 from pipeline.publisher import SpanPublisher
 from pipeline.sdk import rollout, set_sink
 
@@ -86,12 +89,14 @@ class ArithmeticService:
         question = str((await request.json())["question"])
         async with rollout(SERVICE_AGENT, proxy_url=self.proxy_url) as state:
             llm = arithmetic.client().with_options(base_url=state.llm_base_url())
-            completion = await llm.chat.completions.create(
+            raw = await llm.chat.completions.with_raw_response.create(
                 model=self.model, messages=[{"role": "user", "content": question}],
                 max_tokens=arithmetic.MAX_TOKENS, temperature=self.temperature)
+            completion = raw.parse()
+        token = raw.headers.get(FEEDBACK_TOKEN_HEADER)  # lets this answer's user, and no one else, rate it
         return web.json_response({"answer": completion.choices[0].message.content or "", "model": completion.model,
                                   "rollout_id": state.rollout_id,
-                                  "feedback_url": f"{self.proxy_url}/rollouts/{state.rollout_id}/reward"})
+                                  "feedback_url": feedback_url(self.proxy_url, state.rollout_id, token)})
 
 
 @dataclass
@@ -191,6 +196,7 @@ class OnlineReport:
     rejections: int = 0
     feedback_sent: int = 0
     feedback_withheld: int = 0
+    feedback_failed: int = 0  # refused by the reward endpoint or not delivered
     failures: list[str] = field(default_factory=list)
     settings: dict = field(default_factory=dict)  # what this run varied: rate, temperature, canary share, dtype, lr
     machine: dict = field(default_factory=dict)  # infra.machine.Calibration: compare runs on different machines
@@ -231,7 +237,8 @@ def build_report(users: Users, deployments: list[dict], traffic_seconds: float, 
                     "p99": percentile_ms(latencies, 0.99)},
         deployments=deployments, promotions=actions.count("PROMOTED"), rollbacks=actions.count("ROLLED_BACK"),
         rejections=actions.count("REJECTED"), feedback_sent=users.feedback_sent,
-        feedback_withheld=users.feedback_withheld, failures=[a.error for a in answers if a.error][:10])
+        feedback_withheld=users.feedback_withheld, feedback_failed=users.feedback_failed,
+        failures=[a.error for a in answers if a.error][:10])
 
 
 def settings(config: Config) -> dict:

@@ -70,6 +70,7 @@ def test_the_online_demo_serves_users_gates_a_candidate_reports_and_stops_everyt
     assert "dashboard: http://127.0.0.1:" in out
     report = json.loads((tmp_path / "online-report.json").read_text())
     assert report["requests"] >= 30 and report["failed_requests"] == 0
+    assert report["feedback_failed"] == 0, "every user's feedback URL carried its rollout's token"
     assert report["feedback_sent"] > 0 and report["per_minute"] and report["per_version"][0]["version"] == 0
     assert 0 < report["latency_ms"]["p50"] <= report["latency_ms"]["p99"]
     assert report["settings"]["rate_per_s"] == 1.0 and report["machine"]["python_loop_s"] > 0

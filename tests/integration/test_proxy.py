@@ -11,6 +11,7 @@ import pytest
 
 from infra.http_thread import ServerThread
 from infra.kafka import topic_name
+from infra.security import FEEDBACK_TOKEN_HEADER, feedback_token
 from models import load_model
 from pipeline.proxy import LLMProxy
 from pipeline.publisher import SpanPublisher
@@ -19,6 +20,7 @@ from tests.support.readback import read_topic
 from tests.support.servers import assert_exact, scripted
 
 HELLO = [{"role": "user", "content": "Say hello."}]
+SECRET = b"feedback secret"  # tokens on, as `agentstream proxy` runs by default
 WEATHER_TOOL = {"type": "function", "function": {
     "name": "get_weather", "description": "Current weather in a city.",
     "parameters": {"type": "object", "properties": {"city": {"type": "string"}}, "required": ["city"]}}}
@@ -38,7 +40,7 @@ def upstream(tiny):
 
 @pytest.fixture
 def proxy(upstream, publisher: SpanPublisher):
-    running = ServerThread(LLMProxy(upstream.url, publisher).app)
+    running = ServerThread(LLMProxy(upstream.url, publisher, feedback_secret=SECRET).app)
     yield running
     running.stop()
 
@@ -173,28 +175,33 @@ def test_upstream_down_gives_an_openai_error_and_an_error_span(publisher, topics
 
 
 def test_late_rewards_and_unattributed_calls(proxy, publisher, topics_config, kafka_options):
+    token = {FEEDBACK_TOKEN_HEADER: feedback_token(SECRET, "r-late")}  # what a trusted backend mints
     request = urllib.request.Request(f"{proxy.url}/rollouts/r-late/reward", method="POST",
                                      data=json.dumps({"dimensions": {"thumbs_up": 1.0, "latency": -0.25}}).encode(),
-                                     headers={"Content-Type": "application/json"})
+                                     headers={"Content-Type": "application/json", **token})
     with urllib.request.urlopen(request) as response:
         assert response.status == 202 and json.loads(response.read())["reward"] == 0.75
     (reward,) = spans_of(publisher, topics_config, kafka_options, "r-late", 1)
     assert reward["kind"] == "REWARD" and reward["reward"] == 0.75
     assert reward["reward_dimensions"] == {"thumbs_up": 1.0, "latency": -0.25}
 
-    bad = urllib.request.Request(f"{proxy.url}/rollouts/r-late/reward", method="POST", data=b"{\"reward\": \"x\"}")
+    bad = urllib.request.Request(f"{proxy.url}/rollouts/r-late/reward", method="POST", data=b"{\"reward\": \"x\"}",
+                                 headers=token)
     with pytest.raises(urllib.error.HTTPError) as raised:
         urllib.request.urlopen(bad)
     assert raised.value.code == 400
 
     client = openai.OpenAI(base_url=f"{proxy.url}/v1", api_key="unused", max_retries=0)
-    response = client.chat.completions.create(model="tiny", messages=HELLO, max_tokens=4)
+    raw = client.chat.completions.with_raw_response.create(model="tiny", messages=HELLO, max_tokens=4)
+    response = raw.parse()
     publisher.flush(10)
     landed = read_topic(kafka_options, topic_name(topics_config.topics, "spans"),
                         lambda got: any(s["rollout_id"].startswith("unattributed-") for s in got.spans))
     unattributed = [s for s in landed.spans if s["rollout_id"].startswith("unattributed-")]
     assert len(unattributed) == 1
     assert unattributed[0]["attributes"]["gen_ai.response.id"] == response.id
+    assert raw.headers[FEEDBACK_TOKEN_HEADER] == feedback_token(SECRET, unattributed[0]["rollout_id"]), \
+        "an unattributed call is a rollout of its own, and its feedback token says which"
 
 
 def test_the_rollout_base_url_attributes_calls_to_rollout_attempt_and_agent(proxy, publisher, topics_config,
