@@ -114,13 +114,13 @@ def presented(headers: Mapping[str, str], params: Mapping[str, str]) -> Credenti
     return Credentials(params.get("user") or DEFAULT_USER, params.get("password") or "")
 
 
-def cross_site(headers: Mapping[str, str], scheme: str, *, open_front: bool) -> str | None:
+def cross_site(headers: Mapping[str, str], scheme: str, *, loopback_names: bool) -> str | None:
     """Why a request comes from a web page of another site (None when it does not).
 
     Browsers mark every request a page makes: ``Sec-Fetch-Site`` (cross-site, same-site) and, on a
-    POST, ``Origin``, which must be the front itself. An open front also takes only loopback names in
-    ``Host``: a page whose DNS name was rebound to 127.0.0.1 is same-origin to the browser but names
-    its own host there.
+    POST, ``Origin``, which must be the front itself. With ``loopback_names`` (an open front on
+    loopback) ``Host`` must also be a loopback name: a page whose DNS name was rebound to 127.0.0.1
+    is same-origin to the browser but names its own host there.
     """
     site = (headers.get("Sec-Fetch-Site") or "").strip().lower()
     if site in ("cross-site", "same-site"):
@@ -129,6 +129,6 @@ def cross_site(headers: Mapping[str, str], scheme: str, *, open_front: bool) -> 
     origin = headers.get("Origin")
     if origin is not None and origin.strip().lower() != f"{scheme}://{host}":
         return f"Origin {origin.strip()[:100]!r} is not this server"
-    if open_front and host and not is_loopback(urlsplit(f"//{host}").hostname or ""):
+    if loopback_names and host and not is_loopback(urlsplit(f"//{host}").hostname or ""):
         return f"Host {host[:100]!r} is not a loopback name and the server has no password"
     return None

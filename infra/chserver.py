@@ -41,7 +41,7 @@ from multidict import MultiDict
 
 from infra.chaccess import Access, Users, cross_site, presented
 from infra.config import ConfigError, load_config
-from infra.security import KeySet, check_bind
+from infra.security import KeySet, check_bind, is_loopback
 
 log = logging.getLogger("agentstream.chserver")
 
@@ -172,16 +172,18 @@ class Engine:
     def _run(self, session: _Session, statement: bytes, data: bytes | None, database: str, output_format: str,
              params: dict[str, str], settings: dict[str, str]) -> Outcome:
         conn = session.conn
+        applied: list[str] = []
         try:
             session.use(database)
-            for name, value in settings.items():
-                conn.query(f"SET {_identifier(name)} = {_literal(value)}")
             try:
+                for name, value in settings.items():
+                    conn.query(f"SET {_identifier(name)} = {_literal(value)}")
+                    applied.append(name)
                 if data is not None:
                     return self._insert(conn, statement, data)
                 return self._query(conn, statement.decode("utf-8"), output_format, params)
-            finally:
-                for name in settings:
+            finally:  # the session serves other callers next: what this request set goes back
+                for name in applied:
                     if name in self._defaults:
                         conn.query(f"SET {_identifier(name)} = {_literal(self._defaults[name])}")
         except RequestError:
@@ -322,9 +324,12 @@ async def _form_fields(request: web.Request) -> tuple[MultiDict, bytes]:
 class Server:
     """The aiohttp application that speaks ClickHouse HTTP in front of an :class:`Engine`, for its :class:`Users`."""
 
-    def __init__(self, engine: Engine, users: Users | None = None) -> None:
+    def __init__(self, engine: Engine, users: Users | None = None, *, on_loopback: bool = True) -> None:
         self.engine = engine
         self.users = users or Users()
+        # An open front on loopback takes only loopback names in Host (DNS rebinding); one that
+        # allow_open_bind put on the network is reached by other names on purpose.
+        self._loopback_names = self.users.open and on_loopback
         # We decode Content-Encoding ourselves: aiohttp knows gzip but not lz4, which clients send.
         self.app = web.Application(client_max_size=1 << 30, handler_args={
             "auto_decompress": False, "max_line_size": 1 << 20, "max_field_size": 1 << 20})
@@ -361,7 +366,7 @@ class Server:
 
     def _admit(self, request: web.Request) -> Access:
         """What the request may do; a web page from elsewhere and wrong credentials are refused before any SQL."""
-        reason = cross_site(request.headers, request.scheme, open_front=self.users.open)
+        reason = cross_site(request.headers, request.scheme, loopback_names=self._loopback_names)
         if reason is not None:
             raise RequestError(f"Code: 497. DB::Exception: refused a request from a web page ({reason}): browsers "
                                "may not send SQL to the embedded ClickHouse. (ACCESS_DENIED)", 497, 403)
@@ -404,7 +409,7 @@ class Server:
 async def serve(host: str, port: int, data_dir: Path, users: Users | None = None) -> None:
     """Serve until SIGTERM or SIGINT, then close the engine cleanly so the data is flushed."""
     engine = Engine(data_dir)
-    server = Server(engine, users)
+    server = Server(engine, users, on_loopback=is_loopback(host))
     runner = web.AppRunner(server.app, access_log=None)
     await runner.setup()
     site = web.TCPSite(runner, host, port, reuse_address=True)
