@@ -5,7 +5,7 @@ from __future__ import annotations
 import click
 
 from infra.config import Config
-from infra.schema_registry.service import registry_url
+from infra.schema_registry.service import registry_client, registry_url
 
 
 def _config(ctx: click.Context) -> Config:
@@ -45,12 +45,12 @@ def serve_command(ctx: click.Context, host: str | None, port: int | None, topic:
 @click.pass_context
 def register_command(ctx: click.Context) -> None:
     """Register every current agentstream schema (after the compatibility check) and print the ids in use."""
-    from infra.schema_registry import RegistryClient, RemoteRegistry, register_product_schemas
+    from infra.schema_registry import RemoteRegistry, register_product_schemas
 
     config = _config(ctx)
     settings = config.schema_registry
     url = registry_url(config)
-    registry = RemoteRegistry(RegistryClient.from_config(settings, url), settings.compatibility)
+    registry = RemoteRegistry(registry_client(config), settings.compatibility)
     for subject, schema_id in register_product_schemas(registry).items():
         click.echo(f"{subject:<36} id {schema_id}")
     click.echo(f"registered in {url} ({settings.compatibility.upper()} checked)")
@@ -60,10 +60,8 @@ def register_command(ctx: click.Context) -> None:
 @click.pass_context
 def subjects_command(ctx: click.Context) -> None:
     """List the registry's subjects with their latest version and id."""
-    from infra.schema_registry import RegistryClient
-
     config = _config(ctx)
-    client = RegistryClient.from_config(config.schema_registry, registry_url(config))
+    client = registry_client(config)
     for subject in client.subjects():
         latest = client.latest(subject)
         if latest is not None:

@@ -7,11 +7,16 @@ a ClickHouse server: ``POST /`` or ``GET /?query=...`` with ``database``, ``defa
 as ClickHouse formats them, with ``X-ClickHouse-Exception-Code``. GET requests and
 ``readonly=1|2`` run on a read-only connection, as on a real server.
 
-One process owns the data directory (chdb locks it), so every component reaches the data
-through this server. Queries run one at a time on a dedicated thread; chdb is not
-documented as safe for concurrent use of one connection.
+Callers are checked first (:mod:`infra.chaccess`): a web page from another site is refused, and
+with ``[clickhouse] password`` set only the writer and the ``[security] clickhouse_readers`` get
+in, readers on sessions held at ``readonly = 1``.
 
-Run it with ``python -m infra.chserver --port 8123 --data-dir PATH``.
+One process owns the data directory (chdb locks it), so every component reaches the data
+through this server. Statements run in parallel on pooled chdb sessions (chdb runs statements of
+different connections concurrently and releases the GIL), so a long dashboard read never holds
+the workers' inserts; each session serves one statement at a time.
+
+Run it with ``python -m infra.chserver --port 8123 --data-dir PATH [--config FILE]``.
 """
 
 from __future__ import annotations
@@ -25,6 +30,7 @@ import re
 import signal
 import uuid
 import zlib
+from collections.abc import Callable
 from concurrent.futures import ThreadPoolExecutor
 from dataclasses import dataclass
 from pathlib import Path
@@ -32,6 +38,10 @@ from pathlib import Path
 import chdb
 from aiohttp import web
 from multidict import MultiDict
+
+from infra.chaccess import Access, Users, cross_site, presented
+from infra.config import ConfigError, load_config
+from infra.security import KeySet, check_bind, is_loopback
 
 log = logging.getLogger("agentstream.chserver")
 
@@ -53,6 +63,10 @@ INSERT_WITH_FORMAT = re.compile(
 EXCEPTION_CODE = re.compile(r"Code:\s*(\d+)")
 FORMAT_CLAUSE = re.compile(r"\bFORMAT\s+([A-Za-z0-9_]+)\s*;?\s*$", re.IGNORECASE)
 
+# The readonly levels the pools run at: the writer's own, the writer's read-only requests, a reader's.
+WRITABLE, READ_ONLY, READER = 0, 2, 1
+SESSIONS_PER_POOL = 4
+
 # ClickHouse answers some error codes with a specific HTTP status; the rest get 500.
 HTTP_STATUS_BY_CODE = {
     62: 400,  # SYNTAX_ERROR
@@ -61,6 +75,7 @@ HTTP_STATUS_BY_CODE = {
     47: 404,  # UNKNOWN_IDENTIFIER
     164: 403,  # READONLY
     516: 401,  # AUTHENTICATION_FAILED
+    497: 403,  # ACCESS_DENIED
 }
 
 
@@ -86,54 +101,95 @@ class Outcome:
     elapsed_s: float = 0.0
 
 
+class _Session:
+    """One chdb connection at one readonly level and the database it was left in; one thread uses it at a time."""
+
+    def __init__(self, data_dir: Path, readonly: int) -> None:
+        self.conn = chdb.connect(str(data_dir))
+        if readonly:
+            self.conn.query(f"SET readonly = {readonly}")
+        self.database = "default"
+
+    def use(self, database: str) -> None:
+        if self.database != database:
+            self.conn.query(f"USE {_identifier(database)}")
+            self.database = database
+
+
+class _Pool:
+    """``size`` sessions at one readonly level, each statement on a thread of its own, waiting for a free session.
+
+    chdb runs statements on different connections to one path in parallel (and releases the GIL),
+    so a long read on one session holds none of the others.
+    """
+
+    def __init__(self, data_dir: Path, readonly: int, size: int) -> None:
+        self.sessions = tuple(_Session(data_dir, readonly) for _ in range(size))
+        self._idle = list(self.sessions)
+        self._free = asyncio.Semaphore(size)
+        self._executor = ThreadPoolExecutor(max_workers=size, thread_name_prefix=f"chdb-readonly{readonly}")
+
+    async def run(self, work: Callable[[_Session], Outcome]) -> Outcome:
+        async with self._free:
+            session = self._idle.pop()
+            try:
+                return await asyncio.get_running_loop().run_in_executor(self._executor, work, session)
+            finally:
+                self._idle.append(session)
+
+    def close(self) -> None:
+        self._executor.shutdown(wait=True)
+        for session in self.sessions:
+            session.conn.close()
+
+
 class Engine:
-    """The chdb connections (read-write and read-only) and the single thread that uses them."""
+    """The chdb sessions, pooled by what they may do: the writer's, its read-only ones (readonly=2) and readers'.
 
-    def __init__(self, data_dir: Path) -> None:
+    A reader's statements run at ``readonly = 1``, set on the session, which no request can lower:
+    ClickHouse refuses ``SET readonly`` and ``SETTINGS readonly`` there, and at that level also
+    table functions (``file``, ``url``), which ``readonly = 2`` still runs.
+    """
+
+    def __init__(self, data_dir: Path, sessions: int = SESSIONS_PER_POOL) -> None:
         data_dir.mkdir(parents=True, exist_ok=True)
-        self._executor = ThreadPoolExecutor(max_workers=1, thread_name_prefix="chdb")
-        self._writer = chdb.connect(str(data_dir))
-        self._reader = chdb.connect(str(data_dir))
-        self._reader.query("SET readonly = 2")
-        self._defaults = self._setting_defaults()
-        self._current_db = {id(self._writer): "default", id(self._reader): "default"}
-        self.version = self._writer.query("SELECT version()", "TabSeparated").bytes().decode().strip()
+        self._pools = {level: _Pool(data_dir, level, sessions) for level in (WRITABLE, READ_ONLY, READER)}
+        probe = self._pools[WRITABLE].sessions[0].conn
+        self._defaults = self._setting_defaults(probe)
+        self.version = probe.query("SELECT version()", "TabSeparated").bytes().decode().strip()
 
-    def _setting_defaults(self) -> dict[str, str]:
-        rows = self._writer.query("SELECT name, value FROM system.settings", "JSONCompactEachRow").bytes()
+    @staticmethod
+    def _setting_defaults(conn) -> dict[str, str]:
+        rows = conn.query("SELECT name, value FROM system.settings", "JSONCompactEachRow").bytes()
         return dict(json.loads(line) for line in rows.splitlines() if line)
 
     async def run(self, statement: bytes, data: bytes | None, *, database: str, output_format: str,
-                  params: dict[str, str], settings: dict[str, str], readonly: bool) -> Outcome:
-        loop = asyncio.get_running_loop()
-        return await loop.run_in_executor(
-            self._executor, self._run, statement, data, database, output_format, params, settings, readonly
-        )
+                  params: dict[str, str], settings: dict[str, str], readonly: int) -> Outcome:
+        """Run one statement on a free session of the ``readonly`` level (0, 2 for the writer; 1 for readers)."""
+        return await self._pools[readonly].run(
+            lambda session: self._run(session, statement, data, database, output_format, params, settings))
 
-    def _run(self, statement: bytes, data: bytes | None, database: str, output_format: str,
-             params: dict[str, str], settings: dict[str, str], readonly: bool) -> Outcome:
-        conn = self._reader if readonly else self._writer
+    def _run(self, session: _Session, statement: bytes, data: bytes | None, database: str, output_format: str,
+             params: dict[str, str], settings: dict[str, str]) -> Outcome:
+        conn = session.conn
+        applied: list[str] = []
         try:
-            self._use(conn, database)
-            for name, value in settings.items():
-                conn.query(f"SET {_identifier(name)} = {_literal(value)}")
+            session.use(database)
             try:
+                for name, value in settings.items():
+                    conn.query(f"SET {_identifier(name)} = {_literal(value)}")
+                    applied.append(name)
                 if data is not None:
                     return self._insert(conn, statement, data)
                 return self._query(conn, statement.decode("utf-8"), output_format, params)
-            finally:
-                for name in settings:
+            finally:  # the session serves other callers next: what this request set goes back
+                for name in applied:
                     if name in self._defaults:
                         conn.query(f"SET {_identifier(name)} = {_literal(self._defaults[name])}")
         except RequestError:
             raise
         except Exception as error:  # chdb raises ChdbError/RuntimeError with ClickHouse's text
             raise _as_request_error(error) from None
-
-    def _use(self, conn, database: str) -> None:
-        if self._current_db[id(conn)] != database:
-            conn.query(f"USE {_identifier(database)}")
-            self._current_db[id(conn)] = database
 
     @staticmethod
     def _query(conn, sql: str, output_format: str, params: dict[str, str]) -> Outcome:
@@ -166,9 +222,8 @@ class Engine:
                        elapsed_s=summary.elapsed)
 
     def close(self) -> None:
-        self._executor.shutdown(wait=True)
-        self._reader.close()
-        self._writer.close()
+        for pool in self._pools.values():
+            pool.close()
 
 
 def _identifier(name: str) -> str:
@@ -267,10 +322,14 @@ async def _form_fields(request: web.Request) -> tuple[MultiDict, bytes]:
 
 
 class Server:
-    """The aiohttp application that speaks ClickHouse HTTP in front of an :class:`Engine`."""
+    """The aiohttp application that speaks ClickHouse HTTP in front of an :class:`Engine`, for its :class:`Users`."""
 
-    def __init__(self, engine: Engine) -> None:
+    def __init__(self, engine: Engine, users: Users | None = None, *, on_loopback: bool = True) -> None:
         self.engine = engine
+        self.users = users or Users()
+        # An open front on loopback takes only loopback names in Host (DNS rebinding); one that
+        # allow_open_bind put on the network is reached by other names on purpose.
+        self._loopback_names = self.users.open and on_loopback
         # We decode Content-Encoding ourselves: aiohttp knows gzip but not lz4, which clients send.
         self.app = web.Application(client_max_size=1 << 30, handler_args={
             "auto_decompress": False, "max_line_size": 1 << 20, "max_field_size": 1 << 20})
@@ -289,7 +348,7 @@ class Server:
             "X-ClickHouse-Timezone": "UTC",
         }
         try:
-            outcome = await self._execute(request)
+            outcome = await self._execute(request, self._admit(request))
         except RequestError as error:
             headers["X-ClickHouse-Exception-Code"] = str(error.code)
             body = f"{error} (version {self.engine.version} (chdb))\n"
@@ -305,7 +364,20 @@ class Server:
         )
         return web.Response(body=outcome.body, headers=headers, content_type="text/plain", charset="utf-8")
 
-    async def _execute(self, request: web.Request) -> Outcome:
+    def _admit(self, request: web.Request) -> Access:
+        """What the request may do; a web page from elsewhere and wrong credentials are refused before any SQL."""
+        reason = cross_site(request.headers, request.scheme, loopback_names=self._loopback_names)
+        if reason is not None:
+            raise RequestError(f"Code: 497. DB::Exception: refused a request from a web page ({reason}): browsers "
+                               "may not send SQL to the embedded ClickHouse. (ACCESS_DENIED)", 497, 403)
+        credentials = presented(request.headers, request.query)
+        access = self.users.access(credentials)
+        if access is None:
+            raise RequestError(f"Code: 516. DB::Exception: {credentials.user}: Authentication failed: password is "
+                               "incorrect, or there is no user with such name. (AUTHENTICATION_FAILED)", 516, 401)
+        return access
+
+    async def _execute(self, request: web.Request, access: Access) -> Outcome:
         params = request.query
         if request.content_type.startswith("multipart/"):
             params, body = await _form_fields(request)
@@ -314,8 +386,13 @@ class Server:
         statement, data = _split_statement(params.get("query"), body)
         if not statement.strip():
             raise RequestError("Code: 62. DB::Exception: Empty query. (SYNTAX_ERROR)", 62)
-        readonly = request.method == "GET" or params.get("readonly", "0") not in ("0", "")
-        if readonly and data is not None:
+        if access is Access.READ:
+            readonly = READER
+        elif request.method == "GET" or params.get("readonly", "0") not in ("0", ""):
+            readonly = READ_ONLY
+        else:
+            readonly = WRITABLE
+        if readonly != WRITABLE and data is not None:
             raise RequestError("Code: 164. DB::Exception: Cannot execute query in readonly mode. (READONLY)", 164, 403)
         return await self.engine.run(
             statement,
@@ -329,14 +406,17 @@ class Server:
         )
 
 
-async def serve(host: str, port: int, data_dir: Path) -> None:
+async def serve(host: str, port: int, data_dir: Path, users: Users | None = None) -> None:
     """Serve until SIGTERM or SIGINT, then close the engine cleanly so the data is flushed."""
     engine = Engine(data_dir)
-    runner = web.AppRunner(Server(engine).app, access_log=None)
+    server = Server(engine, users, on_loopback=is_loopback(host))
+    runner = web.AppRunner(server.app, access_log=None)
     await runner.setup()
     site = web.TCPSite(runner, host, port, reuse_address=True)
     await site.start()
-    log.info("ClickHouse HTTP (chdb %s) on http://%s:%d, data in %s", engine.version, host, port, data_dir)
+    log.info("ClickHouse HTTP (chdb %s) on http://%s:%d, data in %s, %s", engine.version, host, port, data_dir,
+             "open (no password)" if server.users.open else f"{len(server.users.readers)} read-only users and the "
+             f"writer {server.users.writer!r}")
     stop = asyncio.Event()
     loop = asyncio.get_running_loop()
     for sig in (signal.SIGTERM, signal.SIGINT):
@@ -351,11 +431,21 @@ def main(argv: list[str] | None = None) -> None:
     parser.add_argument("--host", default="127.0.0.1")
     parser.add_argument("--port", type=int, default=8123)
     parser.add_argument("--data-dir", type=Path, required=True)
+    parser.add_argument("--config", type=Path, default=None,
+                        help="TOML config whose [clickhouse] username/password and [security] clickhouse_readers "
+                             "are the users (without it the server is open, and listens on loopback only)")
     args = parser.parse_args(argv)
     logging.basicConfig(level=logging.INFO, format="%(asctime)s %(name)s %(levelname)s %(message)s")
+    try:
+        config = load_config(args.config)
+        users = Users.from_config(config)
+        check_bind("embedded ClickHouse", args.host, KeySet(users.writer_password), "[clickhouse] password",
+                   config.security)
+    except ConfigError as error:
+        raise SystemExit(f"error: {error}") from None
     import uvloop
 
-    uvloop.run(serve(args.host, args.port, args.data_dir.resolve()))
+    uvloop.run(serve(args.host, args.port, args.data_dir.resolve(), users))
 
 
 if __name__ == "__main__":

@@ -13,7 +13,8 @@ of the S3 REST API that client uses, path-style (``/<bucket>/<key>``):
   continuation-token, max-keys), ``HEAD /<bucket>``.
 
 Anything else (multipart uploads, copies, versioning, ACLs) is answered 501 ``NotImplemented``.
-Requests are not authenticated: it listens on loopback only.
+Requests are not authenticated, so it always listens on 127.0.0.1 (:data:`HOST`), whatever the
+stack's host: only the local broker talks to it.
 
 Durability: a PUT is answered only after the object's bytes and its directory entry are on
 disk (temporary file, ``fsync``, ``rename``, ``fsync`` of the directory), so an object the
@@ -59,6 +60,7 @@ MAX_OBJECT_BYTES = 1 << 30  # a record batch is a few MB at most; S3's own singl
 MAX_KEYS = 1000
 LOCK_STRIPES = 64
 TEMPORARY = ".tmp"
+HOST = "127.0.0.1"
 
 
 class S3Error(Exception):
@@ -540,14 +542,14 @@ def walk_keys(root: Path, bucket: str) -> Iterator[str]:
             yield (Path(directory) / filename).relative_to(folder).as_posix()
 
 
-async def serve(host: str, port: int, root: Path, buckets: list[str], log_requests: bool = False) -> None:
-    """Serve until SIGTERM or SIGINT. Nothing is buffered: every answered write is already on disk."""
+async def serve(port: int, root: Path, buckets: list[str], log_requests: bool = False) -> None:
+    """Serve on loopback until SIGTERM or SIGINT. Nothing is buffered: every answered write is already on disk."""
     server = ObjectStoreServer(root, buckets, log_requests)
     runner = web.AppRunner(server.app, access_log=None)
     await runner.setup()
-    site = web.TCPSite(runner, host, port, reuse_address=True)
+    site = web.TCPSite(runner, HOST, port, reuse_address=True)
     await site.start()
-    log.info("S3 object store on http://%s:%d, buckets %s (%s objects) in %s", host, port, ", ".join(buckets),
+    log.info("S3 object store on http://%s:%d, buckets %s (%s objects) in %s", HOST, port, ", ".join(buckets),
              ", ".join(str(len(bucket)) for bucket in server.buckets.values()), root)
     stop = asyncio.Event()
     loop = asyncio.get_running_loop()
@@ -559,8 +561,7 @@ async def serve(host: str, port: int, root: Path, buckets: list[str], log_reques
 
 
 def main(argv: list[str] | None = None) -> None:
-    parser = argparse.ArgumentParser(description="Serve a folder as a small S3-compatible object store.")
-    parser.add_argument("--host", default="127.0.0.1")
+    parser = argparse.ArgumentParser(description="Serve a folder as a small S3-compatible object store on 127.0.0.1.")
     parser.add_argument("--port", type=int, default=9000)
     parser.add_argument("--root", type=Path, required=True, help="the folder that holds the buckets")
     parser.add_argument("--bucket", action="append", required=True, help="a bucket to serve (repeatable)")
@@ -569,7 +570,7 @@ def main(argv: list[str] | None = None) -> None:
     logging.basicConfig(level=logging.INFO, format="%(asctime)s %(name)s %(levelname)s %(message)s")
     import uvloop
 
-    uvloop.run(serve(args.host, args.port, args.root.resolve(), args.bucket, args.log_requests))
+    uvloop.run(serve(args.port, args.root.resolve(), args.bucket, args.log_requests))
 
 
 if __name__ == "__main__":

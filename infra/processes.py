@@ -137,6 +137,15 @@ class ServiceDirectory:
             path.unlink(missing_ok=True)
             return None
 
+    def private_file(self, name: str, text: str) -> Path:
+        """Write ``run/<name>`` readable by this user only (a service's configuration may hold secrets)."""
+        path = self.run_dir / name
+        path.parent.mkdir(parents=True, exist_ok=True)
+        descriptor = os.open(path, os.O_WRONLY | os.O_CREAT | os.O_TRUNC, 0o600)
+        with os.fdopen(descriptor, "w") as handle:
+            handle.write(text)
+        return path
+
     def start(self, name: str, command: list[str], host: str, port: int, timeout_s: float = 30.0,
               env: dict[str, str] | None = None) -> ServiceRecord:
         """Start ``command`` detached, wait until it listens on host:port, and record it."""

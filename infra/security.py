@@ -94,12 +94,16 @@ def presented_credentials(headers: Mapping[str, str]) -> list[str]:
 
 
 def check_bind(role: str, host: str, keys: KeySet, setting: str, security: SecurityConfig) -> None:
-    """Refuse, in one line, to serve ``role`` beyond loopback with no keys, unless ``allow_open_bind`` says so."""
+    """Refuse, in one line, to serve ``role`` beyond loopback with no keys, unless ``allow_open_bind`` says so.
+
+    ``setting`` names where the keys go: a ``[security]`` key, or a full ``[section] key``.
+    """
     if keys or is_loopback(host) or security.allow_open_bind:
         return
+    where = setting if setting.startswith("[") else f"[security] {setting}"
     raise OpenBindRefused(
         f"refusing to serve the {role} on {host} without keys: anyone who reaches {host} could call it. "
-        f"Set [security] {setting}, listen on 127.0.0.1, or set [security] allow_open_bind = true")
+        f"Set {where}, listen on 127.0.0.1, or set [security] allow_open_bind = true")
 
 
 def feedback_secret(security: SecurityConfig, home: Path) -> bytes:

@@ -5,7 +5,8 @@ is started) or embedded: tansu and the chdb ClickHouse HTTP server, on loopback,
 pidfiles under the stack home so ``down`` stops exactly what ``up`` started. An embedded
 broker with durable storage (the default) keeps its data through a third process, the
 S3-compatible object store over ``<home>/broker-data`` (:mod:`infra.objectstore`), started
-before tansu and stopped after it.
+before tansu and stopped after it; it listens on 127.0.0.1 whatever ``stack.host`` says, since only
+the local broker talks to it.
 """
 
 from __future__ import annotations
@@ -17,8 +18,9 @@ from dataclasses import dataclass, field
 from pathlib import Path
 
 from infra.broker import BUCKET, MEMORY_STORAGE, find_tansu, s3_storage, tansu_command
+from infra.chaccess import Users
 from infra.clickhouse import migrate, table_counts, wait_for_clickhouse
-from infra.config import Config
+from infra.config import Config, dump_toml
 from infra.kafka import (
     admin_client,
     client_options,
@@ -28,8 +30,10 @@ from infra.kafka import (
     topic_partitions,
     wait_for_broker,
 )
+from infra.objectstore import HOST as OBJECTSTORE_HOST
 from infra.processes import ServiceDirectory, free_port, port_is_free
 from infra.schema_registry.service import SCHEMA_REGISTRY, registry_state, start_registry
+from infra.security import KeySet, check_bind
 
 BROKER = "broker"
 CLICKHOUSE = "clickhouse"
@@ -89,6 +93,7 @@ class Stack:
     def up(self, timeout_s: float = 60.0, progress=print) -> Endpoints:
         """Start what is embedded, wait until both answer, create topics and tables."""
         stack = self.config.stack
+        self.check_binds()
         if not self.config.kafka.external:
             binary = find_tansu(stack.tansu_bin, self.home)
             storage, environment = self._broker_storage(timeout_s, progress)
@@ -97,8 +102,10 @@ class Stack:
             progress(f"broker      tansu pid {record.pid} on {record.address} (log {record.log_path})")
         if not self.config.clickhouse.external:
             data_dir = self.home / "clickhouse"
+            settings_file = self.services.private_file("clickhouse.toml", dump_toml(self.config))
             command = [sys.executable, "-m", "infra.chserver", "--host", stack.host,
-                       "--port", str(stack.clickhouse_port), "--data-dir", str(data_dir)]
+                       "--port", str(stack.clickhouse_port), "--data-dir", str(data_dir),
+                       "--config", str(settings_file)]
             record = self.services.start(CLICKHOUSE, command, stack.host, stack.clickhouse_port, timeout_s)
             progress(f"clickhouse  chdb pid {record.pid} on http://{record.address} (data {data_dir})")
         endpoints = self.endpoints()
@@ -113,6 +120,18 @@ class Stack:
                  + (f" (applied {', '.join(f'{m.version:04d}_{m.name}' for m in applied)})" if applied else ""))
         client.close()
         return endpoints
+
+    def check_binds(self) -> None:
+        """Refuse, in one line and before anything starts, to serve the embedded ClickHouse or Schema Registry
+        beyond loopback without their keys (the broker has none to check)."""
+        security = self.config.security
+        if not self.config.clickhouse.external:
+            Users.from_config(self.config)  # a malformed clickhouse_readers is refused here, not in a child's log
+            check_bind("embedded ClickHouse", self.config.stack.host, KeySet(self.config.clickhouse.password),
+                       "[clickhouse] password", security)
+        if not self.config.schema_registry.external:
+            check_bind("Schema Registry", self.config.stack.host, KeySet(security.registry_keys), "registry_keys",
+                       security)
 
     @property
     def broker_data(self) -> Path:
@@ -133,11 +152,11 @@ class Stack:
         port = stack.objectstore_port
         if not port and previous is not None:
             old_port = int(previous.address.rpartition(":")[2])
-            port = old_port if previous.alive() or port_is_free(stack.host, old_port) else 0
-        port = port or free_port(stack.host)
-        command = [sys.executable, "-m", "infra.objectstore", "--host", stack.host, "--port", str(port),
+            port = old_port if previous.alive() or port_is_free(OBJECTSTORE_HOST, old_port) else 0
+        port = port or free_port(OBJECTSTORE_HOST)
+        command = [sys.executable, "-m", "infra.objectstore", "--port", str(port),
                    "--root", str(self.broker_data), "--bucket", BUCKET]
-        record = self.services.start(OBJECTSTORE, command, stack.host, port, timeout_s)
+        record = self.services.start(OBJECTSTORE, command, OBJECTSTORE_HOST, port, timeout_s)
         progress(f"objectstore pid {record.pid} on http://{record.address} (broker data {self.broker_data})")
         return s3_storage(f"http://{record.address}")
 

@@ -8,7 +8,9 @@ Routes:
 - ``GET /api/rollouts?agent=&status=&version=&min_reward=&since_s=&limit=`` the filtered list and filter values;
 - ``GET /api/rollouts/{rollout_id}`` one rollout: its row, its spans and the transitions it became.
 
-Nothing is fetched from outside the machine: the page loads only what this server serves.
+Nothing is fetched from outside the machine: the page loads only what this server serves. With
+``[security] dashboard_keys`` every route needs a key: a browser asks its user for one (basic auth,
+any name, the key as password), a script sends ``Authorization: Bearer <key>``; anything else is 401.
 """
 
 from __future__ import annotations
@@ -30,6 +32,7 @@ from agentstream.dashboard.kafka_state import DEAD_LETTER_COLUMNS, LAG_COLUMNS, 
 from agentstream.dashboard.queries import Chart
 from agentstream.dashboard.warehouse import Warehouse, WarehouseError
 from infra.config import Config
+from infra.security import KeySet, check_bind
 
 log = logging.getLogger("agentstream.dashboard")
 
@@ -42,6 +45,7 @@ NO_MIN_REWARD = -1e308  # the rollout list's SQL reads any min_reward <= -1e300 
 WAREHOUSE_KEY: web.AppKey[Warehouse] = web.AppKey("warehouse", Warehouse)
 KAFKA_KEY: web.AppKey[KafkaReader | None] = web.AppKey("kafka", KafkaReader)
 WARM_KEY: web.AppKey[asyncio.Task] = web.AppKey("kafka_warm", asyncio.Task)
+REALM = 'Basic realm="agentstream"'
 
 
 class DashboardError(RuntimeError):
@@ -148,10 +152,30 @@ async def health(request: web.Request) -> web.Response:
     return web.json_response({"ok": True, "database": warehouse.database})
 
 
+def keyed(keys: KeySet) -> Callable[..., Any]:
+    """A middleware that answers 401 (asking a browser for basic auth) to a request without one of ``keys``."""
+
+    @web.middleware
+    async def check(request: web.Request, handler: Callable[[web.Request], Any]) -> web.StreamResponse:
+        if not keys.allows(request.headers):
+            raise web.HTTPUnauthorized(text="the dashboard needs a key: one of [security] dashboard_keys, as the "
+                                            "password of basic auth (any user name) or Authorization: Bearer <key>",
+                                       headers={"WWW-Authenticate": REALM})
+        return await handler(request)
+
+    return check
+
+
+def check_dashboard_bind(config: Config, host: str) -> None:
+    """Refuse, in one line, to serve the dashboard beyond loopback without ``[security] dashboard_keys``."""
+    check_bind("dashboard", host, KeySet(config.security.dashboard_keys), "dashboard_keys", config.security)
+
+
 def create_app(config: Config, clickhouse_url: str, bootstrap_servers: str | None, *,
                database: str | None = None) -> web.Application:
     """The dashboard application over ``database`` (default: the configured one) and, when given, Kafka."""
-    app = web.Application()
+    keys = KeySet(config.security.dashboard_keys)
+    app = web.Application(middlewares=[keyed(keys)] if keys else [])
     warehouse = Warehouse(config.clickhouse, clickhouse_url, database or config.clickhouse.database)
     app[WAREHOUSE_KEY] = warehouse
     app[KAFKA_KEY] = KafkaReader(config, bootstrap_servers) if bootstrap_servers else None
@@ -190,6 +214,7 @@ class DashboardThread:
 
     def __init__(self, config: Config, clickhouse_url: str, bootstrap_servers: str | None, *,
                  database: str | None = None, host: str = "127.0.0.1", port: int = 0) -> None:
+        check_dashboard_bind(config, host)
         self.loop = uvloop.new_event_loop()
         self.thread = threading.Thread(target=self.loop.run_forever, name="dashboard", daemon=True)
         self.thread.start()
@@ -233,6 +258,7 @@ def start_beside(config: Config, endpoints: Any, say: Callable[[str], Any], *,
 async def serve(config: Config, clickhouse_url: str, bootstrap_servers: str | None, *, host: str, port: int,
                 database: str | None = None, started: Any = None) -> None:
     """Serve until cancelled; ``started(url)`` is called once the port is open."""
+    check_dashboard_bind(config, host)
     runner = web.AppRunner(create_app(config, clickhouse_url, bootstrap_servers, database=database), access_log=None)
     await runner.setup()
     try:

@@ -8,11 +8,12 @@ import logging
 import signal
 from pathlib import Path
 
-from infra.config import Config, load_config
+from infra.config import Config, ConfigError, load_config
 from infra.kafka import client_options
 from infra.schema_registry.server import RegistryService, serve
 from infra.schema_registry.state import ID_STRATEGIES, RegistryState
 from infra.schema_registry.store import KafkaLog, MemoryLog, SchemaLog
+from infra.security import KeySet, check_bind
 
 
 def default_bootstrap(config: Config) -> str:
@@ -25,6 +26,8 @@ def run(config: Config, bootstrap_servers: str, host: str, port: int, topic: str
     """Serve until SIGTERM or SIGINT: the log is ``topic`` on ``bootstrap_servers`` (or memory); ``seed`` registers
     the product's schemas (current and retired) first."""
     settings = config.schema_registry
+    keys = KeySet(config.security.registry_keys)
+    check_bind("Schema Registry", host, keys, "registry_keys", config.security)
     state = RegistryState(ids or settings.ids, settings.compatibility.upper())
     schema_log: SchemaLog = MemoryLog() if memory else KafkaLog(
         client_options(config.kafka, bootstrap_servers), topic or settings.topic_name(config.topics.prefix),
@@ -36,7 +39,7 @@ def run(config: Config, bootstrap_servers: str, host: str, port: int, topic: str
         loop = asyncio.get_running_loop()
         for sig in (signal.SIGTERM, signal.SIGINT):
             loop.add_signal_handler(sig, stop.set)
-        await serve(RegistryService(state, schema_log), host, port, seed=seed, stop=stop,
+        await serve(RegistryService(state, schema_log), host, port, seed=seed, stop=stop, keys=keys,
                     ready=lambda url: announce(f"schema registry on {url} ({state.ids} ids, {where})", flush=True))
 
     asyncio.run(main())
@@ -55,9 +58,12 @@ def main(argv: list[str] | None = None) -> None:
     args = parser.parse_args(argv)
     logging.basicConfig(level=logging.WARNING, format="%(levelname)s %(name)s: %(message)s")
     logging.getLogger("aiokafka").setLevel(logging.CRITICAL)
-    config = load_config(args.config)
-    run(config, args.bootstrap_servers or default_bootstrap(config), args.host or config.stack.host,
-        args.port or config.schema_registry.port, args.topic, args.ids, args.memory, seed=not args.no_seed)
+    try:
+        config = load_config(args.config)
+        run(config, args.bootstrap_servers or default_bootstrap(config), args.host or config.stack.host,
+            args.port or config.schema_registry.port, args.topic, args.ids, args.memory, seed=not args.no_seed)
+    except ConfigError as error:  # a bad file, or keys missing for a bind beyond loopback: one line
+        raise SystemExit(f"error: {error}") from None
 
 
 if __name__ == "__main__":

@@ -66,6 +66,12 @@ class BadRequest(RegistryError):
     status, error_code = 400, 400
 
 
+class Unauthorized(RegistryError):
+    """A write (POST, PUT, DELETE) without one of ``[security] registry_keys``."""
+
+    status, error_code = 401, 40101
+
+
 class StoreError(RegistryError):
     """The backing Kafka topic could not be written or read."""
 
@@ -87,7 +93,7 @@ BY_CODE: dict[int, type[RegistryError]] = {
     cls.error_code: cls
     for cls in (SubjectNotFound, VersionNotFound, SchemaNotFound, SubjectLevelConfigNotFound,
                 IncompatibleSchemaVersion, InvalidSchemaError, InvalidVersion, InvalidCompatibilityLevel,
-                BadRequest, StoreError, StoreTimeout)
+                BadRequest, Unauthorized, StoreError, StoreTimeout)
 }
 
 

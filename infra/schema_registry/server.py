@@ -6,7 +6,9 @@ The subset that serializers, deserializers and ClickHouse use: ``GET /schemas/id
 ``POST /subjects/{s}/versions`` (register), ``POST /subjects/{s}`` (lookup),
 ``POST /compatibility/subjects/{s}/versions[/{v}]``, ``GET|PUT /config[/{s}]``, ``GET /mode``.
 Errors are Confluent's ``{"error_code", "message"}`` with its HTTP statuses. Schemas are AVRO
-and self-contained (no references).
+and self-contained (no references). With keys (``[security] registry_keys``), every POST, PUT and
+DELETE needs one (HTTP basic auth with the key as password, as ``basic.auth.user.info = name:key``
+sends it, or ``Authorization: Bearer``), else 401 with ``error_code`` 40101; reads stay open.
 
 Run it with ``agentstream schema-registry`` or ``python -m infra.schema_registry``.
 """
@@ -22,15 +24,17 @@ from typing import Any
 
 from aiohttp import web
 
-from infra.schema_registry.errors import BadRequest, RegistryError, SchemaNotFound
+from infra.schema_registry.errors import BadRequest, RegistryError, SchemaNotFound, Unauthorized
 from infra.schema_registry.product import product_schemas, schema_json
 from infra.schema_registry.state import Candidate, RegistryState, SchemaVersion, candidate, config_key, schema_key
 from infra.schema_registry.store import SchemaLog
+from infra.security import KeySet
 from schemas.catalog import Schema
 
 log = logging.getLogger("agentstream.schema_registry")
 
 CONTENT_TYPE = "application/vnd.schemaregistry.v1+json"
+WRITE_METHODS = frozenset({"POST", "PUT", "DELETE"})
 
 
 class RegistryService:
@@ -138,10 +142,11 @@ class _Routes:
         return _json({"mode": "READWRITE"})
 
 
-def create_app(service: RegistryService) -> web.Application:
-    """The aiohttp application serving ``service``; the caller starts and stops the service."""
+def create_app(service: RegistryService, keys: KeySet | None = None) -> web.Application:
+    """The aiohttp application serving ``service`` (writes only with one of ``keys``, when any); the caller starts
+    and stops the service."""
     routes = _Routes(service)
-    app = web.Application(middlewares=[_errors], client_max_size=16 << 20)
+    app = web.Application(middlewares=[_errors, _writers(keys or KeySet(None))], client_max_size=16 << 20)
     app.add_routes([
         web.get("/", routes.root),
         web.get("/schemas/types", routes.schema_types),
@@ -214,15 +219,31 @@ async def _errors(request: web.Request, handler: Callable[[web.Request], Awaitab
         return _json({"error_code": 50001, "message": f"Error in the backend data store: {error!r}"}, 500)
 
 
+def _writers(keys: KeySet) -> Callable[..., Awaitable[web.StreamResponse]]:
+    """A middleware that lets a write through only with one of ``keys`` (every request when there are none)."""
+
+    @web.middleware
+    async def check(request: web.Request, handler: Callable[[web.Request], Awaitable[web.StreamResponse]]
+                    ) -> web.StreamResponse:
+        if request.method in WRITE_METHODS and not keys.allows(request.headers):
+            raise Unauthorized("this registry takes writes only with a key: send one of [security] registry_keys "
+                               "as the basic auth password (basic.auth.user.info = <any name>:<key>) or as "
+                               "Authorization: Bearer <key>")
+        return await handler(request)
+
+    return check
+
+
 async def serve(service: RegistryService, host: str, port: int, seed: bool = True,
-                ready: Callable[[str], object] | None = None, stop: asyncio.Event | None = None) -> None:
+                ready: Callable[[str], object] | None = None, stop: asyncio.Event | None = None,
+                keys: KeySet | None = None) -> None:
     """Start ``service`` (seeded with the product's schemas), serve it on host:port until ``stop`` is set."""
     await service.start()
     runner: web.AppRunner | None = None
     try:
         if seed:
             await service.seed(product_schemas())
-        runner = web.AppRunner(create_app(service), access_log=None)
+        runner = web.AppRunner(create_app(service, keys), access_log=None)
         await runner.setup()
         await web.TCPSite(runner, host, port).start()
         if ready is not None:

@@ -8,10 +8,8 @@ refused before anything writes a record.
 
 from __future__ import annotations
 
-import os
 import sys
 from collections.abc import Callable
-from pathlib import Path
 
 from infra.config import Config, dump_toml
 from infra.processes import ServiceDirectory
@@ -26,6 +24,24 @@ def registry_url(config: Config) -> str:
     return config.schema_registry.url or f"http://{config.stack.host}:{config.schema_registry.port}"
 
 
+STACK_CLIENT_NAME = "agentstream"
+"""The user name agentstream's own client sends with its key (the stack's registry checks only the key)."""
+
+
+def registry_client(config: Config) -> RegistryClient:
+    """A client of the registry agentstream uses, with what lets it write there.
+
+    The user's registry takes ``[schema_registry] username``/``password``; the stack's own takes the
+    first of ``[security] registry_keys`` as the basic auth password.
+    """
+    settings = config.schema_registry
+    if settings.external:
+        return RegistryClient.from_config(settings)
+    keys = config.security.registry_keys
+    key = next((part.strip() for part in (keys.reveal() if keys else "").split(",") if part.strip()), None)
+    return RegistryClient(registry_url(config), STACK_CLIENT_NAME if key else None, key, settings.timeout_s)
+
+
 def start_registry(config: Config, services: ServiceDirectory, bootstrap_servers: str, timeout_s: float,
                    progress: Callable[[str], object]) -> str:
     """Start the stack's registry (or register the product's schemas in the user's); returns its URL."""
@@ -38,23 +54,13 @@ def start_registry(config: Config, services: ServiceDirectory, bootstrap_servers
         progress(f"schemas     {url}: {len(ids)} agentstream schemas registered "
                  f"({settings.compatibility.upper()} checked)")
         return url
-    home = config.stack.home.resolve()
-    settings_file = _private_file(home / "run" / "schema-registry.toml", dump_toml(config))
+    settings_file = services.private_file("schema-registry.toml", dump_toml(config))
     command = [sys.executable, "-m", "infra.schema_registry", "--config", str(settings_file),
                "--bootstrap-servers", bootstrap_servers]
     record = services.start(SCHEMA_REGISTRY, command, config.stack.host, settings.port, timeout_s)
     progress(f"schemas     registry pid {record.pid} on http://{record.address} "
              f"(topic {settings.topic_name(config.topics.prefix)})")
     return url
-
-
-def _private_file(path: Path, text: str) -> Path:
-    """Write ``text`` readable by this user only (the configuration may hold secrets)."""
-    path.parent.mkdir(parents=True, exist_ok=True)
-    descriptor = os.open(path, os.O_WRONLY | os.O_CREAT | os.O_TRUNC, 0o600)
-    with os.fdopen(descriptor, "w") as handle:
-        handle.write(text)
-    return path
 
 
 def registry_state(config: Config, services: ServiceDirectory) -> str:
@@ -69,7 +75,7 @@ def registry_state(config: Config, services: ServiceDirectory) -> str:
             return f"pid {record.pid} DEAD (see {record.log_path})"
         owner = f"pid {record.pid} running"
     try:
-        client = RegistryClient.from_config(config.schema_registry, registry_url(config))
+        client = registry_client(config)
         client.timeout_s = 3.0
         return f"{owner}, {len(client.subjects())} subjects"
     except (RegistryError, RegistryUnavailable) as error:

@@ -10,6 +10,7 @@ from pathlib import Path
 
 import clickhouse_connect
 import pytest
+from clickhouse_connect.driver.exceptions import DatabaseError
 from confluent_kafka.admin import AdminClient
 
 from tests.conftest import stack_environment
@@ -84,6 +85,35 @@ def test_up_status_down_as_a_user(user_env):
     client = clickhouse_connect.get_client(host="127.0.0.1", port=int(env["AGENTSTREAM_CLICKHOUSE_PORT"]))
     assert client.query("SELECT a FROM default.survives").result_rows == [(7,)], "ClickHouse data survives down/up"
     client.close()
+
+
+def test_a_stack_with_keys_as_a_user(user_env):
+    """The writer's password, a reader and registry keys: `up` migrates with them, status and the CLI use them."""
+    env, home = user_env
+    env.update({"CLICKHOUSE_USER": "writer", "CLICKHOUSE_PASSWORD": "w-secret",
+                "AGENTSTREAM_CLICKHOUSE_READERS": "analyst:r-secret", "AGENTSTREAM_REGISTRY_KEYS": "reg-key",
+                "AGENTSTREAM_BROKER_STORAGE": "memory"})
+    started = agentstream(env, "up")
+    assert started.returncode == 0, started.stdout + started.stderr
+    port = int(env["AGENTSTREAM_CLICKHOUSE_PORT"])
+    with pytest.raises(DatabaseError, match="AUTHENTICATION_FAILED"):
+        clickhouse_connect.get_client(host="127.0.0.1", port=port)
+    reader = clickhouse_connect.get_client(host="127.0.0.1", port=port, username="analyst", password="r-secret")
+    assert reader.query("SELECT count() FROM agentstream.spans").result_rows == [(0,)]
+    with pytest.raises(DatabaseError, match="READONLY"):
+        reader.command("DROP TABLE agentstream.spans")
+    reader.close()
+    assert "w-secret" not in (home / "logs" / "clickhouse.log").read_text()
+    settings = home / "run" / "clickhouse.toml"
+    assert settings.stat().st_mode & 0o077 == 0, "the file that hands the server its passwords is private"
+
+    status = agentstream(env, "status")
+    assert status.returncode == 0 and "agentstream.train_steps" in status.stdout, status.stdout + status.stderr
+    registered = agentstream(env, "schema-registry", "register")
+    assert registered.returncode == 0, registered.stdout + registered.stderr
+    without_key = agentstream({**env, "AGENTSTREAM_REGISTRY_KEYS": ""}, "schema-registry", "register")
+    lines = without_key.stderr.strip().splitlines()
+    assert without_key.returncode == 1 and len(lines) == 1 and "registry_keys" in lines[0], without_key.stderr
 
 
 def test_taken_port_is_a_one_line_error(user_env):

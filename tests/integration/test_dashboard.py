@@ -9,11 +9,13 @@ rollout's span count and reward as ClickHouse has them. Screenshots go to test-o
 from __future__ import annotations
 
 import asyncio
+import base64
 import json
 import shutil
 import subprocess
 import sys
 import time
+import urllib.error
 import urllib.request
 import uuid
 from concurrent.futures import ThreadPoolExecutor
@@ -48,6 +50,8 @@ batch_wait_s = 3
 checkpoint_every_steps = 1
 session_timeout_s = 3
 """
+
+DASHBOARD_KEY = "dashboard-key-for-tests"
 
 _clients: list = []
 
@@ -92,9 +96,8 @@ def run(tmp_path_factory, stack):
     yield env, database
 
 
-@pytest.fixture(scope="module")
-def dashboard(run):
-    env, _database = run
+def start_dashboard(env: dict[str, str], headers: dict[str, str] | None = None) -> tuple[subprocess.Popen, str]:
+    """`agentstream dashboard` on a free port, once its health check answers (with ``headers``)."""
     port = free_port()
     process = subprocess.Popen([sys.executable, "-m", "agentstream", "dashboard", "--port", str(port)], env=env,
                                stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True)
@@ -102,14 +105,32 @@ def dashboard(run):
     deadline = time.monotonic() + 30
     while True:
         try:
-            with urllib.request.urlopen(url + "api/health", timeout=2) as response:
+            request = urllib.request.Request(url + "api/health", headers=headers or {})
+            with urllib.request.urlopen(request, timeout=2) as response:
                 assert json.load(response)["ok"]
-            break
+            return process, url
         except OSError:
             if process.poll() is not None or time.monotonic() > deadline:
                 process.kill()
                 pytest.fail(f"the dashboard did not answer: {process.communicate()[0][-2000:]}")
             time.sleep(0.2)
+
+
+@pytest.fixture(scope="module")
+def dashboard(run):
+    env, _database = run
+    process, url = start_dashboard(env)
+    yield url
+    process.terminate()
+    process.wait(timeout=10)
+
+
+@pytest.fixture(scope="module")
+def keyed_dashboard(run):
+    """The same dashboard with ``[security] dashboard_keys`` set."""
+    env, _database = run
+    process, url = start_dashboard({**env, "AGENTSTREAM_DASHBOARD_KEYS": f"other-key,{DASHBOARD_KEY}"},
+                                   {"Authorization": f"Bearer {DASHBOARD_KEY}"})
     yield url
     process.terminate()
     process.wait(timeout=10)
@@ -202,6 +223,50 @@ def test_rollout_view_shows_the_span_tree_reward_and_credit(run, dashboard, brow
     assert page.locator("#panel-rollout_transitions tbody tr").count() == 2
     page.screenshot(path=str(SCREENSHOTS / "rollout.png"), full_page=True)
     page.close()
+
+
+def status_of(url: str, headers: dict[str, str] | None = None) -> tuple[int, str | None]:
+    try:
+        with urllib.request.urlopen(urllib.request.Request(url, headers=headers or {}), timeout=10) as response:
+            return response.status, None
+    except urllib.error.HTTPError as error:
+        return error.code, error.headers.get("WWW-Authenticate")
+
+
+def test_a_keyed_dashboard_lets_in_only_who_has_a_key(keyed_dashboard, browser):
+    routes = ["", "api/health", "api/page/overview", "api/rollouts", "api/rollouts/none", "static/app.js"]
+    for route in routes:
+        assert status_of(keyed_dashboard + route) == (401, 'Basic realm="agentstream"'), route
+        assert status_of(keyed_dashboard + route, {"Authorization": "Bearer wrong"})[0] == 401, route
+        assert status_of(keyed_dashboard + route, {"Authorization": f"Bearer {DASHBOARD_KEY}"})[0] == 200, route
+    typed = base64.b64encode(f"me:{DASHBOARD_KEY}".encode()).decode()
+    assert status_of(keyed_dashboard, {"Authorization": f"Basic {typed}"})[0] == 200
+
+    from playwright.sync_api import Error as BrowserError
+
+    page = browser.new_page()
+    with pytest.raises(BrowserError, match="ERR_INVALID_AUTH_CREDENTIALS"):  # asked for a key, the person gave none
+        page.goto(keyed_dashboard)
+    page.close()
+    context = browser.new_context(viewport={"width": 1400, "height": 1000},
+                                  http_credentials={"username": "me", "password": DASHBOARD_KEY})
+    page = context.new_page()  # the person typed the key into the browser's prompt
+    page.goto(f"{keyed_dashboard}#overview")
+    page.wait_for_selector("body[data-loaded='overview']", timeout=15_000)
+    assert page.get_attribute("body", "data-error") is None
+    assert chart_points(page)["throughput"] > 0
+    context.close()
+
+
+def test_a_dashboard_beyond_loopback_needs_keys(run):
+    env, _database = run
+    result = subprocess.run([sys.executable, "-m", "agentstream", "dashboard", "--host", "0.0.0.0", "--port",
+                             str(free_port()), "--no-kafka"], env=env, capture_output=True, text=True, timeout=60,
+                            check=False)
+    assert result.returncode == 1
+    assert result.stderr.strip().splitlines() == [
+        "error: refusing to serve the dashboard on 0.0.0.0 without keys: anyone who reaches 0.0.0.0 could call it. "
+        "Set [security] dashboard_keys, listen on 127.0.0.1, or set [security] allow_open_bind = true"]
 
 
 def test_every_query_runs_read_only_on_an_empty_database(clickhouse, stack, stack_config):

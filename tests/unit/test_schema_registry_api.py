@@ -4,7 +4,10 @@ codec on a user's registry (RemoteRegistry): its ids on the wire, BACKWARD check
 from __future__ import annotations
 
 import json
+import os
 import struct
+import subprocess
+import sys
 import urllib.error
 import urllib.request
 
@@ -12,6 +15,7 @@ import pytest
 from confluent_kafka.schema_registry import Schema, SchemaRegistryClient
 from confluent_kafka.schema_registry.error import SchemaRegistryError
 
+from infra.config import load_config
 from infra.http_thread import ServerThread
 from infra.schema_registry import (
     IncompatibleSchemaVersion,
@@ -23,7 +27,10 @@ from infra.schema_registry import (
     create_app,
     register_product_schemas,
 )
+from infra.schema_registry.errors import Unauthorized
 from infra.schema_registry.product import product_schemas, schema_json
+from infra.schema_registry.service import registry_client
+from infra.security import KeySet
 from schemas import TASK, AvroCodec, current_schemas, schema_id
 
 TASK_VALUE = {"task_id": "t1", "rollout_id": "r1", "group_id": None, "agent_name": None, "input": "{}",
@@ -32,11 +39,11 @@ TASK_VALUE = {"task_id": "t1", "rollout_id": "r1", "group_id": None, "agent_name
 
 
 class Registry:
-    """A registry on a loopback port, its log in memory."""
+    """A registry on a loopback port, its log in memory (writes only with one of ``keys``, when given)."""
 
-    def __init__(self, ids: str, seed: bool) -> None:
+    def __init__(self, ids: str, seed: bool, keys: str | None = None) -> None:
         self.service = RegistryService(RegistryState(ids), MemoryLog())
-        self.thread = ServerThread(create_app(self.service))
+        self.thread = ServerThread(create_app(self.service, KeySet(keys)))
         self.thread.call(self.service.start())
         if seed:
             self.thread.call(self.service.seed(product_schemas()))
@@ -55,6 +62,13 @@ def stack_registry():
 
 
 @pytest.fixture
+def keyed_registry():
+    registry = Registry("fingerprint", seed=True, keys="first-key, second-key")
+    yield registry
+    registry.stop()
+
+
+@pytest.fixture
 def users_registry():
     """The user's own registry: sequential ids, already holding other schemas, so its ids differ from ours."""
     registry = Registry("sequential", seed=False)
@@ -66,9 +80,10 @@ def users_registry():
     registry.stop()
 
 
-def raw(url: str, method: str = "GET", body: dict | None = None) -> tuple[int, dict]:
+def raw(url: str, method: str = "GET", body: dict | None = None, headers: dict | None = None) -> tuple[int, dict]:
     request = urllib.request.Request(url, method=method, data=None if body is None else json.dumps(body).encode(),
-                                     headers={"Content-Type": "application/vnd.schemaregistry.v1+json"})
+                                     headers={"Content-Type": "application/vnd.schemaregistry.v1+json",
+                                              **(headers or {})})
     try:
         with urllib.request.urlopen(request) as response:
             return response.status, json.loads(response.read())
@@ -159,3 +174,52 @@ def test_an_incompatible_new_version_is_refused_before_it_is_used(users_registry
     optional = {**required, "fields": [*required["fields"][:-1], {"name": "priority", "type": "int", "default": 0}]}
     new_id = registry.register(optional)
     assert SchemaRegistryClient({"url": users_registry.url}).get_version(TASK, 2).schema_id == new_id
+
+
+X_SCHEMA = Schema(json.dumps({"type": "record", "name": "X", "fields": [{"name": "a", "type": "int"}]}), "AVRO")
+
+
+def test_writes_need_a_key_and_reads_stay_open(keyed_registry) -> None:
+    url = keyed_registry.url
+    anonymous = SchemaRegistryClient({"url": url})
+    assert set(current_schemas()) <= set(anonymous.get_subjects())  # a consumer's AvroDeserializer needs no key
+    assert anonymous.get_schema(schema_id(current_schemas()[TASK])).schema_type == "AVRO"
+    for client in (anonymous, SchemaRegistryClient({"url": url, "basic.auth.user.info": "any:wrong-key"})):
+        with pytest.raises(SchemaRegistryError) as refused:
+            client.register_schema("x-value", X_SCHEMA)
+        assert (refused.value.http_status_code, refused.value.error_code) == (401, 40101)
+        assert "registry_keys" in refused.value.error_message
+    for method, path, body in (("POST", "/subjects/x-value/versions", {"schema": X_SCHEMA.schema_str}),
+                               ("POST", f"/subjects/{TASK}", {"schema": schema_json(current_schemas()[TASK])}),
+                               ("PUT", "/config", {"compatibility": "NONE"}),
+                               ("DELETE", "/subjects/x-value", None)):
+        status, answer = raw(url + path, method, body)
+        assert status == 401 and answer["error_code"] == 40101, (method, path, answer)
+    assert anonymous.get_compatibility() == "BACKWARD" and "x-value" not in anonymous.get_subjects()
+
+    keyed = SchemaRegistryClient({"url": url, "basic.auth.user.info": "anyone:second-key"})
+    first = keyed.register_schema("x-value", X_SCHEMA)
+    assert keyed.lookup_schema("x-value", X_SCHEMA).schema_id == first
+    status, _ = raw(url + "/config", "PUT", {"compatibility": "FULL"}, {"Authorization": "Bearer first-key"})
+    assert status == 200 and anonymous.get_compatibility() == "FULL"
+
+
+def test_agentstreams_own_client_sends_the_key(keyed_registry) -> None:
+    port = keyed_registry.url.rpartition(":")[2]
+    config = load_config(environ={"AGENTSTREAM_SCHEMA_REGISTRY_PORT": port,
+                                  "AGENTSTREAM_REGISTRY_KEYS": "first-key,second-key"})
+    registry = RemoteRegistry(registry_client(config))
+    assert registry.register(json.loads(X_SCHEMA.schema_str)) > 0
+    with pytest.raises(Unauthorized, match="registry_keys"):
+        RegistryClient(keyed_registry.url).register("y-value", X_SCHEMA.schema_str)
+    assert registry_client(load_config(environ={"AGENTSTREAM_SCHEMA_REGISTRY_PORT": port})).subjects()
+
+
+def test_the_registry_refuses_an_open_bind_in_one_line() -> None:
+    environment = {k: v for k, v in os.environ.items() if not k.startswith(("AGENTSTREAM_", "SCHEMA_REGISTRY_"))}
+    result = subprocess.run([sys.executable, "-m", "infra.schema_registry", "--host", "0.0.0.0", "--memory"],
+                            env=environment, capture_output=True, text=True, timeout=60, check=False)
+    assert result.returncode == 1
+    assert result.stderr.strip().splitlines() == [
+        "error: refusing to serve the Schema Registry on 0.0.0.0 without keys: anyone who reaches 0.0.0.0 could "
+        "call it. Set [security] registry_keys, listen on 127.0.0.1, or set [security] allow_open_bind = true"]
