@@ -33,7 +33,7 @@ from infra.kafka import (
 from infra.objectstore import HOST as OBJECTSTORE_HOST
 from infra.processes import ServiceDirectory, free_port, port_is_free
 from infra.schema_registry.service import SCHEMA_REGISTRY, registry_state, start_registry
-from infra.security import KeySet, check_bind
+from infra.security import KeySet, OpenBindRefused, check_bind, is_loopback
 
 BROKER = "broker"
 CLICKHOUSE = "clickhouse"
@@ -123,7 +123,8 @@ class Stack:
 
     def check_binds(self) -> None:
         """Refuse, in one line and before anything starts, to serve the embedded ClickHouse or Schema Registry
-        beyond loopback without their keys (the broker has none to check)."""
+        beyond loopback without their keys, and the embedded broker there at all unless ``allow_open_bind``:
+        tansu checks no credential, so on a reachable address anyone could read or write every topic."""
         security = self.config.security
         if not self.config.clickhouse.external:
             Users.from_config(self.config)  # a malformed clickhouse_readers is refused here, not in a child's log
@@ -132,6 +133,12 @@ class Stack:
         if not self.config.schema_registry.external:
             check_bind("Schema Registry", self.config.stack.host, KeySet(security.registry_keys), "registry_keys",
                        security)
+        host = self.config.stack.host
+        if not self.config.kafka.external and not is_loopback(host) and not security.allow_open_bind:
+            raise OpenBindRefused(
+                f"refusing to serve the embedded Kafka broker on {host}: it checks no credential, so anyone who "
+                "reaches it could read or write every topic. Listen on 127.0.0.1, use your own Kafka "
+                "(KAFKA_BOOTSTRAP_SERVERS), or set [security] allow_open_bind = true")
 
     @property
     def broker_data(self) -> Path:

@@ -239,7 +239,11 @@ def test_up_beyond_loopback_needs_the_password_and_registry_keys(tmp_path):
     assert not (tmp_path / "home" / "run").exists(), "nothing was started"
     with pytest.raises(OpenBindRefused, match=r"Schema Registry .* \[security\] registry_keys"):
         Stack(stack_config(tmp_path, CLICKHOUSE_PASSWORD="pw", **open_wide)).check_binds()
-    Stack(stack_config(tmp_path, CLICKHOUSE_PASSWORD="pw", AGENTSTREAM_REGISTRY_KEYS="k", **open_wide)).check_binds()
+    with pytest.raises(OpenBindRefused, match=r"embedded Kafka broker on 0\.0\.0\.0: it checks no credential"):
+        Stack(stack_config(tmp_path, CLICKHOUSE_PASSWORD="pw", AGENTSTREAM_REGISTRY_KEYS="k", **open_wide)
+              ).check_binds()
+    Stack(stack_config(tmp_path, CLICKHOUSE_PASSWORD="pw", AGENTSTREAM_REGISTRY_KEYS="k",
+                       KAFKA_BOOTSTRAP_SERVERS="kafka.internal:9092", **open_wide)).check_binds()
     Stack(stack_config(tmp_path, AGENTSTREAM_ALLOW_OPEN_BIND="true", **open_wide)).check_binds()
     with pytest.raises(ConfigError, match="clickhouse_readers needs \\[clickhouse\\] password"):
         Stack(stack_config(tmp_path, AGENTSTREAM_CLICKHOUSE_READERS="a:b")).check_binds()
