@@ -33,9 +33,9 @@ def task_evaluator(config: Config, proxy_url: str, model: str, sink: SpanSink) -
     agent = load_agent(settings.eval_agent)
     tasks = read_task_file(Path(settings.eval_tasks))
     tasks = tasks[:settings.eval_limit] if settings.eval_limit else tasks
-    proxy_key = proxy_client_key(config)
     if not tasks:
         raise DeploymentError(f"the evaluation task file {settings.eval_tasks} holds no task")
+    proxy_key = proxy_client_key(config)
 
     async def evaluate(version: int) -> Score:
         pinned = adapter_name(model, version) if version else model

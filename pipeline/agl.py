@@ -10,9 +10,9 @@ Agent Lightning:
   ``training_rollout[_async](task, resources=..., rollout=...)`` (``validation_...`` for
   evaluation tasks) with the resources Agent Lightning names: an ``LLM`` (``[agl]
   llm_resource``, ``main_llm`` by default) whose endpoint is this rollout's proxy URL and whose
-  ``api_key`` is the proxy's key, a
-  ``PromptTemplate`` when ``[agl] prompt_template`` is set, and an ``AttemptedRollout`` carrying
-  agentstream's rollout and attempt ids. A number returned is the final reward.
+  ``api_key`` is the proxy's key, a ``PromptTemplate`` when ``[agl] prompt_template`` is set, and
+  an ``AttemptedRollout`` carrying agentstream's rollout and attempt ids. A number returned is the
+  final reward.
 * ``emit_reward``/``emit_message``/``emit_object``/``emit_exception``: the light ones here write
   agentstream spans directly; for the real package a tracer is installed as its active tracer
   (so ``agl.emit_reward`` no longer raises "No active tracer found") and turns its annotation
