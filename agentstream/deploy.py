@@ -15,6 +15,7 @@ from typing import Any
 
 from infra.config import Config
 from infra.deployments import Action, Decision, DeploymentError, DeploymentLog, Routing, adapter_name, decide
+from pipeline.access import proxy_client_key
 from pipeline.runner import call_agent, load_agent
 from pipeline.sdk import SpanSink, emit_reward, rollout
 from pipeline.tasks import read_task_file
@@ -34,6 +35,7 @@ def task_evaluator(config: Config, proxy_url: str, model: str, sink: SpanSink) -
     tasks = tasks[:settings.eval_limit] if settings.eval_limit else tasks
     if not tasks:
         raise DeploymentError(f"the evaluation task file {settings.eval_tasks} holds no task")
+    proxy_key = proxy_client_key(config)
 
     async def evaluate(version: int) -> Score:
         pinned = adapter_name(model, version) if version else model
@@ -43,7 +45,7 @@ def task_evaluator(config: Config, proxy_url: str, model: str, sink: SpanSink) -
             async with slots:
                 try:
                     async with rollout(GATE_AGENT, task_id=str(task.get("id", "")) or None, proxy_url=proxy_url,
-                                       sink=sink, train=False) as state:
+                                       proxy_key=proxy_key, sink=sink, train=False) as state:
                         result = await call_agent(agent, {**task, "model": pinned}, state)
                         reward = float(result) if isinstance(result, (int, float)) else 0.0
                         emit_reward(reward)

@@ -22,6 +22,7 @@ from infra.config import Config, dump_toml
 from infra.processes import free_port, wait_for_port
 from infra.stack import Endpoints
 from models import model_display_name
+from pipeline.access import proxy_client_key
 
 
 class ChildFailed(RuntimeError):
@@ -94,6 +95,7 @@ class TrainingSession:
         self.children: dict[str, Child] = {}
         self.server_url = plan.server_url or f"http://127.0.0.1:{free_port()}"
         self.proxy_url = f"http://127.0.0.1:{free_port()}"
+        self.proxy_key = proxy_client_key(config)  # the proxy it starts reads the same [security] proxy_keys
 
     def _env(self, threads: int) -> dict[str, str]:
         env = dict(os.environ)

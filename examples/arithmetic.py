@@ -1,7 +1,8 @@
 """The demo's agent: answers "Compute {a}+{b}." with one chat call on the plain OpenAI SDK.
 
 Nothing here imports agentstream: the runner hands the agent a task and a rollout whose
-``llm_base_url()`` points at the capturing proxy, and the returned float is the reward. The
+``llm_base_url()`` points at the capturing proxy (``llm_api_key()`` is the key it asks for), and
+the returned float is the reward. The
 task set is every pair a, b in 1..20; a fixed, seeded 64 of them are held out for evaluation
 (``make bench-learning`` holds out more: the first 64 of its held-out tasks are the demo's).
 """
@@ -50,7 +51,7 @@ _clients: weakref.WeakKeyDictionary = weakref.WeakKeyDictionary()
 
 
 def client() -> AsyncOpenAI:
-    """One connection pool per event loop; each rollout re-targets it at its own base URL."""
+    """One connection pool per event loop; each rollout re-targets it at its own base URL and key."""
     loop = asyncio.get_running_loop()
     if loop not in _clients:
         _clients[loop] = AsyncOpenAI(base_url="http://unused/v1", api_key="unused", max_retries=2, timeout=600)
@@ -75,7 +76,7 @@ async def model_name(task: dict, llm: AsyncOpenAI) -> str:
 
 async def solve(task: dict, rollout, *, temperature: float = 1.0) -> float:
     """One rollout: ask the model, score its final number."""
-    llm = client().with_options(base_url=rollout.llm_base_url())
+    llm = client().with_options(base_url=rollout.llm_base_url(), api_key=rollout.llm_api_key())
     completion = await llm.chat.completions.create(
         model=await model_name(task, llm), messages=[{"role": "user", "content": task["prompt"]}],
         max_tokens=MAX_TOKENS, temperature=task.get("temperature", temperature))

@@ -8,8 +8,9 @@ the final answer's last number is the task's answer, else 0.0.
 
 Nothing here imports agentstream: the runner hands the agent a task (``{"id", "prompt",
 "answer"}``, the same tasks as ``examples.arithmetic``) and a rollout whose ``llm_base_url()``
-points at the capturing proxy, and the returned float is the reward. Every model call of the
-loop becomes one LLM span of the rollout, tool results included in the next call's input.
+points at the capturing proxy (``llm_api_key()`` is its key), and the returned float is the
+reward. Every model call of the loop becomes one LLM span of the rollout, tool results included
+in the next call's input.
 """
 
 from __future__ import annotations
@@ -110,7 +111,7 @@ def _assistant_message(message: Any) -> dict[str, Any]:
 
 async def solve(task: dict, rollout, *, temperature: float = 1.0) -> float:
     """One rollout: let the model use the calculator for up to MAX_TURNS calls, score its final number."""
-    llm = client().with_options(base_url=rollout.llm_base_url())
+    llm = client().with_options(base_url=rollout.llm_base_url(), api_key=rollout.llm_api_key())
     messages: list[dict[str, Any]] = [{"role": "system", "content": SYSTEM},
                                       {"role": "user", "content": task["prompt"]}]
     answer = ""

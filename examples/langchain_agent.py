@@ -41,11 +41,11 @@ def http_clients() -> tuple[httpx.Client, httpx.AsyncClient]:
     return _sync_http[0], _async_http[loop]
 
 
-def chat_model(base_url: str, *, model: str, temperature: float = 1.0) -> ChatOpenAI:
-    """A ChatOpenAI for one rollout, talking to ``base_url`` with a dummy key."""
+def chat_model(base_url: str, api_key: str, *, model: str, temperature: float = 1.0) -> ChatOpenAI:
+    """A ChatOpenAI for one rollout, talking to ``base_url`` with the proxy's ``api_key``."""
     sync_http, async_http = http_clients()
     return ChatOpenAI(
-        model=model, base_url=base_url, api_key="unused", temperature=temperature, max_tokens=MAX_TOKENS,
+        model=model, base_url=base_url, api_key=api_key, temperature=temperature, max_tokens=MAX_TOKENS,
         max_retries=2, use_responses_api=False, http_client=sync_http, http_async_client=async_http)
 
 
@@ -58,8 +58,8 @@ def text_of(message) -> str:
 
 async def solve(task: dict, rollout, *, temperature: float = 1.0) -> float:
     """One rollout: ask the model through LangChain, score its final number."""
-    llm = chat_model(rollout.llm_base_url(), model=await model_name(task, client().with_options(
-        base_url=rollout.llm_base_url())),
-                     temperature=task.get("temperature", temperature))
+    base_url, api_key = rollout.llm_base_url(), rollout.llm_api_key()
+    model = await model_name(task, client().with_options(base_url=base_url, api_key=api_key))
+    llm = chat_model(base_url, api_key, model=model, temperature=task.get("temperature", temperature))
     reply = await llm.ainvoke([HumanMessage(content=task["prompt"])])
     return reward(text_of(reply), int(task["answer"]))

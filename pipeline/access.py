@@ -5,7 +5,9 @@ under each of its prefixes) and answers every other method or path with its own 
 never forwarding it: a model server's admin routes (``/v1/load_weights``, ``/v1/load_lora_adapter``,
 ``/v1/sleep``...) stay reachable on that server's own port only. With ``[security] proxy_keys`` set,
 every route but :data:`OPEN_ROUTES` needs one of the keys; the reward endpoint needs instead the
-feedback token of its rollout, which the proxy hands out on that rollout's LLM responses.
+feedback token of its rollout, which the proxy hands out on that rollout's LLM responses. The
+stack's own clients (the runner's rollouts, the gate's evaluation, the demos) present
+:func:`proxy_client_key`.
 """
 
 from __future__ import annotations
@@ -15,6 +17,7 @@ from dataclasses import dataclass
 from aiohttp import web
 from aiohttp.typedefs import Handler, Middleware
 
+from infra.config import Config
 from infra.security import (
     FEEDBACK_TOKEN_HEADER,
     FEEDBACK_TOKEN_PARAM,
@@ -100,3 +103,14 @@ def upstream_headers(headers: dict[str, str], keys: KeySet) -> dict[str, str]:
     if not keys:
         return headers
     return {name: value for name, value in headers.items() if name.lower() not in CREDENTIAL_HEADERS}
+
+
+def proxy_client_key(config: Config) -> str | None:
+    """The key the stack's own clients present to the proxy: the first of ``[security] proxy_keys``, None if unset.
+
+    Taken from the configuration the proxy reads, so the runner, gate and demos pass its check
+    wherever the keys are set (the file or ``AGENTSTREAM_PROXY_KEYS``).
+    """
+    keys = config.security.proxy_keys
+    listed = [key.strip() for key in (keys.reveal() if keys is not None else "").split(",") if key.strip()]
+    return listed[0] if listed else None

@@ -9,9 +9,10 @@ Agent Lightning:
   as ``agentstream.agl`` for users who do not install Agent Lightning). Each rollout calls
   ``training_rollout[_async](task, resources=..., rollout=...)`` (``validation_...`` for
   evaluation tasks) with the resources Agent Lightning names: an ``LLM`` (``[agl]
-  llm_resource``, ``main_llm`` by default) whose endpoint is this rollout's proxy URL, a
-  ``PromptTemplate`` when ``[agl] prompt_template`` is set, and an ``AttemptedRollout`` carrying
-  agentstream's rollout and attempt ids. A number returned is the final reward.
+  llm_resource``, ``main_llm`` by default) whose endpoint is this rollout's proxy URL and whose
+  ``api_key`` is the proxy's key, a ``PromptTemplate`` when ``[agl] prompt_template`` is set, and
+  an ``AttemptedRollout`` carrying agentstream's rollout and attempt ids. A number returned is the
+  final reward.
 * ``emit_reward``/``emit_message``/``emit_object``/``emit_exception``: the light ones here write
   agentstream spans directly; for the real package a tracer is installed as its active tracer
   (so ``agl.emit_reward`` no longer raises "No active tracer found") and turns its annotation
@@ -19,7 +20,8 @@ Agent Lightning:
 * 1.0 agents: a class whose ``run(self)`` takes nothing. Each rollout runs it in a subprocess with
   ``AGL_OPENAI_BASE_URL`` (this rollout's proxy URL), ``AGL_EVENT_URL`` (the proxy's event
   endpoint for this attempt; ``{"event_type": "reward", "data": {"value": 1.0}}`` is a reward),
-  ``AGL_KEY`` and the task's fields as environment variables (``[agl] env_map``).
+  ``AGL_KEY`` (the proxy's key, which the agent sends as its OpenAI ``api_key`` and as ``Authorization:
+  Bearer`` on its events) and the task's fields as environment variables (``[agl] env_map``).
 """
 
 from __future__ import annotations
@@ -33,7 +35,6 @@ import json
 import logging
 import os
 import re
-import secrets
 import signal
 import sys
 import time
@@ -392,7 +393,7 @@ def sampling_parameters(settings: AglConfig) -> dict[str, Any]:
 def resources_for(types: Any, state: sdk.Rollout, settings: AglConfig) -> dict[str, Any]:
     """The named resources of one rollout: its LLM (at its own proxy URL) and the prompt template when configured."""
     resources: dict[str, Any] = {settings.llm_resource: types.LLM(
-        endpoint=state.llm_base_url(), model=settings.model or "default", api_key="agentstream",
+        endpoint=state.llm_base_url(), model=settings.model or "default", api_key=state.llm_api_key(),
         sampling_parameters=sampling_parameters(settings))}
     if settings.prompt_template is not None:
         resources["prompt_template"] = types.PromptTemplate(template=settings.prompt_template,
@@ -493,10 +494,9 @@ def event_url(state: sdk.Rollout) -> str:
 
 def run_subprocess_agent(spec: str, settings: AglConfig, python: str | None = None) -> AgentFunction:
     """An agentstream agent function that runs Agent Lightning 1.0's ``spec`` (``module:Class``) once per rollout."""
-    key = secrets.token_hex(16)
 
     async def agl1(task: Any, state: sdk.Rollout) -> None:
-        env = {**os.environ, **task_environment(task, settings.env_map), "AGL_KEY": key,
+        env = {**os.environ, **task_environment(task, settings.env_map), "AGL_KEY": state.llm_api_key(),
                "AGL_OPENAI_BASE_URL": state.llm_base_url(), "AGL_EVENT_URL": event_url(state)}
         process = await asyncio.create_subprocess_exec(
             python or sys.executable, "-c", WORKER, spec, env=env, stdin=asyncio.subprocess.DEVNULL,

@@ -29,6 +29,7 @@ from infra.config import AglConfig, Config
 from infra.kafka import client_options, consumer_options, topic_name
 from infra.logreset import ConsumerLogWatch
 from infra.members import MemberLedger, evict_dead_members, member_id
+from pipeline.access import proxy_client_key
 from pipeline.agl import adapt_agent
 from pipeline.sdk import Rollout, SpanSink, emit_exception, emit_reward, new_id, rollout
 from pipeline.tasks import enqueue
@@ -140,7 +141,10 @@ class _CommitOnRevoke(ConsumerRebalanceListener):
 
 
 class Runner:
-    """Consumes tasks, runs ``agent`` on each, and publishes the rollout's spans and events to ``sink``."""
+    """Consumes tasks, runs ``agent`` on each, and publishes the rollout's spans and events to ``sink``.
+
+    Its rollouts present ``config``'s proxy key (:func:`~pipeline.access.proxy_client_key`) to the proxy.
+    """
 
     def __init__(self, agent: AgentFunction, config: Config, bootstrap_servers: str, sink: SpanSink,
                  options: RunnerOptions | None = None) -> None:
@@ -149,6 +153,7 @@ class Runner:
         self.bootstrap_servers = bootstrap_servers
         self.sink = sink
         self.options = options or RunnerOptions()
+        self.proxy_key = proxy_client_key(config)
         self.codec = AvroCodec()
         self.stats = RunnerStats()
         self._threads = ThreadPoolExecutor(max_workers=self.options.concurrency, thread_name_prefix="agent")
@@ -244,7 +249,7 @@ class Runner:
             task.get("agent_name"), rollout_id=task["rollout_id"],
             attempt_id=f"{task['rollout_id']}-a{attempt}-{new_id()[:6]}", task_id=task["task_id"],
             group_id=task.get("group_id"), sink=self.sink, proxy_url=self.options.proxy_url,
-            worker_id=self.options.worker_id, attempt=attempt,
+            worker_id=self.options.worker_id, attempt=attempt, proxy_key=self.proxy_key,
             train=False if (task.get("metadata") or {}).get("mode") == "val" else None,  # evaluation, never trained on
         )
         state = scope.__enter__()

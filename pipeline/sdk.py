@@ -26,6 +26,8 @@ from urllib.parse import quote
 
 from schemas.contracts import TRAIN_ATTRIBUTE, resolve_reward
 
+UNUSED_API_KEY = "unused"  # what an OpenAI client sends to a proxy that asks for no key
+
 
 class SpanSink(Protocol):
     """Where spans and rollout events go: publish must not block for long (it buffers)."""
@@ -51,6 +53,9 @@ class Rollout:
     or a request that must not be learned from), None leaves it to the credit rules' sample rate.
     Every span built for the rollout carries it as the ``agentstream.train`` attribute, so the
     stream processors see it whichever span of the rollout they read.
+
+    ``proxy_key`` is the API key its LLM calls present to the proxy (one of ``[security] proxy_keys``;
+    None when the proxy asks for none).
     """
 
     rollout_id: str
@@ -64,6 +69,7 @@ class Rollout:
     attempt: int = 1
     rewards: list[float] = field(default_factory=list)
     train: bool | None = None
+    proxy_key: str | None = field(default=None, repr=False)  # a secret: kept out of logged reprs
 
     def llm_base_url(self) -> str:
         """The OpenAI base URL that records this rollout's LLM calls (rollout, attempt and agent) at the proxy."""
@@ -71,6 +77,13 @@ class Rollout:
             raise RuntimeError("no LLM proxy configured for this rollout (set proxy_url / --proxy)")
         base = f"{self.proxy_url.rstrip('/')}/rollouts/{self.rollout_id}/attempts/{self.attempt_id}"
         return f"{base}/agents/{quote(self.agent_name, safe='')}/v1" if self.agent_name else f"{base}/v1"
+
+    def llm_api_key(self) -> str:
+        """The ``api_key`` for an OpenAI client at :meth:`llm_base_url`: the proxy's key, else a placeholder.
+
+        The openai SDK refuses an empty key, and a proxy without keys ignores whatever it is sent.
+        """
+        return self.proxy_key or UNUSED_API_KEY
 
     def _sink(self) -> SpanSink:
         sink = self.sink or _default_sink
@@ -248,16 +261,17 @@ class rollout:
 
     ``train=True`` trains on this rollout even where the rule samples only some; ``train=False``
     keeps it out of training (it is still captured for analytics); None (the default) lets the
-    matching credit rule's ``sample_rate`` decide.
+    matching credit rule's ``sample_rate`` decide. ``proxy_key`` is the key its LLM calls present to
+    the proxy (:meth:`Rollout.llm_api_key`).
     """
 
     def __init__(self, agent_name: str | None = None, *, rollout_id: str | None = None, attempt_id: str | None = None,
                  task_id: str | None = None, group_id: str | None = None, sink: SpanSink | None = None,
                  proxy_url: str | None = None, worker_id: str | None = None, attempt: int = 1,
-                 train: bool | None = None) -> None:
+                 train: bool | None = None, proxy_key: str | None = None) -> None:
         rollout_id = rollout_id or new_id()
         self.state = Rollout(rollout_id, attempt_id or f"{rollout_id}-{attempt}", agent_name, task_id, group_id, sink,
-                             proxy_url, root_span_id=new_id(), attempt=attempt, train=train)
+                             proxy_url, root_span_id=new_id(), attempt=attempt, train=train, proxy_key=proxy_key)
         self.worker_id = worker_id
         self._token: contextvars.Token | None = None
         self._start_us = 0

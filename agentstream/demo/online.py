@@ -80,15 +80,15 @@ def online_config(config: Config, run_id: str, workdir: Path) -> Config:
 class ArithmeticService:
     """The production service: each ``POST /ask`` is one rollout whose LLM call goes through the proxy."""
 
-    def __init__(self, proxy_url: str, model: str, temperature: float) -> None:
-        self.proxy_url, self.model, self.temperature = proxy_url, model, temperature
+    def __init__(self, proxy_url: str, proxy_key: str | None, model: str, temperature: float) -> None:
+        self.proxy_url, self.proxy_key, self.model, self.temperature = proxy_url, proxy_key, model, temperature
         self.app = web.Application()
         self.app.router.add_post("/ask", self.ask)
 
     async def ask(self, request: web.Request) -> web.Response:
         question = str((await request.json())["question"])
-        async with rollout(SERVICE_AGENT, proxy_url=self.proxy_url) as state:
-            llm = arithmetic.client().with_options(base_url=state.llm_base_url())
+        async with rollout(SERVICE_AGENT, proxy_url=self.proxy_url, proxy_key=self.proxy_key) as state:
+            llm = arithmetic.client().with_options(base_url=state.llm_base_url(), api_key=state.llm_api_key())
             raw = await llm.chat.completions.with_raw_response.create(
                 model=self.model, messages=[{"role": "user", "content": question}],
                 max_tokens=arithmetic.MAX_TOKENS, temperature=self.temperature)
@@ -314,7 +314,8 @@ async def serve_traffic(session: TrainingSession, config: Config, endpoints, con
     demo = config.demo
     publisher = SpanPublisher(config, endpoints.bootstrap_servers, journal_dir=workdir / "journal").start()
     set_sink(publisher)
-    service = web.AppRunner(ArithmeticService(session.proxy_url, MODEL, demo.online_temperature).app, access_log=None)
+    service = web.AppRunner(ArithmeticService(session.proxy_url, session.proxy_key, MODEL,
+                                              demo.online_temperature).app, access_log=None)
     await service.setup()
     port = free_port()
     await web.TCPSite(service, "127.0.0.1", port).start()

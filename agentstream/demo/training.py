@@ -131,12 +131,13 @@ def server_version(server_url: str) -> int:
         return int(response.headers[POLICY_VERSION_HEADER])
 
 
-async def evaluate(tasks: list[dict], proxy_url: str, server_url: str, started: float) -> Evaluation:
-    """Greedy accuracy on ``tasks``, each a captured rollout of the eval agent."""
+async def evaluate(tasks: list[dict], proxy_url: str, proxy_key: str | None, server_url: str,
+                   started: float) -> Evaluation:
+    """Greedy accuracy on ``tasks``, each a captured rollout of the eval agent (presenting ``proxy_key``)."""
     version = await asyncio.to_thread(server_version, server_url)
 
     async def one(task: dict) -> float:
-        async with rollout(EVAL_AGENT, task_id=task["id"], proxy_url=proxy_url) as state:
+        async with rollout(EVAL_AGENT, task_id=task["id"], proxy_url=proxy_url, proxy_key=proxy_key) as state:
             reward = await arithmetic.solve(task, state, temperature=0.0)
             emit_reward(reward)  # so held-out accuracy per policy version is queryable too
             return reward
@@ -287,7 +288,7 @@ async def train_and_watch(session: TrainingSession, config: Config, endpoints, c
     set_sink(publisher)
     try:
         session.start_runners(progress=console.print)  # they join the task queue while the base model is evaluated
-        before = await evaluate(heldout, session.proxy_url, session.server_url, started)
+        before = await evaluate(heldout, session.proxy_url, session.proxy_key, session.server_url, started)
         before.seconds = 0.0  # training starts now
         console.print(f"held-out before training: {before.accuracy:.1%} ({before.correct}/{before.total}, "
                       f"greedy, policy v{before.policy_version})")
@@ -333,8 +334,8 @@ async def train_and_watch(session: TrainingSession, config: Config, endpoints, c
                             round(time.monotonic() - training_started, 1)))
                         next_eval += demo.eval_every_s
                     elif pending is None and time.monotonic() >= next_eval:
-                        pending = asyncio.create_task(evaluate(heldout, session.proxy_url, session.server_url,
-                                                               started))
+                        pending = asyncio.create_task(evaluate(heldout, session.proxy_url, session.proxy_key,
+                                                               session.server_url, started))
                         next_eval = time.monotonic() + demo.eval_every_s
                     await asyncio.sleep(PACE_EVERY_S)
         finally:
@@ -350,7 +351,7 @@ async def train_and_watch(session: TrainingSession, config: Config, endpoints, c
         console.print("stopping runners and trainer, then the final held-out evaluation")
         session.stop(*(name for name in session.children if name.startswith("runner")), "trainer")
         await asyncio.sleep(2.0)  # the last announced checkpoint reaches the server
-        after = await evaluate(heldout, session.proxy_url, session.server_url, started)
+        after = await evaluate(heldout, session.proxy_url, session.proxy_key, session.server_url, started)
         after.seconds = round(training_seconds, 1)
         dashboard.evaluations.append(after)
         console.print(f"held-out after training: {after.accuracy:.1%} ({after.correct}/{after.total}, "
