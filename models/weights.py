@@ -27,6 +27,10 @@ class WeightsError(Exception):
     """A weights folder does not fit the served model, or its file does not match its sha256."""
 
 
+class NonFiniteWeights(WeightsError):
+    """Weights holding a NaN or an infinity: never written as a checkpoint, loaded by hot swap, or served."""
+
+
 def local_path(uri: str) -> Path:
     """The local path of a ``file://`` URI or a plain path."""
     parts = urlsplit(uri)
@@ -90,8 +94,26 @@ def verify_sha256(folder: Path, format: str, expected: str) -> None:
         raise WeightsError(f"{path} has sha256 {actual}, the checkpoint says {expected}")
 
 
+def check_finite(tensors: Mapping[str, torch.Tensor], where: str) -> None:
+    """Raise :class:`NonFiniteWeights` naming the tensors of ``where`` that hold a NaN or an infinity.
+
+    Integer and bool tensors cannot hold either and are not scanned.
+    """
+    import torch
+
+    bad = [name for name, tensor in tensors.items()
+           if tensor.is_floating_point() and not bool(torch.isfinite(tensor).all())]
+    if bad:
+        raise NonFiniteWeights(f"{where}: {len(bad)} tensor(s) hold NaN or infinite values "
+                               f"({', '.join(sorted(bad)[:5])}{', ...' if len(bad) > 5 else ''})")
+
+
 def read_weights(path: Path) -> dict[str, torch.Tensor]:
-    """All tensors of the ``*.safetensors`` files in a HF weights folder."""
+    """All tensors of the ``*.safetensors`` files in a HF weights folder; NonFiniteWeights if one is not finite.
+
+    Every loader of full weights (the dev server's ``/v1/load_weights``, a resuming trainer) reads
+    through here, so weights with a NaN are refused before they replace anything.
+    """
     from safetensors.torch import load_file
 
     files = sorted(path.glob("*.safetensors")) if path.is_dir() else []
@@ -99,8 +121,25 @@ def read_weights(path: Path) -> dict[str, torch.Tensor]:
         raise WeightsError(f"no *.safetensors files in {path}")
     state: dict[str, torch.Tensor] = {}
     for file in files:
-        state.update(load_file(file))
+        tensors = load_file(file)
+        check_finite(tensors, str(file))
+        state.update(tensors)
     return state
+
+
+def verify_finite(folder: Path, format: str) -> None:
+    """Raise :class:`NonFiniteWeights` when the folder's weights file is present and holds a NaN or an infinity.
+
+    Reads one tensor at a time (a checkpoint may be larger than the memory to spare for it).
+    """
+    from safetensors import safe_open
+
+    path = folder / WEIGHTS_FILES.get(format, "")
+    if not path.is_file():
+        return
+    with safe_open(str(path), framework="pt") as handle:
+        for name in handle.keys():  # noqa: SIM118  # safe_open is not a mapping
+            check_finite({name: handle.get_tensor(name)}, str(path))
 
 
 def check_weights(model: torch.nn.Module, state: dict[str, torch.Tensor]) -> None:

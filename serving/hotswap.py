@@ -9,7 +9,7 @@ vLLM's runtime LoRA contract: ``POST /v1/load_lora_adapter {"lora_name": "<model
 stable one stays loaded, so requests routed just before a change finish). Full weights go to
 the dev server's ``POST /v1/load_weights {"path", "version"}``, which waits for the generation
 in progress. The sha256 in the Checkpoint event is checked before loading whenever the weights
-file is readable here.
+file is readable here, and so is every weight: a checkpoint holding a NaN or an infinity is refused.
 
 Without the gate (``deploy.gate = false``) hot swap also decides: each newer checkpoint is
 loaded and then promoted to all traffic (a PROMOTED decision by ``hotswap``), so the proxy
@@ -42,7 +42,7 @@ from infra.deployments import (
     split_adapter_name,
 )
 from infra.kafka import consumer_options, topic_name
-from models import WeightsError, local_path, verify_sha256
+from models import WeightsError, local_path, verify_finite, verify_sha256
 from schemas import AvroCodec
 from schemas.contracts import policy_version
 
@@ -50,7 +50,7 @@ log = logging.getLogger("agentstream.hotswap")
 
 
 class HotSwapError(RuntimeError):
-    """A checkpoint cannot be loaded: its file does not match its sha256, or the server refused it."""
+    """A checkpoint cannot be loaded: its file does not match its sha256, holds a non-finite weight, or was refused."""
 
 
 @dataclass(frozen=True)
@@ -211,6 +211,7 @@ class HotSwapper:
         if self.verify:
             try:
                 await asyncio.to_thread(verify_sha256, folder, checkpoint["format"], checkpoint["sha256"])
+                await asyncio.to_thread(verify_finite, folder, checkpoint["format"])  # vLLM would serve a NaN
             except WeightsError as error:
                 raise HotSwapError(str(error)) from error
         version = checkpoint["version"]
