@@ -85,6 +85,17 @@ def test_no_strategy_credits_a_non_finite_reward(strategy, reward):
         strategy.assign(rollout("bad", 1.0, reward))
 
 
+def test_the_span_processor_makes_no_transitions_of_a_rollout_whose_credit_is_not_finite(caplog):
+    config = replace(load_config(environ={}), credit=(CreditRule(agent="*", strategy="discounted", gamma=1.0),))
+    processor = SpanProcessor(config, None, None, Sent(), Held(), None, CODEC)  # type: ignore[arg-type]
+    finished: list = []
+    row = processor._decide(rollout("read-back", NAN), finished, 0.0)  # as a NaN stored before this check would come
+    assert finished == [] and processor.counters.credits_refused == 1 and "no transitions from read-back" in caplog.text
+    assert row.status == "SUCCEEDED"  # the rollout is still recorded
+    processor._decide(rollout("fine", 1.0), finished, 0.0)
+    assert [credit.advantage for _, credits, _ in finished for credit in credits] == [1.0]
+
+
 def test_the_running_baseline_keeps_its_mean_when_a_reward_or_the_mean_would_not_be_finite():
     baseline = RunningBaseline(decay=0.5)
     assert baseline.assign(rollout("r1", 1.0))[0].advantage == 0.0
@@ -195,6 +206,17 @@ def test_a_batch_with_a_non_finite_loss_leaves_weights_and_optimizer_state_uncha
     assert policy.optimizer.state_dict()["state"][0]["step"] == 1  # AdamW did not count it as a step
     assert not (good := train_step(policy, Batch(samples(-1.0), 0, Counts()), tiny_config)).skipped
     assert math.isfinite(good.loss) and all(torch.isfinite(p).all() for p in policy.model.parameters())
+
+
+def test_skipped_batches_are_counted_in_the_next_train_steps_row_and_its_line(tiny_config):
+    from trainer.metrics import TRAIN_STEP_COLUMNS, StepReport
+
+    policy = build_policy(tiny_config)
+    batch = Batch(samples(1.0), 0, Counts())
+    report = StepReport.of("m", 7, batch, train_step(policy, batch, tiny_config), skipped_nonfinite=2)
+    assert report.row()[TRAIN_STEP_COLUMNS.index("skipped_nonfinite")] == 2 and "nonfinite 2" in report.line()
+    quiet = StepReport.of("m", 8, batch, train_step(policy, batch, tiny_config))
+    assert quiet.row()[TRAIN_STEP_COLUMNS.index("skipped_nonfinite")] == 0 and "nonfinite" not in quiet.line()
 
 
 def test_a_non_finite_gradient_norm_skips_the_step_too(tiny_config):
