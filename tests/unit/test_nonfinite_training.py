@@ -288,6 +288,9 @@ def test_weights_with_a_nan_are_refused_by_every_loader(tmp_path, tiny_config):
     verify_finite(tmp_path / "good", "full")
     verify_finite(tmp_path / "missing", "full")  # a file not readable here is left to the server
     check_finite({"ids": torch.tensor([1, 2])}, "integers")  # integer tensors cannot hold a NaN
+    check_finite({"big": torch.tensor([3e38, 3e38])}, "finite values whose sum overflows")
+    with pytest.raises(NonFiniteWeights, match=r"\(a\)"):
+        check_finite({"a": torch.tensor([INF, -INF]), "b": torch.ones(3)}, "a sum that is NaN")
 
 
 def test_the_dev_server_and_hot_swap_refuse_weights_with_a_nan(tmp_path, tiny_config):
