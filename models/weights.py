@@ -8,6 +8,7 @@ from __future__ import annotations
 
 import hashlib
 import json
+import math
 from collections.abc import Mapping
 from pathlib import Path
 from typing import TYPE_CHECKING, Any
@@ -25,6 +26,10 @@ WEIGHTS_FILES = {"full": FULL_WEIGHTS_FILE, "lora": ADAPTER_WEIGHTS_FILE}
 
 class WeightsError(Exception):
     """A weights folder does not fit the served model, or its file does not match its sha256."""
+
+
+class NonFiniteWeights(WeightsError):
+    """Weights holding a NaN or an infinity: never written as a checkpoint, loaded by hot swap, or served."""
 
 
 def local_path(uri: str) -> Path:
@@ -90,8 +95,32 @@ def verify_sha256(folder: Path, format: str, expected: str) -> None:
         raise WeightsError(f"{path} has sha256 {actual}, the checkpoint says {expected}")
 
 
+def check_finite(tensors: Mapping[str, torch.Tensor], where: str) -> None:
+    """Raise :class:`NonFiniteWeights` naming the tensors of ``where`` that hold a NaN or an infinity.
+
+    Integer and bool tensors cannot hold either and are not scanned.
+    """
+    bad = [name for name, tensor in tensors.items() if tensor.is_floating_point() and not _all_finite(tensor)]
+    if bad:
+        raise NonFiniteWeights(f"{where}: {len(bad)} tensor(s) hold NaN or infinite values "
+                               f"({', '.join(sorted(bad)[:5])}{', ...' if len(bad) > 5 else ''})")
+
+
+def _all_finite(tensor: torch.Tensor) -> bool:
+    """Whether every element is finite: a sum is NaN or infinite whenever an element is, and costs a ninth of
+    ``isfinite`` over every element (0.05 s against 0.44 s for SmolLM2's weights on one thread); only a sum
+    that overflows needs the element-wise check."""
+    import torch
+
+    return math.isfinite(float(tensor.sum())) or bool(torch.isfinite(tensor).all())
+
+
 def read_weights(path: Path) -> dict[str, torch.Tensor]:
-    """All tensors of the ``*.safetensors`` files in a HF weights folder."""
+    """All tensors of the ``*.safetensors`` files in a HF weights folder; NonFiniteWeights if one is not finite.
+
+    Every loader of full weights (the dev server's ``/v1/load_weights``, a resuming trainer) reads
+    through here, so weights with a NaN are refused before they replace anything.
+    """
     from safetensors.torch import load_file
 
     files = sorted(path.glob("*.safetensors")) if path.is_dir() else []
@@ -99,8 +128,25 @@ def read_weights(path: Path) -> dict[str, torch.Tensor]:
         raise WeightsError(f"no *.safetensors files in {path}")
     state: dict[str, torch.Tensor] = {}
     for file in files:
-        state.update(load_file(file))
+        tensors = load_file(file)
+        check_finite(tensors, str(file))
+        state.update(tensors)
     return state
+
+
+def verify_finite(folder: Path, format: str) -> None:
+    """Raise :class:`NonFiniteWeights` when the folder's weights file is present and holds a NaN or an infinity.
+
+    Reads one tensor at a time (a checkpoint may be larger than the memory to spare for it).
+    """
+    from safetensors import safe_open
+
+    path = folder / WEIGHTS_FILES.get(format, "")
+    if not path.is_file():
+        return
+    with safe_open(str(path), framework="pt") as handle:
+        for name in handle.keys():  # noqa: SIM118  # safe_open is not a mapping
+            check_finite({name: handle.get_tensor(name)}, str(path))
 
 
 def check_weights(model: torch.nn.Module, state: dict[str, torch.Tensor]) -> None:

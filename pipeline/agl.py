@@ -44,6 +44,7 @@ from typing import Any, Generic, TypeVar
 
 from infra.config import AglConfig
 from pipeline import sdk
+from schemas.contracts import resolve_reward
 
 log = logging.getLogger("agentstream.agl")
 
@@ -259,21 +260,26 @@ def rollout(func: Callable[..., Any]) -> FunctionalLitAgent[Any]:
 
 def emit_reward(reward: float | Mapping[str, Any], *, primary_key: str | None = None,
                 attributes: Mapping[str, Any] | None = None, propagate: bool = True) -> str | None:
-    """A reward for the current rollout; a dict of dimensions needs ``primary_key`` (the scalar)."""
+    """A reward for the current rollout; a dict of dimensions needs ``primary_key`` (the scalar).
+
+    Agent Lightning's own checks come first (TypeError for a non-number, ValueError for a missing
+    primary key); then every value must be a finite number (``RewardError``, a ValueError), checked
+    even when the reward is not propagated, so an agent learns of a NaN where it made it.
+    """
     if isinstance(reward, Mapping):
-        dimensions = {}
         for key, value in reward.items():
             if not isinstance(value, (int, float)):
                 raise ValueError(f"Reward value must be a number, got: {type(value)} for key {key}")
-            dimensions[str(key)] = float(value)
         if primary_key is None:
             raise ValueError("When emitting a multi-dimensional reward as a dict, primary_key must be provided.")
-        if primary_key not in dimensions:
-            raise ValueError(f"Primary key '{primary_key}' not found in reward dict keys: {list(dimensions)}")
-        return sdk.emit_reward(dimensions, primary=primary_key) if propagate else None
+        if primary_key not in reward:
+            raise ValueError(f"Primary key '{primary_key}' not found in reward dict keys: {list(reward)}")
+        _, dimensions = resolve_reward(dimensions=reward, primary=primary_key)
+        return sdk.emit_reward(dimensions or {}, primary=primary_key) if propagate else None
     if not isinstance(reward, (int, float)):
         raise TypeError(f"Reward must be a number, got: {type(reward)}")
-    return sdk.emit_reward(float(reward)) if propagate else None
+    scalar, _ = resolve_reward(reward)
+    return sdk.emit_reward(scalar) if propagate else None
 
 
 def emit_message(message: str, attributes: Mapping[str, Any] | None = None, propagate: bool = True) -> str | None:
@@ -309,9 +315,11 @@ def forward_span(name: str, attributes: Mapping[str, Any]) -> str:
     if rewards:
         dimensions = [rewards[index] for index in sorted(rewards)]
         if len(dimensions) == 1 and dimensions[0].get("name") in (None, "primary"):
-            return sdk.emit_reward(float(dimensions[0]["value"]))
-        named = {str(d.get("name")): float(d["value"]) for d in dimensions}
-        return sdk.emit_reward(named, primary=str(dimensions[0].get("name")))  # Agent Lightning lists the primary first
+            scalar, _ = resolve_reward(dimensions[0].get("value"))  # a finite number, or RewardError
+            return sdk.emit_reward(scalar)
+        primary = str(dimensions[0].get("name"))  # Agent Lightning lists the primary first
+        _, named = resolve_reward(dimensions={str(d.get("name")): d.get("value") for d in dimensions}, primary=primary)
+        return sdk.emit_reward(named or {}, primary=primary)
     if MESSAGE_BODY in rest:
         body = rest.pop(MESSAGE_BODY)
         return sdk.emit_message(str(body), **rest)

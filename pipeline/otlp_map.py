@@ -149,7 +149,7 @@ def text(value: Any) -> str:
 
 
 def number(value: Any) -> float | None:
-    """A finite reward value from an attribute (a number or a numeric string), else None."""
+    """A finite number from an attribute (a number or a numeric string), else None."""
     if isinstance(value, bool):
         return None
     if isinstance(value, str):
@@ -159,6 +159,26 @@ def number(value: Any) -> float | None:
             return None
     if isinstance(value, (int, float)) and math.isfinite(float(value)):
         return float(value)
+    return None
+
+
+def reward_value(value: Any, key: str) -> float | None:
+    """A reward attribute's number (a number or a numeric string), None where it holds none.
+
+    A reward that is a number but not a finite one (NaN, ±Infinity, ``"nan"``, ``"1e309"``) makes
+    the span malformed: :class:`RejectedSpan`, so it is refused with a reason, never mapped to a
+    span without a reward or one whose reward would poison training.
+    """
+    found = number(value)
+    if found is not None or isinstance(value, bool):
+        return found
+    if isinstance(value, str):
+        try:
+            value = float(value)
+        except ValueError:
+            return None
+    if isinstance(value, (int, float)):
+        raise RejectedSpan(f"{key} is {value!r}: a reward must be a finite number")
     return None
 
 
@@ -289,31 +309,38 @@ def _reward_like(name: str, attributes: Mapping[str, Any]) -> bool:
 
 
 def reward_of(attributes: Mapping[str, Any], *, own: bool) -> tuple[float | None, dict[str, float]]:
-    """The scalar reward and named dimensions an attribute set carries (``own``: the span is a reward span)."""
+    """The scalar reward and named dimensions an attribute set carries (``own``: the span is a reward span).
+
+    A reward value that is not finite raises :class:`RejectedSpan` (see :func:`reward_value`).
+    """
     dimensions: dict[str, float] = {}
     for key, value in attributes.items():
-        if key.startswith(REWARD_KEY + ".") and number(value) is not None:
-            dimensions[key[len(REWARD_KEY) + 1:]] = number(value)  # type: ignore[assignment]
+        if key.startswith(REWARD_KEY + ".") and (found := reward_value(value, key)) is not None:
+            dimensions[key[len(REWARD_KEY) + 1:]] = found
     for index, item in enumerate(unflatten(attributes, "agentlightning.reward.")):
-        if isinstance(item, dict) and number(item.get("value")) is not None:
-            dimensions[str(item.get("name") or f"reward_{index}")] = number(item["value"])  # type: ignore[assignment]
-    scalar = number(attributes.get(REWARD_KEY))
-    evaluation = number(attributes.get(SCORE_KEY))
+        key = f"agentlightning.reward.{index}.value"
+        if isinstance(item, dict) and (found := reward_value(item.get("value"), key)) is not None:
+            dimensions[str(item.get("name") or f"reward_{index}")] = found
+    scalar = reward_value(attributes.get(REWARD_KEY), REWARD_KEY)
+    evaluation = reward_value(attributes.get(SCORE_KEY), SCORE_KEY)
     if scalar is None and evaluation is not None and (own or "gen_ai.evaluation.name" in attributes):
         scalar = evaluation
         if attributes.get("gen_ai.evaluation.name"):
             dimensions.setdefault(str(attributes["gen_ai.evaluation.name"]), evaluation)
     if scalar is None and own:
-        scalar = number(attributes.get("reward")) if "reward" in attributes else number(attributes.get("value"))
+        key = "reward" if "reward" in attributes else "value"
+        scalar = reward_value(attributes.get(key), key)
     if scalar is None and dimensions:
         primary = "reward_0" if "reward_0" in dimensions else None
         scalar = dimensions[primary] if primary else sum(dimensions.values())
+        if not math.isfinite(scalar):
+            raise RejectedSpan("the sum of the reward dimensions overflows a float")
     return scalar, dimensions
 
 
 def _event_reward(name: str, attributes: Mapping[str, Any]) -> tuple[float | None, dict[str, float]]:
     if name == EVALUATION_EVENT:
-        score = number(attributes.get(SCORE_KEY))
+        score = reward_value(attributes.get(SCORE_KEY), f"event {name!r}: {SCORE_KEY}")
         label = attributes.get("gen_ai.evaluation.name")
         return score, ({str(label): score} if label and score is not None else {})
     if name.lower() in REWARD_NAMES:
@@ -436,7 +463,11 @@ class TraceMapper:
         kind = span_kind(name, attributes)
         added = normalise(attributes, events, kind)
         merged = {**attributes, **added}
-        own_reward, own_dimensions = reward_of(merged, own=kind == "REWARD")
+        try:
+            own_reward, own_dimensions = reward_of(merged, own=kind == "REWARD")
+            event_rewards = [_event_reward(event_name, event_attributes) for event_name, _, event_attributes in events]
+        except RejectedSpan as error:
+            raise RejectedSpan(f"span {name!r}: {error}") from None
         if kind == "REWARD" and own_reward is None:
             kind = "OTHER"  # a span named like a reward but carrying no number: kept as it is
         tokens = {key: merged.pop(key) for key in TOKEN_KEYS if key in merged}
@@ -452,8 +483,8 @@ class TraceMapper:
         if policy is not None and policy_version is None:
             merged[POLICY_KEY] = policy
         reward_events, other_events = [], []
-        for index, (event_name, at_us, event_attributes) in enumerate(events):
-            value, dimensions = _event_reward(event_name, event_attributes)
+        for index, (event, (value, dimensions)) in enumerate(zip(events, event_rewards, strict=True)):
+            event_name, at_us, event_attributes = event
             if value is None:
                 other_events.append({"name": event_name, "time_us": at_us, "attributes": event_attributes})
             else:

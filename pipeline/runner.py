@@ -258,7 +258,7 @@ class Runner:
             payload = json.loads(task["input"])
             result = await asyncio.wait_for(self._call(payload, state), timeout=task["timeout_s"])
             if isinstance(result, (int, float)) and not isinstance(result, bool):
-                emit_reward(float(result))
+                emit_reward(result)  # a NaN or infinite result fails the attempt with a RewardError
             scope.finish("SUCCEEDED")
             self.stats.succeeded += 1
         except TimeoutError:

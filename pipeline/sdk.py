@@ -221,7 +221,8 @@ def _emit(kind: str, name: str, attributes: Mapping[str, Any] | None = None, **f
 def emit_reward(value: float | Mapping[str, float], *, primary: str | None = None) -> str:
     """Record a reward: a float, or named dimensions whose ``primary`` one (default: their sum) is the scalar.
 
-    Raises ``schemas.contracts.RewardError`` (a ValueError) for a non-number or an unknown primary.
+    Raises ``schemas.contracts.RewardError`` (a ValueError) for a value that is not a finite number
+    (NaN, ±Infinity, a float overflow, a bool, a string) or an unknown primary: nothing is recorded.
 
     Call it as often as the task gives feedback: intermediate rewards are kept in order and
     credit assignment can honour them.

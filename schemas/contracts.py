@@ -6,6 +6,8 @@ contract cannot drift apart.
 
 from __future__ import annotations
 
+import math
+import numbers
 from collections.abc import Mapping
 from typing import Any
 
@@ -52,7 +54,7 @@ def parse_train_flag(value: str | None) -> bool | None:
 
 
 class RewardError(ValueError):
-    """A reward that is not a number, or dimensions that are not a map of numbers with the named primary."""
+    """A reward that is not a finite number, or dimensions that are not finite numbers with the named primary."""
 
 
 def policy_version(headers: Mapping[str, str]) -> int | None:
@@ -64,30 +66,58 @@ def policy_version(headers: Mapping[str, str]) -> int | None:
         return None
 
 
+def reward_number(value: Any, what: str = "a reward") -> float:
+    """``value`` as a finite float, or :class:`RewardError` saying what is wrong with it.
+
+    A reward is a number (``int``, ``float``, or any ``numbers.Real`` such as a numpy scalar):
+    not a bool, not a string (``"1.0"``, ``"nan"``: a JSON body sends a number, and a string
+    that ``float()`` would take is refused rather than guessed at), and finite: NaN, ±Infinity
+    and values beyond the float range (``1e309`` parses as Infinity; ``10**400`` overflows)
+    would poison every mean and advantage computed from them.
+    """
+    if isinstance(value, str):
+        raise RewardError(f"{what} must be a number, not a string ({value[:40]!r}): send a JSON number")
+    if isinstance(value, bool) or not isinstance(value, numbers.Real):
+        raise RewardError(f"{what} must be a number, not {type(value).__name__}")
+    try:
+        number = float(value)
+    except OverflowError:
+        raise RewardError(f"{what} is beyond the range of a float (an integer of {value.bit_length()} bits)"
+                          if isinstance(value, int) else f"{what} is beyond the range of a float") from None
+    if not math.isfinite(number):
+        raise RewardError(f"{what} must be finite, got {number!r}")
+    return number
+
+
 def resolve_reward(reward: Any = None, dimensions: Any = None,
                    primary: str | None = None) -> tuple[float, dict[str, float] | None]:
     """The scalar reward and its named dimensions, from either a number or dimensions plus an optional primary.
 
     With dimensions, the scalar is ``reward`` when given, else the ``primary`` dimension, else
-    the sum of all of them. The SDK's ``emit_reward`` and the proxy's reward endpoint share it.
+    the sum of all of them. Every value must be a finite number (see :func:`reward_number`), and
+    so must the sum. The SDK's ``emit_reward``, the Agent Lightning surfaces and the proxy's
+    reward and event endpoints share it.
     """
-    try:
-        if dimensions is None:
-            if reward is None or isinstance(reward, bool):
-                raise RewardError("a reward needs a number, or dimensions as a map of numbers")
-            return float(reward), None
-        if not isinstance(dimensions, Mapping):
-            raise RewardError("reward dimensions must be a map of names to numbers")
-        named = {str(name): float(value) for name, value in dimensions.items()}
-        if primary is not None and primary not in named:
-            raise RewardError(f"primary reward {primary!r} is not one of {sorted(named)}")
-        if reward is not None:
-            return float(reward), named
-        return (named[primary] if primary is not None else sum(named.values())), named
-    except (TypeError, ValueError) as error:
-        if isinstance(error, RewardError):
-            raise
-        raise RewardError(f"a reward must be a number: {error}") from None
+    if dimensions is None:
+        if reward is None:
+            raise RewardError("a reward needs a number, or dimensions as a map of numbers")
+        return reward_number(reward), None
+    if primary is not None and not isinstance(primary, str):
+        raise RewardError(f"the primary reward names a dimension: a string, not {type(primary).__name__}")
+    if not isinstance(dimensions, Mapping):
+        raise RewardError(f"reward dimensions must be a map of names to numbers, not {type(dimensions).__name__}")
+    named = {str(name): reward_number(value, f"reward dimension {str(name)[:80]!r}")
+             for name, value in dimensions.items()}
+    if primary is not None and primary not in named:
+        raise RewardError(f"primary reward {primary!r} is not one of {sorted(named)}")
+    if reward is not None:
+        return reward_number(reward), named
+    if primary is not None:
+        return named[primary], named
+    total = sum(named.values())
+    if not math.isfinite(total):
+        raise RewardError("the sum of the reward dimensions overflows a float: name a primary dimension")
+    return total, named
 
 
 def openai_error_body(message: str, error_type: str, status: int, param: str | None = None) -> dict[str, Any]:

@@ -9,7 +9,7 @@ vLLM's runtime LoRA contract: ``POST /v1/load_lora_adapter {"lora_name": "<model
 stable one stays loaded, so requests routed just before a change finish). Full weights go to
 the dev server's ``POST /v1/load_weights {"path", "version"}``, which waits for the generation
 in progress. The sha256 in the Checkpoint event is checked before loading whenever the weights
-file is readable here.
+file is readable here, and so is every weight: a checkpoint holding a NaN or an infinity is refused.
 
 The admin routes it calls take ``[security] admin_token``, which hot swap sends as
 ``Authorization: Bearer``; a 401 is logged and tried again at the next re-check, never taken as
@@ -49,7 +49,7 @@ from infra.deployments import (
     split_adapter_name,
 )
 from infra.kafka import consumer_options, topic_name
-from models import WeightsError, local_path, verify_sha256
+from models import WeightsError, local_path, verify_finite, verify_sha256
 from schemas import AvroCodec
 from schemas.contracts import policy_version
 
@@ -60,7 +60,7 @@ CHECK_TIMEOUT_S = 10.0
 
 
 class HotSwapError(RuntimeError):
-    """A checkpoint cannot be loaded: its file does not match its sha256, or the server refused it."""
+    """A checkpoint cannot be loaded: its file does not match its sha256, holds a non-finite weight, or was refused."""
 
 
 class AdminTokenRefused(HotSwapError):
@@ -234,6 +234,7 @@ class HotSwapper:
         if self.verify:
             try:
                 await asyncio.to_thread(verify_sha256, folder, checkpoint["format"], checkpoint["sha256"])
+                await asyncio.to_thread(verify_finite, folder, checkpoint["format"])  # vLLM would serve a NaN
             except WeightsError as error:
                 raise HotSwapError(str(error)) from error
         version = checkpoint["version"]

@@ -19,7 +19,7 @@ from pathlib import Path
 
 import torch
 
-from models import ADAPTER_CONFIG_FILE, ADAPTER_WEIGHTS_FILE
+from models import ADAPTER_CONFIG_FILE, ADAPTER_WEIGHTS_FILE, NonFiniteWeights, check_finite
 
 KEY = re.compile(r"^(?:base_model\.model\.)?(?P<module>.+)\.lora_(?P<part>[AB])(?:\.[^.]+)?\.weight$")
 
@@ -61,8 +61,13 @@ def load_lora(path: Path, model: torch.nn.Module, name: str, version: int) -> Lo
         raise LoraNotFound(f"No adapter found for {path} (need {ADAPTER_CONFIG_FILE} and {ADAPTER_WEIGHTS_FILE})")
     config = json.loads((path / ADAPTER_CONFIG_FILE).read_text())
     _check_supported(config)
+    tensors = load_file(path / ADAPTER_WEIGHTS_FILE)
+    try:
+        check_finite(tensors, str(path / ADAPTER_WEIGHTS_FILE))  # a NaN adapter would make every answer garbage
+    except NonFiniteWeights as error:
+        raise LoraError(str(error)) from None
     pairs: dict[str, dict[str, torch.Tensor]] = {}
-    for key, tensor in load_file(path / ADAPTER_WEIGHTS_FILE).items():
+    for key, tensor in tensors.items():
         match = KEY.match(key)
         if match is None:
             raise LoraError(f"unsupported tensor {key!r} in {path / ADAPTER_WEIGHTS_FILE} "

@@ -3,6 +3,10 @@
 A strategy is a small object with ``assign(trajectory) -> list[Credit]`` (one per trainable LLM
 call, in call order); group strategies also implement ``assign_group(trajectories)``. Register
 a custom one in :data:`STRATEGIES` to select it by name from ``[[credit]]`` rules.
+
+No strategy lets a NaN or an infinity through: a reward that is not finite, or a return, mean
+or advantage that overflows, raises :class:`NonFiniteCredit` before any state (a running mean)
+changes, and the caller trains on nothing from that rollout or group.
 """
 
 from __future__ import annotations
@@ -27,6 +31,28 @@ class Credit(NamedTuple):
     advantage: float
 
 
+class NonFiniteCredit(ValueError):
+    """A reward, return, mean or advantage that is NaN or infinite: it never enters a running mean or a transition."""
+
+
+def finite_reward(trajectory: Trajectory) -> float:
+    """The trajectory's final reward (0 without one), or :class:`NonFiniteCredit` where it is not finite."""
+    final = trajectory.final_reward or 0.0
+    if not math.isfinite(final):
+        raise NonFiniteCredit(f"rollout {trajectory.rollout_id!r} has final reward {final!r}: not credited")
+    return final
+
+
+def finite_credits(trajectory: Trajectory, credits: list[Credit]) -> list[Credit]:
+    """``credits`` when every reward, return and advantage in them is finite, else :class:`NonFiniteCredit`."""
+    for credit in credits:
+        if not (math.isfinite(credit.reward) and math.isfinite(credit.return_value)
+                and math.isfinite(credit.advantage)):
+            raise NonFiniteCredit(f"rollout {trajectory.rollout_id!r}: call {credit.step_index} would get reward "
+                                  f"{credit.reward!r}, return {credit.return_value!r}, advantage {credit.advantage!r}")
+    return credits
+
+
 class CreditStrategy(Protocol):
     grouped: bool
 
@@ -39,7 +65,7 @@ class FinalReward:
     grouped = False
 
     def assign(self, trajectory: Trajectory) -> list[Credit]:
-        final = trajectory.final_reward or 0.0
+        final = finite_reward(trajectory)
         return [Credit(call, index, final, final, final) for index, call in enumerate(trajectory.trainable_calls)]
 
 
@@ -61,6 +87,9 @@ class DiscountedReturns:
             return []
         step_rewards = [0.0] * len(calls)
         for reward in trajectory.rewards:
+            if reward.reward is not None and not math.isfinite(reward.reward):
+                raise NonFiniteCredit(f"rollout {trajectory.rollout_id!r}: span {reward.span_id!r} has reward "
+                                      f"{reward.reward!r}: not credited")
             index = 0
             for position, call in enumerate(calls):
                 if call.start_us <= reward.end_us:
@@ -71,7 +100,8 @@ class DiscountedReturns:
         for index in range(len(calls) - 1, -1, -1):
             running = step_rewards[index] + self.gamma * running
             returns[index] = running
-        return [Credit(call, i, step_rewards[i], returns[i], returns[i]) for i, call in enumerate(calls)]
+        return finite_credits(trajectory, [Credit(call, i, step_rewards[i], returns[i], returns[i])
+                                           for i, call in enumerate(calls)])
 
 
 class RunningBaseline:
@@ -91,11 +121,17 @@ class RunningBaseline:
         self.means: dict[str, float] = {}
 
     def assign(self, trajectory: Trajectory) -> list[Credit]:
-        final = trajectory.final_reward or 0.0
+        """Credits against the mean so far; the mean moves only when the reward, advantage and new mean are finite."""
+        final = finite_reward(trajectory)
         mean = self.means.get(trajectory.agent_name)
         advantage = 0.0 if mean is None else final - mean
-        self.means[trajectory.agent_name] = final if mean is None else self.decay * mean + (1 - self.decay) * final
-        return [Credit(call, index, final, final, advantage) for index, call in enumerate(trajectory.trainable_calls)]
+        moved = final if mean is None else self.decay * mean + (1 - self.decay) * final
+        credits = finite_credits(trajectory, [Credit(call, index, final, final, advantage)
+                                              for index, call in enumerate(trajectory.trainable_calls)])
+        if not math.isfinite(moved):
+            raise NonFiniteCredit(f"rollout {trajectory.rollout_id!r}: the running mean would become {moved!r}")
+        self.means[trajectory.agent_name] = moved
+        return credits
 
 
 class GroupNormalized:
@@ -118,15 +154,27 @@ class GroupNormalized:
         return len(rewards) > 1 and max(rewards) - min(rewards) > 1e-12
 
     def advantages(self, rewards: list[float]) -> list[float]:
-        """(reward - group mean) / (group std + eps) for each reward; all 0 for an uninformative group."""
+        """(reward - group mean) / (group std + eps) for each reward; all 0 for an uninformative group.
+
+        Raises :class:`NonFiniteCredit` for a reward that is not finite (a NaN would make every
+        member's advantage NaN) or a mean or spread that overflows.
+        """
+        if not all(map(math.isfinite, rewards)):
+            raise NonFiniteCredit(f"a group's rewards {rewards!r:.200} are not all finite: not credited")
         if not self.informative(rewards):
             return [0.0] * len(rewards)
         mean = sum(rewards) / len(rewards)
-        std = math.sqrt(sum((r - mean) ** 2 for r in rewards) / len(rewards))
-        return [(reward - mean) / (std + self.epsilon) for reward in rewards]
+        try:
+            std = math.sqrt(sum((r - mean) ** 2 for r in rewards) / len(rewards))
+        except OverflowError:
+            std = math.inf
+        advantages = [(reward - mean) / (std + self.epsilon) for reward in rewards]
+        if not (math.isfinite(std) and all(map(math.isfinite, advantages))):
+            raise NonFiniteCredit(f"a group's rewards {rewards!r:.200} overflow its mean or spread: not credited")
+        return advantages
 
     def assign_group(self, trajectories: list[Trajectory]) -> dict[str, list[Credit]]:
-        rewards = [t.final_reward or 0.0 for t in trajectories]
+        rewards = [finite_reward(t) for t in trajectories]
         credits = {}
         for trajectory, reward, advantage in zip(trajectories, rewards, self.advantages(rewards), strict=False):
             credits[trajectory.rollout_id] = [Credit(call, index, reward, reward, advantage)

@@ -12,13 +12,14 @@ record of every pending group is held, so a crash replays the group.
 from __future__ import annotations
 
 import logging
+import math
 import time
 from collections.abc import Callable
 from dataclasses import dataclass, field
 
 from infra.config import Config, CreditRule
 from schemas import ROLLOUT_RESULT, AvroCodec, CodecError
-from streams.credit import GroupNormalized, matching_rule
+from streams.credit import GroupNormalized, NonFiniteCredit, matching_rule
 from streams.records import RawRecord
 from streams.sink import Completion, CompletionSink
 from streams.stage import Emitter, Holder, Stage, now_us
@@ -86,18 +87,36 @@ class GroupProcessor(Stage[list[tuple[RawRecord, dict]]]):
         created = now_us()
         transitions = Transitions()
         for group in due:
-            members = list(group.members.values())
+            members = self._finite_members(group)
             rewards = [member["final_reward"] or 0.0 for member in members]
+            try:
+                advantages = self.strategy.advantages(rewards)
+            except NonFiniteCredit as error:  # finite rewards whose mean or spread overflows
+                self.counters.credits_refused += len(members)
+                log.warning("group %s not credited: %s", group.group_id, error)
+                continue
             if not self.strategy.informative(rewards):
                 self.groups_uninformative += 1
                 if not group.rule.keep_flat_groups:
                     continue
             else:
                 self.groups_credited += 1
-            for member, reward, advantage in zip(members, rewards, self.strategy.advantages(rewards), strict=False):
+            for member, reward, advantage in zip(members, rewards, advantages, strict=True):
                 for item in member["drafts"]:
                     pending = Draft(item["model"], member["rollout_id"], item["head"])
                     transitions.drafts.append(pending)
                     transitions.datums.append(pending.complete(reward, reward, advantage, group.group_id, created))
         await self.publish_transitions(transitions)
         await self.sink.put(Completion(transitions=transitions.datums, release=[group.held for group in due]))
+
+    def _finite_members(self, group: PendingGroup) -> list[dict]:
+        """The group's members whose final reward is finite; the others are left out of it, counted and logged."""
+        members = []
+        for member in group.members.values():
+            if math.isfinite(member["final_reward"] or 0.0):
+                members.append(member)
+            else:
+                self.counters.credits_refused += 1
+                log.warning("rollout %s left out of group %s: final reward %r is not finite", member["rollout_id"],
+                            group.group_id, member["final_reward"])
+        return members

@@ -34,7 +34,7 @@ from typing import Any
 from infra.config import Config, CreditRule
 from infra.kafka import topic_name
 from schemas import DEAD_LETTER, ROLLOUT_RESULT, AvroCodec
-from streams.credit import Credit, matching_rule, strategy_for
+from streams.credit import Credit, NonFiniteCredit, matching_rule, strategy_for
 from streams.lifecycle import OpenRollout, RolloutTracker
 from streams.ocf import container_file, read_container
 from streams.records import RawRecord, sort_records
@@ -322,7 +322,11 @@ class SpanProcessor(Stage[SpanBatch]):
         elif strategy_for(rule).grouped and trajectory.group_id:
             finished.append((trajectory, None, rule))
         else:
-            finished.append((trajectory, strategy_for(rule).assign(trajectory), rule))
+            try:
+                finished.append((trajectory, strategy_for(rule).assign(trajectory), rule))
+            except NonFiniteCredit as error:  # a NaN reward read back from storage, or a return that overflows
+                self.counters.credits_refused += 1
+                log.warning("no transitions from %s: %s", trajectory.rollout_id, error)
         return self._rollout_row(trajectory, status, training)
 
     async def _emit_transitions(self, finished: list[tuple[Trajectory, list[Credit] | None, Any]]) -> list[bytes]:

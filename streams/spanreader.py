@@ -16,6 +16,7 @@ that length, and decodes nothing else.
 
 from __future__ import annotations
 
+import math
 import re
 import struct
 from collections.abc import Callable
@@ -46,6 +47,10 @@ _VARINT_RUNS: dict[int, re.Pattern[bytes]] = {}
 
 class MalformedSpan(ValueError):
     """The bytes do not hold a datum of the writer schema they claim (truncated, or a bad union branch)."""
+
+
+class NonFiniteReward(MalformedSpan):
+    """A span whose reward or a reward dimension is NaN or infinite: written by a client that skipped every check."""
 
 
 def read_long(buffer: bytes, position: int) -> tuple[int, int]:
@@ -468,7 +473,11 @@ class SpanReader:
             raise _malformed("span batch", error) from None
         if end != len(body):
             raise MalformedSpan(f"{len(body) - end} bytes left after the span batch")
-        return values["spans"] if self._batch else [values]
+        nodes = values["spans"] if self._batch else [values]
+        for node in nodes:
+            if node.reward is not None or node.reward_dimensions:
+                check_finite_reward(node)
+        return nodes
 
     def rows(self, count: int, datums: bytes) -> list[SpanNode]:
         """``count`` concatenated span rows (a block of an Avro container file)."""
@@ -480,6 +489,21 @@ class SpanReader:
         except (IndexError, struct.error, UnicodeDecodeError) as error:
             raise _malformed("span row", error) from None
         return nodes
+
+
+def check_finite_reward(node: SpanNode) -> None:
+    """Raise :class:`NonFiniteReward` where a span's reward or a reward dimension is not a finite number.
+
+    The SDK, proxy and collector refuse such rewards; one written straight onto the topic would
+    make every running mean and group advantage it enters NaN, so its record is a dead letter.
+    """
+    if node.reward is not None and not math.isfinite(node.reward):
+        raise NonFiniteReward(f"span {node.span_id!r} of rollout {node.rollout_id!r} has reward {node.reward!r}: "
+                              "a reward must be a finite number")
+    for name, value in node.reward_dimensions.items():
+        if not math.isfinite(value):
+            raise NonFiniteReward(f"span {node.span_id!r} of rollout {node.rollout_id!r} has reward dimension "
+                                  f"{name!r} = {value!r}: a reward must be a finite number")
 
 
 def _malformed(what: str, error: Exception) -> MalformedSpan:

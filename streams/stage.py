@@ -69,6 +69,7 @@ class Counters:
     transitions: int = 0
     calls_without_tokens: int = 0
     group_results: int = 0
+    credits_refused: int = 0  # rollouts (or group members) whose reward, return or advantage was not finite
 
 
 def now_us() -> int:

@@ -13,6 +13,7 @@ taken: ``current_version − policy_version > max_policy_lag`` drops it (and cou
 
 from __future__ import annotations
 
+import math
 import statistics
 from collections import OrderedDict, deque
 from collections.abc import Iterable, Mapping
@@ -26,6 +27,10 @@ PACKED_ROW_TOKENS = 512  # a longer row holds the prompt again: attention is qua
 
 class TransitionError(ValueError):
     """A transition that cannot be trained on: no prompt or response, or logprobs that do not match the tokens."""
+
+
+class NonFiniteTransition(TransitionError):
+    """A transition whose reward, advantage or a behaviour logprob is NaN or infinite: one would make the loss NaN."""
 
 
 @dataclass(frozen=True, slots=True)
@@ -52,8 +57,15 @@ class Sample:
         if len(logprobs) != len(response):
             raise TransitionError(f"transition {record['transition_id']} has {len(logprobs)} logprobs for "
                                   f"{len(response)} response tokens")
+        reward, advantage = float(record["reward"]), float(record["advantage"])
+        if not (math.isfinite(reward) and math.isfinite(advantage)):
+            raise NonFiniteTransition(f"transition {record['transition_id']} has reward {reward!r} and advantage "
+                                      f"{advantage!r}: both must be finite")
+        if not all(map(math.isfinite, logprobs)):
+            raise NonFiniteTransition(f"transition {record['transition_id']} has a behaviour logprob that is not "
+                                      f"finite ({next(v for v in logprobs if not math.isfinite(v))!r})")
         return cls(record["transition_id"], record["rollout_id"], int(record["policy_version"]), list(prompt),
-                   list(response), list(logprobs), float(record["reward"]), float(record["advantage"]), position)
+                   list(response), list(logprobs), reward, advantage, position)
 
     @property
     def length(self) -> int:

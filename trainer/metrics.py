@@ -13,7 +13,7 @@ from trainer.step import StepResult
 TRAIN_STEP_COLUMNS = (
     "model", "step", "policy_version", "loss", "reward_mean", "advantage_mean", "advantage_std", "kl", "entropy",
     "clip_fraction", "importance_weight_mean", "staleness_mean", "staleness_max", "dropped_stale", "transitions",
-    "tokens", "tokens_per_s", "step_time_s", "created_at",
+    "tokens", "tokens_per_s", "step_time_s", "created_at", "skipped_nonfinite",
 )
 CHECKPOINT_COLUMNS = ("model", "version", "uri", "sha256", "step", "format", "metrics", "created_at")
 
@@ -46,9 +46,11 @@ class StepReport:
     invalid: int
     truncated_fraction: float
     grad_norm: float
+    skipped_nonfinite: int = 0
+    """Batches skipped since the previous step because their loss or gradient norm was not finite."""
 
     @classmethod
-    def of(cls, model: str, step: int, batch: Batch, result: StepResult) -> StepReport:
+    def of(cls, model: str, step: int, batch: Batch, result: StepResult, skipped_nonfinite: int = 0) -> StepReport:
         stats, lags = result.stats, batch.lags()
         advantage_mean, advantage_std = batch.advantage_stats()
         return cls(
@@ -60,7 +62,7 @@ class StepReport:
             transitions=result.transitions, tokens=result.tokens, tokens_per_s=result.tokens_per_s,
             step_time_s=result.seconds, created_at=datetime.datetime.now(datetime.UTC),
             duplicates=batch.counts.duplicate, uninformative=batch.counts.uninformative, invalid=batch.counts.invalid,
-            truncated_fraction=stats.mean("truncated"), grad_norm=result.grad_norm,
+            truncated_fraction=stats.mean("truncated"), grad_norm=result.grad_norm, skipped_nonfinite=skipped_nonfinite,
         )
 
     def row(self) -> tuple:
@@ -71,7 +73,8 @@ class StepReport:
                 f"adv {self.advantage_mean:+.2f}±{self.advantage_std:.2f}  kl {self.kl:.4f}  ent {self.entropy:.2f}  "
                 f"clip {self.clip_fraction:.3f}  w {self.importance_weight_mean:.3f}  |g| {self.grad_norm:.2f}  "
                 f"lag {self.staleness_mean:.1f}/{self.staleness_max}  dropped stale {self.dropped_stale} "
-                f"dup {self.duplicates} flat {self.uninformative} bad {self.invalid}  "
+                f"dup {self.duplicates} flat {self.uninformative} bad {self.invalid} "
+                f"{f'nonfinite {self.skipped_nonfinite} ' if self.skipped_nonfinite else ''} "
                 f"{self.transitions} tr {self.tokens} tok {self.tokens_per_s:,.0f} tok/s {self.step_time_s:.2f}s")
 
     def checkpoint_metrics(self) -> dict[str, float]:

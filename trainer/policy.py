@@ -23,6 +23,7 @@ from models import (
     FULL_WEIGHTS_FILE,
     WeightsError,
     assign_weights,
+    check_finite,
     check_weights,
     load_model,
     read_weights,
@@ -128,9 +129,15 @@ def save_weights_later(policy: Policy, folder: Path, optimizer_state: bool = Tru
     the write (0.5 GB for SmolLM2 in float32) can run on another thread beside that step; it
     hashes the bytes as it writes them. One tensor per storage is kept, as ``save_model`` does
     for a tied head. A LoRA adapter is small: it is written now.
+
+    Raises ``models.NonFiniteWeights`` before anything is written when a weight to be saved
+    (after the cast to the checkpoint dtype, where rounding may overflow) is NaN or infinite.
     """
     if policy.lora:
+        from peft import get_peft_model_state_dict
+
         peft_model: Any = policy.model  # a PeftModel (torch types module attributes as Tensor | Module)
+        check_finite(get_peft_model_state_dict(peft_model), f"{policy.name}'s LoRA adapter")
         peft_model.save_pretrained(folder, safe_serialization=True)
         if optimizer_state:
             torch.save(policy.optimizer.state_dict(), folder / OPTIMIZER_STATE)
@@ -139,6 +146,7 @@ def save_weights_later(policy: Policy, folder: Path, optimizer_state: bool = Tru
     for name, tensor in policy.model.state_dict().items():  # the last name of a tied pair stays
         by_storage[tensor.data_ptr()] = (name, tensor.detach().to("cpu", policy.checkpoint_dtype, copy=True))
     tensors = dict(by_storage.values())
+    check_finite(tensors, f"{policy.name}'s weights in {policy.checkpoint_dtype}")
     optimizer = copy.deepcopy(policy.optimizer.state_dict()) if optimizer_state else None
 
     def write() -> Written:
@@ -159,6 +167,7 @@ def load_weights(policy: Policy, folder: Path) -> None:
             from peft import set_peft_model_state_dict
 
             state = load_file(folder / ADAPTER_WEIGHTS_FILE, device=str(policy.device))
+            check_finite(state, str(folder / ADAPTER_WEIGHTS_FILE))
             result = set_peft_model_state_dict(policy.model, state)
             unexpected = getattr(result, "unexpected_keys", None)
             if unexpected:
@@ -178,3 +187,10 @@ def load_weights(policy: Policy, folder: Path) -> None:
     optimizer_file = folder / OPTIMIZER_STATE
     if optimizer_file.is_file():
         policy.optimizer.load_state_dict(torch.load(optimizer_file, map_location=policy.device, weights_only=True))
+
+
+def restore_last_good(policy: Policy, folder: Path) -> None:
+    """Go back to a checkpoint's weights after a bad turn; AdamW's moments too, or afresh where it has none."""
+    if not (folder / OPTIMIZER_STATE).is_file():
+        policy.optimizer.state.clear()  # the moments that led to the bad weights are not kept
+    load_weights(policy, folder)

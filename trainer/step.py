@@ -1,7 +1,12 @@
-"""One training step: teacher-forced forward on prompt + response ids, policy loss, backward, clip, optimizer step."""
+"""One training step: teacher-forced forward on prompt + response ids, policy loss, backward, clip, optimizer step.
+
+A step whose loss or gradient norm is not finite is skipped: its gradients are dropped and the
+optimizer does not step, so neither the weights nor AdamW's moments ever see a NaN or an infinity.
+"""
 
 from __future__ import annotations
 
+import math
 import time
 from contextlib import nullcontext
 from dataclasses import dataclass
@@ -17,7 +22,10 @@ from trainer.policy import Policy
 
 @dataclass(frozen=True)
 class StepResult:
-    """What one optimizer step did: token statistics, gradient norm, size and timing."""
+    """What one optimizer step did: token statistics, gradient norm, size and timing.
+
+    ``skipped``: the loss or the gradient norm was not finite, so the optimizer did not step.
+    """
 
     stats: TokenStats
     loss: float
@@ -25,6 +33,7 @@ class StepResult:
     transitions: int
     tokens: int
     seconds: float
+    skipped: bool = False
 
     @property
     def tokens_per_s(self) -> float:
@@ -71,7 +80,11 @@ def reference_logprobs(policy: Policy, micro: MicroBatch | PackedMicroBatch, tem
 
 
 def train_step(policy: Policy, batch: Batch, config: TrainerConfig) -> StepResult:
-    """Accumulate the loss over micro-batches (normalised by the step's response tokens), then one optimizer step."""
+    """Accumulate the loss over micro-batches (normalised by the step's response tokens), then one optimizer step.
+
+    Where the loss or the gradient norm is not finite, the gradients are zeroed and no step is
+    taken (``skipped``): the weights and the optimizer state stay as they were.
+    """
     started = time.perf_counter()
     policy.model.train()
     stats, loss = TokenStats(), 0.0
@@ -85,7 +98,10 @@ def train_step(policy: Policy, batch: Batch, config: TrainerConfig) -> StepResul
                           normalizer=batch.response_tokens)
         out.loss.backward()
         stats, loss = stats + out.stats, loss + out.loss.item()
-    grad_norm = torch.nn.utils.clip_grad_norm_(policy.trainable(), config.grad_clip)
-    policy.optimizer.step()
+    grad_norm = float(torch.nn.utils.clip_grad_norm_(policy.trainable(), config.grad_clip))
+    skipped = not (math.isfinite(loss) and math.isfinite(grad_norm))
+    if not skipped:
+        policy.optimizer.step()
     policy.optimizer.zero_grad(set_to_none=True)
-    return StepResult(stats, loss, float(grad_norm), len(batch.samples), batch.tokens, time.perf_counter() - started)
+    return StepResult(stats, loss, grad_norm, len(batch.samples), batch.tokens, time.perf_counter() - started,
+                      skipped)

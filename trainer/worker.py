@@ -9,12 +9,19 @@ further: after a crash, exactly the transitions behind the last checkpoint are r
 Transition ids dedupe replays: within a run every id taken for training is remembered, and
 across restarts the ids of the newest checkpoints (up to ``dedupe_window``) are loaded back,
 so a transition that a replay upstream re-emitted at a new offset is not trained twice either.
+
+No NaN reaches a checkpoint: a batch whose loss or gradient norm is not finite is skipped (no
+optimizer step; counted in the next ``train_steps`` row as ``skipped_nonfinite``, and logged),
+and weights that are not finite anyway are never written: that checkpoint is refused
+(``NonFiniteWeights``, logged) and training goes on from the newest checkpoint's weights, the
+last good ones; with no checkpoint to go back to, the worker stops with that error.
 """
 
 from __future__ import annotations
 
 import asyncio
 import logging
+import shutil
 import time
 from collections.abc import Callable
 from concurrent.futures import ThreadPoolExecutor
@@ -30,6 +37,7 @@ from infra.deployments import DeploymentFollower, Routing
 from infra.kafka import client_options, consumer_options, topic_name
 from infra.logreset import ConsumerLogWatch
 from infra.members import MemberLedger, evict_dead_members, member_id
+from models import NonFiniteWeights
 from schemas import TRANSITION, TRANSITION_BATCH, AvroCodec, CodecError
 from trainer.batching import Batch, Batcher, Sample, SeenIds, TransitionError
 from trainer.checkpoints import (
@@ -51,6 +59,7 @@ from trainer.policy import (
     Written,
     build_policy,
     load_weights,
+    restore_last_good,
     save_weights_later,
 )
 from trainer.rebase import RejectionStreak
@@ -71,6 +80,8 @@ class RunSummary:
     tokens: int = 0
     train_seconds: float = 0.0
     rebases: int = 0
+    skipped_nonfinite: int = 0  # batches whose loss or gradient norm was not finite: no optimizer step
+    refused_checkpoints: int = 0  # checkpoints not written because a weight was not finite
     first_record_at: float | None = None
     last_step_at: float | None = None
 
@@ -129,6 +140,7 @@ class TrainerWorker:
         self._trained_since: list[str] = []
         self._steps_since = 0
         self._last_report: StepReport | None = None
+        self._skipped_nonfinite = 0  # batches skipped since the last step that was taken
         self._reports: list[StepReport] = []
         self._flushed_at = 0.0
         self._writes: set[asyncio.Task] = set()
@@ -283,10 +295,20 @@ class TrainerWorker:
 
     async def _train(self, batch: Batch) -> None:
         result = await self._on_model_thread(train_step, self.policy, batch, self.settings)
+        if result.skipped:
+            self._skipped_nonfinite += 1
+            self.summary.skipped_nonfinite += 1
+            log.warning("trainer %s: skipped a batch of %d transitions: loss %r, gradient norm %r (not finite); "
+                        "weights and optimizer state unchanged", self.name, result.transitions, result.loss,
+                        result.grad_norm)
+            self.progress(f"step skipped: loss {result.loss} |g| {result.grad_norm} not finite "
+                          f"({self.summary.skipped_nonfinite} skipped in this run)")
+            return
         self.step += 1
         self._steps_since += 1
         self._trained_since.extend(s.transition_id for s in batch.samples)
-        report = self._last_report = StepReport.of(self.name, self.step, batch, result)
+        report = self._last_report = StepReport.of(self.name, self.step, batch, result, self._skipped_nonfinite)
+        self._skipped_nonfinite = 0
         self.summary.steps += 1
         self.summary.transitions += result.transitions
         self.summary.tokens += result.tokens
@@ -330,8 +352,13 @@ class TrainerWorker:
         staging = self.store.staging()
         every = self.settings.optimizer_state_every
         version = self.version + 1
-        write = await self._on_model_thread(save_weights_later, self.policy, staging,
-                                            every > 0 and version % every == 0)
+        try:
+            write = await self._on_model_thread(save_weights_later, self.policy, staging,
+                                                every > 0 and version % every == 0)
+        except NonFiniteWeights as error:
+            shutil.rmtree(staging, ignore_errors=True)
+            await self._back_to_last_good(version, error)
+            return
         metrics = self._last_report.checkpoint_metrics() if self._last_report else {}
         if self._rebased_on is not None:
             metrics["rebased_on_version"], self._rebased_on = float(self._rebased_on), None
@@ -339,6 +366,25 @@ class TrainerWorker:
         self.version = version
         self._writing = asyncio.create_task(self._write(write, staging, version, self.step, positions, trained_ids,
                                                         metrics))
+
+    async def _back_to_last_good(self, version: int, error: NonFiniteWeights) -> None:
+        """A checkpoint refused for a non-finite weight: train on from the newest checkpoint's weights.
+
+        The steps since it are dropped with the weights they changed (their transitions still
+        count as trained, as in a rebase); AdamW's moments come back with it, or start afresh
+        where it was written without them. With no checkpoint yet there is nothing good to go
+        back to: the error is raised and the worker stops.
+        """
+        self.summary.refused_checkpoints += 1
+        log.error("trainer %s: checkpoint v%d not written: %s", self.name, version, error)
+        manifest = latest_manifest(self.store, self.name)
+        if manifest is None:
+            raise NonFiniteWeights(f"trainer {self.name}: {error}, and there is no checkpoint to go back to: "
+                                   "stopping") from None
+        folder = await asyncio.to_thread(self.store.get, manifest.uri)
+        await self._on_model_thread(restore_last_good, self.policy, folder)
+        self.progress(f"trainer {self.name}: v{version} refused (a weight is not finite); training on from "
+                      f"v{manifest.version}'s weights (step {manifest.step})")
 
     async def _write(self, write: Callable[[], Written], staging: Path, version: int, step: int,
                      positions: dict[TopicPartition, int], trained_ids: list[str], metrics: dict[str, float]) -> None:

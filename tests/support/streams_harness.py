@@ -97,8 +97,12 @@ def now_us() -> int:
 def rollout_records(rollout_id: str, *, agent: str = "agent", task: str = "task", group: str | None = None,
                     rewards: list[tuple[int, float]] = (), llm_at: list[int] = (0,), terminal: str | None = "SUCCEEDED",
                     model: str = "m", policy_version: int = 1, tokens: bool = True, started: bool = True,
-                    start_us: int | None = None) -> list[bytes]:
-    """The records of one rollout: STARTED, one SpanBatch (LLM calls at offsets in µs, rewards at offsets), terminal."""
+                    start_us: int | None = None, dimensions: dict[str, float] | None = None) -> list[bytes]:
+    """The records of one rollout: STARTED, one SpanBatch (LLM calls at offsets in µs, rewards at offsets), terminal.
+
+    Rewards are written as given (NaN included, as a client that skips every check would write them),
+    each with ``dimensions`` as its reward dimensions.
+    """
     t0 = start_us or now_us()
     attempt = f"{rollout_id}-1"
     common = {"rollout_id": rollout_id, "attempt_id": attempt, "agent_name": agent, "task_id": task,
@@ -113,7 +117,8 @@ def rollout_records(rollout_id: str, *, agent: str = "agent", task: str = "task"
               "prompt_token_ids": [1, 2, 3, i] if tokens else None, "response_token_ids": [7, i] if tokens else None,
               "response_logprobs": [-0.5, -0.25] if tokens else None} for i, at in enumerate(llm_at)]
     spans += [{**common, "span_id": f"{rollout_id}-r{i}", "name": "reward", "kind": "REWARD", "start_time_us": t0 + at,
-               "end_time_us": t0 + at, "status": "OK", "reward": value} for i, (at, value) in enumerate(rewards)]
+               "end_time_us": t0 + at, "status": "OK", "reward": value, "reward_dimensions": dimensions}
+              for i, (at, value) in enumerate(rewards)]
     records = [event("STARTED")] if started else []
     records.append(CODEC.encode_span_batch(spans))
     if terminal:
