@@ -382,13 +382,22 @@ class DeployConfig:
     the server holds it. With it, each checkpoint is a candidate: ``eval_agent`` (module:function,
     called with a task and a rollout, returning the reward; it must call the model the task's
     ``model`` names) runs over ``eval_tasks`` (a JSONL task file; its first ``eval_limit`` tasks,
-    0 = all) pinned to the candidate and to the stable version, and a candidate more than
-    ``tolerance`` below the stable score is rejected. One that passes serves ``canary_share`` of
-    live rollouts for at least ``canary_min_s`` and ``canary_min_rollouts`` rewarded rollouts,
-    and is rolled back as soon as its live reward is below the stable version's by more than
-    ``tolerance`` at ``confidence`` (one-sided Welch test), promoted once the window is over
-    otherwise, and rolled back if ``canary_max_s`` passes without enough rewards. The gate
-    needs LoRA checkpoints (``trainer.lora``): full weights replace the only copy a server holds.
+    0 = all) pinned to the candidate and, afresh, to the stable version. The candidate goes on
+    only when the data show it no worse than the stable version by more than ``tolerance``: the
+    lower ``confidence`` bound of the mean paired difference over the tasks (Student t) is above
+    ``-tolerance``; a task that fails after three tries fails the evaluation (rejected, "evaluation
+    failed"), it never scores 0. On 32 tasks with 0/1 rewards that takes a near-identical candidate
+    at the default tolerance. A candidate that passes serves ``canary_share`` of live rollouts; an
+    always-valid sequential bound on the difference of live mean rewards (a normal mixture with
+    scale ``tolerance``, looked at every poll) promotes it once it shows "no worse than
+    ``tolerance``" (not before ``canary_min_s``) and rolls it back once it shows "worse", each
+    wrong with probability at most 1 - ``confidence``, and never on fewer than
+    ``canary_min_rollouts`` rewarded canary rollouts. A canary still undecided at ``canary_max_s``
+    is rolled back, never promoted. At the defaults (stable reward 0.8 with 0/1 rewards) a canary
+    as good as the stable version needs about 650 rewarded canary rollouts (6,500 in all at a 10%
+    share) to be promoted: see docs/gate.md and ``python -m bench.gate``. The gate needs LoRA
+    checkpoints (``trainer.lora``): full weights replace the only copy a server holds. A gate and
+    a hot swap with ``gate = false`` refuse to run for the same model.
     """
 
     gate: bool = False
@@ -406,7 +415,7 @@ class DeployConfig:
 
     def __post_init__(self) -> None:
         checks = {
-            "tolerance must be >= 0": self.tolerance >= 0,
+            "tolerance must be > 0 (the margin of non-inferiority)": self.tolerance > 0,
             "canary_share must be within (0, 1]": 0 < self.canary_share <= 1,
             "canary_min_s must be >= 0 and canary_max_s >= canary_min_s":
                 0 <= self.canary_min_s <= self.canary_max_s,
