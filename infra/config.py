@@ -394,10 +394,10 @@ class DeployConfig:
     wrong with probability at most 1 - ``confidence``, and never on fewer than
     ``canary_min_rollouts`` rewarded canary rollouts. A canary still undecided at ``canary_max_s``
     is rolled back, never promoted. At the defaults (stable reward 0.8 with 0/1 rewards) a canary
-    as good as the stable version needs about 650 rewarded canary rollouts (6,500 in all at a 10%
-    share) to be promoted: see docs/gate.md and ``python -m bench.gate``. The gate needs LoRA
-    checkpoints (``trainer.lora``): full weights replace the only copy a server holds. A gate and
-    a hot swap with ``gate = false`` refuse to run for the same model.
+    as good as the stable version needs a median of about 525 rewarded canary rollouts (p90
+    1,160; 5,300 and 11,500 in all at a 10% share) to be promoted: docs/gate.md, ``python -m
+    bench.gate``. The gate needs LoRA checkpoints (``trainer.lora``): full weights replace the only
+    copy a server holds. A gate and a hot swap with ``gate = false`` refuse to run for one model.
     """
 
     gate: bool = False
@@ -453,9 +453,13 @@ class DemoConfig:
     takes the newest when it is free), the trainer's lag bound in checkpoints (the stable version
     trails the trainer by a gate cycle of about five checkpoints; a bound of 8 dropped half the
     transitions as stale), the gate's
-    evaluation size, canary share and minimum canary window (a half-share canary at two users a
-    second has its 12 rated rollouts in about 40 s, so a gate cycle takes about a minute), and after
-    how many refused candidates in a row the trainer goes back to the serving version.
+    evaluation size, canary share and minimum canary window, the gate's tolerance and confidence
+    (a lenient gate, 0.2 at 90%, so that a demo of a quarter hour shows promotions: at the
+    production defaults, 0.05 at 95%, a half-share canary at two users a second would need about
+    half an hour of traffic to show "no worse"; with these, ``bench.gate``'s simulation of 50% 0/1
+    rewards needs a median 80 rated canary rollouts when the candidate is as good, 39 when it is 10
+    points better, about two minutes at two users a second; docs/gate.md), and after how many
+    refused candidates in a row the trainer goes back to the serving version.
     """
 
     quick: bool = False
@@ -487,6 +491,8 @@ class DemoConfig:
     online_rebase_after_rejections: int = 3
     online_canary_share: float = 0.5
     online_canary_s: float = 30.0
+    online_tolerance: float = 0.2
+    online_confidence: float = 0.9
     online_report_path: str = "online-report.json"
 
     @property
@@ -502,6 +508,8 @@ class DemoConfig:
             raise ConfigError("demo: heldout_tasks must be between 1 and 399 (the arithmetic task set has 400)")
         if self.dtype not in ("auto", "float32", "bfloat16"):
             raise ConfigError("demo: dtype must be auto, float32 or bfloat16")
+        if self.online_tolerance <= 0 or not 0.5 < self.online_confidence < 1:
+            raise ConfigError("demo: online_tolerance must be > 0 and online_confidence within (0.5, 1)")
 
 
 SCHEMA_REGISTRY_IDS = ("fingerprint", "sequential")
