@@ -694,7 +694,7 @@ def hotswap_command(ctx: click.Context, server_url: str, model_name: str, no_ver
     import uvloop
 
     from infra.clickhouse import migrate, wait_for_clickhouse
-    from infra.deployments import DeploymentLog
+    from infra.deployments import DeploymentError, DeploymentLog
     from serving.hotswap import HotSwapper
 
     config = _config(ctx)
@@ -723,6 +723,8 @@ def hotswap_command(ctx: click.Context, server_url: str, model_name: str, no_ver
 
     try:
         uvloop.run(serve())
+    except DeploymentError as error:  # e.g. a gate runs for this model and deploy.gate is false here
+        raise click.ClickException(str(error)) from None
     finally:
         client.close()
 
@@ -739,7 +741,8 @@ def gate_command(ctx: click.Context, model_name: str, server_url: str, proxy_url
     """Run the promotion gate: evaluate each new checkpoint, canary it on live traffic, promote or roll back.
 
     Settings are the [deploy] table (eval_agent, eval_tasks, tolerance, canary_share, canary_min_s, ...);
-    hot swap must run with deploy.gate = true so that it loads what the gate names.
+    hot swap must run with deploy.gate = true so that it loads what the gate names (each refuses to
+    start beside the other otherwise). The rule and its error rates: docs/gate.md.
     """
     import uvloop
 

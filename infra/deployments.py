@@ -6,7 +6,14 @@ the routing in force after it, so the latest event per model is all a reader nee
 and hot swap fold the topic into one :class:`Routing` per model with :class:`DeploymentFollower`.
 The gate, hot swap (when no gate runs) and ``agentstream promote``/``rollback`` write decisions
 with :class:`DeploymentLog`.
+
+The same topic carries :class:`Announcement` records (schemas/avro/announcement.avsc): the gate
+and hot swap say with :func:`announce` that they run for a model, and with which ``deploy.gate``.
+Only one of them may decide what serves, so a hot swap that promotes every checkpoint itself
+(``deploy.gate = false``) and a gate for the same model refuse to run side by side: whichever
+starts second reads the other's live announcement and stops with :class:`GateDisagreement`.
 """
+
 
 from __future__ import annotations
 
@@ -14,7 +21,9 @@ import asyncio
 import datetime
 import hashlib
 import logging
+import os
 import re
+import socket
 import time
 import uuid
 from collections.abc import Callable
@@ -27,7 +36,7 @@ from aiokafka.errors import KafkaError
 
 from infra.config import Config
 from infra.kafka import client_options, consumer_options, topic_name
-from schemas import CHECKPOINT, DEPLOYMENT, AvroCodec, CodecError
+from schemas import ANNOUNCEMENT, CHECKPOINT, DEPLOYMENT, AvroCodec, CodecError
 
 log = logging.getLogger("agentstream.deployments")
 
@@ -45,6 +54,10 @@ class Action(StrEnum):
 
 class DeploymentError(RuntimeError):
     """A decision cannot be made or recorded (unknown model or version, broker unreachable)."""
+
+
+class GateDisagreement(DeploymentError):
+    """A gate and a hot swap that promotes every checkpoint itself would both decide what serves one model."""
 
 
 ADAPTER_SUFFIX = re.compile(r"^(?P<model>.+)@v(?P<version>\d+)$")
@@ -221,6 +234,31 @@ class DeploymentLog:
                  decision.decided_by, decision.reason, decision.routing.describe())
 
 
+ANNOUNCE_EVERY_S = 5.0
+"""How often a running gate or hot swap renews its announcement."""
+ANNOUNCEMENT_LIVE_S = 20.0
+"""How long an announcement holds without renewal: a process that died unannounced is forgotten after this."""
+
+
+@dataclass(frozen=True)
+class Announcement:
+    """A gate or hot swap saying that it runs for ``model`` with ``deploy.gate = gated`` (the Announcement event)."""
+
+    model: str
+    role: str
+    gated: bool
+    instance: str
+    at_us: int
+    live_s: float
+
+    def live(self, now_us: int) -> bool:
+        return now_us < self.at_us + self.live_s * 1e6
+
+    def promotes_itself(self) -> bool:
+        """A hot swap without the gate: it promotes every checkpoint it loads."""
+        return self.role == "hotswap" and not self.gated
+
+
 class DeploymentFollower:
     """Folds the deployments topic into the routing of every model, from its start and then as decisions arrive.
 
@@ -237,6 +275,7 @@ class DeploymentFollower:
         self.on_decision = on_decision
         self.retry_s = retry_s
         self.routes: dict[str, Routing] = {}
+        self.announcements: dict[str, Announcement] = {}  # the latest of each process (by instance)
         self.ready = asyncio.Event()
         self.codec = AvroCodec()
 
@@ -275,8 +314,12 @@ class DeploymentFollower:
         if record.value is None:
             return
         try:
+            if self.codec.writer_schema(record.value)[1] == ANNOUNCEMENT:
+                said = Announcement(**self.codec.decode(record.value, ANNOUNCEMENT)[1])
+                self.announcements[said.instance] = said
+                return
             decision = Decision.from_record(self.codec.decode(record.value, DEPLOYMENT)[1])
-        except (CodecError, KeyError, ValueError) as error:
+        except (CodecError, KeyError, ValueError, TypeError) as error:
             log.error("skipped an unreadable deployment event at offset %d: %s", record.offset, error)
             return
         self.routes[decision.model] = decision.routing
@@ -298,3 +341,98 @@ async def read_routes(config: Config, bootstrap_servers: str, timeout_s: float =
         stop.set()
         await task
     return follower.routes
+
+
+def disagreement(mine: Announcement, others: list[Announcement], now_us: int) -> str | None:
+    """Why ``mine`` may not run beside the live announcements of ``others`` for its model (None: it may)."""
+    for other in others:
+        if other.model != mine.model or other.instance == mine.instance or not other.live(now_us):
+            continue
+        if {mine.role, other.role} == {"gate", "hotswap"} and (mine.promotes_itself() or other.promotes_itself()):
+            ago = max(0.0, (now_us - other.at_us) / 1e6)
+            if mine.role == "hotswap":
+                return (f"hot swap for {mine.model} runs with deploy.gate = false (it would promote every checkpoint "
+                        f"itself) but the gate {other.instance} announced itself {ago:.0f} s ago: set deploy.gate = "
+                        "true for hot swap, or stop the gate")
+            return (f"the gate for {mine.model} would decide what serves, but hot swap {other.instance} (announced "
+                    f"{ago:.0f} s ago) runs with deploy.gate = false and promotes every checkpoint itself: restart "
+                    "hot swap with deploy.gate = true")
+    return None
+
+
+async def announce(config: Config, bootstrap_servers: str, model: str, role: str, *, gated: bool,
+                   stop: asyncio.Event, timeout_s: float = 30.0) -> asyncio.Task:
+    """Announce this process on the deployments topic, refuse to run beside a disagreeing one, renew until ``stop``.
+
+    The announcement is written first and the topic then read past it, so of two disagreeing
+    processes starting together at least the second in the log sees the first and refuses
+    (:class:`GateDisagreement`, one line). The returned task renews it every
+    :data:`ANNOUNCE_EVERY_S` and withdraws it once ``stop`` is set.
+    """
+    topic = topic_name(config.topics, "deployments")
+    codec = AvroCodec()
+    mine = Announcement(model, role, gated, f"{socket.gethostname()}:{os.getpid()}:{uuid.uuid4().hex[:6]}",
+                        time.time_ns() // 1000, ANNOUNCEMENT_LIVE_S)
+    producer = AIOKafkaProducer(**client_options(config.kafka, bootstrap_servers), acks="all")
+    await producer.start()
+    try:
+        await _say(producer, topic, codec, mine)
+        others = await _announcements_up_to(config, bootstrap_servers, mine, timeout_s)
+        refusal = disagreement(mine, others, time.time_ns() // 1000)
+        if refusal is not None:
+            await _say(producer, topic, codec, replace(mine, at_us=time.time_ns() // 1000, live_s=0.0))
+            raise GateDisagreement(refusal)
+    except BaseException:
+        await producer.stop()
+        raise
+    task = asyncio.create_task(_keep_announcing(producer, topic, codec, mine, stop))
+    _ANNOUNCING.add(task)
+    task.add_done_callback(_ANNOUNCING.discard)
+    return task
+
+
+_ANNOUNCING: set[asyncio.Task] = set()  # keeps each renewal task alive while its caller ignores it
+
+
+async def _say(producer: AIOKafkaProducer, topic: str, codec: AvroCodec, said: Announcement) -> None:
+    # Partition 0: the one every DeploymentFollower reads.
+    await producer.send_and_wait(topic, key=f"announce/{said.role}/{said.model}/{said.instance}".encode(),
+                                 value=codec.encode(ANNOUNCEMENT, said.__dict__), partition=0)
+
+
+async def _announcements_up_to(config: Config, bootstrap_servers: str, mine: Announcement,
+                               timeout_s: float) -> list[Announcement]:
+    """Every announcement on the topic, read until ``mine`` comes back (so nothing written before it is missed)."""
+    follower = DeploymentFollower(config, bootstrap_servers)
+    done = asyncio.Event()
+    reading = asyncio.create_task(follower.run(done))
+    try:
+        deadline = time.monotonic() + timeout_s
+        while mine.instance not in follower.announcements:
+            if time.monotonic() > deadline or reading.done():
+                raise DeploymentError(f"could not read this process's announcement back from {follower.topic} within "
+                                      f"{timeout_s:.0f} s (Kafka at {bootstrap_servers})")
+            await asyncio.sleep(0.05)
+    finally:
+        done.set()
+        await reading
+    return list(follower.announcements.values())
+
+
+async def _keep_announcing(producer: AIOKafkaProducer, topic: str, codec: AvroCodec, mine: Announcement,
+                           stop: asyncio.Event) -> None:
+    try:
+        while not stop.is_set():
+            try:
+                await asyncio.wait_for(stop.wait(), ANNOUNCE_EVERY_S)
+            except TimeoutError:
+                try:
+                    await _say(producer, topic, codec, replace(mine, at_us=time.time_ns() // 1000))
+                except KafkaError as error:  # the broker is away: renew at the next turn
+                    log.warning("could not renew the %s announcement for %s: %s", mine.role, mine.model, error)
+        await _say(producer, topic, codec, replace(mine, at_us=time.time_ns() // 1000, live_s=0.0))
+    except KafkaError as error:
+        log.warning("could not withdraw the %s announcement for %s: %s (it lapses in %.0f s)", mine.role, mine.model,
+                    error, mine.live_s)
+    finally:
+        await producer.stop()

@@ -1,6 +1,7 @@
 """Avro schemas of every agentstream Kafka record, and the codec for their Confluent wire format."""
 
 from .catalog import (
+    ANNOUNCEMENT,
     CHECKPOINT,
     DEAD_LETTER,
     DEPLOYMENT,
@@ -31,6 +32,7 @@ from .errors import (
 from .registry import BundledRegistry, SchemaRegistry, default_registry, id_of_canonical_form, schema_id, use_registry
 
 __all__ = [
+    "ANNOUNCEMENT",
     "CHECKPOINT",
     "DEAD_LETTER",
     "DEPLOYMENT",

@@ -27,6 +27,7 @@ CHECKPOINT = f"{NAMESPACE}.Checkpoint"
 DEAD_LETTER = f"{NAMESPACE}.DeadLetter"
 ROLLOUT_RESULT = f"{NAMESPACE}.RolloutResult"
 DEPLOYMENT = f"{NAMESPACE}.Deployment"
+ANNOUNCEMENT = f"{NAMESPACE}.Announcement"
 
 _AVRO_DIR = resources.files("schemas") / "avro"
 _HISTORY_DIR = _AVRO_DIR / "history"

@@ -44,6 +44,7 @@ from infra.deployments import (
     DeploymentLog,
     Routing,
     adapter_name,
+    announce,
     checkpoint_of,
     decide,
     split_adapter_name,
@@ -112,6 +113,7 @@ class HotSwapper:
         self._session: aiohttp.ClientSession | None = None
 
     async def run(self, stop: asyncio.Event) -> None:
+        await announce(self.config, self.bootstrap_servers, self.model, "hotswap", gated=self.gated, stop=stop)
         topic = topic_name(self.config.topics, "checkpoints")
         consumer = AIOKafkaConsumer(topic, **consumer_options(self.config.kafka, self.bootstrap_servers), group_id=None,
                                     enable_auto_commit=False, auto_offset_reset="earliest")

@@ -5,26 +5,31 @@ For each new checkpoint of its model the gate (one process per trained model):
 1. announces it as a CANDIDATE (hot swap loads it; no user is routed to it) and waits until
    the server lists it;
 2. scores it and the stable version with ``evaluate`` (the configured evaluation agent over
-   held-out tasks, pinned to each version; the stable score is kept per version) and REJECTS
-   it when it is worse by more than ``deploy.tolerance``: when the upper confidence bound of
-   the mean paired difference (candidate - stable on each task, its standard error from the
-   differences' spread) is below ``-deploy.tolerance``, so evaluation noise alone does not reject.
-   The same test runs against the best-scoring version that has served all traffic (of those this
-   gate process has scored), so a run of candidates each a little worse than the one before
-   cannot slide below the best by more than the tolerance one noise-sized step at a time;
-3. otherwise makes it the CANARY for ``deploy.canary_share`` of live rollouts and watches the
-   live rewards of both versions in ClickHouse's ``rollouts`` table since the canary began:
-   it is ROLLED_BACK as soon as it is worse, and PROMOTED once the window is over if not.
+   held-out tasks, pinned to each version; both scored afresh for every candidate) and lets it
+   on only when the data show it is no worse than the stable version by more than
+   ``deploy.tolerance``: the lower ``deploy.confidence`` bound of the mean paired difference
+   (candidate - stable, task by task; :func:`trainer.sequential.paired_lower_bound`) is above
+   ``-deploy.tolerance``. The same test runs against the best-scoring version that has served
+   all traffic (of those this gate process has scored, scored again now), so a run of
+   candidates each a little worse than the one before cannot slide below the best by more than
+   the tolerance one step at a time. An evaluation that fails (a task that errs or returns no
+   finite reward after its retries) judges nothing: the candidate is REJECTED as "evaluation
+   failed", with the error;
+3. makes it the CANARY for ``deploy.canary_share`` of live rollouts and watches the live
+   rewards of both versions in ClickHouse's ``rollouts`` table since the canary began, every
+   ``poll_s``: the always-valid bound of :mod:`trainer.sequential` (a normal-mixture sequential
+   test, valid however often it is looked at) PROMOTES it once the data show it is no worse than
+   the tolerance (and ``canary_min_s`` has passed) and ROLLS it BACK once they show it is worse.
+   Each wrong decision has probability at most 1 - ``deploy.confidence``. A canary still
+   undecided at ``canary_max_s`` is rolled back: never promoted on a lack of evidence.
 
-"Worse" is a one-sided test on the difference of mean live rewards d = canary - stable with
-Welch's standard error se = sqrt(var_c/n_c + var_s/n_s): the canary is worse when even the
-upper confidence bound d + z*se (z the normal quantile of ``deploy.confidence``) is below
-``-deploy.tolerance``, i.e. the data rule out "no worse than tolerance" at that confidence.
-The test is made only with at least ``deploy.canary_min_rollouts`` rewarded canary rollouts
-(and two stable ones); a canary that gathers too few before ``canary_max_s`` is rolled back.
-Checkpoints that arrive while one is being considered wait; when the gate is free it takes
-the newest and marks the ones in between SUPERSEDED. A person's decision (``agentstream
-promote``/``rollback``) that changes the candidate or canary ends the gate's consideration.
+Neither bound is computed on fewer than ``deploy.canary_min_rollouts`` rewarded canary
+rollouts (and two stable ones). Checkpoints that arrive while one is being considered wait;
+when the gate is free it takes the newest and marks the ones in between SUPERSEDED. A
+person's decision (``agentstream promote``/``rollback``) that changes the candidate or canary
+ends the gate's consideration. The gate announces itself on the deployments topic
+(:func:`infra.deployments.announce`) and refuses to run beside a hot swap that promotes
+every checkpoint itself (``deploy.gate = false``).
 """
 
 from __future__ import annotations
@@ -35,7 +40,6 @@ import math
 import time
 from collections.abc import Awaitable, Callable
 from dataclasses import dataclass
-from statistics import NormalDist
 from typing import Any
 
 import aiohttp
@@ -49,16 +53,22 @@ from infra.deployments import (
     DeploymentLog,
     Routing,
     adapter_name,
+    announce,
     checkpoint_of,
     decide,
 )
 from infra.kafka import consumer_options, topic_name
 from schemas import AvroCodec
+from trainer.sequential import Verdict, canary_bounds, canary_verdict, paired_differences, paired_lower_bound
 
 log = logging.getLogger("agentstream.gate")
 
 GATE_AGENT = "agentstream-gate"
 """The agent name of evaluation rollouts: they never train (opted out) and never count as live traffic."""
+
+
+class EvaluationError(RuntimeError):
+    """An evaluation could not score a version (a task failed after its retries): nothing is judged on it."""
 
 
 @dataclass(frozen=True)
@@ -77,7 +87,7 @@ class Score:
 
 
 Evaluate = Callable[[int], Awaitable[Score]]
-"""Scores one version of the gate's model (0: the base model)."""
+"""Scores one version of the gate's model (0: the base model); raises :class:`EvaluationError` when it cannot."""
 
 
 @dataclass(frozen=True)
@@ -91,33 +101,28 @@ class LiveRewards:
 
 @dataclass(frozen=True)
 class CanaryVerdict:
-    """What the canary's numbers say: ``worse`` (roll back), ``enough`` (rewards to judge), and the bound used."""
+    """What the canary's numbers say at one look: the verdict, and the difference and bounds it rests on."""
 
-    worse: bool
+    verdict: Verdict
     enough: bool
-    difference: float | None
-    upper_bound: float | None
-
-
-def evaluation_bound(candidate: Score, stable: Score, confidence: float) -> tuple[float, float]:
-    """The mean paired difference candidate - stable over the same tasks, and its upper confidence bound."""
-    differences = [c - s for c, s in zip(candidate.rewards, stable.rewards, strict=True)]
-    mean = sum(differences) / len(differences)
-    variance = sum((d - mean) ** 2 for d in differences) / max(1, len(differences) - 1)
-    return mean, mean + NormalDist().inv_cdf(confidence) * math.sqrt(variance / len(differences))
+    difference: float | None = None
+    lower: float | None = None
+    upper: float | None = None
 
 
 def evaluation_verdict(candidate: Score, references: list[tuple[int, Score]], *, tolerance: float,
                        confidence: float) -> tuple[bool, str]:
-    """Whether the candidate is worse than any reference (version, score) beyond the tolerance, and the comparisons."""
-    worse, compared = False, []
+    """Whether the candidate is shown no worse than every reference (version, score) by the tolerance, and why."""
+    passes, compared = candidate.tasks >= 2, []
     for version, reference in references:
-        difference, upper = evaluation_bound(candidate, reference, confidence)
-        worse = worse or upper < -tolerance
-        compared.append(f"v{version}'s {reference.mean:.3f} (paired difference {difference:+.3f}, upper bound "
-                        f"{upper:+.3f})")
-    return worse, (f"evaluation: {candidate.mean:.3f} on {candidate.tasks} tasks vs "
-                   + " and best served ".join(compared))
+        difference, variance = paired_differences(candidate.rewards, reference.rewards)
+        lower = paired_lower_bound(difference, variance, candidate.tasks, confidence) if candidate.tasks >= 2 \
+            else -math.inf
+        passes = passes and lower > -tolerance
+        compared.append(f"v{version}'s {reference.mean:.3f} (paired difference {difference:+.3f}, lower bound "
+                        f"{lower:+.3f})")
+    return passes, (f"evaluation: {candidate.mean:.3f} on {candidate.tasks} tasks vs "
+                    + " and best served ".join(compared))
 
 
 def best_served(scores: dict[int, Score], served: set[int]) -> int | None:
@@ -127,14 +132,14 @@ def best_served(scores: dict[int, Score], served: set[int]) -> int | None:
 
 def judge_canary(canary: LiveRewards, stable: LiveRewards, *, tolerance: float, confidence: float,
                  min_rollouts: int) -> CanaryVerdict:
-    """The one-sided Welch test of the module docstring."""
+    """The sequential test of :mod:`trainer.sequential` on the live rewards so far (WAIT below the minimum)."""
     enough = canary.rollouts >= min_rollouts and stable.rollouts >= 2
     if not enough or canary.mean is None or stable.mean is None:
-        return CanaryVerdict(False, False, None, None)
-    difference = canary.mean - stable.mean
-    error = math.sqrt(canary.variance / canary.rollouts + stable.variance / stable.rollouts)
-    upper = difference + NormalDist().inv_cdf(confidence) * error
-    return CanaryVerdict(upper < -tolerance, True, difference, upper)
+        return CanaryVerdict(Verdict.WAIT, False)
+    difference, lower, upper = canary_bounds(
+        float(canary.rollouts), canary.mean, canary.variance, float(stable.rollouts), stable.mean, stable.variance,
+        tolerance=tolerance, confidence=confidence)
+    return CanaryVerdict(canary_verdict(lower, upper, tolerance), True, difference, lower, upper)
 
 
 LIVE_REWARDS_SQL = """
@@ -177,6 +182,7 @@ class Gate:
         return self.follower.routing(self.model) or Routing(self.model)
 
     async def run(self, stop: asyncio.Event) -> None:
+        await announce(self.config, self.bootstrap_servers, self.model, "gate", gated=self.settings.gate, stop=stop)
         consumer = AIOKafkaConsumer(topic_name(self.config.topics, "checkpoints"),
                                     **consumer_options(self.config.kafka, self.bootstrap_servers), group_id=None,
                                     enable_auto_commit=False, auto_offset_reset="earliest")
@@ -270,20 +276,27 @@ class Gate:
                 f"{self.settings.load_timeout_s:.0f} s", candidate_version=None))
             return
         stable_version = self.routing.stable_version
-        candidate, stable = await self._score(version), await self._score(stable_version)
+        try:
+            candidate, stable = await self._score(version), await self._score(stable_version)
+            references = [(stable_version, stable)]
+            best = best_served(self.scores, self.served)
+            if best is not None and best != stable_version and self.scores[best].mean > stable.mean:
+                references.append((best, await self._score(best)))
+        except EvaluationError as error:
+            if self.routing.candidate_version == version:
+                await self._record(decide(
+                    self.routing, version, Action.REJECTED, "gate",
+                    f"evaluation failed: {error}; the candidate was not judged", candidate_version=None))
+            return
         scores = dict(candidate_score=candidate.mean, stable_score=stable.mean, eval_tasks=candidate.tasks)
         if self.routing.candidate_version != version:
             return  # a person decided meanwhile
-        references = [(stable_version, stable)]
-        best = best_served(self.scores, self.served)
-        if best is not None and self.scores[best].mean > stable.mean:
-            references.append((best, self.scores[best]))
-        worse, summary = evaluation_verdict(candidate, references, tolerance=self.settings.tolerance,
-                                            confidence=self.settings.confidence)
-        if worse:
+        passes, summary = evaluation_verdict(candidate, references, tolerance=self.settings.tolerance,
+                                             confidence=self.settings.confidence)
+        if not passes:
             await self._record(decide(
                 self.routing, version, Action.REJECTED, "gate",
-                f"{summary}: worse by more than the tolerance {self.settings.tolerance} at "
+                f"{summary}: not shown within the tolerance {self.settings.tolerance} at "
                 f"{self.settings.confidence:.0%} confidence", candidate_version=None, **scores))
             return
         await self._record(decide(
@@ -293,11 +306,11 @@ class Gate:
         await self._watch_canary(checkpoint, stable_version, stop)
 
     async def _score(self, version: int) -> Score:
-        if version not in self.scores:
-            self.scores[version] = await self.evaluate(version)
-            log.info("%s v%d scores %.3f on %d evaluation tasks", self.model, version, self.scores[version].mean,
-                     self.scores[version].tasks)
-        return self.scores[version]
+        """Evaluate ``version`` afresh (a score kept from before would hide a server that changed since)."""
+        score = await self.evaluate(version)
+        self.scores[version] = score
+        log.info("%s v%d scores %.3f on %d evaluation tasks", self.model, version, score.mean, score.tasks)
+        return score
 
     async def _wait_until_loaded(self, version: int, stop: asyncio.Event) -> bool:
         name = adapter_name(self.model, version)
@@ -331,26 +344,29 @@ class Gate:
                            stable_rollouts=stable.rollouts)
             summary = (f"live reward {_mean(canary)} over {canary.rollouts} canary rollouts vs v{stable_version}'s "
                        f"{_mean(stable)} over {stable.rollouts}")
-            if verdict.worse:
+            bounds = ("" if not verdict.enough else f"difference {verdict.difference:+.3f}, always-valid "
+                      f"{settings.confidence:.0%} bounds [{verdict.lower:+.3f}, {verdict.upper:+.3f}]")
+            if verdict.verdict == Verdict.ROLL_BACK:
                 await self._record(decide(
                     self.routing, version, Action.ROLLED_BACK, "gate",
-                    f"canary: {summary}; worse by more than {settings.tolerance} at {settings.confidence:.0%} "
-                    f"confidence (upper bound of the difference {verdict.upper_bound:+.3f})",
+                    f"canary: {summary}; worse by more than {settings.tolerance} ({bounds})",
                     canary_version=None, canary_share=0.0, **numbers))
                 return
-            if verdict.enough and elapsed >= settings.canary_min_s:
+            if verdict.verdict == Verdict.PROMOTE and elapsed >= settings.canary_min_s:
                 await self._record(decide(
                     self.routing, version, Action.PROMOTED, "gate",
-                    f"canary: {summary} after {elapsed:.0f} s; not worse (difference {verdict.difference:+.3f}, "
-                    f"upper bound {verdict.upper_bound:+.3f})",
+                    f"canary: {summary} after {elapsed:.0f} s; no worse than {settings.tolerance} ({bounds})",
                     stable_version=version, stable_uri=checkpoint["uri"], format=checkpoint["format"],
                     canary_version=None, canary_share=0.0, **numbers))
                 return
             if elapsed >= settings.canary_max_s:
+                why = (f"fewer than {settings.canary_min_rollouts} rewarded canary rollouts" if not verdict.enough
+                       else f"still undecided ({bounds})")
                 await self._record(decide(
                     self.routing, version, Action.ROLLED_BACK, "gate",
-                    f"canary: {summary} after {elapsed:.0f} s: fewer than {settings.canary_min_rollouts} rewarded "
-                    "canary rollouts to judge it by", canary_version=None, canary_share=0.0, **numbers))
+                    f"canary: {summary} after {elapsed:.0f} s: {why}; not promoted without evidence (more traffic, "
+                    "a larger canary_share or canary_max_s, or a wider tolerance decide sooner)",
+                    canary_version=None, canary_share=0.0, **numbers))
                 return
 
     async def _live_rewards(self, since_us: int, versions: list[int]) -> dict[int, LiveRewards]:

@@ -71,9 +71,10 @@ def online_config(config: Config, run_id: str, workdir: Path) -> Config:
                         rebase_after_rejections=demo.online_rebase_after_rejections,
                         checkpoint_dir=str(workdir / "checkpoints"), session_timeout_s=6.0),
         deploy=replace(config.deploy, gate=True, eval_agent="examples.arithmetic:solve", eval_tasks=str(heldout),
-                       eval_limit=demo.online_eval_tasks, eval_concurrency=16, tolerance=0.05,
-                       canary_share=demo.online_canary_share, canary_min_s=demo.online_canary_s,
-                       canary_min_rollouts=12, canary_max_s=4 * demo.online_canary_s),
+                       eval_limit=demo.online_eval_tasks, eval_concurrency=16, tolerance=demo.online_tolerance,
+                       confidence=demo.online_confidence, canary_share=demo.online_canary_share,
+                       canary_min_s=demo.online_canary_s, canary_min_rollouts=12,
+                       canary_max_s=10 * demo.online_canary_s),
     )
 
 
@@ -247,6 +248,7 @@ def settings(config: Config) -> dict:
     return {"rate_per_s": config.demo.online_rate, "temperature": trainer.temperature, "lr": trainer.lr,
             "batch": trainer.batch_transitions, "kl_coef": trainer.kl_coef,
             "rebase_after_rejections": trainer.rebase_after_rejections, "canary_share": config.deploy.canary_share,
+            "gate_tolerance": config.deploy.tolerance, "gate_confidence": config.deploy.confidence,
             "dtype": trainer.dtype}
 
 

@@ -319,3 +319,125 @@ def test_deployments_promote_and_rollback_from_the_command_line(lora_setup, stac
     rows = clickhouse.query("SELECT version, action, decided_by, stable_version FROM deployments FINAL "
                             "WHERE model = {m:String} ORDER BY decided_at", parameters={"m": name}).result_rows
     assert rows == [(2, "PROMOTED", "manual", 2), (2, "ROLLED_BACK", "manual", 0)]
+
+
+def test_a_gate_and_a_hot_swap_that_promotes_by_itself_refuse_to_run_side_by_side(lora_setup, stack, clickhouse):
+    from infra.deployments import GateDisagreement
+    from trainer.gate import Gate
+
+    config, name, _ = lora_setup
+    gated = replace(config, deploy=replace(config.deploy, gate=True))
+    server_url = f"http://127.0.0.1:{free_port()}"  # neither gets as far as calling the server
+
+    async def never(version: int):
+        raise AssertionError("nothing is evaluated here")
+
+    async def scenario() -> None:
+        decisions = DeploymentLog(config, stack.bootstrap_servers, clickhouse)
+        await decisions.start()
+        follower = DeploymentFollower(config, stack.bootstrap_servers)
+        stop = asyncio.Event()
+        following = asyncio.create_task(follower.run(stop))
+
+        said: dict[str, set[int]] = {}  # instance -> the times it announced itself
+
+        def announced(role: str, live: bool = True):
+            now = time.time_ns() // 1000
+            for a in follower.announcements.values():
+                said.setdefault(a.instance, set()).add(a.at_us)
+            return [a for a in follower.announcements.values()
+                    if a.model == name and a.role == role and a.live(now) == live]
+
+        def running(role: str) -> bool:
+            """Renewed once: past its start-up check (two starting at once may both refuse)."""
+            return any(len(said.get(a.instance, ())) >= 2 for a in announced(role))
+
+        try:
+            gate_stop = asyncio.Event()
+            gate = asyncio.create_task(Gate(gated, stack.bootstrap_servers, name, evaluate=never, warehouse=clickhouse,
+                                            deployments=decisions, server_url=server_url).run(gate_stop))
+            await wait_until(lambda: running("gate"), 30, "the gate running")
+            with pytest.raises(GateDisagreement, match=r"runs with deploy\.gate = false .* but the gate"):
+                await asyncio.wait_for(HotSwapper(config, stack.bootstrap_servers, server_url, name).run(
+                    asyncio.Event()), 60)
+            refused = await asyncio.to_thread(agentstream_cli, config, stack, "hotswap", "--server", server_url,
+                                              "--model", name)
+            why = refused.stderr.strip().splitlines()[-1]  # one line says why
+            assert refused.returncode == 1
+            assert why.startswith(f"Error: hot swap for {name} runs with deploy.gate = false")
+            gate_stop.set()
+            await gate
+            await wait_until(lambda: announced("gate", live=False) and not announced("gate"), 30,
+                             "the gate's announcement withdrawn")
+
+            swap_stop = asyncio.Event()
+            swapper = asyncio.create_task(HotSwapper(config, stack.bootstrap_servers, server_url, name).run(swap_stop))
+            await wait_until(lambda: running("hotswap"), 30, "hot swap running")
+            with pytest.raises(GateDisagreement, match=r"restart hot swap with deploy\.gate = true"):
+                await asyncio.wait_for(Gate(gated, stack.bootstrap_servers, name, evaluate=never, warehouse=clickhouse,
+                                            deployments=decisions, server_url=server_url).run(asyncio.Event()), 60)
+            assert not swapper.done()  # the one that ran first keeps running
+            swap_stop.set()
+            await swapper
+        finally:
+            stop.set()
+            await following
+            await decisions.stop()
+
+    asyncio.run(scenario())
+
+
+def agentstream_cli(config, stack, *args: str) -> subprocess.CompletedProcess:
+    """``python -m agentstream ARGS`` against the test broker and ClickHouse, with the test's topics and database."""
+    env = {key: value for key, value in os.environ.items()
+           if not key.startswith(("KAFKA_", "CLICKHOUSE_", "AGENTSTREAM_"))}
+    env.update(KAFKA_BOOTSTRAP_SERVERS=stack.bootstrap_servers, CLICKHOUSE_URL=stack.clickhouse_url,
+               CLICKHOUSE_DATABASE=config.clickhouse.database, AGENTSTREAM_TOPIC_PREFIX=config.topics.prefix)
+    return subprocess.run([sys.executable, "-m", "agentstream", *args], env=env, capture_output=True, text=True,
+                          timeout=120)
+
+
+def test_an_evaluation_that_cannot_run_rejects_the_candidate_as_failed_not_as_scored(
+        lora_setup, stack, publisher, clickhouse, tmp_path):
+    """The evaluation goes through a proxy that is down: every call fails, and no candidate is judged on that."""
+    import json
+
+    from agentstream.deploy import task_evaluator
+    from trainer.gate import Gate
+
+    base, name, store = lora_setup
+    task_file = tmp_path / "eval.jsonl"
+    task_file.write_text("\n".join(json.dumps({"id": f"t{n}", "prompt": f"Count to {n}.", "expected": "x",
+                                               "model": name}) for n in range(4)))
+    gated = replace(base, deploy=replace(base.deploy, gate=True, eval_agent="bench.scenario:exact_agent",
+                                         eval_tasks=str(task_file)))
+    dead_proxy = f"http://127.0.0.1:{free_port()}"
+
+    async def scenario() -> None:
+        server_runner, server_url = await serve_app(create_app(load_model("tiny"), served_model_name=name,
+                                                               contract=Contract.VLLM))
+        decisions = DeploymentLog(gated, stack.bootstrap_servers, clickhouse)
+        await decisions.start()
+        seen = []
+        follower = DeploymentFollower(gated, stack.bootstrap_servers, on_decision=seen.append)
+        stop = asyncio.Event()
+        background = [asyncio.create_task(follower.run(stop)), asyncio.create_task(
+            HotSwapper(gated, stack.bootstrap_servers, server_url, name, deployments=decisions).run(stop)),
+            asyncio.create_task(Gate(gated, stack.bootstrap_servers, name,
+                                     evaluate=task_evaluator(gated, dead_proxy, name, publisher), warehouse=clickhouse,
+                                     deployments=decisions, server_url=server_url, poll_s=0.5).run(stop))]
+        try:
+            await asyncio.wait_for(follower.ready.wait(), 20)
+            await publish(gated, stack.bootstrap_servers, lora_checkpoint(gated, broken=False), 1, store)
+            rejected = await wait_until(lambda: next((d for d in seen if d.version == 1 and d.action == "REJECTED"),
+                                                     None), 120, "v1 rejected")
+        finally:
+            stop.set()
+            await asyncio.gather(*background)
+            await decisions.stop()
+            await server_runner.cleanup()
+        assert rejected.reason.startswith("evaluation failed: ") and "failed 3 times" in rejected.reason
+        assert rejected.candidate_score is None and rejected.routing.stable_version == 0
+        assert [str(d.action) for d in seen if d.version == 1] == ["CANDIDATE", "REJECTED"]
+
+    asyncio.run(scenario())

@@ -34,6 +34,7 @@ from infra.schema_registry import RegistryClient, use_configured_registry
 from infra.schema_registry.product import schema_json
 from pipeline.publisher import SpanPublisher
 from schemas import (
+    ANNOUNCEMENT,
     CHECKPOINT,
     DEAD_LETTER,
     DEPLOYMENT,
@@ -57,7 +58,7 @@ TOPIC_RECORDS = {
     "spans": [SPAN_BATCH, SPAN, ROLLOUT_EVENT],
     "transitions": [TRANSITION_BATCH, TRANSITION],
     "checkpoints": [CHECKPOINT],
-    "deployments": [DEPLOYMENT],
+    "deployments": [DEPLOYMENT, ANNOUNCEMENT],
     "dlq": [DEAD_LETTER],
 }
 SPAN_TUPLE = ("Tuple(span_id String, rollout_id String, attempt_id String, parent_id Nullable(String), name String, "

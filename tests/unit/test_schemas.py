@@ -22,6 +22,7 @@ from fastavro.schema import to_parsing_canonical_form
 
 import schemas
 from schemas import (
+    ANNOUNCEMENT,
     CHECKPOINT,
     DEAD_LETTER,
     DEPLOYMENT,
@@ -55,6 +56,7 @@ AVRO_DIR = ROOT / "schemas" / "avro"
 # schemas/avro/history/ (see the README there) so records already on Kafka stay readable;
 # then update the id here.
 PINNED_IDS = {
+    ANNOUNCEMENT: 1743986076,
     CHECKPOINT: 1836988109,
     DEAD_LETTER: 208212813,
     DEPLOYMENT: 1973247138,
@@ -206,6 +208,14 @@ SAMPLES: dict[str, dict[str, Any]] = {
         "stable_reward": None,
         "stable_rollouts": 0,
         "at_us": T0,
+    },
+    ANNOUNCEMENT: {
+        "model": "SmolLM2-135M-Instruct",
+        "role": "gate",
+        "gated": True,
+        "instance": "host-1:4242:9f2c",
+        "at_us": T0,
+        "live_s": 20.0,
     },
     DEAD_LETTER: {
         "source_topic": "agentstream.spans",
