@@ -10,13 +10,12 @@ from __future__ import annotations
 
 import asyncio
 import json
-import logging
 from dataclasses import replace
 
 import openai
 import pytest
 
-from agentstream.deploy import task_evaluator
+from agentstream.deploy import EVAL_ATTEMPTS, task_evaluator
 from examples import arithmetic
 from infra.config import AglConfig, Config, Secret
 from infra.http_thread import ServerThread
@@ -33,7 +32,7 @@ from pipeline.tasks import enqueue, make_task
 from serving.app import create_app
 from tests.support import agl_agents
 from tests.support.readback import Landed, read_topic
-from trainer.gate import GATE_AGENT
+from trainer.gate import GATE_AGENT, EvaluationError
 
 PROXY_KEYS = "k-stack-1,k-stack-2"
 
@@ -92,24 +91,23 @@ def test_the_runner_presents_the_configured_key(client_keys, presents, proxy, pu
             assert "not one of this proxy's keys" in refusal["attributes"]["exception.message"]
 
 
-def test_the_gates_evaluation_presents_the_configured_key(proxy, publisher, topics_config, kafka_options, tmp_path,
-                                                          caplog):
+def test_the_gates_evaluation_presents_the_configured_key(proxy, publisher, topics_config, kafka_options, tmp_path):
     tasks = tmp_path / "eval.jsonl"
     tasks.write_text("".join(json.dumps(task) + "\n" for task in arithmetic.all_tasks()[:2]))
     settings = replace(topics_config.deploy, eval_agent="examples.arithmetic:solve", eval_tasks=str(tasks))
-    for client_keys in (PROXY_KEYS, "k-wrong"):
-        config = replace(keyed(topics_config, client_keys), deploy=settings)
-        with caplog.at_level(logging.WARNING, logger="agentstream.gate"):
-            asyncio.run(task_evaluator(config, proxy.url, "tiny", publisher)(0))
+    score = asyncio.run(task_evaluator(replace(keyed(topics_config, PROXY_KEYS), deploy=settings), proxy.url, "tiny",
+                                       publisher)(0))
+    assert score.tasks == 2
+    with pytest.raises(EvaluationError, match="401"):  # a refused call is an evaluation error, never a score of 0
+        asyncio.run(task_evaluator(replace(keyed(topics_config, "k-wrong"), deploy=settings), proxy.url, "tiny",
+                                   publisher)(0))
     publisher.flush(10)
     landed = read_spans(topics_config, kafka_options, lambda got: sum(
-        1 for e in got.events if e["event"] == "SUCCEEDED" and e["agent_name"] == GATE_AGENT) >= 4)
+        1 for s in got.spans if s["kind"] == "AGENT" and s["agent_name"] == GATE_AGENT) >= 8)
     roots = [s for s in landed.spans if s["kind"] == "AGENT" and s["agent_name"] == GATE_AGENT]
     llm = [s for s in landed.spans if s["kind"] == "LLM" and s["agent_name"] == GATE_AGENT]
-    assert len(roots) == 4
+    assert len(roots) == 2 + 2 * EVAL_ATTEMPTS, "each refused task was tried EVAL_ATTEMPTS times"
     assert len(llm) == 2 and all(s["response_token_ids"] for s in llm), "only the configured key's calls passed"
-    refused = [r.getMessage() for r in caplog.records if "evaluation of tiny" in r.getMessage()]
-    assert len(refused) == 2 and all("401" in message for message in refused)
 
 
 def test_agent_lightning_agents_present_the_key(proxy, publisher, topics_config, kafka_options):
