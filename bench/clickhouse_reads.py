@@ -23,6 +23,7 @@ import urllib.request
 from pathlib import Path
 
 from bench.common import emit
+from infra.machine import calibrate
 from infra.processes import free_port, wait_for_port
 
 BENCH = "clickhouse_reads"
@@ -65,6 +66,8 @@ def main(argv: list[str] | None = None) -> None:
     parser.add_argument("--read-s", type=float, default=5.0, help="how long the long read scans")
     parser.add_argument("--inserts", type=int, default=20, help="inserts timed alone, and at most during the read")
     args = parser.parse_args(argv)
+    calibration = calibrate()
+    emit(BENCH, "machine_calibration", calibration.python_loop_s, "s", **calibration.as_dict())
     port = free_port()
     url = f"http://127.0.0.1:{port}"
     with tempfile.TemporaryDirectory(prefix="agentstream-bench-") as folder:
