@@ -56,6 +56,10 @@ class KeySet:
     def __repr__(self) -> str:
         return f"KeySet({len(self._keys)} keys)"
 
+    def client_key(self) -> str | None:
+        """The key the stack's own clients present: the first listed (list a new key first to rotate), None if none."""
+        return self._keys[0].decode() if self._keys else None
+
     def accepts(self, presented: str) -> bool:
         """Whether ``presented`` is one of the keys (compared in constant time, every key tried)."""
         candidate = presented.encode()

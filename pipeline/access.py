@@ -111,6 +111,4 @@ def proxy_client_key(config: Config) -> str | None:
     Taken from the configuration the proxy reads, so the runner, gate and demos pass its check
     wherever the keys are set (the file or ``AGENTSTREAM_PROXY_KEYS``).
     """
-    keys = config.security.proxy_keys
-    listed = [key.strip() for key in (keys.reveal() if keys is not None else "").split(",") if key.strip()]
-    return listed[0] if listed else None
+    return KeySet(config.security.proxy_keys).client_key()

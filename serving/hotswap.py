@@ -50,6 +50,7 @@ from infra.deployments import (
     split_adapter_name,
 )
 from infra.kafka import consumer_options, topic_name
+from infra.security import KeySet
 from models import WeightsError, local_path, verify_finite, verify_sha256
 from schemas import AvroCodec
 from schemas.contracts import policy_version
@@ -356,6 +357,5 @@ class HotSwapper:
 
 def _admin_headers(config: Config) -> dict[str, str]:
     """The header that carries ``[security] admin_token`` (its first key, where it lists several), if one is set."""
-    token = config.security.admin_token
-    first = next((key.strip() for key in (token.reveal() if token else "").split(",") if key.strip()), "")
+    first = KeySet(config.security.admin_token).client_key()
     return {"Authorization": f"Bearer {first}"} if first else {}

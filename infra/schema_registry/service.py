@@ -15,6 +15,7 @@ from infra.config import Config, dump_toml
 from infra.processes import ServiceDirectory
 from infra.schema_registry.client import RegistryClient, configured_registry, register_product_schemas
 from infra.schema_registry.errors import RegistryError, RegistryUnavailable
+from infra.security import KeySet
 
 SCHEMA_REGISTRY = "schema-registry"
 
@@ -37,8 +38,7 @@ def registry_client(config: Config) -> RegistryClient:
     settings = config.schema_registry
     if settings.external:
         return RegistryClient.from_config(settings)
-    keys = config.security.registry_keys
-    key = next((part.strip() for part in (keys.reveal() if keys else "").split(",") if part.strip()), None)
+    key = KeySet(config.security.registry_keys).client_key()
     return RegistryClient(registry_url(config), STACK_CLIENT_NAME if key else None, key, settings.timeout_s)
 
 

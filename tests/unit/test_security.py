@@ -68,3 +68,8 @@ def test_a_feedback_token_names_one_rollout(tmp_path):
     assert not feedback_token_valid(b"another", "r-1", token)
     configured = SecurityConfig(feedback_secret=Secret("shared"))
     assert feedback_secret(configured, tmp_path) == b"shared"
+
+
+def test_the_stacks_clients_present_the_first_listed_key():
+    assert KeySet(Secret(" new-key , old-key")).client_key() == "new-key"
+    assert KeySet(None).client_key() is None and KeySet(Secret(" , ")).client_key() is None
