@@ -13,23 +13,9 @@ from pipeline import sdk
 from pipeline.agl import adapt_agent, forward_span, install_tracer, is_agl1_agent, task_environment
 from pipeline.runner import call_agent, load_agent
 from pipeline.tasks import TaskFileError, read_task_file
+from tests.support.sinks import ListSink
 
 SETTINGS = AglConfig(model="tiny", temperature=0.7, prompt_template="Solve {question}")
-
-
-class ListSink:
-    def __init__(self) -> None:
-        self.spans: list[dict] = []
-        self.events: list[dict] = []
-
-    def publish(self, span: dict) -> None:
-        self.spans.append(span)
-
-    def publish_event(self, event: dict) -> None:
-        self.events.append(event)
-
-    def of(self, kind: str) -> list[dict]:
-        return [s for s in self.spans if s["kind"] == kind]
 
 
 seen: dict[str, dict] = {}

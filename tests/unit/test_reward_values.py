@@ -17,6 +17,7 @@ from pipeline import sdk
 from pipeline.agl import forward_span
 from pipeline.otlp_map import TraceMapper
 from schemas.contracts import RewardError, resolve_reward
+from tests.support.sinks import ListSink
 
 # (value, what the error says): everything a JSON body, a Python agent or a careless client can send
 HOSTILE = [
@@ -37,21 +38,6 @@ HOSTILE = [
     (np.float64("nan"), "finite"),
     (np.float32("inf"), "finite"),
 ]
-
-
-class ListSink:
-    def __init__(self) -> None:
-        self.spans: list[dict] = []
-        self.events: list[dict] = []
-
-    def publish(self, span: dict) -> None:
-        self.spans.append(span)
-
-    def publish_event(self, event: dict) -> None:
-        self.events.append(event)
-
-    def rewards(self) -> list[dict]:
-        return [span for span in self.spans if span["kind"] == "REWARD"]
 
 
 @pytest.mark.parametrize(("value", "says"), HOSTILE)

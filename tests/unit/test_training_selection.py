@@ -15,6 +15,7 @@ from schemas.contracts import TRAIN_ATTRIBUTE, TRAIN_HEADER, TrainFlagError, par
 from streams.processor import STORED_SPANS_SQL, sample_point, training_choice
 from streams.spanreader import SpanReader
 from streams.trajectory import SpanNode, assemble
+from tests.support.sinks import ListSink
 
 CODEC = AvroCodec()
 
@@ -51,18 +52,6 @@ def test_build_span_stamps_the_rollouts_choice_on_every_span(train, expected):
     assert span["attributes"]["gen_ai.system"] == "x"
     bare = build_span(owner, "reward", "REWARD", 1, 1)
     assert bare["attributes"].get(TRAIN_ATTRIBUTE) == expected
-
-
-class ListSink:
-    def __init__(self) -> None:
-        self.spans: list[dict] = []
-        self.events: list[dict] = []
-
-    def publish(self, span: dict) -> None:
-        self.spans.append(span)
-
-    def publish_event(self, event: dict) -> None:
-        self.events.append(event)
 
 
 def test_sdk_rollout_train_argument_reaches_its_spans():

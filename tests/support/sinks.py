@@ -1,0 +1,23 @@
+"""A span sink that keeps what it is given, for tests of code that emits spans without a broker."""
+
+from __future__ import annotations
+
+
+class ListSink:
+    """Collects published spans and rollout events in lists."""
+
+    def __init__(self) -> None:
+        self.spans: list[dict] = []
+        self.events: list[dict] = []
+
+    def publish(self, span: dict) -> None:
+        self.spans.append(span)
+
+    def publish_event(self, event: dict) -> None:
+        self.events.append(event)
+
+    def of(self, kind: str) -> list[dict]:
+        return [span for span in self.spans if span["kind"] == kind]
+
+    def rewards(self) -> list[dict]:
+        return self.of("REWARD")
