@@ -187,6 +187,12 @@ class CreditRule:
     A GRPO group whose rewards are all equal carries no signal and is dropped; ``keep_flat_groups``
     publishes it as zero-advantage transitions instead, so a trainer that counts experience rather
     than signal (``trainer.batch_counts_skipped``) sees every group.
+
+    ``level`` is what one training sample holds: ``transition`` (one LLM call) or ``trajectory``
+    (successive calls of a rollout merged while each call's prompt token ids start with the
+    previous call's prompt + response ids; the tokens in between, tool results and template glue,
+    are masked out of the loss; where that prefix breaks, the sample splits and the break is
+    counted in the rollouts row). A trajectory-level sample carries the credit of its first call.
     """
 
     agent: str = "*"
@@ -199,9 +205,11 @@ class CreditRule:
     train_as: str | None = None
     sample_rate: float = 1.0
     keep_flat_groups: bool = False
+    level: str = "transition"
 
 
 STRATEGIES = ("final", "discounted", "grpo", "baseline")
+LEVELS = ("transition", "trajectory")
 
 
 @dataclass(frozen=True)
@@ -237,6 +245,10 @@ class TrainerConfig:
     With ``rebase_after_rejections`` N > 0, after the promotion gate refused N of this model's
     candidates in a row (rejected or rolled back), the trainer goes back to the version serving
     users and trains on from it (``trainer/rebase.py``); 0 never does.
+    ``loss_normalization`` is how a step's token losses are averaged: ``token`` (every trained token
+    of the step weighs the same, so long samples weigh more), ``transition`` (each sample's mean,
+    then the mean over samples) or ``rollout`` (each rollout's token mean, then the mean over
+    rollouts: a rollout of many calls or long tool loops counts as much as a short one).
     """
 
     model: str = "smollm2"
@@ -276,6 +288,7 @@ class TrainerConfig:
     optimizer_state_every: int = 1
     keep_checkpoints: int = 0
     rebase_after_rejections: int = 0
+    loss_normalization: str = "token"
     session_timeout_s: float = 4.0  # tansu holds a join about half of it (see infra/members.py)
     shutdown_grace_s: float = 30.0  # time to write a last checkpoint after SIGTERM; then it exits regardless
 
@@ -300,6 +313,8 @@ class TrainerConfig:
             "optimizer_state_every must be >= 0": self.optimizer_state_every >= 0,
             "lora_r must be >= 1": self.lora_r >= 1,
             "rebase_after_rejections must be >= 0": self.rebase_after_rejections >= 0,
+            "loss_normalization must be token, transition or rollout":
+                self.loss_normalization in ("token", "transition", "rollout"),
         }
         for message, ok in checks.items():
             if not ok:
@@ -827,6 +842,8 @@ def _normalise(config: Config) -> Config:
             raise ConfigError(f"credit[{index}].gamma must be within [0, 1], got {rule.gamma}")
         if not 0.0 <= rule.sample_rate <= 1.0:
             raise ConfigError(f"credit[{index}].sample_rate must be within [0, 1], got {rule.sample_rate}")
+        if rule.level not in LEVELS:
+            raise ConfigError(f"credit[{index}].level must be one of {', '.join(LEVELS)}, got {rule.level!r}")
     return config
 
 

@@ -21,8 +21,10 @@ from streams.ocf import container_file
 from streams.trajectory import SpanNode
 
 _CREDIT = struct.Struct("<ddd")
+ONE_CALL = b"\x00\x02\x00"
+"""loss_mask, merged_calls and split_at_break of a one-call sample: no mask (every token trained), 1 call, no break."""
 RECORD_BYTES = 256 * 1024  # a Kafka record of the transitions topic stays well under brokers' 1 MB default limit
-TRANSITION_SCHEMA_ID = 571826264
+TRANSITION_SCHEMA_ID = 1993928380
 """The id of the Transition schema whose field order ``draft`` and ``Draft.complete`` write by hand."""
 
 
@@ -63,7 +65,7 @@ def _repeated_string(value: str) -> bytes:
 
 @dataclass(frozen=True)
 class Draft:
-    """A transition waiting for its credit: the model it trains and the Avro of its fields up to the logprobs."""
+    """A transition waiting for its credit: the model it trains and the Avro of its fields up to ``split_at_break``."""
 
     model: str
     rollout_id: str
@@ -93,7 +95,7 @@ def draft(rollout_id: str, attempt_id: str, agent_name: str, model: str, step_in
         _string(transition_id(rollout_id, attempt_id, call.span_id)), _repeated_string(rollout_id),
         _string(call.span_id), _repeated_string(agent_name), _repeated_string(model),
         write_long(call.policy_version or 0), write_long(step_index),
-        call.tokens,
+        call.tokens, ONE_CALL,
     ))
     return Draft(model, rollout_id, head)
 

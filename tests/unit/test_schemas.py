@@ -65,8 +65,8 @@ PINNED_IDS = {
     SPAN: 1310064008,
     SPAN_BATCH: 692827969,
     TASK: 87156492,
-    TRANSITION: 571826264,
-    TRANSITION_BATCH: 519003195,
+    TRANSITION: 1993928380,
+    TRANSITION_BATCH: 2086229143,
 }
 
 T0 = 1_732_200_000_000_000  # 2024-11-21T14:40:00Z in microseconds
@@ -153,6 +153,9 @@ SAMPLES: dict[str, dict[str, Any]] = {
         "prompt_token_ids": [151644, 8948],
         "response_token_ids": [785, 4226],
         "behaviour_logprobs": [-0.5, -2.0],
+        "loss_mask": [],
+        "merged_calls": 1,
+        "split_at_break": False,
         "reward": 1.0,
         "return_value": 0.9,
         "advantage": -0.125,
@@ -163,7 +166,8 @@ SAMPLES: dict[str, dict[str, Any]] = {
         "transitions": [{
             "transition_id": "tr-2", "rollout_id": "ro-1", "span_id": "sp-1", "agent_name": "math-agent",
             "model": "m", "policy_version": 1, "step_index": 0, "prompt_token_ids": [1], "response_token_ids": [2],
-            "behaviour_logprobs": [-0.25], "reward": 1.0, "return_value": 1.0, "advantage": 0.5, "group_id": "g",
+            "behaviour_logprobs": [-0.25], "loss_mask": [True], "merged_calls": 1, "split_at_break": False,
+            "reward": 1.0, "return_value": 1.0, "advantage": 0.5, "group_id": "g",
             "created_at_us": T0,
         }],
     },

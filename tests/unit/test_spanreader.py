@@ -14,7 +14,7 @@ from schemas import TRANSITION, TRANSITION_BATCH, AvroCodec, current_schemas
 from streams.ocf import read_container
 from streams.spanreader import MalformedSpan, SpanReader
 from streams.stage import Stage
-from streams.transitions import RECORD_BYTES, Transitions, batch_records, draft, transitions_container
+from streams.transitions import ONE_CALL, RECORD_BYTES, Transitions, batch_records, draft, transitions_container
 
 CODEC = AvroCodec()
 
@@ -81,7 +81,7 @@ def test_reader_skips_blocks_written_with_byte_sizes():
     row = b"\x04s1\x04a1\x02n\x06LLM\x02\x04" + sized_ids + b"\x02\x0e\x00" + b"\x02\x00\x00\x80\xbf\x00"
     [node] = SpanReader(fastavro.parse_schema(schema)).rows(1, row)
     assert node.has_token_ids and node.tokens.startswith(sized_ids)
-    datum = b"\x02x" * 5 + b"\x00\x00" + node.tokens + b"\x00" * 24 + b"\x00\x00"
+    datum = b"\x02x" * 5 + b"\x00\x00" + node.tokens + ONE_CALL + b"\x00" * 24 + b"\x00\x00"
     value = fastavro.schemaless_reader(io.BytesIO(datum), current_schemas()[TRANSITION])
     assert value["prompt_token_ids"] == [1, 2, 3, 64] and value["response_token_ids"] == [7]
     assert value["behaviour_logprobs"] == [-1.0]
