@@ -487,14 +487,19 @@ async def _until_signalled(stop: asyncio.Event | None = None, deadline: Shutdown
               "(demo.online_seconds, 1020).")
 @click.option("--online", is_flag=True, help="The production demo: a service, its users' late feedback, the gate, "
               "canaries and rollbacks, on the vLLM contract.")
+@click.option("--agent", "agent_name", type=click.Choice(["arithmetic", "calculator"]), default="arithmetic",
+              show_default=True, help="The example agent to train: 'Compute a+b.' in one LLM call, or the "
+              "multi-step calculator agent ('Compute a*b+d.' with a tool), warm-started on demonstrations and "
+              "trained at trajectory level.")
 @click.pass_context
-def demo(ctx: click.Context, quick: bool | None, seconds: float | None, online: bool) -> None:
-    """Train SmolLM2-135M-Instruct online on an arithmetic agent and show that it learned.
+def demo(ctx: click.Context, quick: bool | None, seconds: float | None, online: bool, agent_name: str) -> None:
+    """Train SmolLM2-135M-Instruct online on an example agent and show that it learned.
 
     Starts the stack, the dev model server, proxy, streams, trainer, hot swap and runners;
-    measures held-out greedy accuracy before, during and after; writes demo-report.json, a
-    plot and a report under demo-output/; stops everything it started. With --online: a
-    service answering users, learning from their feedback behind the gate (online-report.json).
+    measures held-out greedy accuracy before, during and after (and after the warm start, for
+    the calculator agent); writes demo-report.json, a plot and a report under demo-output/;
+    stops everything it started. With --online: a service answering users, learning from their
+    feedback behind the gate (online-report.json).
     """
     from dataclasses import replace
 
@@ -502,6 +507,8 @@ def demo(ctx: click.Context, quick: bool | None, seconds: float | None, online: 
     from agentstream.session import ChildFailed
 
     config = _config(ctx)
+    if online and agent_name != "arithmetic":
+        raise click.UsageError("--online runs its own service agent; --agent is for the training demo")
     if online and seconds:
         config = replace(config, demo=replace(config.demo, online_seconds=seconds))
     elif quick is not None or seconds is not None:
@@ -514,7 +521,7 @@ def demo(ctx: click.Context, quick: bool | None, seconds: float | None, online: 
         if online:
             run_online_demo(config)
         else:
-            run_demo(config)
+            run_demo(config, agent_name=agent_name)
     except ChildFailed as error:
         raise click.ClickException(str(error)) from None
     except KeyboardInterrupt:

@@ -6,8 +6,13 @@ conversation; when the model answers with tool calls, it runs them, appends the 
 one passes ``tool_choice="none"`` so the model has to answer in text. The reward is 1.0 when
 the final answer's last number is the task's answer, else 0.0.
 
+Its tasks are "Compute a*b+d." with two-digit a, b and d (:func:`all_tasks`, split by
+:func:`split` into the shipped ``examples/tasks/calculator-*.jsonl``): SmolLM2-135M cannot do
+them in its head. :func:`demonstration` writes the conversation a correct tool-using agent has
+on a task, which the demo sends through the pipeline as a warm start.
+
 Nothing here imports agentstream: the runner hands the agent a task (``{"id", "prompt",
-"answer"}``, the same tasks as ``examples.arithmetic``) and a rollout whose ``llm_base_url()``
+"answer"}``) and a rollout whose ``llm_base_url()``
 points at the capturing proxy (``llm_api_key()`` is its key), and the returned float is the
 reward. Every model call of the loop becomes one LLM span of the rollout, tool results included
 in the next call's input.
@@ -19,16 +24,18 @@ import ast
 import json
 import math
 import operator
+import random
 from typing import Any
 
 from examples.arithmetic import client, model_name, reward
 
 MAX_TURNS = 3
-MAX_TOKENS = 128  # room for some reasoning and a tool call, even for a byte-level model
+MAX_TOKENS = 96  # a tool call: about 30 SmolLM2 tokens, 85 for a byte-level model; more is rambling
+HELDOUT_SIZE = 64
 MAX_EXPRESSION = 200  # characters; with no power operator this bounds the size of any result
 SYSTEM = ("Solve the arithmetic problem. You may call the calculator tool to compute. "
           "End your answer with the final number.")
-CALCULATOR = {
+CALCULATOR: dict[str, Any] = {
     "type": "function",
     "function": {
         "name": "calculator",
@@ -40,6 +47,44 @@ CALCULATOR = {
         },
     },
 }
+
+
+def all_tasks() -> list[dict]:
+    """A fixed, seeded 2,000 tasks "Compute a*b+d." with a, b and d in 10..99, each with its answer."""
+    rng, tasks, seen = random.Random(36), list[dict](), set[tuple[int, int, int]]()
+    while len(tasks) < 2000:
+        a, b, d = rng.randint(10, 99), rng.randint(10, 99), rng.randint(10, 99)
+        if (a, b, d) not in seen:
+            seen.add((a, b, d))
+            tasks.append({"id": f"calc-{a}-{b}-{d}", "prompt": f"Compute {a}*{b}+{d}.", "answer": a * b + d})
+    return tasks
+
+
+def split(heldout: int = HELDOUT_SIZE) -> tuple[list[dict], list[dict]]:
+    """(train, held-out): the first ``heldout`` tasks are held out."""
+    tasks = all_tasks()
+    if not 0 < heldout < len(tasks):
+        raise ValueError(f"heldout must be between 1 and {len(tasks) - 1}, got {heldout}")
+    return tasks[heldout:], tasks[:heldout]
+
+
+def expression(task: dict) -> str:
+    """The calculator expression that solves a task: its prompt between "Compute " and the final period."""
+    return task["prompt"].removeprefix("Compute ").removesuffix(".")
+
+
+def demonstration(task: dict) -> list[dict[str, Any]]:
+    """The conversation of a correct tool-using agent on ``task``: one calculator call, then the answer.
+
+    Messages as the agent sends them (system, user, the assistant's tool call, the tool result)
+    and the final assistant answer last.
+    """
+    arguments = json.dumps({"expression": expression(task)})
+    call = {"id": "call_0", "type": "function", "function": {"name": "calculator", "arguments": arguments}}
+    return [{"role": "system", "content": SYSTEM}, {"role": "user", "content": task["prompt"]},
+            {"role": "assistant", "content": None, "tool_calls": [call]},
+            {"role": "tool", "tool_call_id": "call_0", "content": run_tool("calculator", arguments)},
+            {"role": "assistant", "content": f"The answer is {task['answer']}."}]
 
 
 class CalculatorError(ValueError):
@@ -69,8 +114,8 @@ def calculate(expression: str) -> int | float:
 
 
 def _evaluate(node: ast.AST) -> int | float:
-    if isinstance(node, ast.Constant) and type(node.value) in (int, float):  # not bool, complex or str
-        return node.value
+    if isinstance(node, ast.Constant) and isinstance(node.value, (int, float)) and not isinstance(node.value, bool):
+        return node.value  # not bool, complex or str
     if isinstance(node, ast.UnaryOp) and isinstance(node.op, ast.USub):
         return -_evaluate(node.operand)
     if isinstance(node, ast.BinOp) and type(node.op) in _BINARY:
@@ -117,7 +162,7 @@ async def solve(task: dict, rollout, *, temperature: float = 1.0) -> float:
     answer = ""
     model = await model_name(task, llm)
     for turn in range(MAX_TURNS):
-        completion = await llm.chat.completions.create(
+        completion = await llm.chat.completions.create(  # type: ignore[call-overload]  # plain dicts, as users write
             model=model, messages=messages, tools=[CALCULATOR],
             tool_choice="none" if turn == MAX_TURNS - 1 else "auto",
             max_tokens=MAX_TOKENS, temperature=task.get("temperature", temperature))

@@ -1,20 +1,23 @@
-"""Write the arithmetic task files: ``python -m examples.make_tasks [--out DIR]``.
+"""Write the shipped task files: ``python -m examples.make_tasks [--out DIR]``.
 
-``examples/tasks/arithmetic-train.jsonl`` and ``arithmetic-heldout.jsonl`` hold
-``examples.arithmetic.split()``, one ``{"id", "prompt", "answer"}`` object per line, ready for
-``agentstream enqueue``. The split is seeded, so the files are the same on every run.
+``examples/tasks/{agent}-train.jsonl`` and ``{agent}-heldout.jsonl`` hold each example agent's
+seeded split (``examples.arithmetic.split()``, ``examples.calculator_agent.split()``), one
+``{"id", "prompt", "answer"}`` object per line, ready for ``agentstream enqueue``. The splits are
+seeded, so the files are the same on every run.
 """
 
 from __future__ import annotations
 
 import argparse
 import json
+from collections.abc import Callable
 from pathlib import Path
 
-from examples.arithmetic import split
+from examples import arithmetic, calculator_agent
 
 TASKS_DIR = Path(__file__).resolve().parent / "tasks"
-FILES = {"train": "arithmetic-train.jsonl", "heldout": "arithmetic-heldout.jsonl"}
+SPLITS: dict[str, Callable[[], tuple[list[dict], list[dict]]]] = {
+    "arithmetic": arithmetic.split, "calculator": calculator_agent.split}
 
 
 def render(tasks: list[dict]) -> str:
@@ -23,19 +26,20 @@ def render(tasks: list[dict]) -> str:
 
 
 def write(out: Path = TASKS_DIR) -> dict[str, Path]:
-    """Write both files into ``out``; returns their paths by split name."""
+    """Write every agent's two files into ``out``; returns their paths by file stem."""
     out.mkdir(parents=True, exist_ok=True)
-    train, heldout = split()
     paths = {}
-    for name, tasks in (("train", train), ("heldout", heldout)):
-        paths[name] = out / FILES[name]
-        paths[name].write_text(render(tasks))
+    for agent, split in SPLITS.items():
+        train, heldout = split()
+        for name, tasks in (("train", train), ("heldout", heldout)):
+            path = paths[f"{agent}-{name}"] = out / f"{agent}-{name}.jsonl"
+            path.write_text(render(tasks))
     return paths
 
 
 def main(argv: list[str] | None = None) -> None:
     parser = argparse.ArgumentParser(prog="python -m examples.make_tasks",
-                                     description="Write the arithmetic train and held-out task files (JSONL).")
+                                     description="Write the example agents' train and held-out task files (JSONL).")
     parser.add_argument("--out", type=Path, default=TASKS_DIR, help=f"output folder (default: {TASKS_DIR})")
     args = parser.parse_args(argv)
     for name, path in write(args.out).items():

@@ -463,7 +463,9 @@ class DemoConfig:
     of the 400 arithmetic tasks are held out (``examples.arithmetic.split``). ``dtype`` is the
     compute dtype of the demo's server and trainer: ``auto`` is bfloat16 autocast where the device
     multiplies bfloat16 natively (CUDA, or a CPU with AMX), which trains SmolLM2 about twice as fast
-    there, and float32 elsewhere.
+    there, and float32 elsewhere. ``warm_start_demonstrations`` is how many correct conversations
+    the calculator demo (``agentstream demo --agent calculator``) sends through the pipeline as its
+    warm start, the supervised steps before RL.
 
     ``online_*`` set the online demo (``agentstream demo --online``): seconds of live traffic, the
     users' request rate (per second), the longest feedback delay and the share of answers never
@@ -497,6 +499,7 @@ class DemoConfig:
     max_policy_lag: int = 2  # lags 0-4 measured (README): 2 is as fast as 3 and 4, with the freshest data
     heldout_tasks: int = 64
     dtype: str = "auto"
+    warm_start_demonstrations: int = 64
     output_dir: str = "demo-output"
     report_path: str = "demo-report.json"
     online_seconds: float = 1020.0
@@ -527,6 +530,8 @@ class DemoConfig:
             raise ConfigError("demo: max_policy_lag must be >= 0")
         if not 0 < self.heldout_tasks < 400:
             raise ConfigError("demo: heldout_tasks must be between 1 and 399 (the arithmetic task set has 400)")
+        if self.warm_start_demonstrations < 1:
+            raise ConfigError("demo: warm_start_demonstrations must be >= 1")
         if self.dtype not in ("auto", "float32", "bfloat16"):
             raise ConfigError("demo: dtype must be auto, float32 or bfloat16")
         if self.online_tolerance <= 0 or not 0.5 < self.online_confidence < 1:

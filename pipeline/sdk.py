@@ -19,7 +19,7 @@ import threading
 import time
 import traceback
 import uuid
-from collections.abc import Mapping
+from collections.abc import Mapping, Sequence
 from dataclasses import dataclass, field
 from typing import Any, Protocol
 from urllib.parse import quote
@@ -233,6 +233,39 @@ def emit_reward(value: float | Mapping[str, float], *, primary: str | None = Non
         scalar, dimensions = resolve_reward(value)
     _require_rollout().rewards.append(scalar)
     return _emit("REWARD", "reward", reward=scalar, reward_dimensions=dimensions)
+
+
+class TokenMismatch(ValueError):
+    """An LLM call's token arrays cannot be trained on: no prompt or response ids, or logprobs of another length."""
+
+
+def emit_llm_call(prompt_token_ids: Sequence[int], response_token_ids: Sequence[int], *, model: str,
+                  logprobs: Sequence[float] | None = None, policy_version: int | None = None,
+                  messages: Any = None, output: Any = None) -> str:
+    """Record an LLM call made without the proxy, with the token ids as the model saw and wrote them.
+
+    With ``logprobs`` (one per response token, from the model that generated them) it trains like a
+    captured call. Without, it is a demonstration (a scripted or human-written answer): the trainer
+    raises its likelihood instead of weighing it by an importance ratio (``agentstream.demonstration``
+    says so on the span). ``messages`` and ``output`` (the assistant messages) are kept as the
+    ``gen_ai.input.messages`` / ``gen_ai.output.messages`` attributes, as the proxy records them.
+    Raises :class:`TokenMismatch` for empty arrays or logprobs of another length.
+    """
+    prompt, response = [int(i) for i in prompt_token_ids], [int(i) for i in response_token_ids]
+    if not prompt or not response:
+        raise TokenMismatch("an LLM call needs prompt and response token ids")
+    values = [float(v) for v in logprobs] if logprobs is not None else []
+    if logprobs is not None and len(values) != len(response):
+        raise TokenMismatch(f"{len(values)} logprobs for {len(response)} response tokens")
+    attributes: dict[str, Any] = {"gen_ai.operation.name": "chat", "gen_ai.request.model": model}
+    if logprobs is None:
+        attributes["agentstream.demonstration"] = True
+    if messages is not None:
+        attributes["gen_ai.input.messages"] = messages
+    if output is not None:
+        attributes["gen_ai.output.messages"] = output
+    return _emit("LLM", f"chat {model}", attributes, model=model, prompt_token_ids=prompt, response_token_ids=response,
+                 response_logprobs=values, policy_version=policy_version)
 
 
 def emit_message(text: str, **attributes: Any) -> str:

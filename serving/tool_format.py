@@ -178,6 +178,15 @@ def describe_tools_in_system_prompt(messages: list[dict[str, Any]],
     return [{"role": "system", "content": description}, *rendered]
 
 
+def assistant_text(message: dict[str, Any]) -> str:
+    """What an assistant turn is written back as in later prompts of a template without tool support.
+
+    Its content, then each tool call as a ``<tool_call>`` block: the form a model that writes its
+    calls this way gets back token for token, and the form demonstrations are written in.
+    """
+    return _as_text_message(normalize_message(message))["content"]
+
+
 def _as_text_message(message: dict[str, Any]) -> dict[str, Any]:
     """A message with tool calls or a tool result rewritten as hermes-style text."""
     content = message.get("content") or ""

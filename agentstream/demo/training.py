@@ -1,6 +1,8 @@
-"""The main job: train SmolLM2-135M-Instruct online on the arithmetic agent, end to end, and prove it learned.
+"""The main job: train SmolLM2-135M-Instruct online on an example agent, end to end, and prove it learned.
 
-Stack up; the agent in ``examples/arithmetic.py`` (plain OpenAI SDK) runs in runner processes
+Stack up; the agent (``examples/arithmetic.py`` by default, plain OpenAI SDK; or the multi-step
+``examples/calculator_agent.py``, whose rollouts are trained at trajectory level after a warm
+start on demonstrations sent through the same pipeline) runs in runner processes
 through the capturing proxy against the dev model server; streams assign GRPO credit; the
 trainer steps and checkpoints; hot swap loads every checkpoint into the server while the
 runners keep going. Held-out greedy accuracy is measured before, every ``eval_every_s`` and
@@ -24,19 +26,21 @@ from collections import deque
 from contextlib import nullcontext
 from dataclasses import asdict, dataclass, field, replace
 from pathlib import Path
+from typing import Any
 
 from rich.console import Console
 from rich.live import Live
 from rich.table import Table
 
 from agentstream.dashboard.server import start_beside
+from agentstream.demo.demonstrations import publish_demonstrations
 from agentstream.session import SessionPlan, TrainingSession
-from examples import arithmetic
+from examples import arithmetic, calculator_agent
 from infra.clickhouse import ROLLOUT_POLICY_VERSION, connect, migrate
 from infra.config import Config, CreditRule
 from infra.machine import calibrate
 from infra.stack import Stack
-from models import local_path
+from models import load_model, local_path, model_display_name
 from models.precision import native_bfloat16
 from pipeline.publisher import SpanPublisher
 from pipeline.sdk import emit_reward, rollout, set_sink
@@ -45,12 +49,43 @@ from schemas.contracts import POLICY_VERSION_HEADER
 from trainer.checkpoints import find_version, keep_only_newest, open_store
 from trainer.policy import OPTIMIZER_STATE
 
-TRAIN_AGENT = "arithmetic"
-EVAL_AGENT = "arithmetic-eval"
 DATABASE = "agentstream_demo"
 RATE_WINDOW_S = 30.0
 PACE_EVERY_S = 0.2  # how soon a new policy version lets the next wave out (a /health call a time)
 SNAPSHOT_EVERY_S = 3.0  # the live numbers from ClickHouse
+LAST_VERSIONS = 5  # the policy versions whose train rollouts say how many LLM calls a rollout makes at the end
+
+
+@dataclass(frozen=True)
+class DemoAgent:
+    """An example agent the demo trains: its runner entry point, its tasks, its sample level and warm start.
+
+    ``module`` has ``split(heldout=)``, ``solve(task, rollout, temperature=)`` and, with
+    ``warm_start``, ``demonstration(task)`` and the ``CALCULATOR`` tool its demonstrations call.
+    """
+
+    name: str
+    entry: str
+    module: Any
+    level: str
+    warm_start: bool
+    title: str
+
+    @property
+    def eval_name(self) -> str:
+        return f"{self.name}-eval"
+
+    @property
+    def demonstrations_name(self) -> str:
+        return f"{self.name}-demonstrations"
+
+
+AGENTS = {
+    "arithmetic": DemoAgent("arithmetic", "examples.arithmetic:solve", arithmetic, "transition", False,
+                            "'Compute a+b.'"),
+    "calculator": DemoAgent("calculator", "examples.calculator_agent:solve", calculator_agent, "trajectory", True,
+                            "'Compute a*b+d.' with a calculator tool"),
+}
 
 
 @dataclass
@@ -84,6 +119,12 @@ class DemoReport:
     training_seconds: float
     time_to_target_s: float | None
     target: float
+    agent: str = "arithmetic"
+    heldout_warm_start: float | None = None  # after the warm start, before RL (agents with one)
+    warm_start_seconds: float | None = None
+    llm_calls_per_rollout: float | None = None  # train rollouts of the last policy versions
+    prefix_merges: int = 0
+    prefix_breaks: int = 0
     evaluations: list[Evaluation] = field(default_factory=list)
     reward_per_version: list[dict] = field(default_factory=list)
     rollouts: int = 0
@@ -101,8 +142,11 @@ def compute_dtype(config: Config) -> str:
     return "bfloat16" if native_bfloat16(config.trainer.device) else "float32"
 
 
-def demo_config(config: Config, run_id: str, workdir: Path) -> Config:
-    """The demo's settings on top of the user's: its own topics and database, GRPO on the train agent only."""
+def demo_config(config: Config, run_id: str, workdir: Path, agent: DemoAgent = AGENTS["arithmetic"]) -> Config:
+    """The demo's settings on top of the user's: its own topics and database, GRPO on the train agent only.
+
+    An agent with a warm start also trains on its demonstrations (final reward 1: advantage 1).
+    """
     demo = config.demo
     wave = demo.group_size * demo.prompts_per_wave
     dtype = compute_dtype(config)
@@ -112,8 +156,11 @@ def demo_config(config: Config, run_id: str, workdir: Path) -> Config:
         topics=replace(config.topics, prefix=f"demo-{run_id}.", partitions=1),
         clickhouse=replace(config.clickhouse, database=DATABASE),
         streams=replace(config.streams, app_id=f"agentstream-demo-{run_id}"),
-        credit=(CreditRule(agent=TRAIN_AGENT, strategy="grpo", group_size=demo.group_size, group_timeout_s=120,
-                           keep_flat_groups=True),  # the trainer steps once per wave, its flat groups counted
+        credit=(CreditRule(agent=agent.name, strategy="grpo", group_size=demo.group_size, group_timeout_s=120,
+                           keep_flat_groups=True,  # the trainer steps once per wave, its flat groups counted
+                           level=agent.level),
+                *((CreditRule(agent=agent.demonstrations_name, strategy="final", level=agent.level),)
+                  if agent.warm_start else ()),
                 CreditRule(agent="*", train=False)),
         trainer=replace(config.trainer, model="smollm2", threads=demo.trainer_threads, dtype=dtype,
                         checkpoint_dtype=dtype,  # the server computes in it: half the bytes per version in bfloat16
@@ -131,14 +178,14 @@ def server_version(server_url: str) -> int:
         return int(response.headers[POLICY_VERSION_HEADER])
 
 
-async def evaluate(tasks: list[dict], proxy_url: str, proxy_key: str | None, server_url: str,
+async def evaluate(agent: DemoAgent, tasks: list[dict], proxy_url: str, proxy_key: str | None, server_url: str,
                    started: float) -> Evaluation:
-    """Greedy accuracy on ``tasks``, each a captured rollout of the eval agent (presenting ``proxy_key``)."""
+    """Greedy accuracy on ``tasks``, each a captured rollout of the agent's eval name (presenting ``proxy_key``)."""
     version = await asyncio.to_thread(server_version, server_url)
 
     async def one(task: dict) -> float:
-        async with rollout(EVAL_AGENT, task_id=task["id"], proxy_url=proxy_url, proxy_key=proxy_key) as state:
-            reward = await arithmetic.solve(task, state, temperature=0.0)
+        async with rollout(agent.eval_name, task_id=task["id"], proxy_url=proxy_url, proxy_key=proxy_key) as state:
+            reward = await agent.module.solve(task, state, temperature=0.0)
             emit_reward(reward)  # so held-out accuracy per policy version is queryable too
             return reward
 
@@ -159,13 +206,13 @@ def snapshot_served(server_url: str, checkpoint_dir: str, folder: Path, seconds:
     return Snapshot(seconds, version, str(target))
 
 
-def _waves(train: list[dict], group_size: int, wave_size: int):
+def _waves(train: list[dict], group_size: int, wave_size: int, agent_name: str):
     """Endless shuffled passes over the train tasks, as waves of GRPO groups for the train agent."""
     rng = random.Random(0)
     while True:
         epoch = list(train)
         rng.shuffle(epoch)
-        tasks = grouped_tasks(epoch, group_size=group_size, agent_name=TRAIN_AGENT, timeout_s=600)
+        tasks = grouped_tasks(epoch, group_size=group_size, agent_name=agent_name, timeout_s=600)
         for start in range(0, len(tasks) - wave_size + 1, wave_size):
             yield tasks[start:start + wave_size]
 
@@ -173,15 +220,15 @@ def _waves(train: list[dict], group_size: int, wave_size: int):
 class Dashboard:
     """Live numbers from ClickHouse: the same tables `agentstream sql` and `report` read."""
 
-    def __init__(self, client, console: Console, seconds: float) -> None:
-        self.client, self.console, self.seconds = client, console, seconds
+    def __init__(self, client, console: Console, seconds: float, agent: DemoAgent) -> None:
+        self.client, self.console, self.seconds, self.agent = client, console, seconds, agent
         self.evaluations: list[Evaluation] = []
         self.history: deque[tuple[float, int, int]] = deque()
         self.rates = (0.0, 0.0)
 
     def snapshot(self) -> dict:
         rollouts, spans = self.client.query(
-            f"SELECT (SELECT count() FROM rollouts FINAL WHERE agent_name = '{TRAIN_AGENT}'), "
+            f"SELECT (SELECT count() FROM rollouts FINAL WHERE agent_name = '{self.agent.name}'), "
             "(SELECT count() FROM spans)").result_rows[0]
         steps = self.client.query(
             "SELECT count(), (SELECT max(version) FROM checkpoints FINAL), argMax(staleness_mean, step), "
@@ -203,16 +250,18 @@ class Dashboard:
         listed = ", ".join("'" + group.replace("\\", "\\\\").replace("'", "\\'") + "'" for group in groups)
         rows = self.client.query(
             f"SELECT group_id, min(final_reward) = max(final_reward) FROM rollouts FINAL "
-            f"WHERE agent_name = '{TRAIN_AGENT}' AND group_id IN ({listed}) AND final_reward IS NOT NULL "
+            f"WHERE agent_name = '{self.agent.name}' AND group_id IN ({listed}) AND final_reward IS NOT NULL "
             f"GROUP BY group_id HAVING count() = {int(group_size)}").result_rows
         return {group: bool(flat) for group, flat in rows}
 
     def reward_per_version(self) -> list[dict]:
         rows = self.client.query(
-            f"SELECT {ROLLOUT_POLICY_VERSION} AS version, count() AS rollouts, avg(final_reward) AS reward "
-            f"FROM rollouts FINAL WHERE agent_name = '{TRAIN_AGENT}' AND notEmpty(policy_versions) "
+            f"SELECT {ROLLOUT_POLICY_VERSION} AS version, count() AS rollouts, avg(final_reward) AS reward, "
+            "avg(llm_calls) AS calls, sum(prefix_merges), sum(prefix_breaks) "
+            f"FROM rollouts FINAL WHERE agent_name = '{self.agent.name}' AND notEmpty(policy_versions) "
             "GROUP BY version ORDER BY version").result_rows
-        return [{"policy_version": v, "rollouts": n, "reward_mean": round(r, 4)} for v, n, r in rows]
+        return [{"policy_version": v, "rollouts": n, "reward_mean": round(r, 4), "llm_calls_mean": round(c, 3),
+                 "prefix_merges": merges, "prefix_breaks": breaks} for v, n, r, c, merges, breaks in rows]
 
     def render(self, elapsed: float, numbers: dict, per_version: list[dict]) -> Table:
         table = Table(title=f"agentstream demo: training {elapsed:.0f} / {self.seconds:.0f} s", show_header=False)
@@ -234,7 +283,7 @@ class Dashboard:
                 f"sampled reward {reward:.2f}, held-out {held:.0%}")
 
 
-def write_plot(path: Path, report: DemoReport) -> None:
+def write_plot(path: Path, report: DemoReport, title: str) -> None:
     """Sampled reward per policy version, with the held-out evaluations on top."""
     import matplotlib
 
@@ -251,7 +300,7 @@ def write_plot(path: Path, report: DemoReport) -> None:
     axis.set_xlabel("policy version")
     axis.set_ylabel("reward / accuracy")
     axis.set_ylim(0, 1.02)
-    axis.set_title("SmolLM2-135M-Instruct learning 'Compute a+b.' online through agentstream")
+    axis.set_title(f"SmolLM2-135M-Instruct learning {title} online through agentstream")
     axis.legend(loc="lower right")
     figure.tight_layout()
     figure.savefig(path, dpi=110)
@@ -261,7 +310,14 @@ def write_plot(path: Path, report: DemoReport) -> None:
 def write_markdown(path: Path, report: DemoReport) -> None:
     reached = "not reached" if report.time_to_target_s is None else f"{report.time_to_target_s:.0f} s"
     lines = ["# agentstream demo report", "",
-             f"- held-out greedy accuracy: {report.heldout_before:.1%} before -> {report.heldout_after:.1%} after",
+             f"- agent: {report.agent}",
+             (f"- held-out greedy accuracy: {report.heldout_before:.1%} before, {report.heldout_warm_start:.1%} after "
+              f"the warm start ({report.warm_start_seconds:.0f} s), {report.heldout_after:.1%} after RL"
+              if report.heldout_warm_start is not None else
+              f"- held-out greedy accuracy: {report.heldout_before:.1%} before -> {report.heldout_after:.1%} after"),
+             *([f"- LLM calls per train rollout at the end: {report.llm_calls_per_rollout:.2f}; prefix merges "
+                f"{report.prefix_merges}, breaks {report.prefix_breaks}"]
+               if report.llm_calls_per_rollout is not None else []),
              (f"- {report.policy_versions} policy versions in {report.training_seconds:.0f} s of training "
               f"({report.seconds:.0f} s in all); {report.rollouts} train rollouts, {report.spans} spans"),
              f"- time to {report.target:.0%} held-out: {reached}",
@@ -275,31 +331,80 @@ def write_markdown(path: Path, report: DemoReport) -> None:
     path.write_text("\n".join(lines))
 
 
+def _scalar(client, sql: str) -> Any:
+    return client.query(sql).result_rows[0][0]
+
+
+async def warm_start(agent: DemoAgent, train: list[dict], config: Config, session: TrainingSession, client,
+                     console: Console) -> float:
+    """Send the agent's demonstrations through the pipeline and wait until the server holds weights trained on them.
+
+    Returns the seconds it took. Demonstrations are the first ``warm_start_demonstrations`` train
+    tasks' correct conversations (``agent.module.demonstration``), recorded as rollouts of the
+    demonstrations agent: stored, queryable, credited and trained from the stream like any other.
+    """
+    started = time.monotonic()
+    count = config.demo.warm_start_demonstrations
+    tokenizer = (await asyncio.to_thread(load_model, "smollm2")).tokenizer
+    calls = publish_demonstrations(train[:count], agent.module.demonstration, [agent.module.CALCULATOR], tokenizer,
+                                   model=model_display_name("smollm2"), agent_name=agent.demonstrations_name)
+    console.print(f"warm start: {count} demonstrations ({calls} LLM calls) published as rollouts of "
+                  f"{agent.demonstrations_name!r}; waiting for the trainer and the server")
+    name = agent.demonstrations_name
+    while True:
+        session.check()
+        rollouts = _scalar(client, f"SELECT count() FROM rollouts FINAL WHERE agent_name = '{name}'")
+        samples = _scalar(client, f"SELECT count() FROM transitions FINAL WHERE agent_name = '{name}'")
+        trained = _scalar(client, "SELECT sum(transitions) FROM train_steps FINAL")
+        latest = _scalar(client, "SELECT max(version) FROM checkpoints FINAL")
+        held = await asyncio.to_thread(server_version, session.server_url)
+        if rollouts >= count and samples and trained >= samples and latest and held >= latest:
+            console.print(f"warm start done in {time.monotonic() - started:.0f} s: {samples} samples trained, "
+                          f"the server holds v{held}")
+            return time.monotonic() - started
+        await asyncio.sleep(1.0)
+
+
 async def train_and_watch(session: TrainingSession, config: Config, endpoints, client, console: Console,
-                          started: float, snapshots: Path | None) -> tuple[list[Evaluation], list[Snapshot], float]:
+                          started: float, snapshots: Path | None, agent: DemoAgent = AGENTS["arithmetic"],
+                          ) -> tuple[list[Evaluation], list[Snapshot], float, float | None]:
     """Enqueue the train tasks, run until the time is up (or the target is reached), evaluating as it goes.
 
-    With ``snapshots``, the served weights are linked there every ``eval_every_s`` instead of evaluated.
+    An agent with a warm start trains on its demonstrations first (inside the training time) and is
+    evaluated after it. With ``snapshots``, the served weights are linked there every
+    ``eval_every_s`` instead of evaluated. Returns the evaluations, the snapshots, the training
+    seconds and the warm start's seconds (None without one).
     """
     demo = config.demo
-    train, heldout = arithmetic.split(heldout=demo.heldout_tasks)
+    train, heldout = agent.module.split(heldout=demo.heldout_tasks)
+    warm_seconds: float | None = None
     taken: list[Snapshot] = []
     publisher = SpanPublisher(config, endpoints.bootstrap_servers, journal_dir=session.workdir / "journal").start()
     set_sink(publisher)
     try:
         session.start_runners(progress=console.print)  # they join the task queue while the base model is evaluated
-        before = await evaluate(heldout, session.proxy_url, session.proxy_key, session.server_url, started)
+        before = await evaluate(agent, heldout, session.proxy_url, session.proxy_key, session.server_url, started)
         before.seconds = 0.0  # training starts now
         console.print(f"held-out before training: {before.accuracy:.1%} ({before.correct}/{before.total}, "
                       f"greedy, policy v{before.policy_version})")
+        dashboard = Dashboard(client, console, demo.training_seconds, agent)
+        dashboard.evaluations.append(before)
+        training_started = time.monotonic()
+        if agent.warm_start:
+            warm_seconds = await warm_start(agent, train, config, session, client, console)
+            warmed = await evaluate(agent, heldout, session.proxy_url, session.proxy_key, session.server_url,
+                                    started)
+            warmed.seconds = round(time.monotonic() - training_started, 1)
+            dashboard.evaluations.append(warmed)
+            console.print(f"held-out after the warm start: {warmed.accuracy:.1%} ({warmed.correct}/{warmed.total}, "
+                          f"greedy, policy v{warmed.policy_version}); RL from here")
         wave_size = demo.group_size * demo.prompts_per_wave
-        queue = await PacedQueue(config, endpoints.bootstrap_servers, _waves(train, demo.group_size, wave_size),
+        held = await asyncio.to_thread(server_version, session.server_url)
+        queue = await PacedQueue(config, endpoints.bootstrap_servers,
+                                 _waves(train, demo.group_size, wave_size, agent.name),
                                  max_lag=demo.max_policy_lag).start()
         try:
-            await queue.top_up(before.policy_version, 0, time.monotonic())
-            dashboard = Dashboard(client, console, demo.training_seconds)
-            dashboard.evaluations.append(before)
-            training_started = time.monotonic()
+            await queue.top_up(held, 0, time.monotonic())
             next_eval = training_started + demo.eval_every_s
             pending: asyncio.Task | None = None
             last_line = last_snapshot = 0.0
@@ -334,8 +439,8 @@ async def train_and_watch(session: TrainingSession, config: Config, endpoints, c
                             round(time.monotonic() - training_started, 1)))
                         next_eval += demo.eval_every_s
                     elif pending is None and time.monotonic() >= next_eval:
-                        pending = asyncio.create_task(evaluate(heldout, session.proxy_url, session.proxy_key,
-                                                               session.server_url, started))
+                        pending = asyncio.create_task(evaluate(agent, heldout, session.proxy_url,
+                                                               session.proxy_key, session.server_url, started))
                         next_eval = time.monotonic() + demo.eval_every_s
                     await asyncio.sleep(PACE_EVERY_S)
         finally:
@@ -351,27 +456,33 @@ async def train_and_watch(session: TrainingSession, config: Config, endpoints, c
         console.print("stopping runners and trainer, then the final held-out evaluation")
         session.stop(*(name for name in session.children if name.startswith("runner")), "trainer")
         await asyncio.sleep(2.0)  # the last announced checkpoint reaches the server
-        after = await evaluate(heldout, session.proxy_url, session.proxy_key, session.server_url, started)
+        after = await evaluate(agent, heldout, session.proxy_url, session.proxy_key, session.server_url, started)
         after.seconds = round(training_seconds, 1)
         dashboard.evaluations.append(after)
         console.print(f"held-out after training: {after.accuracy:.1%} ({after.correct}/{after.total}, "
                       f"greedy, policy v{after.policy_version})")
-        return dashboard.evaluations, taken, training_seconds
+        return dashboard.evaluations, taken, training_seconds, warm_seconds
     finally:
         set_sink(None)
         await asyncio.to_thread(publisher.close)
 
 
-def run_demo(config: Config, console: Console | None = None, snapshots: Path | None = None) -> DemoReport:
-    """The whole demo; returns (and writes) its report. ``snapshots``: a folder for the served weights over time."""
+def run_demo(config: Config, console: Console | None = None, snapshots: Path | None = None,
+             agent_name: str = "arithmetic") -> DemoReport:
+    """The whole demo on one of :data:`AGENTS`; returns (and writes) its report.
+
+    ``snapshots``: a folder for the served weights over time.
+    """
+    agent = AGENTS[agent_name]
     console = console or Console()
     started = time.monotonic()
     run_id = uuid.uuid4().hex[:8]
     workdir = config.stack.home.resolve() / "demo" / run_id
     workdir.mkdir(parents=True, exist_ok=True)
-    config = demo_config(config, run_id, workdir)
+    config = demo_config(config, run_id, workdir, agent)
     demo = config.demo
-    console.rule(f"agentstream demo ({'quick, ' if demo.quick else ''}{demo.training_seconds:.0f} s of training)")
+    console.rule(f"agentstream demo: {agent.name} ({'quick, ' if demo.quick else ''}{demo.training_seconds:.0f} s "
+                 "of training)")
     machine = calibrate()
     console.print(f"machine: {machine.describe()} (the README's figures name theirs: a slower machine learns "
                   "slower in the same minutes)")
@@ -380,7 +491,7 @@ def run_demo(config: Config, console: Console | None = None, snapshots: Path | N
     stack = Stack(config)
     endpoints = stack.up(progress=console.print)
     session = TrainingSession(config, endpoints, workdir, SessionPlan(
-        agent="examples.arithmetic:solve", model="smollm2", concurrency=demo.group_size * demo.prompts_per_wave,
+        agent=agent.entry, model="smollm2", concurrency=demo.group_size * demo.prompts_per_wave,
         server_threads=demo.server_threads))
     live_dashboard = start_beside(config, endpoints, console.print)  # up while the demo runs
     try:
@@ -390,16 +501,24 @@ def run_demo(config: Config, console: Console | None = None, snapshots: Path | N
         session.start(progress=console.print)
         if snapshots is not None:
             snapshots.mkdir(parents=True, exist_ok=True)
-        evaluations, taken, training_seconds = asyncio.run(
-            train_and_watch(session, config, endpoints, client, console, started, snapshots))
-        dashboard = Dashboard(client, console, demo.training_seconds)
+        evaluations, taken, training_seconds, warm_seconds = asyncio.run(
+            train_and_watch(session, config, endpoints, client, console, started, snapshots, agent))
+        dashboard = Dashboard(client, console, demo.training_seconds, agent)
         numbers = dashboard.snapshot()
         reached = [e.seconds for e in evaluations if e.seconds >= 0 and e.accuracy >= demo.target]
+        per_version = dashboard.reward_per_version()
+        last = per_version[-LAST_VERSIONS:]
         report = DemoReport(
+            agent=agent.name, heldout_warm_start=evaluations[1].accuracy if agent.warm_start else None,
+            warm_start_seconds=round(warm_seconds, 1) if warm_seconds is not None else None,
+            llm_calls_per_rollout=(round(sum(r["llm_calls_mean"] * r["rollouts"] for r in last)
+                                         / sum(r["rollouts"] for r in last), 3) if last else None),
+            prefix_merges=sum(r["prefix_merges"] for r in per_version),
+            prefix_breaks=sum(r["prefix_breaks"] for r in per_version),
             heldout_before=evaluations[0].accuracy, heldout_after=evaluations[-1].accuracy,
             policy_versions=numbers["version"], seconds=round(time.monotonic() - started, 1),
             training_seconds=round(training_seconds, 1), time_to_target_s=min(reached) if reached else None,
-            target=demo.target, evaluations=evaluations, reward_per_version=dashboard.reward_per_version(),
+            target=demo.target, evaluations=evaluations, reward_per_version=per_version,
             rollouts=numbers["rollouts"], spans=numbers["spans"], train_steps=numbers["steps"], quick=demo.quick,
             machine=machine.as_dict(), snapshots=taken)
     finally:
@@ -414,7 +533,7 @@ def run_demo(config: Config, console: Console | None = None, snapshots: Path | N
     output = Path(demo.output_dir)
     output.mkdir(parents=True, exist_ok=True)
     Path(demo.report_path).write_text(json.dumps(asdict(report), indent=2) + "\n")
-    write_plot(output / "reward_per_version.png", report)
+    write_plot(output / "reward_per_version.png", report, agent.title)
     write_markdown(output / "report.md", report)
     console.print(f"held-out greedy accuracy {report.heldout_before:.1%} -> {report.heldout_after:.1%} "
                   f"over {report.policy_versions} policy versions in {report.training_seconds:.0f} s of training "

@@ -258,18 +258,22 @@ def test_calculator_loop_through_the_proxy_and_dev_server(publisher, topics_conf
 # ---------------------------------------------------------------- task files
 
 
-def test_task_files_are_the_seeded_split(tmp_path):
+@pytest.mark.parametrize("agent", [arithmetic, calculator_agent])
+def test_task_files_are_the_seeded_split(tmp_path, agent):
     written = make_tasks.write(tmp_path)
-    train, heldout = arithmetic.split()
+    train, heldout = agent.split()
+    stem = agent.__name__.rsplit(".", 1)[1].removesuffix("_agent")
     for name, tasks in (("train", train), ("heldout", heldout)):
-        committed = make_tasks.TASKS_DIR / make_tasks.FILES[name]
-        assert committed.read_text() == written[name].read_text(), (
+        committed = make_tasks.TASKS_DIR / f"{stem}-{name}.jsonl"
+        assert committed.read_text() == written[f"{stem}-{name}"].read_text(), (
             f"{committed} is stale: python -m examples.make_tasks")
         assert read_task_file(committed) == tasks
-    assert len(heldout) == arithmetic.HELDOUT_SIZE
+    assert len(heldout) == agent.HELDOUT_SIZE
     assert {t["id"] for t in train}.isdisjoint(t["id"] for t in heldout)
-    assert sorted(train + heldout, key=lambda t: t["id"]) == sorted(arithmetic.all_tasks(), key=lambda t: t["id"])
-    assert all(t["answer"] == sum(map(int, re.findall(r"\d+", t["prompt"]))) for t in train + heldout)
+    assert sorted(train + heldout, key=lambda t: t["id"]) == sorted(agent.all_tasks(), key=lambda t: t["id"])
+    for task in train + heldout:  # "Compute a+b." or "Compute a*b+d."
+        numbers = [int(n) for n in re.findall(r"\d+", task["prompt"])]
+        assert task["answer"] == (sum(numbers) if len(numbers) == 2 else numbers[0] * numbers[1] + numbers[2])
 
 
 def test_a_larger_heldout_set_extends_the_demos():
@@ -344,7 +348,7 @@ def test_agent_rollouts_are_captured_with_token_ids_and_rewards(name, fleet, sta
     proxy = CliProcess(["proxy", "--upstream", fleet.server_url, "--port", proxy_url.rsplit(":", 1)[1],
                         "--agent-name", agent_name], fleet.env, fleet.logs / f"proxy-{name}.log").start()
     # The shipped task file names no model: each agent asks the server which model it serves (tiny here).
-    payloads = read_task_file(make_tasks.TASKS_DIR / make_tasks.FILES["train"])
+    payloads = read_task_file(make_tasks.TASKS_DIR / "arithmetic-train.jsonl")
     assert not any("model" in payload for payload in payloads)
     tasks = grouped_tasks(payloads[:ROLLOUTS], agent_name=agent_name, timeout_s=60)
     by_rollout = {task["rollout_id"]: json.loads(task["input"]) for task in tasks}
