@@ -394,8 +394,14 @@ def _within_tokens(samples: list[Weighted], budget: int) -> list[list[Weighted]]
     return runs
 
 
-def _trained_row(sample: Sample, weight: float) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
-    """A sample's response mask, behaviour logprobs (0 where not trained: never read) and token weights."""
+def _trained_row(sample: Sample, weight: float) -> tuple[torch.Tensor | bool, torch.Tensor, torch.Tensor | float]:
+    """A sample's response mask, behaviour logprobs (0 where not trained: never read) and token weights.
+
+    A one-call sample (no mask, a behaviour policy) gives scalars for its mask and weight, as
+    collation did before loss masks: the transition-level path does no more work than it did.
+    """
+    if not sample.loss_mask and not sample.demonstration:
+        return True, torch.tensor(sample.behaviour_logprobs, dtype=torch.float32), weight
     mask = torch.tensor(sample.trained, dtype=torch.bool)
     behaviour = torch.zeros(len(sample.response_ids), dtype=torch.float32)
     if not sample.demonstration:
