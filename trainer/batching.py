@@ -8,7 +8,9 @@ of generated experience, however many of its groups were flat, as a plain genera
 loop steps once per round of generation, and a backlog of several rounds is cut where each round
 ends (not wherever ``batch_transitions`` informative transitions have gathered, which split
 groups across steps). Staleness is judged when a transition arrives and again when its batch is
-taken: ``current_version − policy_version > max_policy_lag`` drops it (and counts it).
+taken: ``current_version − policy_version > max_policy_lag`` drops it (and counts it). A
+demonstration never goes stale: the bound keeps importance ratios against old behaviour policies
+in check, and a demonstration has none (a warm start's scripted trajectories train at any version).
 A batch is then cut into micro-batches (``collate``), at most ``micro_batch_tokens`` padded tokens
 each where that is set, and its samples' loss masks and token weights go into the tensors.
 """
@@ -166,7 +168,8 @@ class Batch:
         return sum(s.length for s in self.samples)
 
     def lags(self) -> list[int]:
-        return [self.current_version - s.policy_version for s in self.samples]
+        """Policy lag of each sampled transition (a demonstration has no behaviour policy to lag behind)."""
+        return [self.current_version - s.policy_version for s in self.samples if not s.demonstration]
 
     def rewards(self) -> list[float]:
         """Rewards of every fresh transition behind this step, the uninformative ones skipped for training included."""
@@ -202,7 +205,7 @@ class Batcher:
         if sample.transition_id in self.seen or sample.transition_id in self._queued:
             self.counts.duplicate += 1
             return False
-        if current_version - sample.policy_version > self.max_policy_lag:
+        if self._stale(sample, current_version):
             self.counts.stale += 1
             return False
         if self.skip_zero_advantage and sample.advantage == 0.0:
@@ -242,7 +245,7 @@ class Batcher:
             _, sample, skipped = self._queue.popleft()
             room -= 1 + (skipped if self.count_skipped else 0)
             self._queued.discard(sample.transition_id)
-            if current_version - sample.policy_version > self.max_policy_lag:
+            if self._stale(sample, current_version):
                 self.counts.stale += 1
                 continue
             self.seen.add(sample.transition_id)
@@ -257,6 +260,9 @@ class Batcher:
             return None
         counts, self.counts = self.counts, Counts()
         return Batch(samples, current_version, counts)
+
+    def _stale(self, sample: Sample, current_version: int) -> bool:
+        return not sample.demonstration and current_version - sample.policy_version > self.max_policy_lag
 
     def _fits(self) -> int:
         """How many queued samples, from the front, fit one batch (at least one, however long it is)."""

@@ -15,11 +15,13 @@ from models import teacher_forced_logprobs
 from schemas import TRANSITION, AvroCodec
 from trainer.batching import (
     Batch,
+    Batcher,
     Counts,
     MicroBatch,
     NonFiniteTransition,
     PackedMicroBatch,
     Sample,
+    SeenIds,
     TransitionError,
     collate,
     token_weights,
@@ -109,6 +111,18 @@ def test_bad_masks_and_demonstrations_with_no_positive_advantage_are_refused():
     assert Sample.from_record(record(behaviour_logprobs=garbage)).behaviour_logprobs[4:7][1] == math.inf
     with pytest.raises(NonFiniteTransition, match="nan"):
         Sample.from_record(record(behaviour_logprobs=[math.nan, *garbage[1:]]))
+
+
+def test_a_demonstration_never_goes_stale_a_sampled_trajectory_does():
+    batcher = Batcher(batch_tokens=0, batch_transitions=4, batch_wait_s=0, max_policy_lag=1,
+                      skip_zero_advantage=True, seen=SeenIds(10))
+    assert batcher.offer(Sample.from_record(record(transition_id="demo", behaviour_logprobs=[])), 5, now=0)
+    assert not batcher.offer(Sample.from_record(record(transition_id="sampled")), 5, now=0)
+    assert batcher.offer(Sample.from_record(record(transition_id="fresh", policy_version=4)), 4, now=0)
+    batch = batcher.take(current_version=9)  # "fresh" went stale while it waited; the demonstration did not
+    assert [s.transition_id for s in batch.samples] == ["demo"] and batch.counts.stale == 2
+    report = StepReport.of("m", 1, batch, StepResult(TokenStats(tokens=7), 0.1, 1.0, 1, 16, 0.5))
+    assert (report.staleness_mean, report.staleness_max) == (0.0, 0)  # nothing here lags behind a behaviour policy
 
 
 # ---------------------------------------------------------------- collation
