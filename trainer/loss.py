@@ -79,7 +79,7 @@ def policy_loss(logprobs: torch.Tensor, behaviour_logprobs: torch.Tensor, advant
     """The loss in the module docstring; tensors are [batch, tokens] (advantages, likelihood may be [batch]).
 
     ``mask`` marks the trained tokens; ``weights`` their w_t (default: 1/count of ``mask``, the
-    token mean of this call alone); ``likelihood`` the demonstrations' tokens.
+    token mean of this call alone); ``likelihood`` marks demonstrations, trained by likelihood.
     """
     mask = mask.bool()
     if advantages.dim() == 1:
@@ -105,7 +105,7 @@ def policy_loss(logprobs: torch.Tensor, behaviour_logprobs: torch.Tensor, advant
         per_token = per_token - entropy_coef * entropy
     loss = torch.where(mask, per_token * weights, 0.0).sum()
     with torch.no_grad():
-        weighed = mask & ~demonstrated  # a demonstration's tokens have no importance ratio to clip or truncate
+        sampled = mask & ~demonstrated  # a demonstration's tokens have no importance ratio to clip or truncate
         clipped = ((advantages > 0) & (ratio > 1 + clip_eps)) | (negative & (ratio < 1 - clip_eps))
         truncated = negative & (ratio > importance_cap)
         importance = torch.where(demonstrated, 1.0, ratio.clamp(max=importance_cap))
@@ -114,8 +114,8 @@ def policy_loss(logprobs: torch.Tensor, behaviour_logprobs: torch.Tensor, advant
             pg_loss=float((-surrogate * mask).sum()),
             kl=float((kl * mask).sum()),
             entropy=float((entropy * mask).sum()) if entropy is not None else 0.0,
-            clipped=float((clipped & weighed).sum()),
-            truncated=float((truncated & weighed).sum()),
+            clipped=float((clipped & sampled).sum()),
+            truncated=float((truncated & sampled).sum()),
             importance_weight=float((importance * mask).sum()),
         )
     return LossOutput(loss, stats)
