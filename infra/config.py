@@ -223,7 +223,11 @@ class TrainerConfig:
     ``batch_tokens`` padded tokens, ``batch_transitions`` transitions or ``batch_wait_s`` seconds,
     whichever comes first (0 disables a limit); with ``batch_counts_skipped`` the transitions skipped
     for zero advantage count toward ``batch_transitions`` (a step per amount of experience, not per
-    amount of signal). ``checkpoint_dir`` is a folder or a ``file://`` URI
+    amount of signal). A step's samples are cut into ``accumulation_steps`` equal micro-batches
+    whose gradients add up; with ``micro_batch_tokens`` > 0 each is cut further so that it holds at
+    most that many padded tokens (samples × the longest of them; a longer sample goes alone), which
+    bounds the activations a step keeps however long its trajectories are (0: no such cut).
+    ``checkpoint_dir`` is a folder or a ``file://`` URI
     (default: ``checkpoints`` under the stack home). The optimizer state (AdamW's moments: twice
     the weights, 1 GB for SmolLM2, 2 s to write on a CPU) goes with every ``optimizer_state_every``-th
     checkpoint (0: none); a trainer resumed from a checkpoint without it starts the moments afresh
@@ -277,6 +281,7 @@ class TrainerConfig:
     lora_alpha: int = 32
     lora_target_modules: str = "q_proj,k_proj,v_proj,o_proj"
     batch_tokens: int = 16384
+    micro_batch_tokens: int = 0
     batch_transitions: int = 64
     batch_wait_s: float = 5.0
     max_policy_lag: int = 4
@@ -308,6 +313,7 @@ class TrainerConfig:
             "batch_transitions and batch_tokens must be >= 0, and one of them > 0":
                 min(self.batch_transitions, self.batch_tokens) >= 0
                 and max(self.batch_transitions, self.batch_tokens) > 0,
+            "micro_batch_tokens must be >= 0": self.micro_batch_tokens >= 0,
             "max_policy_lag must be >= 0": self.max_policy_lag >= 0,
             "checkpoint_every_steps must be >= 1": self.checkpoint_every_steps >= 1,
             "optimizer_state_every must be >= 0": self.optimizer_state_every >= 0,

@@ -8,7 +8,11 @@ of generated experience, however many of its groups were flat, as a plain genera
 loop steps once per round of generation, and a backlog of several rounds is cut where each round
 ends (not wherever ``batch_transitions`` informative transitions have gathered, which split
 groups across steps). Staleness is judged when a transition arrives and again when its batch is
-taken: ``current_version − policy_version > max_policy_lag`` drops it (and counts it).
+taken: ``current_version − policy_version > max_policy_lag`` drops it (and counts it). A
+demonstration never goes stale: the bound keeps importance ratios against old behaviour policies
+in check, and a demonstration has none (a warm start's scripted trajectories train at any version).
+A batch is then cut into micro-batches (``collate``), at most ``micro_batch_tokens`` padded tokens
+each where that is set, and its samples' loss masks and token weights go into the tensors.
 """
 
 from __future__ import annotations
@@ -35,7 +39,13 @@ class NonFiniteTransition(TransitionError):
 
 @dataclass(frozen=True, slots=True)
 class Sample:
-    """One transition as the trainer needs it, with the Kafka position it was read from (None from memory)."""
+    """One transition as the trainer needs it, with the Kafka position it was read from (None from memory).
+
+    ``loss_mask`` marks the response tokens the loss counts (empty: every one); a trajectory-level
+    sample's response also holds the tokens between its calls (tool results, template glue), which
+    are inputs only. Empty ``behaviour_logprobs`` make a demonstration: its tokens train by
+    likelihood (``trainer/loss.py``).
+    """
 
     transition_id: str
     rollout_id: str
@@ -46,30 +56,61 @@ class Sample:
     reward: float
     advantage: float
     position: tuple[str, int, int] | None = None  # topic, partition, offset
+    loss_mask: tuple[bool, ...] = ()
+    merged_calls: int = 1
+    split_at_break: bool = False
 
     @classmethod
     def from_record(cls, record: Mapping[str, Any], position: tuple[str, int, int] | None = None) -> Sample:
-        """A Sample from a decoded Transition record (schemas/avro/transition.avsc)."""
+        """A Sample from a decoded Transition record (schemas/avro/transition.avsc).
+
+        A record written before the loss mask reads as one call with every response token trained.
+        """
+        tid = record["transition_id"]
         prompt, response = record["prompt_token_ids"], record["response_token_ids"]
-        logprobs = record["behaviour_logprobs"]
+        logprobs, mask = record["behaviour_logprobs"], tuple(record.get("loss_mask") or ())
         if not prompt or not response:
-            raise TransitionError(f"transition {record['transition_id']} has no prompt or no response tokens")
-        if len(logprobs) != len(response):
-            raise TransitionError(f"transition {record['transition_id']} has {len(logprobs)} logprobs for "
-                                  f"{len(response)} response tokens")
+            raise TransitionError(f"transition {tid} has no prompt or no response tokens")
+        if mask and len(mask) != len(response):
+            raise TransitionError(f"transition {tid} has a loss mask of {len(mask)} for {len(response)} response "
+                                  f"tokens")
+        if mask and not any(mask):
+            raise TransitionError(f"transition {tid} has a loss mask that trains no token")
+        if logprobs and len(logprobs) != len(response):
+            raise TransitionError(f"transition {tid} has {len(logprobs)} logprobs for {len(response)} response "
+                                  f"tokens")
         reward, advantage = float(record["reward"]), float(record["advantage"])
         if not (math.isfinite(reward) and math.isfinite(advantage)):
-            raise NonFiniteTransition(f"transition {record['transition_id']} has reward {reward!r} and advantage "
-                                      f"{advantage!r}: both must be finite")
-        if not all(map(math.isfinite, logprobs)):
-            raise NonFiniteTransition(f"transition {record['transition_id']} has a behaviour logprob that is not "
-                                      f"finite ({next(v for v in logprobs if not math.isfinite(v))!r})")
-        return cls(record["transition_id"], record["rollout_id"], int(record["policy_version"]), list(prompt),
-                   list(response), list(logprobs), reward, advantage, position)
+            raise NonFiniteTransition(f"transition {tid} has reward {reward!r} and advantage {advantage!r}: both "
+                                      f"must be finite")
+        if not logprobs and advantage <= 0:
+            raise TransitionError(f"transition {tid} is a demonstration (no behaviour logprobs) with advantage "
+                                  f"{advantage!r}: only a positive one can train by likelihood")
+        trained = [value for value, kept in zip(logprobs, mask, strict=True) if kept] if mask and logprobs else logprobs
+        if not all(map(math.isfinite, trained)):
+            raise NonFiniteTransition(f"transition {tid} has a behaviour logprob that is not finite "
+                                      f"({next(v for v in trained if not math.isfinite(v))!r})")
+        return cls(tid, record["rollout_id"], int(record["policy_version"]), list(prompt), list(response),
+                   list(logprobs), reward, advantage, position, mask, int(record.get("merged_calls", 1)),
+                   bool(record.get("split_at_break", False)))
 
     @property
     def length(self) -> int:
         return len(self.prompt_ids) + len(self.response_ids)
+
+    @property
+    def demonstration(self) -> bool:
+        """No behaviour policy: a span written with token ids but no logprobs (a scripted trajectory, say)."""
+        return not self.behaviour_logprobs
+
+    @property
+    def trained(self) -> list[bool]:
+        """Per response token, whether the loss counts it."""
+        return list(self.loss_mask) if self.loss_mask else [True] * len(self.response_ids)
+
+    @property
+    def trained_tokens(self) -> int:
+        return sum(self.trained)
 
 
 class SeenIds:
@@ -113,15 +154,22 @@ class Batch:
     counts: Counts
 
     @property
-    def response_tokens(self) -> int:
-        return sum(len(s.response_ids) for s in self.samples)
+    def calls_per_sample(self) -> float:
+        """The mean number of LLM calls merged into each sample (1 at transition level)."""
+        return statistics.fmean(s.merged_calls for s in self.samples)
+
+    @property
+    def prefix_breaks(self) -> int:
+        """Samples that start where a rollout's token prefix broke (trajectory level)."""
+        return sum(s.split_at_break for s in self.samples)
 
     @property
     def tokens(self) -> int:
         return sum(s.length for s in self.samples)
 
     def lags(self) -> list[int]:
-        return [self.current_version - s.policy_version for s in self.samples]
+        """Policy lag of each sampled transition (a demonstration has no behaviour policy to lag behind)."""
+        return [self.current_version - s.policy_version for s in self.samples if not s.demonstration]
 
     def rewards(self) -> list[float]:
         """Rewards of every fresh transition behind this step, the uninformative ones skipped for training included."""
@@ -157,7 +205,7 @@ class Batcher:
         if sample.transition_id in self.seen or sample.transition_id in self._queued:
             self.counts.duplicate += 1
             return False
-        if current_version - sample.policy_version > self.max_policy_lag:
+        if self._stale(sample, current_version):
             self.counts.stale += 1
             return False
         if self.skip_zero_advantage and sample.advantage == 0.0:
@@ -197,7 +245,7 @@ class Batcher:
             _, sample, skipped = self._queue.popleft()
             room -= 1 + (skipped if self.count_skipped else 0)
             self._queued.discard(sample.transition_id)
-            if current_version - sample.policy_version > self.max_policy_lag:
+            if self._stale(sample, current_version):
                 self.counts.stale += 1
                 continue
             self.seen.add(sample.transition_id)
@@ -213,6 +261,9 @@ class Batcher:
         counts, self.counts = self.counts, Counts()
         return Batch(samples, current_version, counts)
 
+    def _stale(self, sample: Sample, current_version: int) -> bool:
+        return not sample.demonstration and current_version - sample.policy_version > self.max_policy_lag
+
     def _fits(self) -> int:
         """How many queued samples, from the front, fit one batch (at least one, however long it is)."""
         longest = counted = 0
@@ -226,15 +277,40 @@ class Batcher:
         return len(self._queue)
 
 
+Weighted = tuple[Sample, float]
+"""A sample and the loss weight of each of its trained tokens."""
+
+
+def token_weights(samples: list[Sample], normalization: str) -> list[float]:
+    """Per sample, the loss weight of each of its trained tokens, so that a step's weights sum to 1.
+
+    ``token``: 1/N over the step's N trained tokens; ``transition``: 1/(n·S) for a sample of n
+    trained tokens among S samples; ``rollout``: 1/(n_r·R) where n_r counts the trained tokens of
+    the sample's rollout in this step and R the rollouts (``trainer/loss.py``).
+    """
+    counts = [s.trained_tokens for s in samples]
+    if normalization == "token":
+        return [1.0 / sum(counts)] * len(samples)
+    if normalization == "transition":
+        return [1.0 / (n * len(samples)) for n in counts]
+    if normalization == "rollout":
+        per_rollout: dict[str, int] = {}
+        for sample, n in zip(samples, counts, strict=True):
+            per_rollout[sample.rollout_id] = per_rollout.get(sample.rollout_id, 0) + n
+        return [1.0 / (per_rollout[s.rollout_id] * len(per_rollout)) for s in samples]
+    raise ValueError(f"unknown loss normalization {normalization!r} (token, transition or rollout)")
+
+
 @dataclass(frozen=True)
 class MicroBatch:
     """Padded tensors of some samples: inputs, and per predicted position the target, masks and behaviour logprobs.
 
-    Sequences are right-padded. Column c of ``targets``/``response_mask``/``behaviour_logprobs``
-    is the token at position ``first + c + 1``, predicted by the logits at ``first + c``; ``first``
-    is the last position of the shortest prompt, so no column lies wholly inside the prompts and
-    the model only has to compute logits (the costly vocabulary projection) for the last
-    ``L - first`` positions.
+    Sequences are right-padded. Column c of ``targets``/``response_mask``/``behaviour_logprobs``/
+    ``weights`` is the token at position ``first + c + 1``, predicted by the logits at ``first + c``;
+    ``first`` is the last position of the shortest prompt, so no column lies wholly inside the
+    prompts and the model only has to compute logits (the costly vocabulary projection) for the
+    last ``L - first`` positions. ``response_mask`` is true at trained tokens only (a sample's loss
+    mask applied); ``weights`` are their loss weights (``token_weights``), 0 elsewhere.
     """
 
     input_ids: torch.Tensor  # [B, L]
@@ -243,6 +319,8 @@ class MicroBatch:
     response_mask: torch.Tensor  # [B, L - 1 - first]
     behaviour_logprobs: torch.Tensor  # [B, L - 1 - first]
     advantages: torch.Tensor  # [B]
+    weights: torch.Tensor  # [B, L - 1 - first]
+    likelihood: torch.Tensor  # [B] bool: a demonstration, trained by likelihood
     first: int = 0
 
     @property
@@ -260,7 +338,9 @@ class PackedMicroBatch:
     while the prompt runs once per row and every weight is used by one matmul (on a CPU that made
     a SmolLM2 step a fifth to two fifths shorter than reusing the prompt's KV cache, which used each
     weight twice: ``bench.step``). Response ``r`` lies in row ``row_of[r]``; its column c is
-    predicted by the hidden state at ``predictors[r, c]`` of that row. Rows are right-padded.
+    predicted by the hidden state at ``predictors[r, c]`` of that row. Rows are right-padded. A
+    trajectory sample's response holds its masked tokens (tool results) too: they are in the row
+    as inputs, false in ``response_mask``.
     """
 
     input_ids: torch.Tensor  # [R, L]
@@ -272,6 +352,8 @@ class PackedMicroBatch:
     response_mask: torch.Tensor  # [B, Lr]
     behaviour_logprobs: torch.Tensor  # [B, Lr]
     advantages: torch.Tensor  # [B]
+    weights: torch.Tensor  # [B, Lr]
+    likelihood: torch.Tensor  # [B] bool
 
     @property
     def targets(self) -> torch.Tensor:
@@ -279,70 +361,111 @@ class PackedMicroBatch:
 
 
 def collate(samples: list[Sample], pad_id: int, device: torch.device | str, micro_batches: int = 1,
-            row_tokens: int = PACKED_ROW_TOKENS) -> list[MicroBatch | PackedMicroBatch]:
-    """Split samples into padded micro-batches; a micro-batch whose samples repeat a prompt is packed (see above).
+            row_tokens: int = PACKED_ROW_TOKENS, *, micro_batch_tokens: int = 0,
+            normalization: str = "token") -> list[MicroBatch | PackedMicroBatch]:
+    """Split one step's samples into padded micro-batches; a micro-batch whose samples repeat a prompt is packed.
 
     Samples are sorted by length (to waste little padding), or, when prompts repeat, by prompt so
-    that a group's samples land in the same micro-batch. A packed row takes responses to its prompt
-    while it stays within ``row_tokens``; the next starts a new row with the prompt again.
+    that a group's samples land in the same micro-batch. They are cut into ``micro_batches`` equal
+    chunks, and, with ``micro_batch_tokens``, each chunk further so that it holds at most that many
+    padded tokens (samples × the longest of them; a longer sample goes alone). A packed row takes
+    responses to its prompt while it stays within ``row_tokens``; the next starts a new row with
+    the prompt again. Token weights are computed over all the samples, so the micro-batches' losses
+    sum to the step's loss.
     """
+    weighted = list(zip(samples, token_weights(samples, normalization), strict=True))
     shared = len({tuple(s.prompt_ids) for s in samples}) < len(samples)
-    ordered = sorted(samples, key=(lambda s: (len(s.prompt_ids), s.prompt_ids, len(s.response_ids))) if shared
-                     else (lambda s: s.length))
+    ordered = sorted(weighted, key=(lambda p: (len(p[0].prompt_ids), p[0].prompt_ids, len(p[0].response_ids)))
+                     if shared else (lambda p: p[0].length))
     size = -(-len(ordered) // micro_batches)
-    chunks = [ordered[i:i + size] for i in range(0, len(ordered), size)]
-    return [_pack(chunk, pad_id, device, row_tokens) if len({tuple(s.prompt_ids) for s in chunk}) < len(chunk)
+    chunks = [piece for i in range(0, len(ordered), size)
+              for piece in _within_tokens(ordered[i:i + size], micro_batch_tokens)]
+    return [_pack(chunk, pad_id, device, row_tokens) if len({tuple(s.prompt_ids) for s, _ in chunk}) < len(chunk)
             else _pad(chunk, pad_id, device) for chunk in chunks]
 
 
-def _pad(samples: list[Sample], pad_id: int, device: torch.device | str) -> MicroBatch:
+def _within_tokens(samples: list[Weighted], budget: int) -> list[list[Weighted]]:
+    """Consecutive runs of samples of at most ``budget`` padded tokens each (0: one run); a longer one alone."""
+    if not budget:
+        return [samples]
+    runs: list[list[Weighted]] = []
+    longest = 0
+    for pair in samples:
+        if runs and (len(runs[-1]) + 1) * max(longest, pair[0].length) <= budget:
+            runs[-1].append(pair)
+            longest = max(longest, pair[0].length)
+        else:
+            runs.append([pair])
+            longest = pair[0].length
+    return runs
+
+
+def _trained_row(sample: Sample, weight: float) -> tuple[torch.Tensor | bool, torch.Tensor, torch.Tensor | float]:
+    """A sample's response mask, behaviour logprobs (0 where not trained: never read) and token weights.
+
+    A one-call sample (no mask, a behaviour policy) gives scalars for its mask and weight, as
+    collation did before loss masks: the transition-level path does no more work than it did.
+    """
+    if not sample.loss_mask and not sample.demonstration:
+        return True, torch.tensor(sample.behaviour_logprobs, dtype=torch.float32), weight
+    mask = torch.tensor(sample.trained, dtype=torch.bool)
+    behaviour = torch.zeros(len(sample.response_ids), dtype=torch.float32)
+    if not sample.demonstration:
+        behaviour[mask] = torch.tensor(sample.behaviour_logprobs, dtype=torch.float32)[mask]
+    return mask, behaviour, mask * weight
+
+
+def _pad(weighted: list[Weighted], pad_id: int, device: torch.device | str) -> MicroBatch:
+    samples = [sample for sample, _ in weighted]
     length = max(s.length for s in samples)
     input_ids = torch.full((len(samples), length), pad_id, dtype=torch.long)
     attention = torch.zeros((len(samples), length), dtype=torch.long)
     response_mask = torch.zeros((len(samples), length - 1), dtype=torch.bool)
     behaviour = torch.zeros((len(samples), length - 1), dtype=torch.float32)
-    for row, sample in enumerate(samples):
+    token_weight = torch.zeros((len(samples), length - 1), dtype=torch.float32)
+    for row, (sample, weight) in enumerate(weighted):
         prompt, response = len(sample.prompt_ids), len(sample.response_ids)
         input_ids[row, :sample.length] = torch.tensor(sample.prompt_ids + sample.response_ids)
         attention[row, :sample.length] = 1
-        response_mask[row, prompt - 1:prompt - 1 + response] = True
-        behaviour[row, prompt - 1:prompt - 1 + response] = torch.tensor(sample.behaviour_logprobs)
+        columns = slice(prompt - 1, prompt - 1 + response)
+        response_mask[row, columns], behaviour[row, columns], token_weight[row, columns] = _trained_row(sample, weight)
     advantages = torch.tensor([s.advantage for s in samples], dtype=torch.float32)
+    likelihood = torch.tensor([s.demonstration for s in samples], dtype=torch.bool)
     first = min(len(s.prompt_ids) for s in samples) - 1
     return MicroBatch(input_ids.to(device), attention.to(device), input_ids[:, first + 1:].to(device),
                       response_mask[:, first:].to(device), behaviour[:, first:].to(device), advantages.to(device),
-                      first)
+                      token_weight[:, first:].to(device), likelihood.to(device), first)
 
 
-def _pack(samples: list[Sample], pad_id: int, device: torch.device | str, row_tokens: int) -> PackedMicroBatch:
-    rows: list[tuple[list[int], list[Sample]]] = []  # a prompt and the responses after it in one row
+def _pack(weighted: list[Weighted], pad_id: int, device: torch.device | str, row_tokens: int) -> PackedMicroBatch:
+    rows: list[tuple[list[int], list[Weighted]]] = []  # a prompt and the responses after it in one row
     open_rows: dict[tuple[int, ...], int] = {}
-    for sample in samples:
+    for sample, weight in weighted:
         prompt_key = tuple(sample.prompt_ids)
         number = open_rows.get(prompt_key)
         if number is None or len(rows[number][0]) + len(sample.response_ids) > row_tokens:
             open_rows[prompt_key], number = len(rows), len(rows)
             rows.append((list(sample.prompt_ids), []))
         rows[number][0].extend(sample.response_ids)
-        rows[number][1].append(sample)
+        rows[number][1].append((sample, weight))
     width = max(len(ids) for ids, _ in rows)
     input_ids = torch.full((len(rows), width), pad_id, dtype=torch.long)
     positions = torch.zeros((len(rows), width), dtype=torch.long)
     segments = torch.full((len(rows), width), -1, dtype=torch.long)  # 0: the prompt, k: the k-th response, -1: pad
-    ordered: list[Sample] = []
+    ordered: list[Weighted] = []
     row_of: list[int] = []
     starts: list[int] = []
     for number, (ids, members) in enumerate(rows):
-        prompt = len(members[0].prompt_ids)
+        prompt = len(members[0][0].prompt_ids)
         input_ids[number, :len(ids)] = torch.tensor(ids)
         positions[number, :prompt] = torch.arange(prompt)
         segments[number, :prompt] = 0
         start = prompt
-        for k, sample in enumerate(members, start=1):
+        for k, (sample, weight) in enumerate(members, start=1):
             end = start + len(sample.response_ids)
             positions[number, start:end] = torch.arange(prompt, prompt + len(sample.response_ids))
             segments[number, start:end] = k
-            ordered.append(sample)
+            ordered.append((sample, weight))
             row_of.append(number)
             starts.append(start)
             start = end
@@ -350,20 +473,21 @@ def _pack(samples: list[Sample], pad_id: int, device: torch.device | str, row_to
     query, key = segments[:, :, None], segments[:, None, :]  # each position's segment, as query and as key
     attends = (index[:, None] >= index[None, :]) & (query >= 0) & (key >= 0) & ((key == 0) | (key == query))
     attends |= torch.eye(width, dtype=torch.bool)  # a pad attends to itself: no row of the softmax is empty
-    length = max(len(s.response_ids) for s in ordered)
+    length = max(len(s.response_ids) for s, _ in ordered)
     predictors = torch.zeros((len(ordered), length), dtype=torch.long)
     response_ids = torch.full((len(ordered), length), pad_id, dtype=torch.long)
     response_mask = torch.zeros((len(ordered), length), dtype=torch.bool)
     behaviour = torch.zeros((len(ordered), length), dtype=torch.float32)
-    for row, (sample, start) in enumerate(zip(ordered, starts, strict=True)):
+    token_weight = torch.zeros((len(ordered), length), dtype=torch.float32)
+    for row, ((sample, weight), start) in enumerate(zip(ordered, starts, strict=True)):
         count = len(sample.response_ids)
         predictors[row, 0] = len(sample.prompt_ids) - 1  # the prompt's last position predicts the first token
         predictors[row, 1:count] = torch.arange(start, start + count - 1)
         response_ids[row, :count] = torch.tensor(sample.response_ids)
-        response_mask[row, :count] = True
-        behaviour[row, :count] = torch.tensor(sample.behaviour_logprobs)
-    advantages = torch.tensor([s.advantage for s in ordered], dtype=torch.float32)
+        response_mask[row, :count], behaviour[row, :count], token_weight[row, :count] = _trained_row(sample, weight)
+    advantages = torch.tensor([s.advantage for s, _ in ordered], dtype=torch.float32)
+    likelihood = torch.tensor([s.demonstration for s, _ in ordered], dtype=torch.bool)
     return PackedMicroBatch(input_ids.to(device), positions.to(device), attends.to(device),
                             torch.tensor(row_of, dtype=torch.long, device=device), predictors.to(device),
                             response_ids.to(device), response_mask.to(device), behaviour.to(device),
-                            advantages.to(device))
+                            advantages.to(device), token_weight.to(device), likelihood.to(device))

@@ -13,7 +13,7 @@ from trainer.step import StepResult
 TRAIN_STEP_COLUMNS = (
     "model", "step", "policy_version", "loss", "reward_mean", "advantage_mean", "advantage_std", "kl", "entropy",
     "clip_fraction", "importance_weight_mean", "staleness_mean", "staleness_max", "dropped_stale", "transitions",
-    "tokens", "tokens_per_s", "step_time_s", "created_at", "skipped_nonfinite",
+    "tokens", "tokens_per_s", "step_time_s", "created_at", "skipped_nonfinite", "calls_per_sample", "prefix_breaks",
 )
 CHECKPOINT_COLUMNS = ("model", "version", "uri", "sha256", "step", "format", "metrics", "created_at")
 
@@ -48,6 +48,10 @@ class StepReport:
     grad_norm: float
     skipped_nonfinite: int = 0
     """Batches skipped since the previous step because their loss or gradient norm was not finite."""
+    calls_per_sample: float = 1.0
+    """The mean number of LLM calls merged into each sample (1 at transition level)."""
+    prefix_breaks: int = 0
+    """Samples of this step that start where their rollout's token prefix broke (trajectory level)."""
 
     @classmethod
     def of(cls, model: str, step: int, batch: Batch, result: StepResult, skipped_nonfinite: int = 0) -> StepReport:
@@ -58,11 +62,13 @@ class StepReport:
             reward_mean=statistics.fmean(batch.rewards()), advantage_mean=advantage_mean,
             advantage_std=advantage_std, kl=stats.mean("kl"), entropy=stats.mean("entropy"),
             clip_fraction=stats.mean("clipped"), importance_weight_mean=stats.mean("importance_weight"),
-            staleness_mean=statistics.fmean(lags), staleness_max=max(lags), dropped_stale=batch.counts.stale,
+            staleness_mean=statistics.fmean(lags) if lags else 0.0, staleness_max=max(lags, default=0),
+            dropped_stale=batch.counts.stale,
             transitions=result.transitions, tokens=result.tokens, tokens_per_s=result.tokens_per_s,
             step_time_s=result.seconds, created_at=datetime.datetime.now(datetime.UTC),
             duplicates=batch.counts.duplicate, uninformative=batch.counts.uninformative, invalid=batch.counts.invalid,
             truncated_fraction=stats.mean("truncated"), grad_norm=result.grad_norm, skipped_nonfinite=skipped_nonfinite,
+            calls_per_sample=batch.calls_per_sample, prefix_breaks=batch.prefix_breaks,
         )
 
     def row(self) -> tuple:
@@ -75,7 +81,14 @@ class StepReport:
                 f"lag {self.staleness_mean:.1f}/{self.staleness_max}  dropped stale {self.dropped_stale} "
                 f"dup {self.duplicates} flat {self.uninformative} bad {self.invalid} "
                 f"{f'nonfinite {self.skipped_nonfinite} ' if self.skipped_nonfinite else ''} "
-                f"{self.transitions} tr {self.tokens} tok {self.tokens_per_s:,.0f} tok/s {self.step_time_s:.2f}s")
+                f"{self._trajectory()}{self.transitions} tr {self.tokens} tok {self.tokens_per_s:,.0f} tok/s "
+                f"{self.step_time_s:.2f}s")
+
+    def _trajectory(self) -> str:
+        """Calls per sample and prefix breaks, where samples merge calls (nothing at transition level)."""
+        if self.calls_per_sample == 1 and not self.prefix_breaks:
+            return ""
+        return f"calls/sample {self.calls_per_sample:.2f} breaks {self.prefix_breaks} "
 
     def checkpoint_metrics(self) -> dict[str, float]:
         """The numbers carried by the Checkpoint event and the checkpoints row."""

@@ -80,7 +80,7 @@ def reference_logprobs(policy: Policy, micro: MicroBatch | PackedMicroBatch, tem
 
 
 def train_step(policy: Policy, batch: Batch, config: TrainerConfig) -> StepResult:
-    """Accumulate the loss over micro-batches (normalised by the step's response tokens), then one optimizer step.
+    """Accumulate the loss over micro-batches (token weights over the whole step), then one optimizer step.
 
     Where the loss or the gradient norm is not finite, the gradients are zeroed and no step is
     taken (``skipped``): the weights and the optimizer state stay as they were.
@@ -88,14 +88,15 @@ def train_step(policy: Policy, batch: Batch, config: TrainerConfig) -> StepResul
     started = time.perf_counter()
     policy.model.train()
     stats, loss = TokenStats(), 0.0
-    for micro in collate(batch.samples, policy.pad_id, policy.device, config.accumulation_steps):
+    for micro in collate(batch.samples, policy.pad_id, policy.device, config.accumulation_steps,
+                         micro_batch_tokens=config.micro_batch_tokens, normalization=config.loss_normalization):
         with policy.precision.autocast():  # bf16 compute over fp32 master weights under mixed precision
             logprobs, entropy = token_logprobs(policy.model, micro, config.temperature, config.entropy_coef > 0)
         reference = reference_logprobs(policy, micro, config.temperature) if config.kl_coef > 0 else None
         out = policy_loss(logprobs, micro.behaviour_logprobs, micro.advantages, micro.response_mask,
                           clip_eps=config.clip_eps, importance_cap=config.importance_cap, ref_logprobs=reference,
                           kl_coef=config.kl_coef, entropy=entropy, entropy_coef=config.entropy_coef,
-                          normalizer=batch.response_tokens)
+                          weights=micro.weights, likelihood=micro.likelihood)
         out.loss.backward()
         stats, loss = stats + out.stats, loss + out.loss.item()
     grad_norm = float(torch.nn.utils.clip_grad_norm_(policy.trainable(), config.grad_clip))

@@ -272,3 +272,40 @@ def test_after_a_streak_of_refused_candidates_the_trainer_trains_on_from_the_ser
     v4 = next(m for m in manifests(store, model) if m.version == 4)
     assert v4.metrics["rebased_on_version"] == 1.0
     assert "rebased_on_version" not in next(m for m in manifests(store, model) if m.version == 3).metrics
+
+
+def test_trajectory_samples_and_demonstrations_train_and_their_merges_and_breaks_reach_train_steps(
+        trainer_setup, stack, kafka_options, clickhouse, stack_config):
+    config, model = trainer_setup
+    database = stack_config.clickhouse.database
+    topic = topic_name(config.topics, "transitions")
+    lines: list[str] = []
+
+    def merged(transition_id: str, calls: int, **fields) -> dict:
+        """A sample of ``calls`` calls of 2 generated tokens with 3 masked tool-result tokens between them."""
+        response = [t for call in range(calls) for t in ([80 + call, 81] + ([90, 91, 92] if call < calls - 1 else []))]
+        mask = [t < 90 for t in response]
+        return {**transition(transition_id, model), "response_token_ids": response, "loss_mask": mask,
+                "behaviour_logprobs": [-5.0 if kept else 0.0 for kept in mask], "merged_calls": calls, **fields}
+
+    records = [merged("m0", 3), merged("m1", 2, split_at_break=True),
+               merged("demo", 2, behaviour_logprobs=[]),  # a scripted trajectory: trained by likelihood
+               transition("plain", model),
+               merged("bad-demo", 2, behaviour_logprobs=[], advantage=-1.0),  # unlikelihood: refused, counted
+               merged("bad-mask", 2, loss_mask=[True, False])]
+
+    async def scenario() -> TrainerWorker:
+        running = TrainerWorker(config, stack.bootstrap_servers, metrics=MetricsWriter(clickhouse, database),
+                                progress=lines.append)
+        task = asyncio.create_task(running.run(max_steps=1))
+        await produce(kafka_options, topic, records, as_batch=True)
+        await asyncio.wait_for(task, 60)
+        return running
+
+    done = asyncio.run(scenario())
+    assert (done.step, done.summary.transitions) == (1, 4)
+    row = clickhouse.query(f"SELECT transitions, calls_per_sample, prefix_breaks FROM {database}.train_steps FINAL "
+                           "WHERE model = {m:String}", parameters={"m": model}).result_rows
+    assert row == [(4, (3 + 2 + 2 + 1) / 4, 1)]
+    step_line = next(line for line in lines if line.startswith("step "))
+    assert "bad 2" in step_line and "calls/sample 2.00 breaks 1" in step_line

@@ -68,7 +68,8 @@ def test_mask_per_sequence_advantages_and_the_normalizer():
     # ratio 1 everywhere: tokens lose -2, -2 and +1; the masked ones count for nothing
     out = policy_loss(behaviour.clone(), behaviour, advantages, mask)
     assert out.loss.item() == pytest.approx(-3 / 3)
-    assert policy_loss(behaviour.clone(), behaviour, advantages, mask, normalizer=6).loss.item() == pytest.approx(-0.5)
+    halved = policy_loss(behaviour.clone(), behaviour, advantages, mask, weights=mask / 6)  # 1/6 per token, not 1/3
+    assert halved.loss.item() == pytest.approx(-0.5)
 
 
 def test_kl_and_entropy_terms_by_hand():
