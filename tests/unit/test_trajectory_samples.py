@@ -20,14 +20,7 @@ from streams.records import RawRecord
 from streams.sink import CompletionSink
 from streams.spanreader import SpanReader
 from streams.trajectory import SpanNode, Trajectory, assemble
-from streams.trajectory_samples import (
-    UnreadableTokens,
-    decode_tokens,
-    encode_floats,
-    encode_ids,
-    encode_mask,
-    trajectory_samples,
-)
+from streams.trajectory_samples import UnreadableTokens, array, call_arrays, trajectory_samples, varint_count
 from streams.transitions import draft
 from tests.unit.test_credit import Held, Sent
 
@@ -146,24 +139,41 @@ def sized_block(items: bytes, count: int) -> bytes:
     return write_long(-count) + write_long(len(items)) + items
 
 
-def test_token_arrays_in_several_blocks_with_byte_sizes_decode_exactly():
+def varints(ids: list[int]) -> bytes:
+    return b"".join(map(write_long, ids))
+
+
+def test_token_arrays_in_several_blocks_with_byte_sizes_read_as_their_items():
     ids = [0, 63, 64, -65, 8191, 8192, 2**31 - 1, -(2**31)]
-    prompt = sized_block(b"".join(map(write_long, ids[:5])), 5) + write_long(3) + b"".join(map(write_long, ids[5:]))
-    response = sized_block(write_long(7), 1) + sized_block(write_long(300), 1)
-    logprobs = sized_block(struct.pack("<2f", -0.5, -0.25), 2)
-    decoded = decode_tokens(prompt + b"\x00" + response + b"\x00" + logprobs + b"\x00")
-    assert (decoded.prompt, decoded.response, decoded.logprobs) == (ids, [7, 300], [-0.5, -0.25])
-    again = decode_tokens(encode_ids(decoded.prompt) + encode_ids(decoded.response) + encode_floats(decoded.logprobs))
-    assert again == decoded
-    assert encode_mask([True, False]) == b"\x04\x01\x00\x00" and encode_mask([]) == encode_floats([]) == b"\x00"
+    prompt = sized_block(varints(ids[:5]), 5) + write_long(3) + varints(ids[5:]) + b"\x00"
+    response = sized_block(write_long(7), 1) + sized_block(write_long(300), 1) + b"\x00"
+    logprobs = sized_block(struct.pack("<f", -0.5), 1) + write_long(1) + struct.pack("<f", -0.25) + b"\x00"
+    arrays = call_arrays(prompt + response + logprobs)
+    assert (arrays.prompt, arrays.prompt_count, arrays.response, arrays.response_count) == (
+        varints(ids), 8, varints([7, 300]), 2)
+    assert arrays.logprobs == struct.pack("<2f", -0.5, -0.25) and varint_count(arrays.prompt) == 8
+    written = array(8, arrays.prompt) + array(2, arrays.response) + array(2, arrays.logprobs)
+    datum = b"\x02x" * 5 + b"\x00\x00" + written + b"\x00\x02\x00" + b"\x00" * 24 + b"\x00\x00"
+    value = decode(datum)  # one block each, as fastavro reads them
+    assert (value["prompt_token_ids"], value["response_token_ids"], value["behaviour_logprobs"]) == (
+        ids, [7, 300], [-0.5, -0.25])
 
 
-def test_token_bytes_that_do_not_read_as_three_arrays_are_refused_by_name():
-    good = encode_ids([1, 2]) + encode_ids([3]) + encode_floats([-0.5])
-    with pytest.raises(UnreadableTokens, match="cut short"):
-        decode_tokens(good[:-3])
-    with pytest.raises(UnreadableTokens, match="bytes"):
-        decode_tokens(good + b"\x00")
+def test_a_sized_block_merges_like_the_same_ids_in_a_plain_block():
+    spans = [llm(0, [1, 2], [3]), llm(1, [1, 2, 3, 4], [5]), reward()]
+    assert transitions(rollout(spans, sized=True)) == transitions(rollout(spans, sized=False))
+
+
+@pytest.mark.parametrize("tokens, says", [
+    (array(2, varints([1, 2])) + array(1, varints([3])) + array(1, struct.pack("<f", -0.5))[:-3], "cut short"),
+    (array(2, varints([1, 2])) + array(1, varints([3])) + array(1, struct.pack("<f", -0.5)) + b"\x00", "bytes"),
+    (sized_block(varints([1, 2, 300]), 2) + b"\x00" + array(1, b"\x06") + array(1, b"\x00" * 4), "2 ids"),
+    (sized_block(b"\x02\x84", 2) + b"\x00" + array(1, b"\x06") + array(1, b"\x00" * 4), "2 ids"),
+    (array(1, b"\x02") + array(1, b"\x06") + sized_block(b"\x00" * 5, 1) + b"\x00", "1 floats"),
+])
+def test_token_bytes_that_do_not_read_as_three_arrays_are_refused_by_name(tokens, says):
+    with pytest.raises(UnreadableTokens, match=says):
+        call_arrays(tokens)
 
 
 def test_a_call_with_logprobs_that_do_not_match_its_response_stands_alone():
@@ -216,3 +226,14 @@ def test_a_grpo_group_at_trajectory_level_credits_the_merged_samples():
         ("r", 2, False, 1.0), ("r", 1, True, 1.0), ("r2", 2, False, -1.0), ("r2", 1, True, -1.0)]
     assert samples[0]["response_token_ids"] == [3, 4, 40, 41, 5] and samples[0]["loss_mask"] == [True, True, False,
                                                                                                   False, True]
+
+
+def test_a_call_whose_token_bytes_lie_about_their_count_makes_no_sample_and_is_logged(caplog):
+    trajectory = rollout([llm(0, [1, 2], [3]), llm(1, [1, 2, 3, 4], [5]), llm(2, [1, 2, 3, 4, 5, 6], [7]), reward()])
+    lying = sized_block(varints([1, 2, 3, 4]), 3) + b"\x00" + array(1, b"\x0a") + array(1, b"\x00" * 4)
+    trajectory.trainable_calls[1].tokens = lying  # the span reader steps over a sized block without counting it
+    samples, merges, breaks = transitions(trajectory)
+    assert (merges, breaks) == (0, 0)
+    assert [(s["span_id"], s["merged_calls"], s["split_at_break"]) for s in samples] == [
+        ("llm0", 1, False), ("llm2", 1, False)]
+    assert "no sample from call llm1 of rollout r: prompt ids" in caplog.text
