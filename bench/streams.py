@@ -10,9 +10,10 @@ spans (rollouts of 15 LLM calls and a reward, between STARTED and SUCCEEDED even
   the processes' own counters, and their total;
 - machine_calibration: the CPU model and two fixed workloads' times (infra/machine.py), so figures
   from different machines can be compared;
-- ``--level trajectory``: the worker's [[credit]] rule trains at trajectory level, so it decodes
-  every call's tokens and compares them with the last call's (this workload's calls are unrelated:
-  every call after a rollout's first breaks the prefix); the figures carry the level;
+- ``--level trajectory``: the worker's [[credit]] rule trains at trajectory level, so it reads
+  every call's token arrays and compares them with the last call's (this workload's calls are
+  unrelated: every call after a rollout's first breaks the prefix, prefix_breaks_per_rollout 14);
+  the figures carry the level;
 - the peer: Agent Lightning 0.3.0's LightningStore HTTP server with runners in separate processes,
   on the same number of 1 KB spans, printed as "peer" with the "ratio".
 """
@@ -132,7 +133,7 @@ def main() -> None:
     parser.add_argument("--broker-storage", choices=BROKER_STORAGES, default="durable",
                         help="the broker's storage (memory: no object store, what durability costs)")
     parser.add_argument("--level", choices=LEVELS, default="transition",
-                        help="the [[credit]] level of the worker's rule (trajectory: calls decoded and merged)")
+                        help="the [[credit]] level of the worker's rule (trajectory: calls compared and merged)")
     args = parser.parse_args()
 
     calibration = calibrate()
