@@ -10,6 +10,10 @@ spans (rollouts of 15 LLM calls and a reward, between STARTED and SUCCEEDED even
   the processes' own counters, and their total;
 - machine_calibration: the CPU model and two fixed workloads' times (infra/machine.py), so figures
   from different machines can be compared;
+- ``--level trajectory``: the worker's [[credit]] rule trains at trajectory level, so it reads
+  every call's token arrays and compares them with the last call's (this workload's calls are
+  unrelated: every call after a rollout's first breaks the prefix, prefix_breaks_per_rollout 14);
+  the figures carry the level;
 - the peer: Agent Lightning 0.3.0's LightningStore HTTP server with runners in separate processes,
   on the same number of 1 KB spans, printed as "peer" with the "ratio".
 """
@@ -31,7 +35,7 @@ from aiokafka import AIOKafkaConsumer
 
 from bench.common import emit, llm_span, percentile, private_stack
 from infra.clickhouse import connect
-from infra.config import BROKER_STORAGES
+from infra.config import BROKER_STORAGES, LEVELS
 from infra.kafka import client_options, topic_name
 from infra.machine import CpuShare, calibrate
 from pipeline.publisher import SpanPublisher
@@ -128,6 +132,8 @@ def main() -> None:
     parser.add_argument("--no-peer", action="store_true", help="skip Agent Lightning")
     parser.add_argument("--broker-storage", choices=BROKER_STORAGES, default="durable",
                         help="the broker's storage (memory: no object store, what durability costs)")
+    parser.add_argument("--level", choices=LEVELS, default="transition",
+                        help="the [[credit]] level of the worker's rule (trajectory: calls compared and merged)")
     args = parser.parse_args()
 
     calibration = calibrate()
@@ -137,6 +143,9 @@ def main() -> None:
         env = {k: v for k, v in os.environ.items() if not k.startswith(("KAFKA_", "CLICKHOUSE_", "AGENTSTREAM_"))}
         env.update({"KAFKA_BOOTSTRAP_SERVERS": endpoints.bootstrap_servers, "CLICKHOUSE_URL": endpoints.clickhouse_url,
                     "AGENTSTREAM_HOME": scratch})
+        if args.level != "transition":
+            (Path(scratch) / "agentstream.toml").write_text(f'[[credit]]\nlevel = "{args.level}"\n')
+            env["AGENTSTREAM_CONFIG"] = str(Path(scratch) / "agentstream.toml")
         options = client_options(config.kafka, endpoints.bootstrap_servers)
         worker = start_worker(env, Path(scratch) / "worker.log")
         client = connect(config.clickhouse, endpoints.clickhouse_url, database=config.clickhouse.database)
@@ -172,7 +181,7 @@ def main() -> None:
                      by_stage={stage: round(us, 1) for stage, us in per_span.items()},
                      cpu_seconds={stage: round(seconds, 2) for stage, seconds in cpu.items()},
                      wall_seconds=round(elapsed, 2), spans=total, cores=calibration.cores,
-                     broker_storage=args.broker_storage,
+                     broker_storage=args.broker_storage, level=args.level,
                      note="publisher = this process (its ClickHouse count query every 0.1 s included)")
                 for stage, us in per_span.items():
                     emit(BENCH, f"ingest_cpu_us_per_span_{stage}", us, "us/span")
@@ -205,16 +214,22 @@ def main() -> None:
                 from bench.peer_agentlightning import run_peer
 
                 peer = run_peer(rollouts=2000, spans_per_rollout=8, runners=8)
-            extra = {"spans": total, "seconds": round(elapsed, 2), "span_bytes": 1000, "workers": 1}
+            extra = {"spans": total, "seconds": round(elapsed, 2), "span_bytes": 1000, "workers": 1,
+                     "level": args.level}
             if peer:
                 extra.update(peer=round(peer["spans_per_s"], 1), ratio=round(ours / peer["spans_per_s"], 1),
                              peer_system="agentlightning==0.3.0 LightningStore (HTTP server, 8 runner processes, "
                                          f"{peer['path']})")
             emit(BENCH, "ingest_spans_per_s", ours, "spans/s", **extra)
-            load = {"load_spans_per_s": round(ours / 2), "rollouts": len(ended), "missing": missing}
+            load = {"load_spans_per_s": round(ours / 2), "rollouts": len(ended), "missing": missing,
+                    "level": args.level}
             emit(BENCH, "transition_latency_p50_ms", percentile(latencies, 0.5), "ms", **load)
             emit(BENCH, "transition_latency_p99_ms", percentile(latencies, 0.99), "ms", **load)
             emit(BENCH, "worker_rss_mb", rss_mb(worker.pid), "MB", at_start=round(rss_start, 1))
+            merges, breaks, rollouts = client.query(
+                "SELECT sum(prefix_merges), sum(prefix_breaks), count() FROM rollouts FINAL").result_rows[0]
+            emit(BENCH, "prefix_breaks_per_rollout", breaks / max(rollouts, 1), "breaks", level=args.level,
+                 prefix_merges_per_rollout=round(merges / max(rollouts, 1), 3), rollouts=rollouts)
             if os.environ.get("BENCH_WORKER_LOG"):
                 Path(os.environ["BENCH_WORKER_LOG"]).write_text((Path(scratch) / "worker.log").read_text())
         finally:

@@ -244,12 +244,12 @@ def create_app(config: Config, bootstrap_servers: str, clickhouse_url: str) -> f
         counters = spans.counters
         log.info("records %d, spans records %d, rollouts completed %d (awaiting reward %d, expired %d, read back "
                  "from ClickHouse %d), transitions %d, calls without token ids %d, dead letters %d, "
-                 "groups %d credited / %d uninformative",
+                 "groups %d credited / %d uninformative, prefix merges %d / breaks %d",
                  counters.records, counters.spans_records, counters.rollouts_completed,
                  counters.rollouts_awaiting_reward, counters.rollouts_expired, counters.rollouts_read_back,
                  counters.transitions + groups.counters.transitions,
                  counters.calls_without_tokens, counters.dead_letters, groups.groups_credited,
-                 groups.groups_uninformative)
+                 groups.groups_uninformative, counters.prefix_merges, counters.prefix_breaks)
         spent = {**spans.span_writes.seconds, **spans.reads.seconds, **sink.warehouse.seconds}
         timings = ", ".join(f"{what} {calls} x {1000 * seconds / max(calls, 1):.0f} ms"
                             for what, (calls, seconds) in spent.items())

@@ -14,6 +14,10 @@ deterministic ids make the replay harmless.
                                    └► groups topic (grpo, keyed by group, with transition drafts)
     undecodable records ─► dlq topic
 
+A transition holds one LLM call (token bytes copied); where a rule's ``level`` is "trajectory",
+it holds successive calls that extend each other token for token (streams/trajectory_samples.py)
+and the rollouts row counts the merges and breaks.
+
 A rollout this worker saw from its STARTED event on is assembled from memory. Any other (one
 first seen mid-way after a restart replayed from an earlier rollout's offset, one reopened by
 a span that came after it was written out, one without events) and one whose late reward
@@ -29,7 +33,7 @@ import logging
 import time
 from collections.abc import Callable
 from dataclasses import dataclass
-from typing import Any
+from typing import Any, NamedTuple
 
 from infra.config import Config, CreditRule
 from infra.kafka import topic_name
@@ -42,6 +46,7 @@ from streams.sink import ROLLOUT_COLUMNS, Completion, CompletionSink, RolloutRow
 from streams.spanreader import MalformedSpan, SpanReader
 from streams.stage import Emitter, Holder, Stage, now_us
 from streams.trajectory import SpanNode, Trajectory, assemble
+from streams.trajectory_samples import TrajectorySamples, trajectory_samples
 from streams.transitions import Draft, Transitions, draft
 from streams.warehouse import RejectedData, Warehouse
 
@@ -80,6 +85,15 @@ def training_choice(trajectory: Trajectory, rule: CreditRule | None) -> str:
     if rule.sample_rate >= 1.0:
         return SAMPLED
     return SAMPLED if sample_point(trajectory.group_id or trajectory.rollout_id) < rule.sample_rate else SAMPLED_OUT
+
+
+class Finished(NamedTuple):
+    """A rollout to train on: its credits (None: its GRPO group credits it) and, at trajectory level, its samples."""
+
+    trajectory: Trajectory
+    credits: list[Credit] | None
+    rule: CreditRule
+    samples: TrajectorySamples | None  # None at transition level: one draft per call, made when it is emitted
 
 
 @dataclass
@@ -260,7 +274,7 @@ class SpanProcessor(Stage[SpanBatch]):
         stored = await read_stored_spans(self.reads, self.database, stored_ids) if stored_ids else {}
         self.counters.rollouts_read_back += len(stored_ids)
         rows: list[RolloutRow] = []
-        finished: list[tuple[Trajectory, list[Credit] | None, Any]] = []
+        finished: list[Finished] = []
         for rollout in due:
             spans = (rollout.spans if rollout.seen_from_start
                      else union(stored.get(rollout.rollout_id, []), rollout.spans))
@@ -299,9 +313,10 @@ class SpanProcessor(Stage[SpanBatch]):
             return rollout.terminal
         return "TIMED_OUT" if rollout.managed else "COMPLETED"
 
-    def _decide(self, trajectory: Trajectory, finished: list, now: float) -> RolloutRow:
+    def _decide(self, trajectory: Trajectory, finished: list[Finished], now: float) -> RolloutRow:
         """Route one assembled rollout: not trainable, waiting for a reward, not selected for training (see
-        :func:`training_choice`), grouped (credits None), or credited now. Every one gets its rollouts row."""
+        :func:`training_choice`), grouped (credits None), or credited now. Every one gets its rollouts row, with
+        its prefix merges and breaks where its rule trains at trajectory level."""
         status = trajectory.status
         self.counters.calls_without_tokens += len(trajectory.llm_calls) - len(trajectory.trainable_calls)
         if status in FAILED_STATUSES or not trajectory.spans:
@@ -319,33 +334,45 @@ class SpanProcessor(Stage[SpanBatch]):
         training = training_choice(trajectory, rule)
         if rule is None or training not in TRAINED:
             self.counters.rollouts_not_selected += 1
-        elif strategy_for(rule).grouped and trajectory.group_id:
-            finished.append((trajectory, None, rule))
-        else:
+            return self._rollout_row(trajectory, status, training)
+        credits = None
+        if not (strategy_for(rule).grouped and trajectory.group_id):
             try:
-                finished.append((trajectory, strategy_for(rule).assign(trajectory), rule))
+                credits = strategy_for(rule).assign(trajectory)
             except NonFiniteCredit as error:  # a NaN reward read back from storage, or a return that overflows
                 self.counters.credits_refused += 1
                 log.warning("no transitions from %s: %s", trajectory.rollout_id, error)
-        return self._rollout_row(trajectory, status, training)
+                return self._rollout_row(trajectory, status, training)
+        samples = trajectory_samples(trajectory, rule, credits) if rule.level == "trajectory" else None
+        if samples is not None:
+            self.counters.prefix_merges += samples.merges
+            self.counters.prefix_breaks += samples.breaks
+        finished.append(Finished(trajectory, credits, rule, samples))
+        return self._rollout_row(trajectory, status, training, samples)
 
-    async def _emit_transitions(self, finished: list[tuple[Trajectory, list[Credit] | None, Any]]) -> list[bytes]:
+    async def _emit_transitions(self, finished: list[Finished]) -> list[bytes]:
         """Send the group results and the transitions to Kafka; returns the transitions for ClickHouse."""
         created = now_us()
         transitions = Transitions()
         drafts, datums = transitions.drafts, transitions.datums
-        for trajectory, credits, rule in finished:
+        for trajectory, credits, rule, samples in finished:
             if credits is not None:
                 group = trajectory.group_id or None
-                for credit in credits:
-                    pending = draft_of(trajectory, rule, credit.call, credit.step_index)
+                if samples is None:
+                    for credit in credits:
+                        pending = draft_of(trajectory, rule, credit.call, credit.step_index)
+                        drafts.append(pending)
+                        datums.append(pending.complete(credit.reward, credit.return_value, credit.advantage, group,
+                                                       created))
+                    continue
+                for pending, credit in zip(samples.drafts, samples.credits, strict=True):  # each sample's first call's
                     drafts.append(pending)
                     datums.append(pending.complete(credit.reward, credit.return_value, credit.advantage, group,
                                                    created))
                 continue
             self.counters.group_results += 1
-            group_drafts = [draft_of(trajectory, rule, call, index)
-                            for index, call in enumerate(trajectory.trainable_calls)]
+            group_drafts = samples.drafts if samples is not None else [
+                draft_of(trajectory, rule, call, index) for index, call in enumerate(trajectory.trainable_calls)]
             await self.emitter.send(self.groups_topic, trajectory.group_id.encode(), self.codec.encode(ROLLOUT_RESULT, {
                 "rollout_id": trajectory.rollout_id, "attempt_id": trajectory.attempt_id,
                 "group_id": trajectory.group_id, "agent_name": trajectory.agent_name, "status": trajectory.status,
@@ -354,7 +381,8 @@ class SpanProcessor(Stage[SpanBatch]):
         await self.publish_transitions(transitions)
         return datums
 
-    def _rollout_row(self, trajectory: Trajectory, status: str, training: str = "") -> RolloutRow:
+    def _rollout_row(self, trajectory: Trajectory, status: str, training: str = "",
+                     samples: TrajectorySamples | None = None) -> RolloutRow:
         calls = trajectory.llm_calls
         versions = sorted({c.policy_version for c in calls if c.policy_version is not None})
         return RolloutRow(
@@ -365,7 +393,8 @@ class SpanProcessor(Stage[SpanBatch]):
             llm_calls=len(calls), llm_calls_without_tokens=len(calls) - len(trajectory.trainable_calls),
             final_reward=trajectory.final_reward, total_reward=trajectory.total_reward,
             reward_dimensions=trajectory.reward_dimensions, policy_versions=versions, updated_at=utc(now_us()),
-            training=training,
+            training=training, prefix_merges=samples.merges if samples else 0,
+            prefix_breaks=samples.breaks if samples else 0,
         )
 
     @staticmethod

@@ -41,6 +41,8 @@ class RolloutRow(NamedTuple):
     policy_versions: list[int]
     updated_at: datetime.datetime
     training: str = ""  # opted_out, opted_in, sampled, sampled_out, not_trained; '' failed or awaiting a reward
+    prefix_merges: int = 0  # trajectory level: calls merged into the sample before them
+    prefix_breaks: int = 0  # trajectory level: samples split where a call's prompt broke the token prefix
 
 
 ROLLOUT_COLUMNS: tuple[str, ...] = RolloutRow._fields

@@ -95,6 +95,30 @@ def _skip_varints(buffer: bytes, position: int, count: int) -> int:
     return match.end()
 
 
+def array_items(buffer: bytes, position: int, item_size: int | None) -> tuple[bytes, int, int]:
+    """The Avro array of numbers at ``position``: its items' bytes back to back (block headers dropped), their count
+    and the position after it. ``item_size``: bytes per item (4 float, 8 double), None for varints (int, long)."""
+    parts: list[bytes] = []
+    total = 0
+    while True:
+        count, position = read_long(buffer, position)
+        if count == 0:
+            return (parts[0] if len(parts) == 1 else b"".join(parts)), total, position
+        if count < 0:  # a block with its size in bytes
+            count = -count
+            size, position = read_long(buffer, position)
+            if size < 0:
+                raise MalformedSpan(f"negative block size {size}")
+            end = position + size
+        else:
+            end = position + count * item_size if item_size else _skip_varints(buffer, position, count)
+        if end > len(buffer):
+            raise MalformedSpan("array runs past the end of the datum")
+        parts.append(buffer[position:end])
+        total += count
+        position = end
+
+
 def _read_string(buffer: bytes, position: int) -> tuple[str, int]:
     size = buffer[position]
     if size < 0x80 and not size & 1:  # most strings are shorter than 64 bytes: a one-byte length

@@ -70,6 +70,8 @@ class Counters:
     calls_without_tokens: int = 0
     group_results: int = 0
     credits_refused: int = 0  # rollouts (or group members) whose reward, return or advantage was not finite
+    prefix_merges: int = 0  # trajectory level: calls merged into the sample before them
+    prefix_breaks: int = 0  # trajectory level: samples split where the token prefix broke
 
 
 def now_us() -> int:

@@ -100,6 +100,18 @@ def draft(rollout_id: str, attempt_id: str, agent_name: str, model: str, step_in
     return Draft(model, rollout_id, head)
 
 
+def merged_draft(rollout_id: str, attempt_id: str, agent_name: str, model: str, step_index: int, first: SpanNode,
+                 policy_version: int, sample: bytes) -> Draft:
+    """The draft of a trajectory-level sample: ``first`` call's ids and ``sample``, the Avro of its token arrays,
+    loss mask, merged_calls and split_at_break (see streams/trajectory_samples.py)."""
+    head = b"".join((
+        _string(transition_id(rollout_id, attempt_id, first.span_id)), _repeated_string(rollout_id),
+        _string(first.span_id), _repeated_string(agent_name), _repeated_string(model),
+        write_long(policy_version), write_long(step_index), sample,
+    ))
+    return Draft(model, rollout_id, head)
+
+
 def batch_records(codec: AvroCodec, datums: list[bytes]) -> Iterator[tuple[int, bytes]]:
     """TransitionBatch record values of at most about RECORD_BYTES each, with how many transitions each holds."""
     check_layout()

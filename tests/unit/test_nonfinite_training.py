@@ -93,7 +93,7 @@ def test_the_span_processor_makes_no_transitions_of_a_rollout_whose_credit_is_no
     assert finished == [] and processor.counters.credits_refused == 1 and "no transitions from read-back" in caplog.text
     assert row.status == "SUCCEEDED"  # the rollout is still recorded
     processor._decide(rollout("fine", 1.0), finished, 0.0)
-    assert [credit.advantage for _, credits, _ in finished for credit in credits] == [1.0]
+    assert [credit.advantage for item in finished for credit in item.credits] == [1.0]
 
 
 def test_the_running_baseline_keeps_its_mean_when_a_reward_or_the_mean_would_not_be_finite():
