@@ -4,6 +4,13 @@ Rendering uses the tokenizer's chat template with ``tools=``. A template that ig
 (SmolLM2's does) gets them as a system-prompt description instead, with assistant tool calls
 written as ``<tool_call>`` text and tool results as ``<tool_response>`` user turns, the format
 the parser reads back.
+
+The canonical form is what the description asks for and what a call is written back as: the
+content verbatim, then each call as ``<tool_call>\n{"name": ..., "arguments": {...}}\n</tool_call>``
+(``json.dumps`` defaults: ``", "`` and ``": "`` separators, non-ASCII kept, ``name`` first), calls
+joined by one newline, nothing after the last. A completion in that form parses and re-renders into
+the very text the model wrote, so the next turn's prompt extends the previous prompt and response
+token for token (trajectory-level merging depends on it); any other form re-renders differently.
 """
 
 from __future__ import annotations
@@ -41,7 +48,10 @@ def parse_tool_calls(text: str) -> ParsedCompletion:
     """Turn ``<tool_call>{"name", "arguments"}</tool_call>`` blocks into tool calls; the rest is content.
 
     A block whose body is not a JSON object with a string ``name`` stays in the content as text.
-    An unterminated final block is parsed too (the model may stop right after the JSON).
+    An unterminated final block is parsed too (the model may stop right after the JSON). The text
+    before the first call is kept verbatim, whitespace included (as vLLM's hermes parser does), so
+    the call re-renders exactly; text between or after calls that is only whitespace separates
+    them and is dropped. Content is None when nothing is left.
     """
     calls: list[dict[str, Any]] = []
     outside: list[str] = []
@@ -53,8 +63,10 @@ def parse_tool_calls(text: str) -> ParsedCompletion:
         if call:
             calls.append(call)
     outside.append(text[position:])
+    if calls:  # whitespace pieces after the first call are separators, not content
+        outside = [outside[0], *(piece for piece in outside[1:] if piece.strip())]
     content = "".join(outside)
-    return ParsedCompletion(content=content if content.strip() else None, tool_calls=calls)
+    return ParsedCompletion(content=content or None, tool_calls=calls)
 
 
 def _tool_call(body: str) -> dict[str, Any] | None:
@@ -188,14 +200,16 @@ def assistant_text(message: dict[str, Any]) -> str:
 
 
 def _as_text_message(message: dict[str, Any]) -> dict[str, Any]:
-    """A message with tool calls or a tool result rewritten as hermes-style text."""
+    """A message with tool calls or a tool result rewritten as hermes-style text, calls in the canonical form."""
     content = message.get("content") or ""
     if message.get("role") == "tool":
         return {"role": "user", "content": f"<tool_response>\n{content}\n</tool_response>"}
-    calls = [
-        TOOL_CALL_START + "\n" + json.dumps({"name": call["function"]["name"],
-                                             "arguments": call["function"].get("arguments", {})},
-                                            ensure_ascii=False) + "\n" + TOOL_CALL_END
-        for call in message.get("tool_calls") or []
-    ]
-    return {"role": message["role"], "content": "\n".join([content, *calls]) if calls else content}
+    calls = "\n".join(canonical_tool_call(call["function"]["name"], call["function"].get("arguments", {}))
+                      for call in message.get("tool_calls") or [])
+    return {"role": message["role"], "content": content + calls}
+
+
+def canonical_tool_call(name: str, arguments: Any) -> str:
+    """One tool call in the canonical form: the text a model should write and the text written back."""
+    body = json.dumps({"name": name, "arguments": arguments}, ensure_ascii=False)
+    return f"{TOOL_CALL_START}\n{body}\n{TOOL_CALL_END}"

@@ -196,6 +196,50 @@ def kl_clip() -> Chart:
     return _train_metric("kl_clip", "KL and clip fraction per step", ("kl", "clip_fraction"), "")
 
 
+def prefix_merges_breaks() -> Chart:
+    """Per agent, LLM calls merged into the trajectory sample before them and prefix breaks, per bucket of end time."""
+    sql = f"""
+WITH {NEWEST} AS newest, toUnixTimestamp(newest) - {{window_s:UInt32}} AS since
+SELECT bucket, concat(agent_name, ' · ', counted) AS series, sum(value) AS calls
+FROM (
+    SELECT toUnixTimestamp(toStartOfInterval(end_time, toIntervalSecond({{bucket_s:UInt32}}))) AS bucket,
+           agent_name, prefix_merges, prefix_breaks
+    FROM rollouts FINAL
+    WHERE end_time >= toDateTime(since, 'UTC') AND status != '{PENDING_STATUS}'
+)
+ARRAY JOIN ['merges', 'breaks'] AS counted, [prefix_merges, prefix_breaks] AS value
+GROUP BY bucket, series
+ORDER BY bucket, series"""
+    return Chart("prefix_merges_breaks", "Trajectory merges and prefix breaks per agent", "lines", sql.strip(),
+                 x="bucket", x_time=True, series="series", y="calls", unit="LLM calls",
+                 parameters=("window_s", "bucket_s"),
+                 note="merges: calls whose prompt extended the previous call's tokens exactly; breaks: calls where "
+                      "it did not (retokenization drift); 0 at transition level")
+
+
+def prefix_by_agent() -> Chart:
+    """Per agent over the window: rollouts, merges, breaks and the break rate (breaks per call after the first)."""
+    sql = f"""
+WITH {NEWEST} AS newest, toUnixTimestamp(newest) - {{window_s:UInt32}} AS since
+SELECT agent_name AS agent, count() AS rollouts, sum(prefix_merges) AS merges, sum(prefix_breaks) AS breaks,
+       if(merges + breaks = 0, NULL, round(breaks / (merges + breaks), 4)) AS break_rate
+FROM rollouts FINAL
+WHERE end_time >= toDateTime(since, 'UTC') AND status != '{PENDING_STATUS}'
+GROUP BY agent
+ORDER BY agent"""
+    return Chart("prefix_by_agent", "Prefix break rate per agent", "table", sql.strip(), parameters=("window_s",),
+                 note="breaks / (merges + breaks) over the window: how often the agent's next prompt re-rendered "
+                      "the previous call into other tokens")
+
+
+def trajectory_samples() -> Chart:
+    """LLM calls per trained sample and the samples that start at a prefix break, per step."""
+    return _train_metric("trajectory_samples", "Calls per sample and prefix breaks per step",
+                         ("calls_per_sample", "prefix_breaks"), "calls / samples",
+                         note="calls_per_sample: LLM calls merged into each sample (1 at transition level); "
+                              "prefix_breaks: samples of the step that start where a prefix broke")
+
+
 # ---------------------------------------------------------------------------------------------- LLM calls
 
 LLM_CALLS = f"""
@@ -341,7 +385,8 @@ ORDER BY step_index"""
 
 PAGES: dict[str, tuple[Chart, ...]] = {
     "overview": (throughput(), serving(), decisions()),
-    "learning": (reward_by_version(), heldout_accuracy(), step_time(), tokens_per_s(), staleness(), kl_clip()),
+    "learning": (reward_by_version(), heldout_accuracy(), step_time(), tokens_per_s(), staleness(), kl_clip(),
+                 trajectory_samples(), prefix_merges_breaks(), prefix_by_agent()),
     "llm": (llm_calls_over_time(), llm_tokens_over_time(), llm_latency_over_time(), llm_by_model_version()),
 }
 """The ClickHouse panels of each page, in the order they show (the overview adds Kafka's lag and dead letters)."""

@@ -19,6 +19,7 @@ import urllib.error
 import urllib.request
 import uuid
 from concurrent.futures import ThreadPoolExecutor
+from datetime import UTC, datetime, timedelta
 from pathlib import Path
 
 import pytest
@@ -170,7 +171,8 @@ def test_pages_draw_every_chart_from_real_data(run, dashboard, browser):
     SCREENSHOTS.mkdir(parents=True, exist_ok=True)
     expected = {
         "overview": {"throughput"},
-        "learning": {"reward_by_version", "heldout_accuracy", "step_time", "tokens_per_s", "staleness", "kl_clip"},
+        "learning": {"reward_by_version", "heldout_accuracy", "step_time", "tokens_per_s", "staleness", "kl_clip",
+                     "trajectory_samples", "prefix_merges_breaks"},
         "llm": {"llm_calls_over_time", "llm_tokens_over_time", "llm_latency_over_time"},
     }
     for route, charts in expected.items():
@@ -222,6 +224,68 @@ def test_rollout_view_shows_the_span_tree_reward_and_credit(run, dashboard, brow
     assert len(credits) == 2 and all("→ transition" in text for text in credits), credits
     assert page.locator("#panel-rollout_transitions tbody tr").count() == 2
     page.screenshot(path=str(SCREENSHOTS / "rollout.png"), full_page=True)
+    page.close()
+
+
+MERGES_BREAKS = {  # agent: (seconds before the newest rollout, prefix_merges, prefix_breaks) per rollout
+    "calculator": [(120, 3, 0), (60, 2, 1), (0, 4, 0)],
+    "planner": [(120, 0, 2), (0, 1, 1)],
+}
+TRAJECTORY_STEPS = [(1, 1.0, 0), (2, 2.5, 2), (3, 3.0, 1), (4, 2.0, 0)]  # step, calls_per_sample, prefix_breaks
+
+
+@pytest.fixture
+def trajectory_database(tmp_path, stack, clickhouse):
+    """A database holding rollouts with merge and break counts and train steps with calls per sample, written
+    directly (the stream processors and the trainer fill these columns in a real run)."""
+    database = f"dash_traj_{uuid.uuid4().hex[:8]}"
+    migrate(clickhouse, database)
+    newest = datetime(2026, 11, 27, 6, 0, tzinfo=UTC)
+    rows = [[f"{agent}-{number}", agent, "SUCCEEDED", newest - timedelta(seconds=ago),
+             newest - timedelta(seconds=ago), merges, breaks]
+            for agent, rollouts in MERGES_BREAKS.items() for number, (ago, merges, breaks) in enumerate(rollouts)]
+    clickhouse.insert(f"{database}.rollouts", rows, column_names=[
+        "rollout_id", "agent_name", "status", "start_time", "end_time", "prefix_merges", "prefix_breaks"])
+    clickhouse.insert(f"{database}.train_steps", [["tiny", *step] for step in TRAJECTORY_STEPS],
+                      column_names=["model", "step", "calls_per_sample", "prefix_breaks"])
+    env = worker_env(tmp_path, stack, f"dashtraj{database[-8:]}.", database)
+    process, url = start_dashboard(env)
+    yield url
+    process.terminate()
+    process.wait(timeout=10)
+    clickhouse.command(f"DROP DATABASE IF EXISTS {database}")
+
+
+def test_the_learning_page_draws_merges_and_breaks_per_agent_and_calls_per_sample(trajectory_database, browser):
+    page = open_page(browser, trajectory_database, "learning")
+    SCREENSHOTS.mkdir(parents=True, exist_ok=True)
+    page.screenshot(path=str(SCREENSHOTS / "trajectory.png"), full_page=True)
+    drift = page.locator("#panel-prefix_merges_breaks .chart")
+    assert drift.get_attribute("data-series") == "4"
+    assert drift.get_attribute("data-points") == str(2 * sum(len(rows) for rows in MERGES_BREAKS.values()))
+    legend = page.locator("#panel-prefix_merges_breaks .u-legend .u-label").all_inner_texts()
+    assert set(legend[1:]) == {f"{agent} · {counted}" for agent in MERGES_BREAKS for counted in ("merges", "breaks")}
+    samples = page.locator("#panel-trajectory_samples .chart")
+    assert (samples.get_attribute("data-series"), samples.get_attribute("data-points")) == ("2", "8")
+
+    rows = page.locator("#panel-prefix_by_agent tbody tr")
+    shown = {cells[0]: cells[1:] for cells in (rows.nth(i).locator("td").all_inner_texts()
+                                                for i in range(rows.count()))}
+    assert shown == {"calculator": ["3", "9", "1", "0.1"], "planner": ["2", "1", "3", "0.75"]}
+
+    with urllib.request.urlopen(trajectory_database + "api/page/learning", timeout=10) as response:
+        panels = {panel["key"]: panel for panel in json.load(response)["panels"]}
+    drawn: dict[str, float] = {}
+    for _bucket, series, calls in panels["prefix_merges_breaks"]["rows"]:
+        drawn[series] = drawn.get(series, 0) + calls
+    assert drawn == {f"{agent} · {counted}": sum(row[column] for row in rollouts)
+                     for agent, rollouts in MERGES_BREAKS.items()
+                     for counted, column in (("merges", 1), ("breaks", 2))}
+    steps = panels["trajectory_samples"]["rows"]
+    assert [value for _step, series, value in steps if series.endswith("calls_per_sample")] == [
+        calls for _step, calls, _breaks in TRAJECTORY_STEPS]
+    assert [value for _step, series, value in steps if series.endswith("prefix_breaks")] == [
+        breaks for _step, _calls, breaks in TRAJECTORY_STEPS]
     page.close()
 
 
