@@ -4,7 +4,7 @@ VENV   := .venv
 BIN    := $(VENV)/bin
 STAMP  := $(VENV)/.installed
 
-.PHONY: install chromium demo demo-online test test-unit test-agl lint gpu-check bench bench-learning soak chaos clean
+.PHONY: install chromium demo demo-online test test-unit test-agl lint gpu-check bench bench-learning bench-multistep soak chaos clean
 
 install: $(STAMP) chromium
 
@@ -87,6 +87,12 @@ chaos: install
 # version, the final accuracy's 95% interval and each process's CPU share, after a machine calibration line.
 bench-learning: install
 	$(BIN)/python -m bench.learning
+
+# The calculator agent (several LLM calls per rollout) in one run, 15 minutes per variant: trajectory vs transition
+# level, and an intermediate reward with discounted credit; success before/after the warm start/after RL, time to
+# +30 points, tokens trained per second, calls per rollout, prefix break rate, after a machine calibration line.
+bench-multistep: install
+	$(BIN)/python -m bench.multistep
 
 clean:
 	rm -rf $(VENV) $(AGL_VENV) .agentstream .pytest_cache *.egg-info demo-output demo-report.json online-report.json bench-output

@@ -521,7 +521,7 @@ def demo(ctx: click.Context, quick: bool | None, seconds: float | None, online: 
         if online:
             run_online_demo(config)
         else:
-            run_demo(config, agent_name=agent_name)
+            run_demo(config, agent=agent_name)
     except ChildFailed as error:
         raise click.ClickException(str(error)) from None
     except KeyboardInterrupt:

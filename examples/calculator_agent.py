@@ -25,6 +25,7 @@ import json
 import math
 import operator
 import random
+from collections.abc import Callable
 from typing import Any
 
 from examples.arithmetic import client, model_name, reward
@@ -154,8 +155,13 @@ def _assistant_message(message: Any) -> dict[str, Any]:
                            for call in message.tool_calls]}
 
 
-async def solve(task: dict, rollout, *, temperature: float = 1.0) -> float:
-    """One rollout: let the model use the calculator for up to MAX_TURNS calls, score its final number."""
+async def solve(task: dict, rollout, *, temperature: float = 1.0,
+                on_tool_results: Callable[[int, list[str]], None] | None = None) -> float:
+    """One rollout: let the model use the calculator for up to MAX_TURNS calls, score its final number.
+
+    ``on_tool_results(turn, results)`` is told what the tools answered each turn (an agent that
+    rewards good tool use along the way hooks in here).
+    """
     llm = client().with_options(base_url=rollout.llm_base_url(), api_key=rollout.llm_api_key())
     messages: list[dict[str, Any]] = [{"role": "system", "content": SYSTEM},
                                       {"role": "user", "content": task["prompt"]}]
@@ -171,7 +177,9 @@ async def solve(task: dict, rollout, *, temperature: float = 1.0) -> float:
         if not message.tool_calls:
             break
         messages.append(_assistant_message(message))
-        for call in message.tool_calls:
-            messages.append({"role": "tool", "tool_call_id": call.id,
-                             "content": run_tool(call.function.name, call.function.arguments)})
+        results = [run_tool(call.function.name, call.function.arguments) for call in message.tool_calls]
+        messages.extend({"role": "tool", "tool_call_id": call.id, "content": result}
+                        for call, result in zip(message.tool_calls, results, strict=True))
+        if on_tool_results is not None:
+            on_tool_results(turn, results)
     return reward(answer, int(task["answer"]))

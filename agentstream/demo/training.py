@@ -62,6 +62,9 @@ class DemoAgent:
 
     ``module`` has ``split(heldout=)``, ``solve(task, rollout, temperature=)`` and, with
     ``warm_start``, ``demonstration(task)`` and the ``CALCULATOR`` tool its demonstrations call.
+    ``entry`` is what the runners run (another agent on the same tasks, e.g. one that adds an
+    intermediate reward); ``strategy`` and ``gamma`` are its credit rule's. ``micro_batch_tokens``
+    bounds the trainer's memory where samples are long (the trainer's setting of that name).
     """
 
     name: str
@@ -70,6 +73,9 @@ class DemoAgent:
     level: str
     warm_start: bool
     title: str
+    strategy: str = "grpo"
+    gamma: float = 1.0
+    micro_batch_tokens: int = 0
 
     @property
     def eval_name(self) -> str:
@@ -84,7 +90,8 @@ AGENTS = {
     "arithmetic": DemoAgent("arithmetic", "examples.arithmetic:solve", arithmetic, "transition", False,
                             "'Compute a+b.'"),
     "calculator": DemoAgent("calculator", "examples.calculator_agent:solve", calculator_agent, "trajectory", True,
-                            "'Compute a*b+d.' with a calculator tool"),
+                            "'Compute a*b+d.' with a calculator tool",
+                            micro_batch_tokens=2048),  # a wave of 300-token trajectories took 21 GB in one piece
 }
 
 
@@ -125,6 +132,7 @@ class DemoReport:
     llm_calls_per_rollout: float | None = None  # train rollouts of the last policy versions
     prefix_merges: int = 0
     prefix_breaks: int = 0
+    train_tokens_per_s: float | None = None  # tokens forwarded per second of optimizer steps
     evaluations: list[Evaluation] = field(default_factory=list)
     reward_per_version: list[dict] = field(default_factory=list)
     rollouts: int = 0
@@ -156,7 +164,8 @@ def demo_config(config: Config, run_id: str, workdir: Path, agent: DemoAgent = A
         topics=replace(config.topics, prefix=f"demo-{run_id}.", partitions=1),
         clickhouse=replace(config.clickhouse, database=DATABASE),
         streams=replace(config.streams, app_id=f"agentstream-demo-{run_id}"),
-        credit=(CreditRule(agent=agent.name, strategy="grpo", group_size=demo.group_size, group_timeout_s=120,
+        credit=(CreditRule(agent=agent.name, strategy=agent.strategy, gamma=agent.gamma, group_size=demo.group_size,
+                           group_timeout_s=120,
                            keep_flat_groups=True,  # the trainer steps once per wave, its flat groups counted
                            level=agent.level),
                 *((CreditRule(agent=agent.demonstrations_name, strategy="final", level=agent.level),)
@@ -165,6 +174,7 @@ def demo_config(config: Config, run_id: str, workdir: Path, agent: DemoAgent = A
         trainer=replace(config.trainer, model="smollm2", threads=demo.trainer_threads, dtype=dtype,
                         checkpoint_dtype=dtype,  # the server computes in it: half the bytes per version in bfloat16
                         lr=demo.lr, temperature=1.0, batch_transitions=wave, batch_counts_skipped=True, batch_tokens=0,
+                        micro_batch_tokens=agent.micro_batch_tokens,
                         batch_wait_s=15.0,
                         max_policy_lag=demo.max_policy_lag, checkpoint_every_steps=1, keep_checkpoints=3,
                         optimizer_state_every=0,  # 2 s per version on a CPU; the demo never resumes
@@ -468,12 +478,12 @@ async def train_and_watch(session: TrainingSession, config: Config, endpoints, c
 
 
 def run_demo(config: Config, console: Console | None = None, snapshots: Path | None = None,
-             agent_name: str = "arithmetic") -> DemoReport:
-    """The whole demo on one of :data:`AGENTS`; returns (and writes) its report.
+             agent: DemoAgent | str = "arithmetic") -> DemoReport:
+    """The whole demo on an agent (one of :data:`AGENTS` by name); returns (and writes) its report.
 
     ``snapshots``: a folder for the served weights over time.
     """
-    agent = AGENTS[agent_name]
+    agent = AGENTS[agent] if isinstance(agent, str) else agent
     console = console or Console()
     started = time.monotonic()
     run_id = uuid.uuid4().hex[:8]
@@ -508,6 +518,8 @@ def run_demo(config: Config, console: Console | None = None, snapshots: Path | N
         reached = [e.seconds for e in evaluations if e.seconds >= 0 and e.accuracy >= demo.target]
         per_version = dashboard.reward_per_version()
         last = per_version[-LAST_VERSIONS:]
+        tokens, step_seconds = client.query(
+            "SELECT sum(tokens), sum(step_time_s) FROM train_steps FINAL").result_rows[0]
         report = DemoReport(
             agent=agent.name, heldout_warm_start=evaluations[1].accuracy if agent.warm_start else None,
             warm_start_seconds=round(warm_seconds, 1) if warm_seconds is not None else None,
@@ -515,6 +527,7 @@ def run_demo(config: Config, console: Console | None = None, snapshots: Path | N
                                          / sum(r["rollouts"] for r in last), 3) if last else None),
             prefix_merges=sum(r["prefix_merges"] for r in per_version),
             prefix_breaks=sum(r["prefix_breaks"] for r in per_version),
+            train_tokens_per_s=round(tokens / step_seconds, 1) if step_seconds else None,
             heldout_before=evaluations[0].accuracy, heldout_after=evaluations[-1].accuracy,
             policy_versions=numbers["version"], seconds=round(time.monotonic() - started, 1),
             training_seconds=round(training_seconds, 1), time_to_target_s=min(reached) if reached else None,

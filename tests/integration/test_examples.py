@@ -29,7 +29,8 @@ from pathlib import Path
 import pytest
 from aiohttp import web
 
-from examples import arithmetic, calculator_agent, langchain_agent, make_tasks
+import agentstream as ags
+from examples import arithmetic, calculator_agent, calculator_shaped, langchain_agent, make_tasks
 from infra.clickhouse import connect
 from infra.config import load_config
 from infra.http_thread import ServerThread
@@ -42,6 +43,7 @@ from pipeline.tasks import enqueue, grouped_tasks, read_task_file
 from serving.app import create_app
 from tests.support.readback import read_topic
 from tests.support.servers import scripted
+from tests.support.sinks import ListSink
 from tests.support.streams_harness import (
     CliProcess,
     Worker,
@@ -140,6 +142,22 @@ def answer_from_tool_result(body: dict) -> tuple[str, list]:
 def run_agent(agent, task: dict, base: str, rollout_id: str = "r-unit"):
     """One rollout of ``agent`` on a fresh event loop, its LLM at ``base`` (as if the proxy were there)."""
     return asyncio.run(agent.solve(task, Rollout(rollout_id, f"{rollout_id}-1", proxy_url=base)))
+
+
+@pytest.mark.parametrize(("expression", "intermediate"), [("6 * 7", [calculator_shaped.TOOL_REWARD]),
+                                                         ("6 ** 7", [])])
+def test_the_shaped_calculator_rewards_a_first_turn_whose_calls_worked(expression, intermediate):
+    llm = ScriptedLLM([lambda body: (None, [call(expression)]), answer_from_tool_result])
+    server = ServerThread(llm.app)
+    sink = ListSink()
+    try:
+        task = {"id": "t", "prompt": "Compute 6*7.", "answer": 42, "model": "scripted"}
+        with ags.rollout("calc-shaped", sink=sink, proxy_url=server.url) as state:
+            score = asyncio.run(calculator_shaped.solve(task, state))
+    finally:
+        server.stop()
+    assert score == (1.0 if intermediate else 0.0)  # the tool's error message holds no 42
+    assert [span["reward"] for span in sink.rewards()] == intermediate  # the final reward is the runner's to emit
 
 
 def test_calculator_sends_the_computed_value_back_and_scores_the_answer():

@@ -1,0 +1,26 @@
+"""The calculator agent with an intermediate reward, added the way a user adds one: ``ags.emit_reward``.
+
+Its first turn earns ``TOOL_REWARD`` when the model called the calculator and every call worked
+(the tool answered a number, not an error); the final reward, whether the answer is right, is
+still what it returns. With ``discounted`` credit the small reward goes to the call that earned
+it; ``final`` and ``grpo`` credit ignore it. Unlike the other examples it imports agentstream:
+intermediate rewards are the product's API.
+"""
+
+from __future__ import annotations
+
+import agentstream as ags
+from examples import calculator_agent
+
+TOOL_REWARD = 0.1
+
+
+def reward_working_calls(turn: int, results: list[str]) -> None:
+    """The intermediate reward: the first turn's calls all answered without an error."""
+    if turn == 0 and results and not any(result.startswith("error:") for result in results):
+        ags.emit_reward(TOOL_REWARD)
+
+
+async def solve(task: dict, rollout, *, temperature: float = 1.0) -> float:
+    """The calculator agent's rollout, with the intermediate reward."""
+    return await calculator_agent.solve(task, rollout, temperature=temperature, on_tool_results=reward_working_calls)
