@@ -505,7 +505,7 @@ class DemoConfig:
     max_policy_lag: int = 2  # lags 0-4 measured (README): 2 is as fast as 3 and 4, with the freshest data
     heldout_tasks: int = 64
     dtype: str = "auto"
-    warm_start_demonstrations: int = 64
+    warm_start_demonstrations: int = 128
     output_dir: str = "demo-output"
     report_path: str = "demo-report.json"
     online_seconds: float = 1020.0

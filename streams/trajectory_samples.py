@@ -7,7 +7,8 @@ response ids. The sample's prompt is its first call's; its response holds each c
 (tool results, template glue: mask false, logprob 0.0). Where a call's prompt does not start
 that way (retokenization or chat-template drift), the sample ends and a new one starts at that
 call with ``split_at_break``. A sample carries the credit, ids and step index of its first call
-and the oldest policy version of its calls.
+and the oldest policy version of its calls. Demonstrations (calls without logprobs) merge the same
+way into samples without logprobs; a demonstration and a sampled call never share a sample.
 
 The ids are compared as their Avro bytes, not decoded: a zigzag varint is a prefix-free code, so
 one run of varints starts with another exactly when its first ids are the other's ids. (A writer
@@ -99,6 +100,11 @@ class _Sample:
     mask: bytearray = field(default_factory=bytearray)  # empty while the sample holds one call
     calls: int = 1
 
+    @property
+    def demonstration(self) -> bool:
+        """A sample of calls without logprobs (scripted answers): it stays without logprobs."""
+        return not self.logprobs and self.response_count > 0
+
     @classmethod
     def start(cls, call: SpanNode, step_index: int, model: str, split: bool, arrays: CallArrays) -> _Sample:
         return cls(call, step_index, model, split, call.policy_version or 0, arrays.prompt, arrays.prompt_count,
@@ -117,8 +123,9 @@ class _Sample:
         self.response += glue
         self.response += call.response
         self.response_count += between + call.response_count
-        self.logprobs += _FLOAT_ZERO * between
-        self.logprobs += call.logprobs
+        if not self.demonstration:
+            self.logprobs += _FLOAT_ZERO * between
+            self.logprobs += call.logprobs
         self.mask += b"\x00" * between
         self.mask += b"\x01" * call.response_count
         self.calls += 1
@@ -129,8 +136,9 @@ class _Sample:
         call's token bytes as they are)."""
         if self.calls == 1:
             return self.first.tokens + _END + write_long(1) + bytes((self.split,))
+        logprobs = array(self.response_count, self.logprobs) if self.logprobs else _END
         return b"".join((array(self.prompt_count, self.prompt), array(self.response_count, self.response),
-                         array(self.response_count, self.logprobs), array(self.response_count, self.mask),
+                         logprobs, array(self.response_count, self.mask),
                          write_long(self.calls), bytes((self.split,))))
 
 
@@ -175,8 +183,11 @@ def trajectory_samples(trajectory: Trajectory, rule: CreditRule,
         except UnreadableTokens as error:  # copied, they would make a datum no reader can read
             log.warning("no sample from call %s of rollout %s: %s", call.span_id, trajectory.rollout_id, error)
             continue
-        if len(arrays.logprobs) != 4 * arrays.response_count:  # well-formed, but not one logprob per token:
+        demonstration = not arrays.logprobs
+        if not demonstration and len(arrays.logprobs) != 4 * arrays.response_count:  # not one logprob per token:
             sample = _Sample(call, step_index, model, False, version)  # it stands alone (the trainer refuses it)
+        elif sample is not None and sample.demonstration != demonstration:  # never one sample: not a break either
+            sample = current[model] = _Sample.start(call, step_index, model, False, arrays)
         elif sample is not None and sample.extends(arrays):
             sample.merge(arrays, version)
             current[model] = sample

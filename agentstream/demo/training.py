@@ -65,6 +65,8 @@ class DemoAgent:
     ``entry`` is what the runners run (another agent on the same tasks, e.g. one that adds an
     intermediate reward); ``strategy`` and ``gamma`` are its credit rule's. ``micro_batch_tokens``
     bounds the trainer's memory where samples are long (the trainer's setting of that name).
+    Train rollouts sample at ``temperature`` (the trainer's too); held-out success is measured at
+    ``eval_temperature`` (0: greedy) with ``eval_samples`` rollouts per task.
     """
 
     name: str
@@ -76,6 +78,9 @@ class DemoAgent:
     strategy: str = "grpo"
     gamma: float = 1.0
     micro_batch_tokens: int = 0
+    temperature: float = 1.0
+    eval_temperature: float = 0.0
+    eval_samples: int = 1
 
     @property
     def eval_name(self) -> str:
@@ -91,7 +96,10 @@ AGENTS = {
                             "'Compute a+b.'"),
     "calculator": DemoAgent("calculator", "examples.calculator_agent:solve", calculator_agent, "trajectory", True,
                             "'Compute a*b+d.' with a calculator tool",
-                            micro_batch_tokens=2048),  # a wave of 300-token trajectories took 21 GB in one piece
+                            micro_batch_tokens=2048,  # a wave of 300-token trajectories took 21 GB in one piece
+                            # The agent runs at T=0.5, and is judged there: two rollouts per held-out task. Warm-started
+                            # SmolLM2 answers greedily right nearly always but at T=1 almost never (docs/multistep.md).
+                            temperature=0.5, eval_temperature=0.5, eval_samples=2),
 }
 
 
@@ -173,7 +181,8 @@ def demo_config(config: Config, run_id: str, workdir: Path, agent: DemoAgent = A
                 CreditRule(agent="*", train=False)),
         trainer=replace(config.trainer, model="smollm2", threads=demo.trainer_threads, dtype=dtype,
                         checkpoint_dtype=dtype,  # the server computes in it: half the bytes per version in bfloat16
-                        lr=demo.lr, temperature=1.0, batch_transitions=wave, batch_counts_skipped=True, batch_tokens=0,
+                        lr=demo.lr, temperature=agent.temperature, batch_transitions=wave, batch_counts_skipped=True,
+                        batch_tokens=0,
                         micro_batch_tokens=agent.micro_batch_tokens,
                         batch_wait_s=15.0,
                         max_policy_lag=demo.max_policy_lag, checkpoint_every_steps=1, keep_checkpoints=3,
@@ -190,18 +199,19 @@ def server_version(server_url: str) -> int:
 
 async def evaluate(agent: DemoAgent, tasks: list[dict], proxy_url: str, proxy_key: str | None, server_url: str,
                    started: float) -> Evaluation:
-    """Greedy accuracy on ``tasks``, each a captured rollout of the agent's eval name (presenting ``proxy_key``)."""
+    """Held-out success on ``tasks`` at the agent's evaluation temperature (greedy by default), ``eval_samples``
+    rollouts per task, each captured under the agent's eval name (presenting ``proxy_key``)."""
     version = await asyncio.to_thread(server_version, server_url)
 
     async def one(task: dict) -> float:
         async with rollout(agent.eval_name, task_id=task["id"], proxy_url=proxy_url, proxy_key=proxy_key) as state:
-            reward = await agent.module.solve(task, state, temperature=0.0)
+            reward = await agent.module.solve(task, state, temperature=agent.eval_temperature)
             emit_reward(reward)  # so held-out accuracy per policy version is queryable too
             return reward
 
-    rewards = await asyncio.gather(*(one(task) for task in tasks))
-    correct = int(sum(rewards))
-    return Evaluation(round(time.monotonic() - started, 1), version, correct / len(tasks), correct, len(tasks))
+    rewards = await asyncio.gather(*(one(task) for task in tasks for _ in range(agent.eval_samples)))
+    correct, total = int(sum(rewards)), len(rewards)
+    return Evaluation(round(time.monotonic() - started, 1), version, correct / total, correct, total)
 
 
 def snapshot_served(server_url: str, checkpoint_dir: str, folder: Path, seconds: float) -> Snapshot:
@@ -216,13 +226,13 @@ def snapshot_served(server_url: str, checkpoint_dir: str, folder: Path, seconds:
     return Snapshot(seconds, version, str(target))
 
 
-def _waves(train: list[dict], group_size: int, wave_size: int, agent_name: str):
-    """Endless shuffled passes over the train tasks, as waves of GRPO groups for the train agent."""
+def _waves(train: list[dict], group_size: int, wave_size: int, agent: DemoAgent):
+    """Endless shuffled passes over the train tasks, as waves of GRPO groups for the train agent at its temperature."""
     rng = random.Random(0)
     while True:
-        epoch = list(train)
+        epoch = [{**task, "temperature": agent.temperature} for task in train]
         rng.shuffle(epoch)
-        tasks = grouped_tasks(epoch, group_size=group_size, agent_name=agent_name, timeout_s=600)
+        tasks = grouped_tasks(epoch, group_size=group_size, agent_name=agent.name, timeout_s=600)
         for start in range(0, len(tasks) - wave_size + 1, wave_size):
             yield tasks[start:start + wave_size]
 
@@ -411,7 +421,7 @@ async def train_and_watch(session: TrainingSession, config: Config, endpoints, c
         wave_size = demo.group_size * demo.prompts_per_wave
         held = await asyncio.to_thread(server_version, session.server_url)
         queue = await PacedQueue(config, endpoints.bootstrap_servers,
-                                 _waves(train, demo.group_size, wave_size, agent.name),
+                                 _waves(train, demo.group_size, wave_size, agent),
                                  max_lag=demo.max_policy_lag).start()
         try:
             await queue.top_up(held, 0, time.monotonic())

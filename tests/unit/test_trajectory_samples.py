@@ -185,6 +185,19 @@ def test_a_call_with_logprobs_that_do_not_match_its_response_stands_alone():
     assert samples[1]["behaviour_logprobs"] == [-1.0]  # copied as transition level copies it (the trainer refuses it)
 
 
+def test_demonstrations_merge_into_samples_without_logprobs_and_never_with_sampled_calls():
+    first = llm(0, [1, 2], [3, 4], logprobs=[])  # scripted: token ids, no logprobs
+    second = llm(1, [1, 2, 3, 4, 40, 41], [5], logprobs=[])
+    sampled = llm(2, [1, 2, 3, 4, 40, 41, 5, 42], [6])  # extends them, but the model sampled it
+    samples, merges, breaks = transitions(rollout([first, second, sampled, reward()]))
+    assert (merges, breaks) == (1, 0)  # a change of kind is not retokenization drift
+    demonstration, alone = samples
+    assert demonstration["response_token_ids"] == [3, 4, 40, 41, 5]
+    assert demonstration["loss_mask"] == [True, True, False, False, True]
+    assert demonstration["behaviour_logprobs"] == [] and demonstration["merged_calls"] == 2
+    assert (alone["span_id"], alone["behaviour_logprobs"], alone["split_at_break"]) == ("llm2", [-0.5], False)
+
+
 def processor(rule: CreditRule) -> SpanProcessor:
     config = replace(load_config(environ={}), credit=(rule,))
     return SpanProcessor(config, None, None, Sent(), Held(), None, CODEC)  # type: ignore[arg-type]
