@@ -90,6 +90,13 @@ class DemoAgent:
     def demonstrations_name(self) -> str:
         return f"{self.name}-demonstrations"
 
+    @property
+    def judged(self) -> str:
+        """How held-out success is measured, in words."""
+        if self.eval_temperature == 0:
+            return "greedy"
+        return f"T={self.eval_temperature:g}, {self.eval_samples} rollout{'s' * (self.eval_samples > 1)} per task"
+
 
 AGENTS = {
     "arithmetic": DemoAgent("arithmetic", "examples.arithmetic:solve", arithmetic, "transition", False,
@@ -105,7 +112,7 @@ AGENTS = {
 
 @dataclass
 class Evaluation:
-    """Held-out greedy accuracy of the policy version the server held."""
+    """Held-out success of the policy version the server held (greedy, or as the agent's ``judged`` says)."""
 
     seconds: float  # since training started (negative: before)
     policy_version: int
@@ -135,6 +142,7 @@ class DemoReport:
     time_to_target_s: float | None
     target: float
     agent: str = "arithmetic"
+    judged: str = "greedy"  # how held-out success was measured
     heldout_warm_start: float | None = None  # after the warm start, before RL (agents with one)
     warm_start_seconds: float | None = None
     llm_calls_per_rollout: float | None = None  # train rollouts of the last policy versions
@@ -291,7 +299,7 @@ class Dashboard:
         table.add_row("lag (versions behind, last step)", f"{numbers['staleness']:.2f}")
         recent = "  ".join(f"v{row['policy_version']}:{row['reward_mean']:.2f}" for row in per_version[-8:])
         table.add_row("sampled reward per version", recent or "-")
-        table.add_row("held-out greedy accuracy", "  ".join(
+        table.add_row(f"held-out {self.agent.judged} accuracy", "  ".join(
             f"v{e.policy_version}:{e.accuracy:.0%}" for e in self.evaluations) or "-")
         return table
 
@@ -315,7 +323,7 @@ def write_plot(path: Path, report: DemoReport, title: str) -> None:
     axis.plot(versions, [row["reward_mean"] for row in report.reward_per_version], marker=".",
               label="sampled reward (train rollouts, T=1)")
     axis.plot([e.policy_version for e in report.evaluations], [e.accuracy for e in report.evaluations],
-              marker="o", label="held-out greedy accuracy")
+              marker="o", label=f"held-out {report.judged} accuracy")
     axis.axhline(report.target, color="grey", linestyle=":", label=f"target {report.target:.0%}")
     axis.set_xlabel("policy version")
     axis.set_ylabel("reward / accuracy")
@@ -331,10 +339,12 @@ def write_markdown(path: Path, report: DemoReport) -> None:
     reached = "not reached" if report.time_to_target_s is None else f"{report.time_to_target_s:.0f} s"
     lines = ["# agentstream demo report", "",
              f"- agent: {report.agent}",
-             (f"- held-out greedy accuracy: {report.heldout_before:.1%} before, {report.heldout_warm_start:.1%} after "
+             (f"- held-out success ({report.judged}): {report.heldout_before:.1%} before, "
+              f"{report.heldout_warm_start:.1%} after "
               f"the warm start ({report.warm_start_seconds:.0f} s), {report.heldout_after:.1%} after RL"
               if report.heldout_warm_start is not None else
-              f"- held-out greedy accuracy: {report.heldout_before:.1%} before -> {report.heldout_after:.1%} after"),
+              f"- held-out {report.judged} accuracy: {report.heldout_before:.1%} before -> "
+              f"{report.heldout_after:.1%} after"),
              *([f"- LLM calls per train rollout at the end: {report.llm_calls_per_rollout:.2f}; prefix merges "
                 f"{report.prefix_merges}, breaks {report.prefix_breaks}"]
                if report.llm_calls_per_rollout is not None else []),
@@ -382,6 +392,11 @@ async def warm_start(agent: DemoAgent, train: list[dict], config: Config, sessio
             console.print(f"warm start done in {time.monotonic() - started:.0f} s: {samples} samples trained, "
                           f"the server holds v{held}")
             return time.monotonic() - started
+        if time.monotonic() - started > config.demo.training_seconds:  # never wait past the run's whole time
+            console.print(f"[yellow]warm start unfinished after {time.monotonic() - started:.0f} s: "
+                          f"{rollouts}/{count} demonstrations stored, {trained} of {samples} samples trained, the "
+                          f"server holds v{held}; RL starts from there (see the trainer's log)[/yellow]")
+            return time.monotonic() - started
         await asyncio.sleep(1.0)
 
 
@@ -406,7 +421,7 @@ async def train_and_watch(session: TrainingSession, config: Config, endpoints, c
         before = await evaluate(agent, heldout, session.proxy_url, session.proxy_key, session.server_url, started)
         before.seconds = 0.0  # training starts now
         console.print(f"held-out before training: {before.accuracy:.1%} ({before.correct}/{before.total}, "
-                      f"greedy, policy v{before.policy_version})")
+                      f"{agent.judged}, policy v{before.policy_version})")
         dashboard = Dashboard(client, console, demo.training_seconds, agent)
         dashboard.evaluations.append(before)
         training_started = time.monotonic()
@@ -417,7 +432,7 @@ async def train_and_watch(session: TrainingSession, config: Config, endpoints, c
             warmed.seconds = round(time.monotonic() - training_started, 1)
             dashboard.evaluations.append(warmed)
             console.print(f"held-out after the warm start: {warmed.accuracy:.1%} ({warmed.correct}/{warmed.total}, "
-                          f"greedy, policy v{warmed.policy_version}); RL from here")
+                          f"{agent.judged}, policy v{warmed.policy_version}); RL from here")
         wave_size = demo.group_size * demo.prompts_per_wave
         held = await asyncio.to_thread(server_version, session.server_url)
         queue = await PacedQueue(config, endpoints.bootstrap_servers,
@@ -480,7 +495,7 @@ async def train_and_watch(session: TrainingSession, config: Config, endpoints, c
         after.seconds = round(training_seconds, 1)
         dashboard.evaluations.append(after)
         console.print(f"held-out after training: {after.accuracy:.1%} ({after.correct}/{after.total}, "
-                      f"greedy, policy v{after.policy_version})")
+                      f"{agent.judged}, policy v{after.policy_version})")
         return dashboard.evaluations, taken, training_seconds, warm_seconds
     finally:
         set_sink(None)
@@ -531,7 +546,8 @@ def run_demo(config: Config, console: Console | None = None, snapshots: Path | N
         tokens, step_seconds = client.query(
             "SELECT sum(tokens), sum(step_time_s) FROM train_steps FINAL").result_rows[0]
         report = DemoReport(
-            agent=agent.name, heldout_warm_start=evaluations[1].accuracy if agent.warm_start else None,
+            agent=agent.name, judged=agent.judged,
+            heldout_warm_start=evaluations[1].accuracy if agent.warm_start else None,
             warm_start_seconds=round(warm_seconds, 1) if warm_seconds is not None else None,
             llm_calls_per_rollout=(round(sum(r["llm_calls_mean"] * r["rollouts"] for r in last)
                                          / sum(r["rollouts"] for r in last), 3) if last else None),
@@ -558,7 +574,7 @@ def run_demo(config: Config, console: Console | None = None, snapshots: Path | N
     Path(demo.report_path).write_text(json.dumps(asdict(report), indent=2) + "\n")
     write_plot(output / "reward_per_version.png", report, agent.title)
     write_markdown(output / "report.md", report)
-    console.print(f"held-out greedy accuracy {report.heldout_before:.1%} -> {report.heldout_after:.1%} "
+    console.print(f"held-out {agent.judged} accuracy {report.heldout_before:.1%} -> {report.heldout_after:.1%} "
                   f"over {report.policy_versions} policy versions in {report.training_seconds:.0f} s of training "
                   f"({report.seconds:.0f} s in all)")
     console.print(f"wrote {demo.report_path}, {output / 'report.md'}, {output / 'reward_per_version.png'}; "

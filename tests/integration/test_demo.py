@@ -59,7 +59,7 @@ def test_the_demo_trains_evaluates_reports_and_stops_everything(tmp_path):
 def test_the_calculator_demo_warm_starts_from_demonstrations_then_trains_multi_step_rollouts(tmp_path):
     home = tmp_path / "home"
     env = stack_environment(home)
-    (tmp_path / "agentstream.toml").write_text("[demo]\neval_every_s = 600\nheldout_tasks = 16\n"
+    (tmp_path / "agentstream.toml").write_text("[demo]\neval_every_s = 600\nheldout_tasks = 8\n"
                                                "warm_start_demonstrations = 32\n")
     result = subprocess.run([sys.executable, "-m", "agentstream", "demo", "--agent", "calculator", "--seconds", "150"],
                             env=env, cwd=tmp_path, capture_output=True, text=True, timeout=540)
@@ -67,10 +67,11 @@ def test_the_calculator_demo_warm_starts_from_demonstrations_then_trains_multi_s
     out = result.stdout
     assert "warm start: 32 demonstrations (64 LLM calls) published" in out and "warm start done in" in out
     assert "held-out after the warm start:" in out and "held-out after training:" in out
+    assert "T=0.5, 2 rollouts per task" in out
     report = json.loads((tmp_path / "demo-report.json").read_text())
     assert report["agent"] == "calculator" and report["heldout_warm_start"] is not None
     before, warmed = report["evaluations"][:2]
-    assert before["policy_version"] == 0 and before["total"] == 16
+    assert before["policy_version"] == 0 and before["total"] == 16  # two rollouts per task, at T=0.5
     assert warmed["policy_version"] >= 1  # the server held weights trained on the demonstrations
     assert report["warm_start_seconds"] > 0 and report["llm_calls_per_rollout"] >= 1
     markdown = (tmp_path / "demo-output" / "report.md").read_text()
@@ -85,7 +86,7 @@ def test_the_online_demo_serves_users_gates_a_candidate_reports_and_stops_everyt
     (tmp_path / "agentstream.toml").write_text(
         "[demo]\nonline_batch = 8\nonline_steps_per_checkpoint = 1\nonline_eval_tasks = 8\nonline_rate = 1.0\n"
         "online_feedback_max_delay_s = 10\n")
-    result = subprocess.run([sys.executable, "-m", "agentstream", "demo", "--online", "--seconds", "100"], env=env,
+    result = subprocess.run([sys.executable, "-m", "agentstream", "demo", "--online", "--seconds", "150"], env=env,
                             cwd=tmp_path, capture_output=True, text=True, timeout=540)
     assert result.returncode == 0, result.stdout[-4000:] + result.stderr[-4000:]
     out = result.stdout

@@ -1,0 +1,126 @@
+"""Warm start: how the calculator agent's success grows with supervised steps on demonstrations.
+
+The demonstrations are the calculator demo's (``examples.calculator_agent.demonstration``: one
+calculator call, then the answer), as trajectory-level samples without logprobs, 32 per step,
+trained with the trainer's own step (``trainer.step.train_step``, the demo's learning rate by
+default). After each step from ``--from-step`` on, the agent's two-turn loop runs on the
+held-out tasks in-process (the dev server's generation code, its tool rendering and parsing):
+greedy, then ``--samples`` rollouts per task at each ``--temperatures``. Per step, JSON lines:
+success, tool calls per rollout, and for the sampled runs the tasks whose rollouts disagree
+(what a GRPO group learns from), after a machine calibration line.
+"""
+
+from __future__ import annotations
+
+import argparse
+import copy
+import time
+import uuid
+from dataclasses import replace
+
+from agentstream.demo.demonstrations import demonstration_calls
+from bench.common import emit
+from examples import calculator_agent as calculator
+from infra.config import load_config
+from infra.machine import calibrate
+from models import LoadedModel, assign_weights, eos_token_ids
+from serving.attention import use_grouped_attention
+from serving.generation import BatchRequest, SamplingParams, generate_batch
+from serving.tool_format import parse_tool_calls, render_prompt
+from trainer.batching import Batch, Counts, Sample
+from trainer.policy import build_policy
+from trainer.step import train_step
+
+
+def demonstration_sample(task: dict, tokenizer) -> Sample:
+    """A demonstration as the stream processor merges it: first prompt, both turns, the tool result masked."""
+    (prompt, first), (second_prompt, second) = demonstration_calls(
+        calculator.demonstration(task), [calculator.CALCULATOR], tokenizer, tokenizer.eos_token_id)
+    glue = second_prompt[len(prompt) + len(first):]
+    return Sample.from_record({
+        "transition_id": uuid.uuid4().hex, "rollout_id": uuid.uuid4().hex, "policy_version": 0,
+        "prompt_token_ids": prompt, "response_token_ids": first + glue + second, "behaviour_logprobs": [],
+        "loss_mask": [True] * len(first) + [False] * len(glue) + [True] * len(second), "merged_calls": 2,
+        "split_at_break": False, "reward": 1.0, "advantage": 1.0})
+
+
+class Agent:
+    """The calculator agent's loop (a call, the tools, a second call) on a model in this process."""
+
+    def __init__(self, model, tokenizer, eos) -> None:
+        self.model, self.tokenizer, self.eos = model, tokenizer, eos
+
+    def _generate(self, prompts: list[list[int]], temperature: float, n: int):
+        self.model.eval()
+        requests = [BatchRequest(p, SamplingParams(max_tokens=calculator.MAX_TOKENS, temperature=temperature, n=n))
+                    for p in prompts]
+        return generate_batch(self.model, self.tokenizer, requests, self.eos, self.tokenizer.pad_token_id or 0)
+
+    def _prompt(self, messages: list[dict]) -> list[int]:
+        return render_prompt(self.tokenizer, messages, [calculator.CALCULATOR], False)
+
+    def run(self, tasks: list[dict], temperature: float, n: int) -> tuple[float, float, int]:
+        """(success, tool calls per rollout, tasks whose n rollouts disagree)."""
+        opening = [[{"role": "system", "content": calculator.SYSTEM}, {"role": "user", "content": t["prompt"]}]
+                   for t in tasks]
+        answers: dict[tuple[int, int], str] = {}
+        follow_ups, calls = [], 0
+        for i, sequences in enumerate(self._generate([self._prompt(m) for m in opening], temperature, n)):
+            for j, sequence in enumerate(sequences):
+                parsed = parse_tool_calls(sequence.text)
+                if not parsed.tool_calls:
+                    answers[i, j] = sequence.text
+                    continue
+                calls += 1
+                results = [{"role": "tool", "tool_call_id": c["id"],
+                            "content": calculator.run_tool(c["function"]["name"], c["function"]["arguments"])}
+                           for c in parsed.tool_calls]
+                follow_ups.append(((i, j), opening[i] + [{"role": "assistant", "content": parsed.content,
+                                                          "tool_calls": parsed.tool_calls}] + results))
+        if follow_ups:
+            finals = self._generate([self._prompt(m) for _, m in follow_ups], temperature, 1)
+            answers.update({key: sequences[0].text for (key, _), sequences in zip(follow_ups, finals, strict=True)})
+        rewards = [[calculator.reward(answers[i, j], t["answer"]) for j in range(n)] for i, t in enumerate(tasks)]
+        mixed = sum(1 for r in rewards if 0 < sum(r) < n)
+        return sum(map(sum, rewards)) / (n * len(tasks)), calls / (n * len(tasks)), mixed
+
+
+def main() -> None:
+    parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
+    parser.add_argument("--steps", type=int, default=5, help="Supervised steps (32 demonstrations each).")
+    parser.add_argument("--from-step", type=int, default=3, help="The first step after which the agent is judged.")
+    parser.add_argument("--lr", type=float, default=None, help="Learning rate (default: the demo's).")
+    parser.add_argument("--heldout", type=int, default=32, help="Held-out tasks the agent is judged on.")
+    parser.add_argument("--temperatures", default="0.5,1.0", help="Sampling temperatures besides greedy.")
+    parser.add_argument("--samples", type=int, default=4, help="Rollouts per task at each temperature.")
+    args = parser.parse_args()
+    temperatures = [float(t) for t in args.temperatures.split(",") if t.strip()]
+    calibration = calibrate()
+    emit("warm_start", "machine_calibration", calibration.python_loop_s, "s", **calibration.as_dict())
+    config = load_config()
+    trainer = replace(config.trainer, model="smollm2", threads=2, lr=args.lr or config.demo.lr, temperature=1.0,
+                      micro_batch_tokens=2048)
+    policy = build_policy(trainer)
+    tokenizer = policy.tokenizer
+    sampler = copy.deepcopy(policy.model)  # generates as the dev server does
+    sampler.set_attn_implementation("sdpa")
+    use_grouped_attention(sampler)
+    agent = Agent(sampler, tokenizer, eos_token_ids(LoadedModel(policy.model, tokenizer, policy.name, policy.dtype)))
+    train, heldout = calculator.split()
+    heldout = heldout[:args.heldout]
+    for step in range(1, args.steps + 1):
+        batch = [demonstration_sample(task, tokenizer) for task in train[(step - 1) * 32:step * 32]]
+        started = time.monotonic()
+        result = train_step(policy, Batch(batch, 0, Counts()), trainer)
+        assign_weights(sampler, policy.model.state_dict())
+        emit("warm_start", "step_seconds", time.monotonic() - started, "s", step=step, loss=round(result.loss, 4))
+        if step < args.from_step:
+            continue
+        for temperature, n in [(0.0, 1), *((t, args.samples) for t in temperatures)]:
+            success, calls, mixed = agent.run(heldout, temperature, n)
+            emit("warm_start", "heldout_success", success, "share", step=step, temperature=temperature,
+                 rollouts_per_task=n, tool_calls_per_rollout=round(calls, 3), tasks_with_mixed_rollouts=mixed)
+
+
+if __name__ == "__main__":
+    main()
