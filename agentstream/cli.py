@@ -496,8 +496,8 @@ def demo(ctx: click.Context, quick: bool | None, seconds: float | None, online: 
     """Train SmolLM2-135M-Instruct online on an example agent and show that it learned.
 
     Starts the stack, the dev model server, proxy, streams, trainer, hot swap and runners;
-    measures held-out greedy accuracy before, during and after (and after the warm start, for
-    the calculator agent); writes demo-report.json, a plot and a report under demo-output/;
+    measures held-out success before, during and after (greedy; the calculator agent at T=0.5,
+    also after its warm start); writes demo-report.json, a plot and a report under demo-output/;
     stops everything it started. With --online: a service answering users, learning from their
     feedback behind the gate (online-report.json).
     """
