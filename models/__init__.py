@@ -13,6 +13,7 @@ from models.loading import (
     load_model,
     model_cache_root,
     model_display_name,
+    smollm2_tokenizer,
     tiny_tokenizer,
 )
 from models.logprobs import teacher_forced_logprobs
@@ -55,6 +56,7 @@ __all__ = [
     "model_display_name",
     "read_weights",
     "sha256_file",
+    "smollm2_tokenizer",
     "teacher_forced_logprobs",
     "tiny_tokenizer",
     "verify_finite",

@@ -156,6 +156,16 @@ def smollm2_gguf_folder() -> Path:
     return folder
 
 
+def smollm2_tokenizer() -> Any:
+    """SmolLM2-135M-Instruct's tokenizer alone (converting the model on first use), without loading its weights."""
+    from transformers import AutoTokenizer
+
+    folder = model_cache_root() / SMOLLM2_CACHE_NAME
+    if not (folder / "config.json").is_file():
+        convert_smollm2(folder)
+    return AutoTokenizer.from_pretrained(folder)
+
+
 def load_smollm2() -> LoadedModel:
     """SmolLM2-135M-Instruct from the conversion cache, converting the GGUF file on first use."""
     folder = model_cache_root() / SMOLLM2_CACHE_NAME

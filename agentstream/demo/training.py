@@ -40,7 +40,7 @@ from infra.clickhouse import ROLLOUT_POLICY_VERSION, connect, migrate
 from infra.config import Config, CreditRule
 from infra.machine import calibrate
 from infra.stack import Stack
-from models import load_model, local_path, model_display_name
+from models import local_path, model_display_name, smollm2_tokenizer
 from models.precision import native_bfloat16
 from pipeline.publisher import SpanPublisher
 from pipeline.sdk import emit_reward, rollout, set_sink
@@ -375,7 +375,7 @@ async def warm_start(agent: DemoAgent, train: list[dict], config: Config, sessio
     """
     started = time.monotonic()
     count = config.demo.warm_start_demonstrations
-    tokenizer = (await asyncio.to_thread(load_model, "smollm2")).tokenizer
+    tokenizer = await asyncio.to_thread(smollm2_tokenizer)  # the ids the server renders; its weights are not needed
     calls = publish_demonstrations(train[:count], agent.module.demonstration, [agent.module.CALCULATOR], tokenizer,
                                    model=model_display_name("smollm2"), agent_name=agent.demonstrations_name)
     console.print(f"warm start: {count} demonstrations ({calls} LLM calls) published as rollouts of "
