@@ -7,7 +7,9 @@ for ``--seconds`` of training in all, on a fresh stack, one after the other on t
 - ``trajectory``: GRPO on the final reward, successive calls merged into one masked sample;
 - ``transition``: GRPO on the final reward, one sample per LLM call;
 - ``intermediate``: trajectory level, ``discounted`` credit (gamma 1) on the final reward plus a
-  0.1 reward for a first turn whose calculator calls all worked (``examples/calculator_shaped.py``).
+  0.1 reward for a first turn whose calculator calls all worked (``examples/calculator_shaped.py``);
+- ``trajectory-256`` (not run by default): ``trajectory`` warm-started on 256 demonstrations, as
+  many optimizer steps as ``transition`` takes on 128.
 
 Per variant, after a machine calibration line: held-out success (T=0.5, as the demo judges it)
 before, after the warm start and after RL, by time and policy version; the time from the start of
@@ -33,11 +35,15 @@ from infra.config import ConfigError, load_config
 from infra.machine import calibrate
 
 CALCULATOR = AGENTS["calculator"]
-VARIANTS: dict[str, DemoAgent] = {
-    "trajectory": CALCULATOR,
-    "transition": replace(CALCULATOR, level="transition"),
-    "intermediate": replace(CALCULATOR, entry="examples.calculator_shaped:solve", strategy="discounted"),
+VARIANTS: dict[str, tuple[DemoAgent, int | None]] = {  # the agent, and its demonstrations (None: the config's)
+    "trajectory": (CALCULATOR, None),
+    "transition": (replace(CALCULATOR, level="transition"), None),
+    "intermediate": (replace(CALCULATOR, entry="examples.calculator_shaped:solve", strategy="discounted"), None),
+    # 128 two-call demonstrations are 256 samples at transition level and 128 at trajectory level: twice
+    # the demonstrations give trajectory level as many warm-start optimizer steps
+    "trajectory-256": (CALCULATOR, 256),
 }
+DEFAULT_VARIANTS = ("trajectory", "transition", "intermediate")
 
 
 def time_to_success(report: DemoReport, target: float) -> float | None:
@@ -79,8 +85,9 @@ def main() -> None:
     parser.add_argument("--targets", default="0.8,0.9",
                         help="Comma-separated held-out success levels timed from the start of training.")
     parser.add_argument("--gain", type=float, default=0.3, help="The gain over the warm start that is timed.")
-    parser.add_argument("--variants", default=",".join(VARIANTS),
-                        help=f"Comma-separated, run in this order (default: {','.join(VARIANTS)}).")
+    parser.add_argument("--variants", default=",".join(DEFAULT_VARIANTS),
+                        help=f"Comma-separated, run in this order, of {', '.join(VARIANTS)} "
+                             f"(default: {','.join(DEFAULT_VARIANTS)}).")
     args = parser.parse_args()
     chosen = [name.strip() for name in args.variants.split(",") if name.strip()]
     unknown = sorted(set(chosen) - set(VARIANTS))
@@ -103,8 +110,11 @@ def main() -> None:
     emit("multistep", "machine_calibration", calibration.python_loop_s, "s", **calibration.as_dict())
     for name in chosen:
         print(f"variant {name}: {args.seconds:.0f} s of training", flush=True)
-        variant_config = replace(config, demo=replace(config.demo, report_path=f"bench-output/multistep-{name}.json"))
-        report_variant(name, run_demo(variant_config, agent=VARIANTS[name]), args.gain, targets)
+        agent, demonstrations = VARIANTS[name]
+        variant_config = replace(config, demo=replace(
+            config.demo, report_path=f"bench-output/multistep-{name}.json",
+            warm_start_demonstrations=demonstrations or config.demo.warm_start_demonstrations))
+        report_variant(name, run_demo(variant_config, agent=agent), args.gain, targets)
 
 
 if __name__ == "__main__":
