@@ -8,8 +8,8 @@ for ``--seconds`` of training in all, on a fresh stack, one after the other on t
 - ``transition``: GRPO on the final reward, one sample per LLM call;
 - ``intermediate``: trajectory level, ``discounted`` credit (gamma 1) on the final reward plus a
   0.1 reward for a first turn whose calculator calls all worked (``examples/calculator_shaped.py``);
-- ``trajectory-256`` (not run by default): ``trajectory`` warm-started on 256 demonstrations, as
-  many optimizer steps as ``transition`` takes on 128.
+- ``trajectory-16`` (not run by default): ``trajectory`` with 16 samples per optimizer step, so
+  that it steps as often on the same rollouts as ``transition`` does with 32 (two calls each).
 
 Per variant, after a machine calibration line: held-out success (T=0.5, as the demo judges it)
 before, after the warm start and after RL, by time and policy version; the time from the start of
@@ -35,13 +35,13 @@ from infra.config import ConfigError, load_config
 from infra.machine import calibrate
 
 CALCULATOR = AGENTS["calculator"]
-VARIANTS: dict[str, tuple[DemoAgent, int | None]] = {  # the agent, and its demonstrations (None: the config's)
-    "trajectory": (CALCULATOR, None),
-    "transition": (replace(CALCULATOR, level="transition"), None),
-    "intermediate": (replace(CALCULATOR, entry="examples.calculator_shaped:solve", strategy="discounted"), None),
-    # 128 two-call demonstrations are 256 samples at transition level and 128 at trajectory level: twice
-    # the demonstrations give trajectory level as many warm-start optimizer steps
-    "trajectory-256": (CALCULATOR, 256),
+VARIANTS: dict[str, DemoAgent] = {
+    "trajectory": CALCULATOR,
+    "transition": replace(CALCULATOR, level="transition"),
+    "intermediate": replace(CALCULATOR, entry="examples.calculator_shaped:solve", strategy="discounted"),
+    # a step of 32 samples holds 32 rollouts at trajectory level and about 16 at transition level (two calls
+    # each): with 16, trajectory level takes the same optimizer steps on the same rollouts, warm start included
+    "trajectory-16": replace(CALCULATOR, samples_per_step=16),
 }
 DEFAULT_VARIANTS = ("trajectory", "transition", "intermediate")
 
@@ -110,11 +110,8 @@ def main() -> None:
     emit("multistep", "machine_calibration", calibration.python_loop_s, "s", **calibration.as_dict())
     for name in chosen:
         print(f"variant {name}: {args.seconds:.0f} s of training", flush=True)
-        agent, demonstrations = VARIANTS[name]
-        variant_config = replace(config, demo=replace(
-            config.demo, report_path=f"bench-output/multistep-{name}.json",
-            warm_start_demonstrations=demonstrations or config.demo.warm_start_demonstrations))
-        report_variant(name, run_demo(variant_config, agent=agent), args.gain, targets)
+        variant_config = replace(config, demo=replace(config.demo, report_path=f"bench-output/multistep-{name}.json"))
+        report_variant(name, run_demo(variant_config, agent=VARIANTS[name]), args.gain, targets)
 
 
 if __name__ == "__main__":

@@ -65,6 +65,8 @@ class DemoAgent:
     ``entry`` is what the runners run (another agent on the same tasks, e.g. one that adds an
     intermediate reward); ``strategy`` and ``gamma`` are its credit rule's. ``micro_batch_tokens``
     bounds the trainer's memory where samples are long (the trainer's setting of that name).
+    ``samples_per_step`` is the trainer's ``batch_transitions`` (0: one wave, ``group_size`` ×
+    ``prompts_per_wave``).
     Train rollouts sample at ``temperature`` (the trainer's too); held-out success is measured at
     ``eval_temperature`` (0: greedy) with ``eval_samples`` rollouts per task.
     """
@@ -78,6 +80,7 @@ class DemoAgent:
     strategy: str = "grpo"
     gamma: float = 1.0
     micro_batch_tokens: int = 0
+    samples_per_step: int = 0
     temperature: float = 1.0
     eval_temperature: float = 0.0
     eval_samples: int = 1
@@ -189,7 +192,8 @@ def demo_config(config: Config, run_id: str, workdir: Path, agent: DemoAgent = A
                 CreditRule(agent="*", train=False)),
         trainer=replace(config.trainer, model="smollm2", threads=demo.trainer_threads, dtype=dtype,
                         checkpoint_dtype=dtype,  # the server computes in it: half the bytes per version in bfloat16
-                        lr=demo.lr, temperature=agent.temperature, batch_transitions=wave, batch_counts_skipped=True,
+                        lr=demo.lr, temperature=agent.temperature, batch_transitions=agent.samples_per_step or wave,
+                        batch_counts_skipped=True,
                         batch_tokens=0,
                         micro_batch_tokens=agent.micro_batch_tokens,
                         batch_wait_s=15.0,
