@@ -45,6 +45,7 @@ from typing import Any, Generic, TypeVar
 from infra.config import AglConfig
 from pipeline import sdk
 from schemas.contracts import resolve_reward
+from schemas.errors import AgentstreamError
 
 log = logging.getLogger("agentstream.agl")
 
@@ -490,7 +491,7 @@ def task_environment(task: Any, env_map: str) -> dict[str, str]:
             for name, value in chosen.items()}
 
 
-class AgentProcessFailed(RuntimeError):
+class AgentProcessFailed(AgentstreamError, RuntimeError):
     """An Agent Lightning 1.0 agent's process exited with an error."""
 
 

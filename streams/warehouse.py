@@ -17,6 +17,7 @@ from typing import Any, TypeVar
 
 from infra.clickhouse import ClickHouseError, UnsupportedClickHouse, connect, server_message
 from infra.config import ClickHouseConfig
+from schemas.errors import AgentstreamError
 
 log = logging.getLogger("agentstream.streams.clickhouse")
 
@@ -26,7 +27,7 @@ EXCEPTION_CODE = re.compile(r"Code:\s*(\d+)")
 TRANSIENT_CODES = {3, 159, 160, 202, 209, 210, 241, 242, 252, 319, 394, 425, 999, 1002}
 
 
-class RejectedData(Exception):
+class RejectedData(AgentstreamError):
     """ClickHouse refused the data itself (it cannot parse or convert it); retrying cannot help."""
 
 
