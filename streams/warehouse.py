@@ -15,6 +15,8 @@ import time
 from collections.abc import Callable, Sequence
 from typing import Any, TypeVar
 
+from clickhouse_connect.driver.client import Client
+
 from infra.clickhouse import ClickHouseError, UnsupportedClickHouse, connect, server_message
 from infra.config import ClickHouseConfig
 from schemas.errors import AgentstreamError
@@ -39,11 +41,11 @@ class Warehouse:
         self.url = url
         self.database = config.database
         self.retry_max_s = retry_max_s
-        self._client = None
+        self._client: Client | None = None
         self.outages = 0
         self.seconds: dict[str, list[float]] = {}  # time spent per kind of call: [calls, seconds]
 
-    def _connected(self):
+    def _connected(self) -> Client:
         if self._client is None:
             self._client = connect(self.config, self.url, database=self.database)
         return self._client
