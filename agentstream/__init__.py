@@ -12,10 +12,17 @@ What an agent needs, in one import::
 LLM calls are captured by the proxy (``agentstream proxy``); a user's late feedback goes to
 ``ags.feedback_url(proxy_url, rollout_id, token)`` with the token the proxy returned (or
 ``ags.feedback_token(rollout_id)``); everything else is the CLI (``agentstream --help``).
+
+Every error agentstream raises is an ``ags.AgentstreamError``; its ``retriable`` says whether
+the same call, made again later, may succeed (a broker or server outage, a full buffer) or not
+(bad input).
 """
 
+from typing import TYPE_CHECKING
+
+from infra.config import ConfigError
 from pipeline.feedback import feedback_token, feedback_url
-from pipeline.publisher import FlushTimeout, PublisherClosed, PublisherError, SpanPublisher
+from pipeline.publisher import FlushTimeout, PublisherClosed, PublisherError, PublisherFull, SpanPublisher
 from pipeline.sdk import (
     NoRollout,
     NoSink,
@@ -31,15 +38,29 @@ from pipeline.sdk import (
     set_sink,
     span,
 )
+from pipeline.tasks import TaskFileError
+from schemas.contracts import RewardError
+from schemas.errors import AgentstreamError, CodecError, EncodeError
+
+if TYPE_CHECKING:
+    from pipeline.runner import AgentLoadError
 
 __all__ = [
+    "AgentLoadError",
+    "AgentstreamError",
+    "CodecError",
+    "ConfigError",
+    "EncodeError",
     "FlushTimeout",
     "NoRollout",
     "NoSink",
     "PublisherClosed",
     "PublisherError",
+    "PublisherFull",
+    "RewardError",
     "Rollout",
     "SpanPublisher",
+    "TaskFileError",
     "TokenMismatch",
     "current_rollout",
     "emit_exception",
@@ -53,3 +74,12 @@ __all__ = [
     "set_sink",
     "span",
 ]
+
+
+def __getattr__(name: str) -> object:
+    # AgentLoadError lives with the runner, which imports aiohttp: about 150 ms an agent process need not pay.
+    if name == "AgentLoadError":
+        from pipeline.runner import AgentLoadError
+
+        return AgentLoadError
+    raise AttributeError(f"module {__name__!r} has no attribute {name!r}")

@@ -23,9 +23,10 @@ from infra.processes import free_port, wait_for_port
 from infra.stack import Endpoints
 from models import model_display_name
 from pipeline.access import proxy_client_key
+from schemas.errors import AgentstreamError
 
 
-class ChildFailed(RuntimeError):
+class ChildFailed(AgentstreamError, RuntimeError):
     """A process of the session exited or did not become ready; the message ends with its log."""
 
 

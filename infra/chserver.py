@@ -42,6 +42,7 @@ from multidict import MultiDict
 from infra.chaccess import Access, Users, cross_site, presented
 from infra.config import ConfigError, load_config
 from infra.security import KeySet, check_bind, is_loopback
+from schemas.errors import AgentstreamError
 
 log = logging.getLogger("agentstream.chserver")
 
@@ -79,7 +80,7 @@ HTTP_STATUS_BY_CODE = {
 }
 
 
-class RequestError(Exception):
+class RequestError(AgentstreamError):
     """A request the server cannot run; carries the ClickHouse error code and HTTP status."""
 
     def __init__(self, message: str, code: int, status: int = 400) -> None:

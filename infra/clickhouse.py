@@ -19,6 +19,7 @@ import clickhouse_connect
 from clickhouse_connect.driver.client import Client
 
 from infra.config import ClickHouseConfig
+from schemas.errors import AgentstreamError
 
 MINIMUM_VERSION = (24, 3)
 PRODUCT_TABLES = ("spans", "rollouts", "transitions", "checkpoints", "train_steps", "deployments")
@@ -27,8 +28,14 @@ ROLLOUT_POLICY_VERSION = "if(empty(policy_versions), NULL, arrayMax(policy_versi
 MIGRATION_FILE = re.compile(r"^(\d{4})_([a-z0-9_]+)\.sql$")
 
 
-class ClickHouseError(RuntimeError):
+class ClickHouseError(AgentstreamError, RuntimeError):
     """ClickHouse is unreachable, too old, or refused a migration."""
+
+
+class ClickHouseUnreachable(ClickHouseError):
+    """No ClickHouse answered at the URL (refused, timed out, or the connection broke); it may answer later."""
+
+    retriable = True
 
 
 class UnsupportedClickHouse(ClickHouseError):
@@ -79,7 +86,7 @@ def connect(config: ClickHouseConfig, url: str, *, database: str | None = None, 
             settings=settings,
         )
     except Exception as error:  # clickhouse-connect raises several types for "cannot reach"
-        raise ClickHouseError(f"cannot reach ClickHouse at {url}: {_first_line(error)}") from None
+        raise ClickHouseUnreachable(f"cannot reach ClickHouse at {url}: {_first_line(error)}") from None
     assert client.server_version is not None  # get_client connects, which reads the version
     check_version(client.server_version, url)
     return client

@@ -17,8 +17,10 @@ from pathlib import Path
 from typing import Any, get_type_hints
 from urllib.parse import unquote, urlsplit, urlunsplit
 
+from schemas.errors import AgentstreamError
 
-class ConfigError(ValueError):
+
+class ConfigError(AgentstreamError, ValueError):
     """The configuration file or an environment variable holds a value we cannot use."""
 
 

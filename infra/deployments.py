@@ -37,6 +37,7 @@ from aiokafka.errors import KafkaError
 from infra.config import Config
 from infra.kafka import client_options, consumer_options, topic_name
 from schemas import ANNOUNCEMENT, CHECKPOINT, DEPLOYMENT, AvroCodec, CodecError
+from schemas.errors import AgentstreamError
 
 log = logging.getLogger("agentstream.deployments")
 
@@ -52,7 +53,7 @@ class Action(StrEnum):
     SUPERSEDED = "SUPERSEDED"
 
 
-class DeploymentError(RuntimeError):
+class DeploymentError(AgentstreamError, RuntimeError):
     """A decision cannot be made or recorded (unknown model or version, broker unreachable)."""
 
 

@@ -4,9 +4,13 @@ from __future__ import annotations
 
 import asyncio
 import threading
+from collections.abc import Coroutine
+from typing import Any, TypeVar
 
 import uvloop
 from aiohttp import web
+
+T = TypeVar("T")
 
 
 class ServerThread:
@@ -24,7 +28,7 @@ class ServerThread:
         host, port = self.runner.addresses[0][:2]
         self.url = f"http://{host}:{port}"
 
-    def call(self, coroutine):
+    def call(self, coroutine: Coroutine[Any, Any, T]) -> T:
         return asyncio.run_coroutine_threadsafe(coroutine, self.loop).result(timeout=60)
 
     def stop(self) -> None:

@@ -11,13 +11,20 @@ from aiokafka.admin import AIOKafkaAdminClient, NewTopic
 from aiokafka.helpers import create_ssl_context
 
 from infra.config import Config, KafkaConfig, TopicsConfig
+from schemas.errors import AgentstreamError
 
 # Kafka error codes we treat specially when creating topics.
 TOPIC_ALREADY_EXISTS = 36
 
 
-class KafkaSetupError(RuntimeError):
+class KafkaSetupError(AgentstreamError, RuntimeError):
     """A topic could not be created or does not have the layout agentstream needs."""
+
+
+class KafkaUnreachable(KafkaSetupError):
+    """No Kafka broker answered metadata requests in time; it may answer later."""
+
+    retriable = True
 
 
 @dataclass(frozen=True)
@@ -131,7 +138,7 @@ async def consumer_groups(admin: AIOKafkaAdminClient) -> list[str]:
 
 
 async def wait_for_broker(options: dict[str, Any], timeout_s: float) -> None:
-    """Wait until the cluster answers metadata requests, or raise KafkaSetupError."""
+    """Wait until the cluster answers metadata requests, or raise KafkaUnreachable."""
     deadline = asyncio.get_running_loop().time() + timeout_s
     last_error: Exception | None = None
     while asyncio.get_running_loop().time() < deadline:
@@ -147,7 +154,7 @@ async def wait_for_broker(options: dict[str, Any], timeout_s: float) -> None:
             await admin.close()
     refused = "Connect call failed" in str(last_error) or "Unable to bootstrap" in str(last_error)
     reason = "connection refused" if refused else last_error
-    raise KafkaSetupError(f"Kafka at {options['bootstrap_servers']} did not answer within {timeout_s:.0f}s ({reason})")
+    raise KafkaUnreachable(f"Kafka at {options['bootstrap_servers']} did not answer within {timeout_s:.0f}s ({reason})")
 
 
 def admin_client(config: Config, bootstrap_servers: str) -> AIOKafkaAdminClient:

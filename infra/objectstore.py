@@ -51,6 +51,8 @@ from xml.sax.saxutils import escape
 
 from aiohttp import web
 
+from schemas.errors import AgentstreamError
+
 log = logging.getLogger("agentstream.objectstore")
 T = TypeVar("T")
 
@@ -63,7 +65,7 @@ TEMPORARY = ".tmp"
 HOST = "127.0.0.1"
 
 
-class S3Error(Exception):
+class S3Error(AgentstreamError):
     """A request the store refuses, with the S3 error code and HTTP status a client expects."""
 
     def __init__(self, status: int, code: str, message: str, key: str | None = None) -> None:
@@ -77,8 +79,10 @@ def _precondition_failed(key: str) -> S3Error:
     return S3Error(412, "PreconditionFailed", "At least one of the pre-conditions you specified did not hold", key)
 
 
-class NotModified(Exception):
-    """A conditional GET whose ``If-None-Match`` matches: answered 304 with no body."""
+class _NotModified(Exception):
+    """A conditional GET whose ``If-None-Match`` matches: answered 304 with no body.
+
+    Control flow inside this module (``handle`` catches it), not an error, so not an ``AgentstreamError``."""
 
     def __init__(self, etag: str) -> None:
         super().__init__(etag)
@@ -365,7 +369,7 @@ class ObjectStoreServer:
         bucket_name, key = unquote(bucket_name), unquote(key)
         try:
             response = await self._dispatch(request, bucket_name, key)
-        except NotModified as answer:
+        except _NotModified as answer:
             response = web.Response(status=304, headers={"ETag": answer.etag})
         except S3Error as error:
             response = self._error(error, request.rel_url.raw_path)
@@ -465,7 +469,7 @@ class ObjectStoreServer:
             raise _precondition_failed(key)
         if_none_match = request.headers.get("If-None-Match")
         if if_none_match is not None and _etag_matches(if_none_match, info.etag):
-            raise NotModified(info.etag)
+            raise _NotModified(info.etag)
         headers = {"ETag": info.etag, "Last-Modified": _http_date(info.modified), "Accept-Ranges": "bytes"}
         status = 200
         if "Range" in request.headers:

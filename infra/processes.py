@@ -15,11 +15,13 @@ import time
 from dataclasses import dataclass
 from pathlib import Path
 
+from schemas.errors import AgentstreamError
+
 PORT_RELEASE_S = 5.0
 """How long `start` waits for a port whose last owner was just killed (its sockets are still closing)."""
 
 
-class ServiceError(RuntimeError):
+class ServiceError(AgentstreamError, RuntimeError):
     """A service could not be started or stopped; the message is one line a user can act on."""
 
 

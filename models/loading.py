@@ -23,6 +23,7 @@ from pathlib import Path
 from typing import TYPE_CHECKING, Any
 
 from models.precision import Precision, cast_linears_for_inference, configure_backends, resolve_precision
+from schemas.errors import AgentstreamError
 
 if TYPE_CHECKING:
     import torch
@@ -61,7 +62,7 @@ TINY_CHAT_TEMPLATE = (
 )
 
 
-class ModelLoadError(Exception):
+class ModelLoadError(AgentstreamError):
     """A model spec could not be resolved or loaded."""
 
 

@@ -18,6 +18,8 @@ import logging
 from dataclasses import dataclass
 from typing import TYPE_CHECKING, Any
 
+from schemas.errors import AgentstreamError
+
 if TYPE_CHECKING:
     import torch
 
@@ -35,7 +37,7 @@ below). Mixing precisions is what this module exists to avoid: an fp32 server ag
 WEIGHTS_DTYPES = ("float32", "bfloat16")
 
 
-class PrecisionError(ValueError):
+class PrecisionError(AgentstreamError, ValueError):
     """A device or dtype setting that cannot be used on this machine."""
 
 

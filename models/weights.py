@@ -14,6 +14,8 @@ from pathlib import Path
 from typing import TYPE_CHECKING, Any
 from urllib.parse import unquote, urlsplit
 
+from schemas.errors import AgentstreamError
+
 if TYPE_CHECKING:
     import torch
 
@@ -24,7 +26,7 @@ WEIGHTS_FILES = {"full": FULL_WEIGHTS_FILE, "lora": ADAPTER_WEIGHTS_FILE}
 """The weights file of a checkpoint folder, by checkpoint format."""
 
 
-class WeightsError(Exception):
+class WeightsError(AgentstreamError):
     """A weights folder does not fit the served model, or its file does not match its sha256."""
 
 

@@ -38,13 +38,14 @@ import re
 import signal
 import sys
 import time
-from collections.abc import Callable, Mapping
+from collections.abc import Callable, Iterator, Mapping
 from dataclasses import dataclass, field
 from typing import Any, Generic, TypeVar
 
 from infra.config import AglConfig
 from pipeline import sdk
 from schemas.contracts import resolve_reward
+from schemas.errors import AgentstreamError
 
 log = logging.getLogger("agentstream.agl")
 
@@ -350,12 +351,14 @@ def install_tracer() -> bool:
     class AgentstreamTracer(DummyTracer):
         """Agent Lightning's emitters write through it into the current agentstream rollout."""
 
-        def create_span(self, name, attributes=None, timestamp=None, status=None):
+        def create_span(self, name: str, attributes: Mapping[str, Any] | None = None, timestamp: float | None = None,
+                        status: Any = None) -> Any:
             forward_span(name, dict(attributes or {}))
             return super().create_span(name, attributes, timestamp, status)
 
         @contextlib.contextmanager
-        def operation_context(self, name, attributes=None, start_time=None, end_time=None):
+        def operation_context(self, name: str, attributes: Mapping[str, Any] | None = None,
+                              start_time: float | None = None, end_time: float | None = None) -> Iterator[Any]:
             with sdk.span(name, kind="OTHER", **dict(attributes or {})) as recorded, \
                     super().operation_context(name, attributes, start_time, end_time) as recording:
                 yield recording
@@ -490,7 +493,7 @@ def task_environment(task: Any, env_map: str) -> dict[str, str]:
             for name, value in chosen.items()}
 
 
-class AgentProcessFailed(RuntimeError):
+class AgentProcessFailed(AgentstreamError, RuntimeError):
     """An Agent Lightning 1.0 agent's process exited with an error."""
 
 

@@ -45,6 +45,7 @@ from pipeline.otlp_map import Mapped, TraceMapper
 from pipeline.publisher import PublisherClosed, PublisherFull
 from pipeline.sdk import now_us
 from schemas import DEAD_LETTER, AvroCodec, EncodeError
+from schemas.errors import AgentstreamError
 
 log = logging.getLogger("agentstream.otlp")
 
@@ -144,7 +145,7 @@ class ReceiverStats:
     dead_letters_failed: int = 0
 
 
-class Refused(Exception):
+class Refused(AgentstreamError):
     """A request refused as a whole: the HTTP status and the message for its google.rpc.Status."""
 
     def __init__(self, status: int, message: str) -> None:
@@ -152,8 +153,10 @@ class Refused(Exception):
         self.status = status
 
 
-class Busy(Exception):
+class Busy(AgentstreamError):
     """The request cannot be taken now (back-pressure): none of it was taken; a retry after `retry_after_s` may be."""
+
+    retriable = True
 
     def __init__(self, message: str, retry_after_s: int) -> None:
         super().__init__(message)

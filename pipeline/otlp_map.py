@@ -48,6 +48,8 @@ from opentelemetry.proto.collector.trace.v1.trace_service_pb2 import ExportTrace
 from opentelemetry.proto.common.v1.common_pb2 import AnyValue, KeyValue
 from opentelemetry.proto.trace.v1.trace_pb2 import Span as OtelSpan
 
+from schemas.errors import AgentstreamError
+
 SOURCE_ATTRIBUTE = "agentstream.source"
 SOURCE = "otlp"
 ROLLOUT_KEYS = ("agentstream.rollout_id", "agentlightning.rollout_id")
@@ -93,7 +95,7 @@ WHICH = methodcaller("WhichOneof", "value")
 PRIMITIVES = frozenset({"string_value", "bool_value", "int_value", "double_value"})
 
 
-class RejectedSpan(ValueError):
+class RejectedSpan(AgentstreamError, ValueError):
     """One span of an export request that cannot be taken (the rest of the request is)."""
 
 

@@ -72,6 +72,7 @@ from schemas.contracts import (
     policy_version,
     resolve_reward,
 )
+from schemas.errors import AgentstreamError
 
 log = logging.getLogger("agentstream.proxy")
 
@@ -313,8 +314,10 @@ AGL_EVENTS = "/api/rollouts/{rollout_id}/attempt/{attempt_id}/events"
 AUTO_MODEL = "auto"  # Agent Lightning 1.0 agents ask for model "auto": the upstream's first model
 
 
-class UpstreamError(Exception):
+class UpstreamError(AgentstreamError):
     """The upstream model server could not be reached or answered something that is not a response."""
+
+    retriable = True
 
 
 def openai_error(status: int, message: str, error_type: str, param: str | None = None) -> web.Response:

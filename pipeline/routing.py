@@ -15,6 +15,7 @@ from typing import Protocol
 
 from infra.deployments import Routing, adapter_name, split_adapter_name
 from schemas.contracts import VERSION_HEADER
+from schemas.errors import AgentstreamError
 
 
 class RoutingTable(Protocol):
@@ -23,7 +24,7 @@ class RoutingTable(Protocol):
     def routing(self, model: str) -> Routing | None: ...
 
 
-class RouteError(ValueError):
+class RouteError(AgentstreamError, ValueError):
     """A request's version pin cannot be served: malformed, or a version the server does not hold."""
 
     def __init__(self, message: str, status: int) -> None:

@@ -34,13 +34,14 @@ from pipeline.agl import adapt_agent
 from pipeline.sdk import Rollout, SpanSink, emit_exception, emit_reward, new_id, rollout
 from pipeline.tasks import enqueue
 from schemas import TASK, AvroCodec, CodecError
+from schemas.errors import AgentstreamError
 
 log = logging.getLogger("agentstream.runner")
 
 AgentFunction = Callable[..., Any]
 
 
-class AgentLoadError(ImportError):
+class AgentLoadError(AgentstreamError, ImportError):
     """`module:function` does not name an importable callable."""
 
 

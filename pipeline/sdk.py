@@ -25,6 +25,7 @@ from typing import Any, Protocol
 from urllib.parse import quote
 
 from schemas.contracts import TRAIN_ATTRIBUTE, resolve_reward
+from schemas.errors import AgentstreamError
 
 UNUSED_API_KEY = "unused"  # what an OpenAI client sends to a proxy that asks for no key
 
@@ -37,11 +38,11 @@ class SpanSink(Protocol):
     def publish_event(self, event: dict[str, Any]) -> None: ...
 
 
-class NoRollout(RuntimeError):
+class NoRollout(AgentstreamError, RuntimeError):
     """An emit_* call happened outside any rollout, so there is nothing to attribute it to."""
 
 
-class NoSink(RuntimeError):
+class NoSink(AgentstreamError, RuntimeError):
     """Spans were emitted before a sink was configured with set_sink()."""
 
 
@@ -235,7 +236,7 @@ def emit_reward(value: float | Mapping[str, float], *, primary: str | None = Non
     return _emit("REWARD", "reward", reward=scalar, reward_dimensions=dimensions)
 
 
-class TokenMismatch(ValueError):
+class TokenMismatch(AgentstreamError, ValueError):
     """An LLM call's token arrays cannot be trained on: no prompt or response ids, or logprobs of another length."""
 
 

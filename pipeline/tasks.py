@@ -14,9 +14,10 @@ from infra.config import Config
 from infra.kafka import client_options, topic_name
 from pipeline.sdk import new_id, now_us
 from schemas import TASK, AvroCodec
+from schemas.errors import AgentstreamError
 
 
-class TaskFileError(ValueError):
+class TaskFileError(AgentstreamError, ValueError):
     """A task file line is not a JSON object."""
 
 

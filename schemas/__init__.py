@@ -20,6 +20,7 @@ from .catalog import (
 )
 from .codec import HEADER_SIZE, MAGIC_BYTE, AvroCodec
 from .errors import (
+    AgentstreamError,
     CodecError,
     EncodeError,
     IncompatibleSchema,
@@ -46,6 +47,7 @@ __all__ = [
     "TASK",
     "TRANSITION",
     "TRANSITION_BATCH",
+    "AgentstreamError",
     "AvroCodec",
     "BundledRegistry",
     "CodecError",

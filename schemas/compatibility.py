@@ -25,6 +25,8 @@ from typing import Any, cast
 
 import fastavro
 
+from schemas.errors import AgentstreamError
+
 LEVELS = ("BACKWARD", "BACKWARD_TRANSITIVE", "FORWARD", "FORWARD_TRANSITIVE", "FULL", "FULL_TRANSITIVE", "NONE")
 """The compatibility levels, as Confluent's Schema Registry names them."""
 
@@ -38,11 +40,11 @@ _PROMOTIONS: Mapping[str, frozenset[str]] = {
 }
 
 
-class InvalidSchema(ValueError):
+class InvalidSchema(AgentstreamError, ValueError):
     """The text is not JSON, or the JSON is not a valid Avro schema."""
 
 
-class UnknownCompatibilityLevel(ValueError):
+class UnknownCompatibilityLevel(AgentstreamError, ValueError):
     """A compatibility level other than those in :data:`LEVELS`."""
 
 

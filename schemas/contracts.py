@@ -11,6 +11,8 @@ import numbers
 from collections.abc import Mapping
 from typing import Any
 
+from schemas.errors import AgentstreamError
+
 POLICY_VERSION_HEADER = "X-Policy-Version"
 """The model server's answer: which policy version generated this response (the dev server sends it; vLLM does not)."""
 ROLLOUT_HEADER = "X-Agentstream-Rollout"
@@ -29,7 +31,7 @@ TRAIN_TRUE = frozenset({"true", "1", "yes", "on"})
 TRAIN_FALSE = frozenset({"false", "0", "no", "off"})
 
 
-class TrainFlagError(ValueError):
+class TrainFlagError(AgentstreamError, ValueError):
     """A training flag (header or attribute) that is neither true/1/yes/on nor false/0/no/off."""
 
 
@@ -53,7 +55,7 @@ def parse_train_flag(value: str | None) -> bool | None:
                          f"true, 1, yes, on, false, 0, no, off, or empty for no choice; got {value!r}")
 
 
-class RewardError(ValueError):
+class RewardError(AgentstreamError, ValueError):
     """A reward that is not a finite number, or dimensions that are not finite numbers with the named primary."""
 
 

@@ -1,9 +1,27 @@
-"""Errors of the Avro codec, all subclasses of `CodecError` so callers can dead-letter with one except."""
+"""The root of agentstream's errors, and the errors of the Avro codec.
+
+Every exception the product packages raise derives from :class:`AgentstreamError`. The codec's
+errors are all subclasses of :class:`CodecError`, so callers can dead-letter with one except.
+"""
 
 from __future__ import annotations
 
 
-class CodecError(Exception):
+class AgentstreamError(Exception):
+    """Base class of every error agentstream raises, so a caller can catch them all with one except.
+
+    ``retriable`` is a promise about the class, in the sense of aiokafka's errors. True: the
+    failure is transient (a broker, ClickHouse, store or upstream that cannot be reached or is
+    busy now, a full buffer, a timeout) and the same call, made again later, may succeed.
+    False: the call itself is wrong (bad input, a missing file, a refused key, a setting that
+    cannot work) and repeating it gives the same error. It does not say how long to wait or how
+    often to try; that is the caller's policy.
+    """
+
+    retriable: bool = False
+
+
+class CodecError(AgentstreamError):
     """Base class: any failure to encode or decode an agentstream record."""
 
 

@@ -332,7 +332,7 @@ class SpanBatchEncoder:
 
 
 class _Unusual(Exception):
-    """A span the fast path leaves to the checked one."""
+    """A span the fast path leaves to the checked one: control flow inside this module, never raised out of it."""
 
 
 def _fail(name: str, value: Any, expected: str, cause: Exception | None = None) -> EncodeError:

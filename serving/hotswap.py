@@ -54,6 +54,7 @@ from infra.security import KeySet
 from models import WeightsError, local_path, verify_finite, verify_sha256
 from schemas import AvroCodec
 from schemas.contracts import policy_version
+from schemas.errors import AgentstreamError
 
 log = logging.getLogger("agentstream.hotswap")
 
@@ -61,7 +62,7 @@ CHECK_TIMEOUT_S = 10.0
 """How long one question about what the server holds may take (a hung server must not stall hot swap)."""
 
 
-class HotSwapError(RuntimeError):
+class HotSwapError(AgentstreamError, RuntimeError):
     """A checkpoint cannot be loaded: its file does not match its sha256, holds a non-finite weight, or was refused."""
 
 

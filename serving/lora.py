@@ -20,11 +20,12 @@ from pathlib import Path
 import torch
 
 from models import ADAPTER_CONFIG_FILE, ADAPTER_WEIGHTS_FILE, NonFiniteWeights, check_finite
+from schemas.errors import AgentstreamError
 
 KEY = re.compile(r"^(?:base_model\.model\.)?(?P<module>.+)\.lora_(?P<part>[AB])(?:\.[^.]+)?\.weight$")
 
 
-class LoraError(Exception):
+class LoraError(AgentstreamError):
     """A LoRA adapter folder cannot be served on this model."""
 
 

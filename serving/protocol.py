@@ -15,6 +15,7 @@ from typing import Any, overload
 
 from aiohttp import web
 
+from schemas.errors import AgentstreamError
 from serving.generation import SamplingParams
 
 MAX_N = 64
@@ -37,7 +38,7 @@ class Contract(StrEnum):
         return self is Contract.DEV
 
 
-class RequestError(Exception):
+class RequestError(AgentstreamError):
     """A request the server refuses, rendered as an OpenAI/vLLM-style error body."""
 
     def __init__(self, message: str, status: int = 400, error_type: str | None = None,

@@ -21,13 +21,15 @@ import uuid
 from dataclasses import dataclass
 from typing import Any
 
+from schemas.errors import AgentstreamError
+
 TOOL_CALL_START = "<tool_call>"
 TOOL_CALL_END = "</tool_call>"
 BLOCK = re.compile(r"<tool_call>(.*?)</tool_call>|<tool_call>(.*)\Z", re.DOTALL)
 PROBE_TOOL: dict[str, Any] = {"type": "function", "function": {"name": "agentstream_probe_tool_7f3a", "parameters": {}}}
 
 
-class PromptError(Exception):
+class PromptError(AgentstreamError):
     """The messages or tools cannot be rendered into a prompt."""
 
 

@@ -208,7 +208,8 @@ def create_app(config: Config, bootstrap_servers: str, clickhouse_url: str) -> f
         """An agent that feeds ``topic`` to ``processor`` in batches; a crash stops the worker, which then replays."""
         ingestion = Ingestion(processor, holder, settings.ingest_interval_s)
 
-        async def agent(stream):
+        async def agent(stream: faust.StreamT[Any]) -> None:
+            assert isinstance(stream, faust.Stream)  # faust hands agents a Stream; StreamT lacks take_events
             async for events in stream.take_events(settings.batch_max_records, within=settings.batch_within_s):
                 records = _records(events)
                 batch = processor.read(records)

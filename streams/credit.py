@@ -18,6 +18,7 @@ from fnmatch import fnmatchcase
 from typing import NamedTuple, Protocol
 
 from infra.config import CreditRule
+from schemas.errors import AgentstreamError
 from streams.trajectory import SpanNode, Trajectory
 
 
@@ -31,7 +32,7 @@ class Credit(NamedTuple):
     advantage: float
 
 
-class NonFiniteCredit(ValueError):
+class NonFiniteCredit(AgentstreamError, ValueError):
     """A reward, return, mean or advantage that is NaN or infinite: it never enters a running mean or a transition."""
 
 

@@ -12,6 +12,8 @@ import os
 from collections.abc import Sequence
 from typing import Any
 
+from schemas.errors import AgentstreamError
+
 MAGIC = b"Obj\x01"
 
 
@@ -39,7 +41,7 @@ def container_file(schema: dict[str, Any], bodies: Sequence[bytes | memoryview])
     return b"".join([header, varint(0), sync, varint(len(bodies)), varint(size), *bodies, sync])  # one copy
 
 
-class ContainerError(ValueError):
+class ContainerError(AgentstreamError, ValueError):
     """Bytes that are not an uncompressed Avro object container file."""
 
 

@@ -23,6 +23,7 @@ from collections.abc import Callable
 from typing import Any
 
 from schemas.contracts import TRAIN_ATTRIBUTE, TRAIN_FALSE, TRAIN_TRUE
+from schemas.errors import AgentstreamError
 from streams.trajectory import SpanNode
 
 Reader = Callable[[bytes, int], tuple[Any, int]]
@@ -45,7 +46,7 @@ VARINT_RUN_CACHE = 1024  # distinct array lengths whose patterns are kept; other
 _VARINT_RUNS: dict[int, re.Pattern[bytes]] = {}
 
 
-class MalformedSpan(ValueError):
+class MalformedSpan(AgentstreamError, ValueError):
     """The bytes do not hold a datum of the writer schema they claim (truncated, or a bad union branch)."""
 
 

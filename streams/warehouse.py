@@ -15,8 +15,11 @@ import time
 from collections.abc import Callable, Sequence
 from typing import Any, TypeVar
 
+from clickhouse_connect.driver.client import Client
+
 from infra.clickhouse import ClickHouseError, UnsupportedClickHouse, connect, server_message
 from infra.config import ClickHouseConfig
+from schemas.errors import AgentstreamError
 
 log = logging.getLogger("agentstream.streams.clickhouse")
 
@@ -26,7 +29,7 @@ EXCEPTION_CODE = re.compile(r"Code:\s*(\d+)")
 TRANSIENT_CODES = {3, 159, 160, 202, 209, 210, 241, 242, 252, 319, 394, 425, 999, 1002}
 
 
-class RejectedData(Exception):
+class RejectedData(AgentstreamError):
     """ClickHouse refused the data itself (it cannot parse or convert it); retrying cannot help."""
 
 
@@ -38,11 +41,11 @@ class Warehouse:
         self.url = url
         self.database = config.database
         self.retry_max_s = retry_max_s
-        self._client = None
+        self._client: Client | None = None
         self.outages = 0
         self.seconds: dict[str, list[float]] = {}  # time spent per kind of call: [calls, seconds]
 
-    def _connected(self):
+    def _connected(self) -> Client:
         if self._client is None:
             self._client = connect(self.config, self.url, database=self.database)
         return self._client

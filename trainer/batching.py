@@ -26,10 +26,12 @@ from typing import Any
 
 import torch
 
+from schemas.errors import AgentstreamError
+
 PACKED_ROW_TOKENS = 512  # a longer row holds the prompt again: attention is quadratic in a row's length
 
 
-class TransitionError(ValueError):
+class TransitionError(AgentstreamError, ValueError):
     """A transition that cannot be trained on: no prompt or response, or logprobs that do not match the tokens."""
 
 

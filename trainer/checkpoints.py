@@ -25,11 +25,12 @@ from infra.config import Config
 from infra.kafka import client_options, topic_name
 from models.weights import local_path, sha256_file
 from schemas import CHECKPOINT, AvroCodec
+from schemas.errors import AgentstreamError
 
 MANIFEST = "checkpoint.json"
 
 
-class CheckpointError(RuntimeError):
+class CheckpointError(AgentstreamError, RuntimeError):
     """A checkpoint cannot be written, found or read."""
 
 

@@ -59,6 +59,7 @@ from infra.deployments import (
 )
 from infra.kafka import consumer_options, topic_name
 from schemas import AvroCodec
+from schemas.errors import AgentstreamError
 from trainer.sequential import Verdict, canary_bounds, canary_verdict, paired_differences, paired_lower_bound
 
 log = logging.getLogger("agentstream.gate")
@@ -67,7 +68,7 @@ GATE_AGENT = "agentstream-gate"
 """The agent name of evaluation rollouts: they never train (opted out) and never count as live traffic."""
 
 
-class EvaluationError(RuntimeError):
+class EvaluationError(AgentstreamError, RuntimeError):
     """An evaluation could not score a version (a task failed after its retries): nothing is judged on it."""
 
 

@@ -30,13 +30,14 @@ from models import (
     write_safetensors,
 )
 from models.precision import Precision, PrecisionError, resolve_precision
+from schemas.errors import AgentstreamError
 
 OPTIMIZER_STATE = "optimizer.pt"
 
 log = logging.getLogger(__name__)
 
 
-class PolicyError(RuntimeError):
+class PolicyError(AgentstreamError, RuntimeError):
     """The policy cannot be built as configured, or a checkpoint does not fit it."""
 
 

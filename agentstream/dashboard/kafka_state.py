@@ -24,10 +24,6 @@ from schemas import DEAD_LETTER, AvroCodec, CodecError
 LATEST_DEAD_LETTERS = 10
 
 
-class KafkaStateError(RuntimeError):
-    """The broker could not be asked for offsets or dead letters."""
-
-
 @dataclass
 class KafkaState:
     """Lag rows (group, topic, partitions, committed, end, lag), the DLQ's size and its latest letters."""

@@ -33,6 +33,7 @@ from agentstream.dashboard.queries import Chart
 from agentstream.dashboard.warehouse import Warehouse, WarehouseError
 from infra.config import Config
 from infra.security import KeySet, check_bind
+from schemas.errors import AgentstreamError
 
 log = logging.getLogger("agentstream.dashboard")
 
@@ -48,7 +49,7 @@ WARM_KEY: web.AppKey[asyncio.Task] = web.AppKey("kafka_warm", asyncio.Task)
 REALM = 'Basic realm="agentstream"'
 
 
-class DashboardError(RuntimeError):
+class DashboardError(AgentstreamError, RuntimeError):
     """The dashboard cannot start (its port is taken, ClickHouse is unreachable)."""
 
 

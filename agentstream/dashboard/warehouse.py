@@ -18,6 +18,7 @@ from typing import Any
 import aiohttp
 
 from infra.config import ClickHouseConfig
+from schemas.errors import AgentstreamError
 
 READ_ONLY_SETTINGS = {
     "readonly": "2",
@@ -28,7 +29,7 @@ READ_ONLY_SETTINGS = {
 }
 
 
-class WarehouseError(RuntimeError):
+class WarehouseError(AgentstreamError, RuntimeError):
     """ClickHouse refused a dashboard query or could not be reached; the message is ClickHouse's own."""
 
 

@@ -6,8 +6,10 @@ the client raises the class named by the ``error_code`` it gets back, so both en
 
 from __future__ import annotations
 
+from schemas.errors import AgentstreamError
 
-class RegistryError(Exception):
+
+class RegistryError(AgentstreamError):
     """Base class: a request the registry refused or could not complete."""
 
     status: int = 500
@@ -76,17 +78,21 @@ class StoreError(RegistryError):
     """The backing Kafka topic could not be written or read."""
 
     status, error_code = 500, 50001
+    retriable = True
 
 
 class StoreTimeout(RegistryError):
     """A write did not come back from the backing topic in time."""
 
     status, error_code = 500, 50002
+    retriable = True
 
 
-class RegistryUnavailable(RuntimeError):
+class RegistryUnavailable(AgentstreamError, RuntimeError):
     """The registry could not be reached (or answered garbage). Not a ``CodecError``: a record that cannot be
     decoded because the registry is down must not be dead-lettered, the reader should stop and retry."""
+
+    retriable = True
 
 
 BY_CODE: dict[int, type[RegistryError]] = {

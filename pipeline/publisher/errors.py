@@ -2,8 +2,10 @@
 
 from __future__ import annotations
 
+from schemas.errors import AgentstreamError
 
-class PublisherError(RuntimeError):
+
+class PublisherError(AgentstreamError, RuntimeError):
     """Base class of the publisher's errors."""
 
 
@@ -14,9 +16,13 @@ class PublisherClosed(PublisherError):
 class FlushTimeout(PublisherError):
     """flush() ran out of time before every span published before it was acknowledged or journaled."""
 
+    retriable = True
+
 
 class PublisherFull(PublisherError):
     """offer() found no room in the buffer toward the broker for what it was given, so it queued none of it."""
+
+    retriable = True
 
     def __init__(self, needed: int, buffered: int, limit: int, state: str) -> None:
         super().__init__(f"{buffered} of {limit} buffered bytes wait for the broker ({state}); "
