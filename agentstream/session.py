@@ -20,9 +20,9 @@ from pathlib import Path
 
 from infra.config import Config, dump_toml
 from infra.processes import free_port, wait_for_port
-from infra.stack import Endpoints
 from models import model_display_name
 from pipeline.access import proxy_client_key
+from stack.control import Endpoints
 
 
 class ChildFailed(RuntimeError):
