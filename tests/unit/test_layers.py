@@ -25,8 +25,8 @@ ALLOWED_SAME_LAYER = {("infra", "schemas")}
 ONLY = {"stack": {"infra", "schemas"}}
 """Packages that may import fewer than their layer allows."""
 PRODUCT = tuple(LAYER)
-OTHERS = ("examples", "bench", "tests", "tests.support")
 SUPPORT = "tests.support"
+OTHERS = ("examples", "bench", "tests", SUPPORT)
 
 
 def imported_modules(path: Path) -> set[str]:
