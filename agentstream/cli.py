@@ -20,9 +20,9 @@ from infra.kafka import KafkaSetupError
 from infra.processes import ServiceError
 from infra.schema_registry.client import use_configured_registry
 from infra.schema_registry.errors import RegistryError, RegistryUnavailable
-from infra.stack import Stack
 from pipeline.runner import AgentLoadError
 from pipeline.tasks import TaskFileError
+from stack.control import Stack
 
 KNOWN_ERRORS = (ConfigError, ServiceError, ClickHouseError, KafkaSetupError, AgentLoadError, TaskFileError,
                 RegistryError, RegistryUnavailable)
@@ -95,7 +95,7 @@ def status(ctx: click.Context) -> None:
         click.echo(f"  table {config.clickhouse.database}.{table:<24} rows {rows:>10}" if rows >= 0
                    else f"  table {config.clickhouse.database}.{table:<24} missing (run `agentstream up`)")
     if "schema-registry" in report.services:
-        from infra.schema_registry.service import registry_url
+        from stack.schema_registry.service import registry_url
 
         click.echo(f"schemas     {registry_url(config)}  [{report.services['schema-registry']}]")
     if not (report.broker_reachable and report.clickhouse_version):

@@ -5,7 +5,7 @@ from __future__ import annotations
 import click
 
 from infra.config import Config
-from infra.schema_registry.service import registry_client, registry_url
+from stack.schema_registry.service import registry_client, registry_url
 
 
 def _config(ctx: click.Context) -> Config:
@@ -32,8 +32,8 @@ def schema_registry_command() -> None:
 def serve_command(ctx: click.Context, host: str | None, port: int | None, topic: str | None, ids: str | None,
                   memory: bool) -> None:
     """Serve the registry in the foreground on the configured Kafka (what `agentstream up` starts)."""
-    from infra.schema_registry.__main__ import run
-    from infra.stack import Stack
+    from stack.control import Stack
+    from stack.schema_registry.__main__ import run
 
     config = _config(ctx)
     bootstrap = Stack(config).endpoints().bootstrap_servers

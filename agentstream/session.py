@@ -20,10 +20,10 @@ from pathlib import Path
 
 from infra.config import Config, dump_toml
 from infra.processes import free_port, wait_for_port
-from infra.stack import Endpoints
 from models import model_display_name
 from pipeline.access import proxy_client_key
 from schemas.errors import AgentstreamError
+from stack.control import Endpoints
 
 
 class ChildFailed(AgentstreamError, RuntimeError):

@@ -16,9 +16,9 @@ from pathlib import Path
 from agentstream.session import SessionPlan, TrainingSession
 from infra.clickhouse import connect
 from infra.config import Config, CreditRule
-from infra.stack import Stack
 from models import model_display_name
 from pipeline.tasks import enqueue, grouped_tasks, read_task_file
+from stack.control import Stack
 
 
 @dataclass(frozen=True)

@@ -22,7 +22,7 @@ from bench.common import emit as emit_figure
 from bench.common import percentile, private_stack
 from infra.kafka import client_options
 from infra.processes import free_port
-from infra.stack import BROKER, Stack
+from stack.control import BROKER, Stack
 
 emit = functools.partial(emit_figure, "broker_storage")
 VALUE = b"x" * 1024

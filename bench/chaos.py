@@ -44,8 +44,8 @@ from infra.clickhouse import connect
 from infra.config import Config, CreditRule, dump_toml, load_config
 from infra.kafka import client_options, topic_name
 from infra.processes import ServiceDirectory, free_port, wait_for_port
-from infra.stack import BROKER, CLICKHOUSE, Stack
 from schemas import TASK, TRANSITION, TRANSITION_BATCH, AvroCodec, CodecError
+from stack.control import BROKER, CLICKHOUSE, Stack
 from streams.transitions import transition_id
 
 BENCH = "chaos"

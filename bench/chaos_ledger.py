@@ -144,7 +144,7 @@ def install() -> None:
 def publish_direct(journal: Path, rollouts_per_s: float, seed: int) -> None:
     """Steady direct load: rollouts of 15 LLM spans, a reward and SUCCEEDED, until SIGTERM or SIGINT."""
     from infra.config import load_config
-    from infra.stack import Stack
+    from stack.control import Stack
 
     stop = threading.Event()
     for sig in (signal.SIGTERM, signal.SIGINT):

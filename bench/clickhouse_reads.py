@@ -1,6 +1,6 @@
 """How long the workers' inserts wait behind a long read on the embedded ClickHouse front.
 
-Starts ``python -m infra.chserver`` on a fresh data folder (the one on ``PYTHONPATH``, so the same
+Starts ``python -m stack.chserver`` on a fresh data folder (the one on ``PYTHONPATH``, so the same
 script measures another checkout's server), times batches of 1,000 rows inserted over HTTP as
 the ClickHouse sink sends them, first alone, then while a read-only query that scans for
 ``--read-s`` seconds runs (as a dashboard's 90-day page does), and prints each as JSON lines.
@@ -23,8 +23,8 @@ import urllib.request
 from pathlib import Path
 
 from bench.common import emit
-from infra.machine import calibrate
 from infra.processes import free_port, wait_for_port
+from stack.machine import calibrate
 
 BENCH = "clickhouse_reads"
 ROWS = b"".join(json.dumps({"a": i, "s": f"row {i}"}).encode() + b"\n" for i in range(1000))
@@ -71,7 +71,7 @@ def main(argv: list[str] | None = None) -> None:
     port = free_port()
     url = f"http://127.0.0.1:{port}"
     with tempfile.TemporaryDirectory(prefix="agentstream-bench-") as folder:
-        command = [sys.executable, "-m", "infra.chserver", "--port", str(port), "--data-dir", str(Path(folder) / "ch")]
+        command = [sys.executable, "-m", "stack.chserver", "--port", str(port), "--data-dir", str(Path(folder) / "ch")]
         server = subprocess.Popen(command, stdout=subprocess.DEVNULL, stderr=subprocess.STDOUT)
         try:
             wait_for_port("127.0.0.1", port, 60, server)

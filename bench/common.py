@@ -11,7 +11,7 @@ from typing import Any
 
 from infra.config import Config, load_config
 from infra.processes import free_port
-from infra.stack import Endpoints, Stack
+from stack.control import Endpoints, Stack
 
 VOCABULARY = 49152  # SmolLM2's
 

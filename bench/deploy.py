@@ -35,13 +35,13 @@ from infra.config import Config, TrainerConfig
 from infra.deployments import Decision, DeploymentFollower, DeploymentLog
 from infra.kafka import create_topics
 from infra.processes import free_port
-from infra.stack import Endpoints
 from models import load_model
 from pipeline.proxy import LLMProxy, serve_proxy
 from pipeline.publisher import SpanPublisher
 from serving.app import create_app
 from serving.hotswap import HotSwapper
 from serving.protocol import Contract
+from stack.control import Endpoints
 from trainer.checkpoints import checkpoint_name, open_store, read_manifest
 from trainer.gate import Gate
 

@@ -29,7 +29,7 @@ import numpy as np
 
 from bench.common import emit
 from infra.config import DeployConfig, load_config
-from infra.machine import calibrate
+from stack.machine import calibrate
 from trainer.sequential import canary_bounds, paired_lower_bound
 
 BENCH = "gate"

@@ -21,12 +21,12 @@ from bench.common import emit
 from bench.learning import task_prompt
 from examples import arithmetic
 from infra.config import load_config
-from infra.machine import calibrate
 from models import eos_token_ids, load_model
 from models.precision import resolve_precision
 from serving.attention import use_grouped_attention
 from serving.generation import BatchRequest, SamplingParams, generate_batch
 from serving.tool_format import renders_tools
+from stack.machine import calibrate
 
 GROUP = 8
 KERNELS = ("sdpa", "grouped")

@@ -42,12 +42,12 @@ from agentstream.demo.training import compute_dtype
 from bench.common import emit
 from examples import arithmetic
 from infra.config import Config, ConfigError, load_config
-from infra.machine import CpuShare, calibrate
 from models import LoadedModel, assign_weights, eos_token_ids, load_model
 from models.precision import cast_linears_for_inference, resolve_precision
 from serving.attention import use_grouped_attention
 from serving.generation import BatchRequest, SamplingParams, generate_batch
 from serving.tool_format import render_prompt, renders_tools
+from stack.machine import CpuShare, calibrate
 from streams.credit import GroupNormalized
 from trainer.batching import Batch, Counts, Sample
 from trainer.policy import build_policy

@@ -32,7 +32,7 @@ from agentstream.demo import run_demo
 from agentstream.demo.training import AGENTS, DemoAgent, DemoReport
 from bench.common import emit
 from infra.config import ConfigError, load_config
-from infra.machine import calibrate
+from stack.machine import calibrate
 
 CALCULATOR = AGENTS["calculator"]
 VARIANTS: dict[str, DemoAgent] = {

@@ -15,11 +15,11 @@ from pathlib import Path
 import httpx
 
 from bench.common import emit, percentile, private_stack
-from infra.http_thread import ServerThread
 from models import load_model
 from pipeline.proxy import LLMProxy
 from pipeline.publisher import SpanPublisher
 from serving.app import create_app
+from tests.support.http_thread import ServerThread
 
 REQUESTS = 400
 BODY = {"model": "tiny", "messages": [{"role": "user", "content": "Hi"}], "max_tokens": 1, "temperature": 0}

@@ -23,10 +23,10 @@ from bench.common import llm_span
 from infra.config import load_config
 from infra.kafka import client_options, message_counts, topic_name
 from infra.processes import free_port
-from infra.stack import Stack
 from pipeline.publisher import SpanPublisher
 from schemas import SPAN_BATCH, AvroCodec
 from schemas.spanwriter import SpanBatchEncoder, prepare_span
+from stack.control import Stack
 
 BENCH = "publisher"
 emit = functools.partial(emit_figure, BENCH)

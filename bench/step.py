@@ -21,8 +21,8 @@ from bench.common import emit
 from bench.learning import task_prompt
 from examples import arithmetic
 from infra.config import load_config
-from infra.machine import calibrate
 from serving.tool_format import renders_tools
+from stack.machine import calibrate
 from trainer.batching import Batch, Counts, Sample
 from trainer.policy import build_policy
 from trainer.step import train_step

@@ -8,7 +8,7 @@ spans (rollouts of 15 LLM calls and a reward, between STARTED and SUCCEEDED even
 - ingest_cpu_us_per_span: CPU microseconds per span of each process during the ingest run (the
   publisher, i.e. this process; the broker and its object store; the worker; ClickHouse), from
   the processes' own counters, and their total;
-- machine_calibration: the CPU model and two fixed workloads' times (infra/machine.py), so figures
+- machine_calibration: the CPU model and two fixed workloads' times (stack/machine.py), so figures
   from different machines can be compared;
 - ``--level trajectory``: the worker's [[credit]] rule trains at trajectory level, so it reads
   every call's token arrays and compares them with the last call's (this workload's calls are
@@ -37,8 +37,8 @@ from bench.common import emit, llm_span, percentile, private_stack
 from infra.clickhouse import connect
 from infra.config import BROKER_STORAGES, LEVELS
 from infra.kafka import client_options, topic_name
-from infra.machine import CpuShare, calibrate
 from pipeline.publisher import SpanPublisher
+from stack.machine import CpuShare, calibrate
 
 SPANS_PER_ROLLOUT = 16
 BENCH = "streams"

@@ -34,8 +34,6 @@ import openai
 from openai.types.chat import ChatCompletionMessage
 
 from bench.common import emit
-from infra.http_thread import ServerThread
-from infra.machine import calibrate
 from models import LoadedModel, load_model
 from serving.app import create_app
 from serving.tool_format import (
@@ -46,6 +44,8 @@ from serving.tool_format import (
     render_prompt,
     renders_tools,
 )
+from stack.machine import calibrate
+from tests.support.http_thread import ServerThread
 
 BENCH = "tool_drift"
 CALCULATOR = {"type": "function", "function": {

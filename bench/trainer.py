@@ -38,8 +38,8 @@ from infra.clickhouse import connect, migrate
 from infra.config import Config, TrainerConfig, load_config
 from infra.kafka import client_options, create_topics, topic_name
 from infra.processes import free_port
-from infra.stack import Stack
 from schemas import TRANSITION, AvroCodec
+from stack.control import Stack
 from trainer.batching import Batcher, Sample, SeenIds
 from trainer.checkpoints import CheckpointAnnouncer, open_store, write_checkpoint
 from trainer.metrics import MetricsWriter

@@ -21,7 +21,7 @@ import torch
 
 from bench.common import emit
 from infra.config import TrainerConfig
-from infra.machine import calibrate
+from stack.machine import calibrate
 from trainer.batching import Batch, Counts, MicroBatch, PackedMicroBatch, Sample, collate
 from trainer.policy import Policy, build_policy
 from trainer.step import train_step

@@ -22,11 +22,11 @@ from agentstream.demo.demonstrations import demonstration_calls
 from bench.common import emit
 from examples import calculator_agent as calculator
 from infra.config import load_config
-from infra.machine import calibrate
 from models import LoadedModel, assign_weights, eos_token_ids
 from serving.attention import use_grouped_attention
 from serving.generation import BatchRequest, SamplingParams, generate_batch
 from serving.tool_format import parse_tool_calls, render_prompt
+from stack.machine import calibrate
 from trainer.batching import Batch, Counts, Sample
 from trainer.policy import build_policy
 from trainer.step import train_step

@@ -13,9 +13,9 @@ from infra.clickhouse import connect
 from infra.config import Config, load_config
 from infra.kafka import client_options, create_topics
 from infra.processes import free_port
-from infra.stack import Endpoints, Stack
 from pipeline.publisher import SpanPublisher
 from pipeline.sdk import set_sink
+from stack.control import Endpoints, Stack
 from tests.support.streams_harness import stop_worker_stacks
 
 

@@ -2,7 +2,7 @@
 
 Every request carries ``readonly=2``: the server refuses any statement that writes or changes
 schema (settings may still be passed, which ``readonly=1`` would refuse). The same holds for
-the embedded chdb server (infra/chserver.py), which runs such requests on its read-only
+the embedded chdb server (stack/chserver.py), which runs such requests on its read-only
 connection. Parameters travel as ``param_<name>`` URL parameters, never formatted into SQL.
 """
 

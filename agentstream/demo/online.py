@@ -34,13 +34,13 @@ from examples import arithmetic
 from infra.clickhouse import connect, migrate
 from infra.config import Config, CreditRule
 from infra.deployments import DeploymentFollower, split_adapter_name
-from infra.machine import CpuShare, calibrate
 from infra.processes import free_port
 from infra.security import FEEDBACK_TOKEN_HEADER
-from infra.stack import Stack
 from pipeline.feedback import feedback_url
 from pipeline.publisher import SpanPublisher
 from pipeline.sdk import rollout, set_sink
+from stack.control import Stack
+from stack.machine import CpuShare, calibrate
 
 SERVICE_AGENT = "arithmetic-service"
 DATABASE = "agentstream_online"
@@ -200,7 +200,7 @@ class OnlineReport:
     feedback_failed: int = 0  # refused by the reward endpoint or not delivered
     failures: list[str] = field(default_factory=list)
     settings: dict = field(default_factory=dict)  # what this run varied: rate, temperature, canary share, dtype, lr
-    machine: dict = field(default_factory=dict)  # infra.machine.Calibration: compare runs on different machines
+    machine: dict = field(default_factory=dict)  # stack.machine.Calibration: compare runs on different machines
     cpu_share: dict[str, float] = field(default_factory=dict)  # each process's share of all cores while users asked
 
 

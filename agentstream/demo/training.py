@@ -38,14 +38,14 @@ from agentstream.session import SessionPlan, TrainingSession
 from examples import arithmetic, calculator_agent
 from infra.clickhouse import ROLLOUT_POLICY_VERSION, connect, migrate
 from infra.config import Config, CreditRule
-from infra.machine import calibrate
-from infra.stack import Stack
 from models import local_path, model_display_name, smollm2_tokenizer
 from models.precision import native_bfloat16
 from pipeline.publisher import SpanPublisher
 from pipeline.sdk import emit_reward, rollout, set_sink
 from pipeline.tasks import PacedQueue, grouped_tasks
 from schemas.contracts import POLICY_VERSION_HEADER
+from stack.control import Stack
+from stack.machine import calibrate
 from trainer.checkpoints import find_version, keep_only_newest, open_store
 from trainer.policy import OPTIMIZER_STATE
 
@@ -158,7 +158,7 @@ class DemoReport:
     spans: int = 0
     train_steps: int = 0
     quick: bool = False
-    machine: dict = field(default_factory=dict)  # infra.machine.Calibration: compare runs on different machines
+    machine: dict = field(default_factory=dict)  # stack.machine.Calibration: compare runs on different machines
     snapshots: list[Snapshot] = field(default_factory=list)
 
 

@@ -1,9 +1,8 @@
-"""The Confluent Schema Registry API for agentstream's schemas: a server over a compacted Kafka topic, and a client.
+"""A client of the Confluent Schema Registry API for agentstream's schemas (the server is :mod:`stack.schema_registry`).
 
-- :mod:`.server`: the REST API (``agentstream schema-registry``, started by ``agentstream up``);
-- :mod:`.state` / :mod:`.store`: what it knows, rebuilt from its log (Kafka or memory);
 - :mod:`.client`: a client of any Confluent-compatible registry, and the codec's registry on one;
-- :mod:`.errors`: Confluent's errors (``error_code``, ``message``) as named exceptions.
+- :mod:`.product`: the product's schemas as a registry holds them (one subject per record);
+- :mod:`.errors`: Confluent's errors (``error_code``, ``message``) as named exceptions, shared with the server.
 """
 
 from infra.schema_registry.client import (
@@ -14,23 +13,14 @@ from infra.schema_registry.client import (
     use_configured_registry,
 )
 from infra.schema_registry.errors import IncompatibleSchemaVersion, RegistryError, RegistryUnavailable
-from infra.schema_registry.server import RegistryService, create_app, serve
-from infra.schema_registry.state import RegistryState
-from infra.schema_registry.store import KafkaLog, MemoryLog
 
 __all__ = [
     "IncompatibleSchemaVersion",
-    "KafkaLog",
-    "MemoryLog",
     "RegistryClient",
     "RegistryError",
-    "RegistryService",
-    "RegistryState",
     "RegistryUnavailable",
     "RemoteRegistry",
     "configured_registry",
-    "create_app",
     "register_product_schemas",
-    "serve",
     "use_configured_registry",
 ]

@@ -10,7 +10,6 @@ import openai
 import pytest
 
 from infra.config import AglConfig
-from infra.http_thread import ServerThread
 from models import load_model
 from pipeline import sdk
 from pipeline.agl import run_subprocess_agent
@@ -18,6 +17,7 @@ from pipeline.proxy import LLMProxy
 from pipeline.publisher import SpanPublisher
 from serving.app import create_app
 from tests.integration.test_proxy import spans_of
+from tests.support.http_thread import ServerThread
 
 HELLO = [{"role": "user", "content": "Say hello."}]
 

@@ -33,7 +33,6 @@ import agentstream as ags
 from examples import arithmetic, calculator_agent, calculator_shaped, langchain_agent, make_tasks
 from infra.clickhouse import connect
 from infra.config import load_config
-from infra.http_thread import ServerThread
 from infra.kafka import topic_name
 from infra.processes import free_port
 from models import tiny_tokenizer
@@ -41,6 +40,7 @@ from pipeline.proxy import LLMProxy
 from pipeline.sdk import Rollout
 from pipeline.tasks import enqueue, grouped_tasks, read_task_file
 from serving.app import create_app
+from tests.support.http_thread import ServerThread
 from tests.support.readback import read_topic
 from tests.support.servers import scripted
 from tests.support.sinks import ListSink

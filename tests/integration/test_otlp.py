@@ -34,7 +34,6 @@ from opentelemetry.proto.collector.trace.v1.trace_service_pb2 import (
 
 from infra.clickhouse import connect
 from infra.config import load_config
-from infra.http_thread import ServerThread
 from infra.kafka import client_options, topic_name
 from models import load_model
 from pipeline.otlp import KafkaDeadLetters, OtlpReceiver
@@ -44,6 +43,7 @@ from pipeline.proxy import LLMProxy
 from pipeline.publisher import SpanPublisher
 from schemas import AvroCodec
 from serving.app import create_app
+from tests.support.http_thread import ServerThread
 from tests.support.streams_harness import Worker, create_topics, wait_for, worker_env
 
 AGENT = Path(__file__).resolve().parents[1] / "support" / "otel_agent.py"

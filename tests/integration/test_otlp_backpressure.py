@@ -24,13 +24,13 @@ from opentelemetry.proto.collector.trace.v1.trace_service_pb2 import ExportTrace
 from opentelemetry.proto.collector.trace.v1.trace_service_pb2_grpc import TraceServiceStub
 
 from infra import kafka
-from infra.http_thread import ServerThread
 from infra.kafka import client_options, topic_name
 from pipeline.otlp import OtlpReceiver
 from pipeline.otlp_grpc import serve_grpc
 from pipeline.otlp_http import OtlpHttp
 from pipeline.publisher import SpanPublisher
 from tests.support.broker import MemoryBroker
+from tests.support.http_thread import ServerThread
 from tests.support.readback import read_topic
 
 EXPORTERS = Path(__file__).resolve().parents[1] / "support" / "otel_exporters.py"

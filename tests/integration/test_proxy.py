@@ -9,13 +9,13 @@ import urllib.request
 import openai
 import pytest
 
-from infra.http_thread import ServerThread
 from infra.kafka import topic_name
 from infra.security import FEEDBACK_TOKEN_HEADER, feedback_token
 from models import load_model
 from pipeline.proxy import LLMProxy
 from pipeline.publisher import SpanPublisher
 from serving.app import create_app
+from tests.support.http_thread import ServerThread
 from tests.support.readback import read_topic
 from tests.support.servers import assert_exact, scripted
 

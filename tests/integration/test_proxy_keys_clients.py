@@ -18,7 +18,6 @@ import pytest
 from agentstream.deploy import EVAL_ATTEMPTS, task_evaluator
 from examples import arithmetic
 from infra.config import AglConfig, Config, Secret
-from infra.http_thread import ServerThread
 from infra.kafka import topic_name
 from infra.security import KeySet
 from models import load_model
@@ -31,6 +30,7 @@ from pipeline.runner import Runner, RunnerOptions
 from pipeline.tasks import enqueue, make_task
 from serving.app import create_app
 from tests.support import agl_agents
+from tests.support.http_thread import ServerThread
 from tests.support.readback import Landed, read_topic
 from trainer.gate import GATE_AGENT, EvaluationError
 

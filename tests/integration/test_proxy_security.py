@@ -24,7 +24,6 @@ from aiohttp import web
 
 import agentstream as ags
 from infra.config import Config, Secret
-from infra.http_thread import ServerThread
 from infra.kafka import topic_name
 from infra.processes import free_port
 from infra.security import FEEDBACK_TOKEN_HEADER, KeySet, feedback_token
@@ -33,6 +32,7 @@ from pipeline.proxy import LLMProxy
 from pipeline.publisher import SpanPublisher
 from serving.app import create_app
 from serving.protocol import Contract
+from tests.support.http_thread import ServerThread
 from tests.support.readback import read_topic
 from tests.support.servers import make_lora
 

@@ -19,13 +19,13 @@ import pytest
 from aiokafka import AIOKafkaConsumer
 
 from infra import kafka
-from infra.broker import find_tansu, tansu_command
 from infra.config import Config
 from infra.kafka import client_options, topic_name
 from infra.processes import free_port, wait_for_port
 from pipeline.publisher import PublisherClosed, SpanPublisher
 from pipeline.publisher.journal import Journal, Record
 from schemas import AvroCodec, EncodeError
+from stack.broker import find_tansu, tansu_command
 
 ROOT = Path(__file__).resolve().parents[2]
 T0 = 1_732_200_000_000_000

@@ -15,8 +15,8 @@ import uuid
 from infra.clickhouse import connect
 from infra.config import load_config
 from infra.kafka import create_topics, topic_name
-from infra.machine import calibrate
 from pipeline.tasks import enqueue, make_task
+from stack.machine import calibrate
 from tests.support.broker import MemoryBroker
 from tests.support.streams_harness import CliProcess, Worker, produce, rollout_records, wait_for, worker_env
 

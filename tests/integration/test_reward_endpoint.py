@@ -13,11 +13,11 @@ import urllib.request
 
 import pytest
 
-from infra.http_thread import ServerThread
 from infra.kafka import topic_name
 from infra.processes import free_port
 from pipeline.proxy import LLMProxy
 from pipeline.publisher import SpanPublisher
+from tests.support.http_thread import ServerThread
 from tests.support.readback import read_topic
 
 HOSTILE_REWARDS = [

@@ -250,7 +250,7 @@ def test_an_incompatible_schema_in_the_users_registry_is_refused_clearly(users_r
 
 def test_the_stack_serves_the_registry(stack_config: Config, stack) -> None:
     """`agentstream up` (the session's stack) started a registry over its broker; status reports it."""
-    from infra.stack import Stack
+    from stack.control import Stack
 
     url = f"http://{stack_config.stack.host}:{stack_config.schema_registry.port}"
     assert set(current_schemas()) <= set(SchemaRegistryClient({"url": url}).get_subjects())

@@ -323,7 +323,7 @@ def test_clickhouse_outage_holds_and_retries(setup, stack, stack_config, tmp_pat
     data = tmp_path / "outage-ch"
 
     def start_clickhouse():
-        command = [sys.executable, "-m", "infra.chserver", "--port", str(port), "--data-dir", str(data)]
+        command = [sys.executable, "-m", "stack.chserver", "--port", str(port), "--data-dir", str(data)]
         process = subprocess.Popen(command, stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL)
         wait_for_port("127.0.0.1", port, 30, process)
         return process

@@ -13,7 +13,6 @@ from collections.abc import Iterator
 import openai
 import pytest
 
-from infra.http_thread import ServerThread
 from infra.kafka import topic_name
 from models import LoadedModel, load_model
 from pipeline.proxy import LLMProxy
@@ -21,6 +20,7 @@ from pipeline.publisher import SpanPublisher
 from serving.app import create_app
 from serving.protocol import Contract
 from serving.tool_format import canonical_tool_call
+from tests.support.http_thread import ServerThread
 from tests.support.readback import read_topic
 from tests.support.servers import assert_exact
 

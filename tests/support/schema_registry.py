@@ -1,4 +1,4 @@
-"""A Schema Registry server process (``python -m infra.schema_registry``) on a free loopback port, for tests."""
+"""A Schema Registry server process (``python -m stack.schema_registry``) on a free loopback port, for tests."""
 
 from __future__ import annotations
 
@@ -23,7 +23,7 @@ class RegistryProcess:
         self.process: subprocess.Popen[bytes] | None = None
 
     def start(self, timeout_s: float = 30.0) -> RegistryProcess:
-        command = [sys.executable, "-m", "infra.schema_registry", "--host", "127.0.0.1", "--port", str(self.port),
+        command = [sys.executable, "-m", "stack.schema_registry", "--host", "127.0.0.1", "--port", str(self.port),
                    "--bootstrap-servers", self.bootstrap_servers, "--topic", self.topic, "--ids", self.ids]
         if not self.seed:
             command.append("--no-seed")

@@ -14,8 +14,8 @@ from agentstream.session import Child
 from infra import kafka
 from infra.config import load_config
 from infra.processes import free_port
-from infra.stack import Stack
 from schemas import ROLLOUT_EVENT, AvroCodec
+from stack.control import Stack
 
 CODEC = AvroCodec()
 

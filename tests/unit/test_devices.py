@@ -16,12 +16,12 @@ import torch
 
 from agentstream.gpu_check import initial_ratio_max_abs_dev
 from infra.config import TrainerConfig
-from infra.http_thread import ServerThread
 from models import assign_weights, check_weights, load_model, teacher_forced_logprobs
 from models.precision import INITIAL_RATIO_BOUND, PrecisionError, cast_linears_for_inference, resolve_precision
 from serving.app import create_app
 from serving.generation import BatchRequest, SamplingParams, generate_batch
 from serving.lora import applied, load_lora
+from tests.support.http_thread import ServerThread
 from tests.support.servers import make_lora
 from trainer.batching import Batch, Counts, Sample
 from trainer.policy import build_policy

@@ -1,6 +1,9 @@
 """The packages form layers, and imports run down them.
 
-agentstream -> {pipeline, serving, streams, trainer} -> {models, schemas, infra}
+agentstream -> {pipeline, serving, streams, trainer, stack} -> {models, schemas, infra}
+
+stack (the one-command stack's embedded servers) imports only infra and schemas, and of the product
+packages only agentstream (the CLI, the demos) imports it. bench may use tests/support, not the tests.
 """
 
 from __future__ import annotations
@@ -12,37 +15,48 @@ ROOT = Path(__file__).resolve().parents[2]
 
 LAYER = {
     "agentstream": 3,
-    "pipeline": 2, "serving": 2, "streams": 2, "trainer": 2,
+    "pipeline": 2, "serving": 2, "streams": 2, "trainer": 2, "stack": 2,
     "models": 1, "infra": 1,
     "schemas": 0,
 }
 """A package may import packages of a lower layer; within a layer only itself (and infra may import schemas)."""
 
 ALLOWED_SAME_LAYER = {("infra", "schemas")}
+ONLY = {"stack": {"infra", "schemas"}}
+"""Packages that may import fewer than their layer allows."""
 PRODUCT = tuple(LAYER)
+SUPPORT = "tests.support"
+OTHERS = ("examples", "bench", "tests", SUPPORT)
 
 
-def imported_packages(path: Path) -> set[str]:
-    """Top-level project packages a module imports, at any depth of the file (lazy imports count too)."""
+def imported_modules(path: Path) -> set[str]:
+    """Modules a file imports, at any depth of the file (lazy imports count too)."""
     tree = ast.parse(path.read_text(), filename=str(path))
     found: set[str] = set()
     for node in ast.walk(tree):
         if isinstance(node, ast.Import):
-            names = [alias.name for alias in node.names]
+            found.update(alias.name for alias in node.names)
         elif isinstance(node, ast.ImportFrom) and node.level == 0 and node.module:
-            names = [node.module]
-        else:
-            continue
-        found.update(name.split(".")[0] for name in names)
+            found.add(node.module)
     return found
 
 
+def imported_packages(path: Path) -> set[str]:
+    """Top-level project packages a module imports."""
+    return {name.split(".")[0] for name in imported_modules(path)}
+
+
+def node_of(module: str) -> str:
+    """The graph's node for a module: its top-level package, except tests/support, which is a node of its own."""
+    return SUPPORT if module == SUPPORT or module.startswith(SUPPORT + ".") else module.split(".")[0]
+
+
 def package_graph(root: Path = ROOT) -> dict[str, set[str]]:
-    graph: dict[str, set[str]] = {}
+    graph: dict[str, set[str]] = {package: set() for package in (*PRODUCT, *OTHERS)}
     for package in (*PRODUCT, "examples", "bench", "tests"):
-        edges = graph.setdefault(package, set())
         for path in (root / package).rglob("*.py"):
-            edges.update(imported_packages(path) & {*PRODUCT, "examples", "bench", "tests"} - {package})
+            source = node_of(".".join(path.relative_to(root).with_suffix("").parts))
+            graph[source].update({node_of(module) for module in imported_modules(path)} & graph.keys() - {source})
     return graph
 
 
@@ -54,7 +68,7 @@ def upward_imports(graph: dict[str, set[str]]) -> list[str]:
         for target in targets:
             if target == "examples" and package == "agentstream":
                 continue  # the demo runs an example agent; test_only_the_demo_imports_examples keeps it there
-            if target in ("examples", "bench", "tests") or LAYER[target] > LAYER[package] or (
+            if target in OTHERS or LAYER[target] > LAYER[package] or target not in ONLY.get(package, {target}) or (
                     LAYER[target] == LAYER[package] and (package, target) not in ALLOWED_SAME_LAYER):
                 problems.append(f"{package} imports {target}")
     return sorted(problems)
@@ -96,7 +110,8 @@ def test_only_the_demo_imports_examples():
     assert all(name.startswith("agentstream/demo/") for name in importers), importers
 
 
-def test_bench_does_not_import_tests():
+def test_bench_imports_only_the_support_of_tests():
+    """bench may run the harnesses in tests/support (an HTTP app on a thread), never a test module."""
     assert "tests" not in package_graph()["bench"]
 
 
@@ -115,6 +130,21 @@ def test_the_checks_see_a_violation(tmp_path):
     graph = package_graph(tmp_path)
     assert upward_imports(graph) == ["models imports trainer"]
     assert find_cycle(graph) in (["models", "trainer", "models"], ["trainer", "models", "trainer"])
+
+
+def test_the_checks_see_a_misplaced_stack_import(tmp_path):
+    """A worker importing an embedded server, the stack importing models, bench importing a test: each is found."""
+    for package in (*PRODUCT, "examples", "bench", "tests"):
+        (tmp_path / package).mkdir()
+    (tmp_path / "tests" / "support").mkdir()
+    (tmp_path / "streams" / "bad.py").write_text("from stack.chserver import main\n")
+    (tmp_path / "stack" / "bad.py").write_text("import models\n")
+    (tmp_path / "agentstream" / "ok.py").write_text("from stack.control import Stack\n")
+    (tmp_path / "bench" / "ok.py").write_text("from tests.support.http_thread import ServerThread\n")
+    (tmp_path / "bench" / "bad.py").write_text("from tests.unit.test_layers import ROOT\n")
+    graph = package_graph(tmp_path)
+    assert upward_imports(graph) == ["stack imports models", "streams imports stack"]
+    assert graph["bench"] == {"tests", "tests.support"}
 
 
 def test_the_runner_side_hot_swap_and_model_files_import_without_torch():

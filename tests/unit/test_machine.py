@@ -8,7 +8,7 @@ import sys
 import time
 from pathlib import Path
 
-from infra.machine import CpuShare, calibrate, child_processes, cpu_model, process_cpu_seconds, process_label
+from stack.machine import CpuShare, calibrate, child_processes, cpu_model, process_cpu_seconds, process_label
 
 
 def test_process_cpu_seconds_counts_this_process_work() -> None:

@@ -14,7 +14,6 @@ import pytest
 import torch
 from transformers.cache_utils import Cache
 
-from infra.http_thread import ServerThread
 from models import LoadedModel, ModelLoadError, load_model, tiny_tokenizer
 from serving.app import create_app
 from serving.generation import BatchRequest, SamplingParams, SequenceState, draw, generate_batch, truncate
@@ -26,6 +25,7 @@ from serving.tool_format import (
     render_prompt,
     renders_tools,
 )
+from tests.support.http_thread import ServerThread
 from tests.support.servers import TOLERANCE, assert_exact, make_lora, scripted
 
 HELLO = [{"role": "user", "content": "Say hello."}]

@@ -11,13 +11,13 @@ import urllib.request
 
 import pytest
 
-from infra.http_thread import ServerThread
 from infra.processes import free_port
 from infra.security import KeySet
 from models import load_model
 from serving.app import create_app
 from serving.handlers import SERVER
 from serving.protocol import Contract
+from tests.support.http_thread import ServerThread
 from tests.support.servers import make_lora
 
 TOKEN = "admin-s3cret"

@@ -296,10 +296,10 @@ def test_weights_with_a_nan_are_refused_by_every_loader(tmp_path, tiny_config):
 def test_the_dev_server_and_hot_swap_refuse_weights_with_a_nan(tmp_path, tiny_config):
     from safetensors.torch import load_file, save_file
 
-    from infra.http_thread import ServerThread
     from models import ADAPTER_WEIGHTS_FILE, load_model, sha256_file
     from serving.app import create_app
     from serving.hotswap import HotSwapError, HotSwapper
+    from tests.support.http_thread import ServerThread
     from tests.support.servers import make_lora
     from tests.unit.test_model_server import post
 

@@ -11,8 +11,8 @@ from xml.etree import ElementTree
 import httpx
 import pytest
 
-from infra.http_thread import ServerThread
-from infra.objectstore import ObjectStoreServer, S3Error
+from stack.objectstore import ObjectStoreServer, S3Error
+from tests.support.http_thread import ServerThread
 
 NS = "{http://s3.amazonaws.com/doc/2006-03-01/}"
 

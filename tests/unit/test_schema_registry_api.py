@@ -16,22 +16,19 @@ from confluent_kafka.schema_registry import Schema, SchemaRegistryClient
 from confluent_kafka.schema_registry.error import SchemaRegistryError
 
 from infra.config import load_config
-from infra.http_thread import ServerThread
 from infra.schema_registry import (
     IncompatibleSchemaVersion,
-    MemoryLog,
     RegistryClient,
-    RegistryService,
-    RegistryState,
     RemoteRegistry,
-    create_app,
     register_product_schemas,
 )
 from infra.schema_registry.errors import Unauthorized
 from infra.schema_registry.product import product_schemas, schema_json
-from infra.schema_registry.service import registry_client
 from infra.security import KeySet
 from schemas import TASK, AvroCodec, current_schemas, schema_id
+from stack.schema_registry import MemoryLog, RegistryService, RegistryState, create_app
+from stack.schema_registry.service import registry_client
+from tests.support.http_thread import ServerThread
 
 TASK_VALUE = {"task_id": "t1", "rollout_id": "r1", "group_id": None, "agent_name": None, "input": "{}",
               "attempt": 1, "max_attempts": 1, "timeout_s": 2.5, "enqueued_at_us": 1_700_000_000_000_000,
@@ -217,7 +214,7 @@ def test_agentstreams_own_client_sends_the_key(keyed_registry) -> None:
 
 def test_the_registry_refuses_an_open_bind_in_one_line() -> None:
     environment = {k: v for k, v in os.environ.items() if not k.startswith(("AGENTSTREAM_", "SCHEMA_REGISTRY_"))}
-    result = subprocess.run([sys.executable, "-m", "infra.schema_registry", "--host", "0.0.0.0", "--memory"],
+    result = subprocess.run([sys.executable, "-m", "stack.schema_registry", "--host", "0.0.0.0", "--memory"],
                             env=environment, capture_output=True, text=True, timeout=60, check=False)
     assert result.returncode == 1
     assert result.stderr.strip().splitlines() == [

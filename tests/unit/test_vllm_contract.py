@@ -16,11 +16,11 @@ from click.testing import CliRunner
 
 from agentstream.cli import main
 from infra.config import ConfigError, ServerConfig
-from infra.http_thread import ServerThread
 from models import LoadedModel, load_model
 from schemas.contracts import POLICY_VERSION_HEADER
 from serving.app import create_app
 from serving.protocol import Contract
+from tests.support.http_thread import ServerThread
 from tests.support.servers import assert_exact, make_lora
 
 HELLO = [{"role": "user", "content": "Say hello."}]

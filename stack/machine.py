@@ -110,8 +110,8 @@ def process_label(pid: int) -> str | None:
         return None
     if not argv:
         return None
-    for module, label in (("infra.chserver", "clickhouse"), ("infra.objectstore", "objectstore"),
-                          ("infra.schema_registry", "schema-registry")):
+    for module, label in (("stack.chserver", "clickhouse"), ("stack.objectstore", "objectstore"),
+                          ("stack.schema_registry", "schema-registry")):
         if module in argv:
             return label
     if Path(argv[0]).name == "tansu":

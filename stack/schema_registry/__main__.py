@@ -1,4 +1,4 @@
-"""``python -m infra.schema_registry``: serve the Schema Registry API over the configured Kafka (what ``up`` starts)."""
+"""``python -m stack.schema_registry``: serve the Schema Registry API over the configured Kafka (what ``up`` starts)."""
 
 from __future__ import annotations
 
@@ -10,10 +10,10 @@ from pathlib import Path
 
 from infra.config import Config, ConfigError, load_config
 from infra.kafka import client_options
-from infra.schema_registry.server import RegistryService, serve
-from infra.schema_registry.state import ID_STRATEGIES, RegistryState
-from infra.schema_registry.store import KafkaLog, MemoryLog, SchemaLog
 from infra.security import KeySet, check_bind
+from stack.schema_registry.server import RegistryService, serve
+from stack.schema_registry.state import ID_STRATEGIES, RegistryState
+from stack.schema_registry.store import KafkaLog, MemoryLog, SchemaLog
 
 
 def default_bootstrap(config: Config) -> str:
@@ -46,7 +46,7 @@ def run(config: Config, bootstrap_servers: str, host: str, port: int, topic: str
 
 
 def main(argv: list[str] | None = None) -> None:
-    parser = argparse.ArgumentParser(prog="python -m infra.schema_registry", description=__doc__)
+    parser = argparse.ArgumentParser(prog="python -m stack.schema_registry", description=__doc__)
     parser.add_argument("--config", type=Path, default=None, help="TOML config file (else the usual lookup)")
     parser.add_argument("--host", default=None)
     parser.add_argument("--port", type=int, default=None)

@@ -4,7 +4,7 @@ Each service is either external (``KAFKA_BOOTSTRAP_SERVERS`` / ``CLICKHOUSE_URL`
 is started) or embedded: tansu and the chdb ClickHouse HTTP server, on loopback, tracked by
 pidfiles under the stack home so ``down`` stops exactly what ``up`` started. An embedded
 broker with durable storage (the default) keeps its data through a third process, the
-S3-compatible object store over ``<home>/broker-data`` (:mod:`infra.objectstore`), started
+S3-compatible object store over ``<home>/broker-data`` (:mod:`stack.objectstore`), started
 before tansu and stopped after it; it listens on 127.0.0.1 whatever ``stack.host`` says, since only
 the local broker talks to it.
 """
@@ -17,8 +17,6 @@ from collections.abc import Callable
 from dataclasses import dataclass, field
 from pathlib import Path
 
-from infra.broker import BUCKET, MEMORY_STORAGE, find_tansu, s3_storage, tansu_command
-from infra.chaccess import Users
 from infra.clickhouse import migrate, table_counts, wait_for_clickhouse
 from infra.config import Config, dump_toml
 from infra.kafka import (
@@ -30,10 +28,12 @@ from infra.kafka import (
     topic_partitions,
     wait_for_broker,
 )
-from infra.objectstore import HOST as OBJECTSTORE_HOST
 from infra.processes import ServiceDirectory, free_port, port_is_free
-from infra.schema_registry.service import SCHEMA_REGISTRY, registry_state, start_registry
 from infra.security import KeySet, OpenBindRefused, check_bind, is_loopback
+from stack.broker import BUCKET, MEMORY_STORAGE, find_tansu, s3_storage, tansu_command
+from stack.chaccess import Users
+from stack.objectstore import HOST as OBJECTSTORE_HOST
+from stack.schema_registry.service import SCHEMA_REGISTRY, registry_state, start_registry
 
 BROKER = "broker"
 CLICKHOUSE = "clickhouse"
@@ -103,7 +103,7 @@ class Stack:
         if not self.config.clickhouse.external:
             data_dir = self.home / "clickhouse"
             settings_file = self.services.private_file("clickhouse.toml", dump_toml(self.config))
-            command = [sys.executable, "-m", "infra.chserver", "--host", stack.host,
+            command = [sys.executable, "-m", "stack.chserver", "--host", stack.host,
                        "--port", str(stack.clickhouse_port), "--data-dir", str(data_dir),
                        "--config", str(settings_file)]
             record = self.services.start(CLICKHOUSE, command, stack.host, stack.clickhouse_port, timeout_s)
@@ -161,7 +161,7 @@ class Stack:
             old_port = int(previous.address.rpartition(":")[2])
             port = old_port if previous.alive() or port_is_free(OBJECTSTORE_HOST, old_port) else 0
         port = port or free_port(OBJECTSTORE_HOST)
-        command = [sys.executable, "-m", "infra.objectstore", "--port", str(port),
+        command = [sys.executable, "-m", "stack.objectstore", "--port", str(port),
                    "--root", str(self.broker_data), "--bucket", BUCKET]
         record = self.services.start(OBJECTSTORE, command, OBJECTSTORE_HOST, port, timeout_s)
         progress(f"objectstore pid {record.pid} on http://{record.address} (broker data {self.broker_data})")

@@ -22,7 +22,7 @@ from aiokafka.admin import AIOKafkaAdminClient
 
 from infra.kafka import KafkaSetupError, TopicSpec, ensure_topics, topic_partitions
 from infra.schema_registry.errors import StoreError, StoreTimeout
-from infra.schema_registry.state import NOOP_KEY, LogKey, LogValue
+from stack.schema_registry.state import NOOP_KEY, LogKey, LogValue
 
 log = logging.getLogger("agentstream.schema_registry")
 

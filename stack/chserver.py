@@ -7,7 +7,7 @@ a ClickHouse server: ``POST /`` or ``GET /?query=...`` with ``database``, ``defa
 as ClickHouse formats them, with ``X-ClickHouse-Exception-Code``. GET requests and
 ``readonly=1|2`` run on a read-only connection, as on a real server.
 
-Callers are checked first (:mod:`infra.chaccess`): a web page from another site is refused, and
+Callers are checked first (:mod:`stack.chaccess`): a web page from another site is refused, and
 with ``[clickhouse] password`` set only the writer and the ``[security] clickhouse_readers`` get
 in, readers on sessions held at ``readonly = 1``.
 
@@ -16,7 +16,7 @@ through this server. Statements run in parallel on pooled chdb sessions (chdb ru
 different connections concurrently and releases the GIL), so a long dashboard read never holds
 the workers' inserts; each session serves one statement at a time.
 
-Run it with ``python -m infra.chserver --port 8123 --data-dir PATH [--config FILE]``.
+Run it with ``python -m stack.chserver --port 8123 --data-dir PATH [--config FILE]``.
 """
 
 from __future__ import annotations
@@ -39,10 +39,10 @@ import chdb
 from aiohttp import web
 from multidict import MultiDict
 
-from infra.chaccess import Access, Users, cross_site, presented
 from infra.config import ConfigError, load_config
 from infra.security import KeySet, check_bind, is_loopback
 from schemas.errors import AgentstreamError
+from stack.chaccess import Access, Users, cross_site, presented
 
 log = logging.getLogger("agentstream.chserver")
 

@@ -1,4 +1,4 @@
-"""An aiohttp application served on a free loopback port from a background thread (tests, benches, demos)."""
+"""An aiohttp application served on a free loopback port from a background thread (tests and benches)."""
 
 from __future__ import annotations
 

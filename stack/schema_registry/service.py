@@ -55,7 +55,7 @@ def start_registry(config: Config, services: ServiceDirectory, bootstrap_servers
                  f"({settings.compatibility.upper()} checked)")
         return url
     settings_file = services.private_file("schema-registry.toml", dump_toml(config))
-    command = [sys.executable, "-m", "infra.schema_registry", "--config", str(settings_file),
+    command = [sys.executable, "-m", "stack.schema_registry", "--config", str(settings_file),
                "--bootstrap-servers", bootstrap_servers]
     record = services.start(SCHEMA_REGISTRY, command, config.stack.host, settings.port, timeout_s)
     progress(f"schemas     registry pid {record.pid} on http://{record.address} "

@@ -1,4 +1,4 @@
-"""The Confluent Schema Registry REST API over a :class:`~infra.schema_registry.store.SchemaLog`.
+"""The Confluent Schema Registry REST API over a :class:`~stack.schema_registry.store.SchemaLog`.
 
 The subset that serializers, deserializers and ClickHouse use: ``GET /schemas/ids/{id}``
 (also ``/schema``, ``/versions``, ``/subjects``), ``GET /schemas/types``, ``GET /subjects``,
@@ -10,7 +10,7 @@ and self-contained (no references). With keys (``[security] registry_keys``), ev
 DELETE needs one (HTTP basic auth with the key as password, as ``basic.auth.user.info = name:key``
 sends it, or ``Authorization: Bearer``), else 401 with ``error_code`` 40101; reads stay open.
 
-Run it with ``agentstream schema-registry`` or ``python -m infra.schema_registry``.
+Run it with ``agentstream schema-registry`` or ``python -m stack.schema_registry``.
 """
 
 from __future__ import annotations
@@ -26,10 +26,10 @@ from aiohttp import web
 
 from infra.schema_registry.errors import BadRequest, RegistryError, SchemaNotFound, Unauthorized
 from infra.schema_registry.product import product_schemas, schema_json
-from infra.schema_registry.state import Candidate, RegistryState, SchemaVersion, candidate, config_key, schema_key
-from infra.schema_registry.store import SchemaLog
 from infra.security import KeySet
 from schemas.catalog import Schema
+from stack.schema_registry.state import Candidate, RegistryState, SchemaVersion, candidate, config_key, schema_key
+from stack.schema_registry.store import SchemaLog
 
 log = logging.getLogger("agentstream.schema_registry")
 

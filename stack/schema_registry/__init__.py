@@ -1,0 +1,21 @@
+"""The stack's Schema Registry: the Confluent REST API for agentstream's schemas, over a compacted Kafka topic.
+
+- :mod:`.server`: the REST API (``agentstream schema-registry``, started by ``agentstream up``);
+- :mod:`.state` / :mod:`.store`: what it knows, rebuilt from its log (Kafka or memory);
+- :mod:`.service`: the registry as a service of the local stack (``up``, ``status``, ``down``).
+
+Its client and errors live in :mod:`infra.schema_registry`, since every process uses them.
+"""
+
+from stack.schema_registry.server import RegistryService, create_app, serve
+from stack.schema_registry.state import RegistryState
+from stack.schema_registry.store import KafkaLog, MemoryLog
+
+__all__ = [
+    "KafkaLog",
+    "MemoryLog",
+    "RegistryService",
+    "RegistryState",
+    "create_app",
+    "serve",
+]
