@@ -1,7 +1,7 @@
 """Hot swap: keep a model server holding the versions of one model that the deployments say it should serve.
 
 It follows two topics: checkpoints (what versions exist, where their weights are) and
-deployments (which versions serve, see ``infra/deployments.py``). LoRA adapters go through
+deployments (which versions serve, see ``deploy/deployments.py``). LoRA adapters go through
 vLLM's runtime LoRA contract: ``POST /v1/load_lora_adapter {"lora_name": "<model>@v<version>",
 "lora_path", "version"}`` (vLLM needs ``VLLM_ALLOW_RUNTIME_LORA_UPDATING=True`` and
 ``--enable-lora``, and ignores ``version``), one name per version, unloaded with
@@ -36,8 +36,7 @@ from typing import Any
 import aiohttp
 from aiokafka import AIOKafkaConsumer
 
-from infra.config import Config
-from infra.deployments import (
+from deploy.deployments import (
     Action,
     Decision,
     DeploymentFollower,
@@ -49,6 +48,7 @@ from infra.deployments import (
     decide,
     split_adapter_name,
 )
+from infra.config import Config
 from infra.kafka import consumer_options, topic_name
 from infra.security import KeySet
 from models import WeightsError, local_path, verify_finite, verify_sha256

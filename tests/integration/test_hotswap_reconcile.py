@@ -23,8 +23,8 @@ import aiohttp
 import pytest
 
 from bench.scenario import publish, serve_app
+from deploy.deployments import DeploymentLog, adapter_name
 from infra.config import ConfigError, Secret, TrainerConfig, load_config
-from infra.deployments import DeploymentLog, adapter_name
 from infra.kafka import create_topics
 from infra.processes import free_port
 from infra.security import KeySet

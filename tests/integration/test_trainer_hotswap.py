@@ -13,8 +13,8 @@ import torch
 from aiohttp import web
 
 from bench.scenario import publish
+from deploy.deployments import adapter_name
 from infra.config import TrainerConfig
-from infra.deployments import adapter_name
 from infra.kafka import create_topics
 from infra.processes import free_port
 from models import load_model, teacher_forced_logprobs

@@ -27,8 +27,8 @@ from aiokafka.structs import ConsumerRecord
 from hypothesis import HealthCheck, given, settings
 from hypothesis import strategies as st
 
+from deploy.deployments import Action, Decision, DeploymentFollower, Routing, checkpoint_of
 from infra.config import load_config
-from infra.deployments import Action, Decision, DeploymentFollower, Routing, checkpoint_of
 from pipeline.runner import OffsetTracker, Runner
 from schemas import (
     CHECKPOINT,
