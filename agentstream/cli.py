@@ -839,7 +839,7 @@ def deployments_command(ctx: click.Context, model_name: str | None, history: int
 def promote_command(ctx: click.Context, model_name: str, version: int) -> None:
     """Serve VERSION of MODEL to all traffic now (ends its canary or candidacy); recorded as a manual decision."""
     from deploy.deployments import DeploymentError, Routing, read_routes
-    from deploy.manual import checkpoint_info, promotion, record_decision
+    from deploy.manual import promotion, read_checkpoint, record_decision
     from infra.clickhouse import connect
 
     config = _config(ctx)
@@ -847,7 +847,7 @@ def promote_command(ctx: click.Context, model_name: str, version: int) -> None:
     client = connect(config.clickhouse, endpoints.clickhouse_url)
     try:
         routing = asyncio.run(read_routes(config, endpoints.bootstrap_servers)).get(model_name, Routing(model_name))
-        info = checkpoint_info(client, config.clickhouse.database, model_name, version) if version else None
+        info = read_checkpoint(client, config.clickhouse.database, model_name, version) if version else None
         decision = promotion(routing, version, info)
         asyncio.run(record_decision(config, endpoints.bootstrap_servers, client, decision))
     except DeploymentError as error:

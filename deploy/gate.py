@@ -43,8 +43,8 @@ from dataclasses import dataclass
 from typing import Any
 
 import aiohttp
-from aiokafka import AIOKafkaConsumer
 
+from deploy.checkpoints import CheckpointFollower
 from deploy.deployments import (
     Action,
     Decision,
@@ -53,13 +53,11 @@ from deploy.deployments import (
     Routing,
     adapter_name,
     announce,
-    checkpoint_of,
     decide,
 )
 from deploy.sequential import Verdict, canary_bounds, canary_verdict, paired_differences, paired_lower_bound
 from infra.config import Config
-from infra.kafka import consumer_options, topic_name
-from schemas import AvroCodec
+from schemas.checkpoint import Checkpoint
 
 log = logging.getLogger("agentstream.gate")
 
@@ -170,12 +168,12 @@ class Gate:
         self.poll_s = poll_s
         self.clock = clock
         self.follower = DeploymentFollower(config, bootstrap_servers, on_decision=self._seen)
-        self.checkpoints: dict[int, dict] = {}
+        self.checkpoint_follower = CheckpointFollower(config, bootstrap_servers, model)
+        self.checkpoints = self.checkpoint_follower.checkpoints
         self.considered = 0  # the newest version decided on (by anyone) or under consideration
         self.seen_ids: set[str] = set()  # decisions about this model read back from the topic
         self.scores: dict[int, Score] = {}
         self.served: set[int] = {0}  # versions that served all traffic and no person rolled back
-        self.codec = AvroCodec()
 
     @property
     def routing(self) -> Routing:
@@ -183,29 +181,21 @@ class Gate:
 
     async def run(self, stop: asyncio.Event) -> None:
         await announce(self.config, self.bootstrap_servers, self.model, "gate", gated=self.settings.gate, stop=stop)
-        consumer = AIOKafkaConsumer(topic_name(self.config.topics, "checkpoints"),
-                                    **consumer_options(self.config.kafka, self.bootstrap_servers), group_id=None,
-                                    enable_auto_commit=False, auto_offset_reset="earliest")
         following = asyncio.create_task(self.follower.run(stop))
-        await consumer.start()
+        await self.checkpoint_follower.start()
         try:
             await self.follower.ready.wait()
-            while fetched := await consumer.getmany(timeout_ms=500):  # what exists before deciding anything
-                for records in fetched.values():
-                    for record in records:
-                        self._collect(record)
+            await self.checkpoint_follower.catch_up(timeout_ms=500)  # what exists before deciding anything
             await self._resume(stop)
             while not stop.is_set():
-                for records in (await consumer.getmany(timeout_ms=200)).values():
-                    for record in records:
-                        self._collect(record)
+                await self.checkpoint_follower.poll(timeout_ms=200)
                 newest = max(self.checkpoints, default=0)
                 if newest > self.considered:
                     await self._supersede(newest)
                     self.considered = newest
                     await self.consider(self.checkpoints[newest], stop)
         finally:
-            await consumer.stop()
+            await self.checkpoint_follower.stop()
             await following
 
     def _seen(self, decision: Decision) -> None:
@@ -247,21 +237,16 @@ class Gate:
         elif routing.candidate_version is not None and routing.candidate_version in self.checkpoints:
             await self.consider(self.checkpoints[routing.candidate_version], stop)
 
-    def _collect(self, record: Any) -> None:
-        checkpoint = checkpoint_of(record, self.model, self.codec)
-        if checkpoint is not None:
-            self.checkpoints[checkpoint["version"]] = checkpoint
-
     async def _supersede(self, newest: int) -> None:
         for version in sorted(v for v in self.checkpoints if self.considered < v < newest):
             await self._record(decide(
                 self.routing, version, Action.SUPERSEDED, "gate",
                 f"v{newest} arrived before v{version} was considered; the gate considers the newest only"))
 
-    async def consider(self, checkpoint: dict, stop: asyncio.Event) -> None:
+    async def consider(self, checkpoint: Checkpoint, stop: asyncio.Event) -> None:
         """Take one checkpoint through evaluation and canary to a decision."""
-        version = checkpoint["version"]
-        if checkpoint["format"] != "lora":
+        version = checkpoint.version
+        if checkpoint.format != "lora":
             await self._record(decide(
                 self.routing, version, Action.REJECTED, "gate",
                 "full-weight checkpoints cannot be evaluated next to the version serving (the server holds one "
@@ -327,8 +312,8 @@ class Gate:
                 await asyncio.sleep(0.2)
         return False
 
-    async def _watch_canary(self, checkpoint: dict, stable_version: int, stop: asyncio.Event) -> None:
-        version = checkpoint["version"]
+    async def _watch_canary(self, checkpoint: Checkpoint, stable_version: int, stop: asyncio.Event) -> None:
+        version = checkpoint.version
         settings = self.settings
         started, since_us = self.clock(), time.time_ns() // 1000
         while not stop.is_set():
@@ -356,7 +341,7 @@ class Gate:
                 await self._record(decide(
                     self.routing, version, Action.PROMOTED, "gate",
                     f"canary: {summary} after {elapsed:.0f} s; no worse than {settings.tolerance} ({bounds})",
-                    stable_version=version, stable_uri=checkpoint["uri"], format=checkpoint["format"],
+                    stable_version=version, stable_uri=checkpoint.uri, format=checkpoint.format,
                     canary_version=None, canary_share=0.0, **numbers))
                 return
             if elapsed >= settings.canary_max_s:

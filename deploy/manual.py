@@ -6,39 +6,32 @@ with :class:`deploy.deployments.DeploymentLog` like the gate's.
 
 from __future__ import annotations
 
-from dataclasses import dataclass
 from typing import Any
 
 from deploy.deployments import Action, Decision, DeploymentError, DeploymentLog, Routing, decide
 from infra.config import Config
+from schemas.checkpoint import CHECKPOINT_COLUMNS, Checkpoint
 
 
-@dataclass(frozen=True)
-class CheckpointInfo:
-    """What the checkpoints table knows of one version."""
-
-    uri: str
-    format: str
-
-
-def checkpoint_info(warehouse: Any, database: str, model: str, version: int) -> CheckpointInfo:
-    rows = warehouse.query(f"SELECT uri, format FROM {database}.checkpoints FINAL "
+def read_checkpoint(warehouse: Any, database: str, model: str, version: int) -> Checkpoint:
+    """Version ``version`` of ``model`` as the checkpoints table knows it."""
+    rows = warehouse.query(f"SELECT {', '.join(CHECKPOINT_COLUMNS)} FROM {database}.checkpoints FINAL "
                            "WHERE model = {model:String} AND version = {version:Int64}",
                            parameters={"model": model, "version": version}).result_rows
     if not rows:
         raise DeploymentError(f"model {model!r} has no checkpoint v{version} (see: agentstream sql "
                               f"\"SELECT version FROM checkpoints WHERE model = '{model}'\")")
-    return CheckpointInfo(rows[0][0], rows[0][1])
+    return Checkpoint.from_row(rows[0])
 
 
-def promotion(routing: Routing, version: int, info: CheckpointInfo | None) -> Decision:
+def promotion(routing: Routing, version: int, checkpoint: Checkpoint | None) -> Decision:
     """A person's promotion of ``version`` (0: the base model) to all traffic, ending any canary or candidate."""
     if version == 0 and routing.format == "full":
         raise DeploymentError("full-weight deployments cannot go back to the base model by promotion: "
                               "promote a checkpoint")
     return decide(routing, version, Action.PROMOTED, "manual", "promoted by hand (agentstream promote)",
-                  stable_version=version, stable_uri=info.uri if info else "",
-                  format=info.format if info else routing.format, canary_version=None, canary_share=0.0,
+                  stable_version=version, stable_uri=checkpoint.uri if checkpoint else "",
+                  format=checkpoint.format if checkpoint else routing.format, canary_version=None, canary_share=0.0,
                   candidate_version=None)
 
 
@@ -72,7 +65,7 @@ def previous_stable(warehouse: Any, database: str, routing: Routing) -> tuple[in
     version = int(rows[0][0])
     if version == 0:
         return 0, ""
-    return version, checkpoint_info(warehouse, database, routing.model, version).uri
+    return version, read_checkpoint(warehouse, database, routing.model, version).uri
 
 
 async def record_decision(config: Config, bootstrap_servers: str, warehouse: Any, decision: Decision) -> None:

@@ -272,12 +272,12 @@ def test_hot_swap_sends_the_admin_token_and_a_401_is_not_taken_for_a_bad_checkpo
             config, stack.bootstrap_servers, url, name)
         try:
             with pytest.raises(AdminTokenRefused, match="401"):
-                await refused.apply(manifest.record())
-            refused.checkpoints[1] = manifest.record()
+                await refused.apply(manifest.checkpoint())
+            refused.checkpoints[1] = manifest.checkpoint()
             assert not await refused._load_until_done(1, asyncio.Event())
             assert 1 in refused.unauthorized and 1 not in refused.refused  # tried again at the next re-check
             assert runner.app[SERVER].version == 0
-            await accepted.apply(manifest.record())
+            await accepted.apply(manifest.checkpoint())
             assert runner.app[SERVER].version == 1
         finally:
             await refused.close()
