@@ -56,6 +56,7 @@ from deploy.deployments import (
     decide,
 )
 from deploy.sequential import Verdict, canary_bounds, canary_verdict, paired_differences, paired_lower_bound
+from infra.clickhouse import ROLLOUT_POLICY_VERSION
 from infra.config import Config
 from schemas.checkpoint import Checkpoint
 
@@ -140,13 +141,13 @@ def judge_canary(canary: LiveRewards, stable: LiveRewards, *, tolerance: float, 
     return CanaryVerdict(canary_verdict(lower, upper, tolerance), True, difference, lower, upper)
 
 
-LIVE_REWARDS_SQL = """
-SELECT arrayMax(policy_versions) AS version, count() AS rollouts, avg(final_reward) AS mean,
+LIVE_REWARDS_SQL = f"""
+SELECT {ROLLOUT_POLICY_VERSION} AS version, count() AS rollouts, avg(final_reward) AS mean,
        ifNotFinite(varSamp(final_reward), 0) AS variance
-FROM {database}.rollouts FINAL
-WHERE model = {model:String} AND agent_name != {gate_agent:String} AND final_reward IS NOT NULL
-  AND notEmpty(policy_versions) AND start_time >= fromUnixTimestamp64Micro({since_us:Int64}, 'UTC')
-  AND arrayMax(policy_versions) IN {versions:Array(Int64)}
+FROM {{database}}.rollouts FINAL
+WHERE model = {{model:String}} AND agent_name != {{gate_agent:String}} AND final_reward IS NOT NULL
+  AND notEmpty(policy_versions) AND start_time >= fromUnixTimestamp64Micro({{since_us:Int64}}, 'UTC')
+  AND {ROLLOUT_POLICY_VERSION} IN {{versions:Array(Int64)}}
 GROUP BY version
 """
 
