@@ -66,7 +66,7 @@ from trainer.step import train_step
 log = logging.getLogger("agentstream.trainer")
 
 
-class Serving(Protocol):
+class ServingVersion(Protocol):
     """The version serving users, which a rebase goes back to."""
 
     @property
@@ -87,7 +87,7 @@ class Rebase(Protocol):
 
     async def follow(self, config: Config, bootstrap_servers: str, stop: asyncio.Event) -> None: ...
 
-    def due(self) -> Serving | None: ...
+    def due(self) -> ServingVersion | None: ...
 
     def clear(self) -> list[int]: ...
 
@@ -137,11 +137,18 @@ class _ResumePositions(ConsumerRebalanceListener):
 
 
 class TrainerWorker:
-    """Trains ``config.trainer`` from the transitions topic; ``run`` until stopped or ``max_steps`` steps were taken."""
+    """Trains ``config.trainer`` from the transitions topic; ``run`` until stopped or ``max_steps`` steps were taken.
+
+    ``rebase`` makes the streak of refused candidates from the model's name and
+    ``trainer.rebase_after_rejections``; it is required when that setting is above 0.
+    """
 
     def __init__(self, config: Config, bootstrap_servers: str, *, metrics: MetricsWriter | None = None,
                  progress: Callable[[str], None] = print, policy: Policy | None = None,
                  store: CheckpointStore | None = None, rebase: Callable[[str, int], Rebase] | None = None) -> None:
+        if rebase is None and config.trainer.rebase_after_rejections > 0:
+            raise ValueError("trainer.rebase_after_rejections needs the deployments topic: pass "
+                             "rebase=deploy.rebase.RejectionStreak")
         self.config = config
         self.settings = config.trainer
         self.bootstrap_servers = bootstrap_servers
@@ -172,9 +179,6 @@ class TrainerWorker:
         self._metrics_lock = asyncio.Lock()
         self._model_thread = ThreadPoolExecutor(max_workers=1, thread_name_prefix="trainer-model")
         self.batcher = self._batcher([])
-        if rebase is None and self.settings.rebase_after_rejections > 0:
-            raise ValueError("trainer.rebase_after_rejections needs the deployments topic: pass "
-                             "rebase=deploy.rebase.RejectionStreak")
         self.streak = rebase(self.name, self.settings.rebase_after_rejections) if rebase is not None else None
         self._rebased_on: int | None = None  # the version the next checkpoint was rebased on, if any
 
@@ -338,7 +342,7 @@ class TrainerWorker:
         if time.monotonic() - self._flushed_at >= METRICS_FLUSH_S:
             self._flush_metrics()
 
-    async def _rebase(self, routing: Serving, refused: list[int]) -> None:
+    async def _rebase(self, routing: ServingVersion, refused: list[int]) -> None:
         """Train on from the serving version's weights (and optimizer state, where it was written); versions count on.
 
         Steps since the last checkpoint are dropped with the weights they changed; their
