@@ -253,7 +253,7 @@ def proxy_command(ctx: click.Context, upstream: str, host: str, port: int, agent
     """
     import uvloop
 
-    from infra.deployments import DeploymentFollower
+    from deploy.deployments import DeploymentFollower
     from infra.security import KeySet, check_bind
     from pipeline.feedback import proxy_feedback_secret
     from pipeline.proxy import LLMProxy, serve_proxy
@@ -652,6 +652,7 @@ def train_worker_command(ctx: click.Context, model_spec: str | None, max_steps: 
 
     import uvloop
 
+    from deploy.rebase import RejectionStreak
     from infra.clickhouse import migrate, wait_for_clickhouse
     from infra.kafka import create_topics
 
@@ -673,7 +674,7 @@ def train_worker_command(ctx: click.Context, model_spec: str | None, max_steps: 
     async def serve() -> None:
         await create_topics(config, endpoints.bootstrap_servers)
         worker = TrainerWorker(config, endpoints.bootstrap_servers, metrics=MetricsWriter(client, database),
-                               progress=click.echo)
+                               progress=click.echo, rebase=RejectionStreak)
         stop = asyncio.Event()
         deadline = ShutdownDeadline("trainer", config.trainer.shutdown_grace_s, worker.unfinished)
         watcher = asyncio.create_task(_until_signalled(stop, deadline))
@@ -700,8 +701,8 @@ def hotswap_command(ctx: click.Context, server_url: str, model_name: str, no_ver
     """Keep a model server holding the deployed versions of MODEL (without a gate: each new checkpoint, promoted)."""
     import uvloop
 
+    from deploy.deployments import DeploymentError, DeploymentLog
     from infra.clickhouse import migrate, wait_for_clickhouse
-    from infra.deployments import DeploymentError, DeploymentLog
     from serving.hotswap import HotSwapper
 
     config = _config(ctx)
@@ -753,10 +754,10 @@ def gate_command(ctx: click.Context, model_name: str, server_url: str, proxy_url
     """
     import uvloop
 
-    from agentstream.deploy import task_evaluator
+    from agentstream.evaluation import task_evaluator
+    from deploy.deployments import DeploymentError, DeploymentLog
+    from deploy.gate import Gate
     from infra.clickhouse import migrate, wait_for_clickhouse
-    from infra.deployments import DeploymentError, DeploymentLog
-    from trainer.gate import Gate
 
     config = _config(ctx)
     for name in ("agentstream.gate", "agentstream.deployments"):
@@ -796,9 +797,9 @@ def gate_command(ctx: click.Context, model_name: str, server_url: str, proxy_url
 @click.pass_context
 def deployments_command(ctx: click.Context, model_name: str | None, history: int) -> None:
     """What serves what, per trained model, and the latest deployment decisions."""
-    from agentstream.deploy import RECENT_DECISIONS_SQL
+    from deploy.deployments import DeploymentError, read_routes
+    from deploy.manual import RECENT_DECISIONS_SQL
     from infra.clickhouse import connect, server_message
-    from infra.deployments import DeploymentError, read_routes
 
     config = _config(ctx)
     endpoints = Stack(config).endpoints()
@@ -837,16 +838,16 @@ def deployments_command(ctx: click.Context, model_name: str | None, history: int
 @click.pass_context
 def promote_command(ctx: click.Context, model_name: str, version: int) -> None:
     """Serve VERSION of MODEL to all traffic now (ends its canary or candidacy); recorded as a manual decision."""
-    from agentstream.deploy import checkpoint_info, promotion, record_decision
+    from deploy.deployments import DeploymentError, Routing, read_routes
+    from deploy.manual import promotion, read_checkpoint, record_decision
     from infra.clickhouse import connect
-    from infra.deployments import DeploymentError, Routing, read_routes
 
     config = _config(ctx)
     endpoints = Stack(config).endpoints()
     client = connect(config.clickhouse, endpoints.clickhouse_url)
     try:
         routing = asyncio.run(read_routes(config, endpoints.bootstrap_servers)).get(model_name, Routing(model_name))
-        info = checkpoint_info(client, config.clickhouse.database, model_name, version) if version else None
+        info = read_checkpoint(client, config.clickhouse.database, model_name, version) if version else None
         decision = promotion(routing, version, info)
         asyncio.run(record_decision(config, endpoints.bootstrap_servers, client, decision))
     except DeploymentError as error:
@@ -861,9 +862,9 @@ def promote_command(ctx: click.Context, model_name: str, version: int) -> None:
 @click.pass_context
 def rollback_command(ctx: click.Context, model_name: str) -> None:
     """End MODEL's canary, or (without one) serve the version that served before the stable one again."""
-    from agentstream.deploy import previous_stable, record_decision, rollback
+    from deploy.deployments import DeploymentError, read_routes
+    from deploy.manual import previous_stable, record_decision, rollback
     from infra.clickhouse import connect
-    from infra.deployments import DeploymentError, read_routes
 
     config = _config(ctx)
     endpoints = Stack(config).endpoints()

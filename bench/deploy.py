@@ -26,13 +26,14 @@ from pathlib import Path
 
 import aiohttp
 
-from agentstream.deploy import task_evaluator
+from agentstream.evaluation import task_evaluator
 from bench.common import emit, private_stack
 from bench.scenario import Users, lora_checkpoint, publish, serve_app, wait_until
 from bench.streams import start_worker, wait_ready
+from deploy.deployments import Decision, DeploymentFollower, DeploymentLog
+from deploy.gate import Gate
 from infra.clickhouse import connect
 from infra.config import Config, TrainerConfig
-from infra.deployments import Decision, DeploymentFollower, DeploymentLog
 from infra.kafka import create_topics
 from infra.processes import free_port
 from models import load_model
@@ -43,7 +44,6 @@ from serving.hotswap import HotSwapper
 from serving.protocol import Contract
 from stack.control import Endpoints
 from trainer.checkpoints import checkpoint_name, open_store, read_manifest
-from trainer.gate import Gate
 
 PROMPTS = [f"Say something about the number {n}." for n in range(8)]
 

@@ -3,7 +3,7 @@
 Canary: for each true difference D (canary - stable mean reward) it runs ``--canaries``
 simulated canaries of 0/1 rewards (stable success rate ``--stable``), each live rollout going
 to the canary with probability ``deploy.canary_share``, and applies the gate's rule
-(:func:`trainer.sequential.canary_bounds`, promote when the lower bound is above
+(:func:`deploy.sequential.canary_bounds`, promote when the lower bound is above
 -tolerance, roll back when the upper bound is below it) after every canary rollout, from
 ``deploy.canary_min_rollouts`` on, up to ``--horizon`` canary rollouts (then: undecided, which
 the gate rolls back at ``canary_max_s``). Prints one JSON line per D: the promote, roll-back and
@@ -14,7 +14,7 @@ one-sided bound re-run at every look, would have done on the same streams.
 
 Evaluation: ``--evaluations`` simulated evaluations on ``--tasks`` tasks (0/1 rewards, the two
 versions' outcomes independent per task: the hardest case for a paired test) through
-:func:`trainer.sequential.paired_lower_bound`; one JSON line per D with the pass rate, the
+:func:`deploy.sequential.paired_lower_bound`; one JSON line per D with the pass rate, the
 false-pass rate (passed while D <= -tolerance) and the false-rejection rate (rejected while
 D >= -tolerance). Seeded; a few seconds on one core.
 """
@@ -28,9 +28,9 @@ from statistics import NormalDist
 import numpy as np
 
 from bench.common import emit
+from deploy.sequential import canary_bounds, paired_lower_bound
 from infra.config import DeployConfig, load_config
 from stack.machine import calibrate
-from trainer.sequential import canary_bounds, paired_lower_bound
 
 BENCH = "gate"
 CHUNK = 200  # canary rollouts simulated at once for every run still undecided
@@ -87,7 +87,7 @@ def simulate_canaries(*, difference: float, canaries: int, horizon: int, seed: i
                 _, lower, upper = canary_bounds(k, mean_c, var_c, stable_n, mean_s, var_s,
                                                 tolerance=settings.tolerance, confidence=settings.confidence)
         may_look = (k >= settings.canary_min_rollouts) & (stable_n >= 2)
-        # The gate's rule (trainer.sequential.canary_verdict): promote first, then roll back.
+        # The gate's rule (deploy.sequential.canary_verdict): promote first, then roll back.
         promote = may_look & (lower > -settings.tolerance)
         roll_back = may_look & ~promote & (upper < -settings.tolerance)
         hit = promote | roll_back

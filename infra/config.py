@@ -250,7 +250,7 @@ class TrainerConfig:
     which generated a wave faster there (3.7 s against 4.7 s).
     With ``rebase_after_rejections`` N > 0, after the promotion gate refused N of this model's
     candidates in a row (rejected or rolled back), the trainer goes back to the version serving
-    users and trains on from it (``trainer/rebase.py``); 0 never does.
+    users and trains on from it (``deploy/rebase.py``); 0 never does.
     ``loss_normalization`` is how a step's token losses are averaged: ``token`` (every trained token
     of the step weighs the same, so long samples weigh more), ``transition`` (each sample's mean,
     then the mean over samples) or ``rollout`` (each rollout's token mean, then the mean over

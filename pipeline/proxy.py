@@ -20,7 +20,7 @@ server's. With a feedback secret, every LLM response of a rollout carries that r
 header), so a guessed rollout id cannot be rewarded; a service puts it in the feedback URL it hands
 its user.
 
-Requests for a trained model go to the version deployed for it (``pipeline/routing.py``), and
+Requests for a trained model go to the version deployed for it (``deploy/routing.py``), and
 every LLM span records the version that served it. ``X-Agentstream-Train: true|false`` opts a
 request's rollout in or out of training (it is captured either way).
 
@@ -43,7 +43,8 @@ from urllib.parse import quote, unquote
 import aiohttp
 from aiohttp import web
 
-from infra.deployments import split_adapter_name
+from deploy.deployments import split_adapter_name
+from deploy.routing import Route, RouteError, RoutingTable, resolve_route
 from infra.security import FEEDBACK_TOKEN_HEADER, KeySet, feedback_token
 from pipeline.access import (
     HEALTH_ROUTE,
@@ -54,7 +55,6 @@ from pipeline.access import (
     not_served,
     upstream_headers,
 )
-from pipeline.routing import Route, RouteError, RoutingTable, resolve_route
 from pipeline.sdk import Rollout, SpanSink, build_span, new_id, now_us
 from schemas.contracts import (
     AGENT_HEADER,

@@ -1,7 +1,7 @@
 """Hot swap: keep a model server holding the versions of one model that the deployments say it should serve.
 
 It follows two topics: checkpoints (what versions exist, where their weights are) and
-deployments (which versions serve, see ``infra/deployments.py``). LoRA adapters go through
+deployments (which versions serve, see ``deploy/deployments.py``). LoRA adapters go through
 vLLM's runtime LoRA contract: ``POST /v1/load_lora_adapter {"lora_name": "<model>@v<version>",
 "lora_path", "version"}`` (vLLM needs ``VLLM_ALLOW_RUNTIME_LORA_UPDATING=True`` and
 ``--enable-lora``, and ignores ``version``), one name per version, unloaded with
@@ -34,10 +34,9 @@ from dataclasses import dataclass
 from typing import Any
 
 import aiohttp
-from aiokafka import AIOKafkaConsumer
 
-from infra.config import Config
-from infra.deployments import (
+from deploy.checkpoints import CheckpointFollower
+from deploy.deployments import (
     Action,
     Decision,
     DeploymentFollower,
@@ -45,14 +44,13 @@ from infra.deployments import (
     Routing,
     adapter_name,
     announce,
-    checkpoint_of,
     decide,
     split_adapter_name,
 )
-from infra.kafka import consumer_options, topic_name
+from infra.config import Config
 from infra.security import KeySet
 from models import WeightsError, local_path, verify_finite, verify_sha256
-from schemas import AvroCodec
+from schemas.checkpoint import Checkpoint
 from schemas.contracts import policy_version
 from schemas.errors import AgentstreamError
 
@@ -103,7 +101,8 @@ class HotSwapper:
         self.gated = config.deploy.gate
         self.version: int | None = None  # full weights: the version the server holds
         self.adapters: dict[int, str] = {}  # version -> adapter name loaded on the server
-        self.checkpoints: dict[int, dict] = {}
+        self.checkpoint_follower = CheckpointFollower(config, bootstrap_servers, model)
+        self.checkpoints = self.checkpoint_follower.checkpoints
         self.refused: set[int] = set()
         self.missing: set[int] = set()
         self.unauthorized: set[int] = set()  # versions a 401 stopped until the next re-check
@@ -111,31 +110,22 @@ class HotSwapper:
         self.routing = Routing(model)
         self.previous_stable: int | None = None
         self._routing_at_us = 0
-        self.codec = AvroCodec()
         self._session: aiohttp.ClientSession | None = None
 
     async def run(self, stop: asyncio.Event) -> None:
         await announce(self.config, self.bootstrap_servers, self.model, "hotswap", gated=self.gated, stop=stop)
-        topic = topic_name(self.config.topics, "checkpoints")
-        consumer = AIOKafkaConsumer(topic, **consumer_options(self.config.kafka, self.bootstrap_servers), group_id=None,
-                                    enable_auto_commit=False, auto_offset_reset="earliest")
         follower = DeploymentFollower(self.config, self.bootstrap_servers, on_decision=self._follow)
         following = asyncio.create_task(follower.run(stop))
-        await consumer.start()
+        await self.checkpoint_follower.start()
         try:
             self.version = await self._server_version(stop)
             await self._loaded_adapters()
             while not stop.is_set():
-                fetched = await consumer.getmany(timeout_ms=100)
-                for records in fetched.values():
-                    for record in records:
-                        checkpoint = checkpoint_of(record, self.model, self.codec)
-                        if checkpoint is not None:
-                            self.checkpoints[checkpoint["version"]] = checkpoint
+                await self.checkpoint_follower.poll(timeout_ms=100)
                 if follower.ready.is_set():
                     await self._reconcile(stop)
         finally:
-            await consumer.stop()
+            await self.checkpoint_follower.stop()
             await following
             await self.close()
 
@@ -189,7 +179,7 @@ class HotSwapper:
             return
         decision = decide(self.routing, newest, Action.PROMOTED, "hotswap",
                           "no gate (deploy.gate = false): promoted to all traffic once the server held it",
-                          stable_version=newest, stable_uri=checkpoint["uri"], format=checkpoint["format"],
+                          stable_version=newest, stable_uri=checkpoint.uri, format=checkpoint.format,
                           canary_version=None, canary_share=0.0, candidate_version=None)
         self._set_routing(decision.routing, decision.at_us)
         if self.deployments is not None:
@@ -216,11 +206,11 @@ class HotSwapper:
                 continue
             except AdminTokenRefused as error:
                 log.error("%s v%d not loaded: %s; set [security] admin_token to the model server's (retrying at the "
-                          "next re-check)", checkpoint["model"], version, error)
+                          "next re-check)", checkpoint.model, version, error)
                 self.unauthorized.add(version)
                 return False
             except HotSwapError as error:
-                log.error("checkpoint %s v%d not loaded: %s", checkpoint["model"], version, error)
+                log.error("checkpoint %s v%d not loaded: %s", checkpoint.model, version, error)
                 self.refused.add(version)
                 return False
             if self.on_swap is not None:
@@ -229,20 +219,21 @@ class HotSwapper:
         return False
 
     def _holds(self, version: int) -> bool:
-        return version in self.adapters or (self.version == version and self.checkpoints.get(version, {}).get(
-            "format") == "full")
+        checkpoint = self.checkpoints.get(version)
+        return version in self.adapters or (self.version == version and checkpoint is not None
+                                            and checkpoint.format == "full")
 
-    async def apply(self, checkpoint: dict) -> Swap:
-        """Load one Checkpoint event's weights into the server."""
-        folder = local_path(checkpoint["uri"])
+    async def apply(self, checkpoint: Checkpoint) -> Swap:
+        """Load one checkpoint's weights into the server."""
+        folder = local_path(checkpoint.uri)
         if self.verify:
             try:
-                await asyncio.to_thread(verify_sha256, folder, checkpoint["format"], checkpoint["sha256"])
-                await asyncio.to_thread(verify_finite, folder, checkpoint["format"])  # vLLM would serve a NaN
+                await asyncio.to_thread(verify_sha256, folder, checkpoint.format, checkpoint.sha256)
+                await asyncio.to_thread(verify_finite, folder, checkpoint.format)  # vLLM would serve a NaN
             except WeightsError as error:
                 raise HotSwapError(str(error)) from error
-        version = checkpoint["version"]
-        if checkpoint["format"] == "lora":
+        version = checkpoint.version
+        if checkpoint.format == "lora":
             served = adapter_name(self.model, version)
             await self._post("/v1/load_lora_adapter", {"lora_name": served, "lora_path": str(folder),
                                                        "version": version, "load_inplace": True},
@@ -252,7 +243,7 @@ class HotSwapper:
             served = self.model
             await self._post("/v1/load_weights", {"path": str(folder), "version": version})
             self.version = version
-        swap = Swap(self.model, version, checkpoint["format"], served, checkpoint["created_at_us"],
+        swap = Swap(self.model, version, checkpoint.format, served, checkpoint.created_at_us,
                     time.time_ns() // 1000)
         log.info("loaded %s v%d into %s as %s (%.3f s after it was written)", self.model, version, self.server_url,
                  served, (swap.loaded_at_us - swap.created_at_us) / 1e6)
@@ -294,10 +285,10 @@ class HotSwapper:
         wanted = set(self.routing.loaded_versions())
         for v, (name, root) in sorted(listed.items()):
             checkpoint = self.checkpoints.get(v)
-            if checkpoint is None or not root or root == str(local_path(checkpoint["uri"])):
+            if checkpoint is None or not root or root == str(local_path(checkpoint.uri)):
                 continue
             log.warning("%s serves %s from %s, not from its checkpoint %s (replaced behind hot swap's back): %s",
-                        self.server_url, name, root, checkpoint["uri"],
+                        self.server_url, name, root, checkpoint.uri,
                         "reloading it" if v in wanted else "unloading it")
             if v in wanted:
                 del self.adapters[v]

@@ -25,6 +25,7 @@ from infra.config import Config
 from infra.kafka import client_options, topic_name
 from models.weights import local_path, sha256_file
 from schemas import CHECKPOINT, AvroCodec
+from schemas.checkpoint import Checkpoint
 from schemas.errors import AgentstreamError
 
 MANIFEST = "checkpoint.json"
@@ -54,11 +55,10 @@ class Manifest:
     trained_ids: list[str] = field(default_factory=list)  # transitions trained since the previous checkpoint
     metrics: dict[str, float] = field(default_factory=dict)
 
-    def record(self) -> dict:
-        """The Checkpoint event (schemas/avro/checkpoint.avsc)."""
-        return {"model": self.model, "version": self.version, "uri": self.uri, "sha256": self.sha256,
-                "step": self.step, "created_at_us": self.created_at_us, "metrics": dict(self.metrics),
-                "format": self.format}
+    def checkpoint(self) -> Checkpoint:
+        """The Checkpoint record announced for it (the event and the ``checkpoints`` row)."""
+        return Checkpoint(model=self.model, version=self.version, uri=self.uri, sha256=self.sha256, step=self.step,
+                          created_at_us=self.created_at_us, metrics=dict(self.metrics), format=self.format)
 
 
 class CheckpointStore(Protocol):
@@ -246,4 +246,4 @@ class CheckpointAnnouncer:
     async def announce(self, manifest: Manifest) -> None:
         """Publish and wait for the broker's acknowledgement."""
         await self._producer.send_and_wait(self.topic, key=manifest.model.encode(),
-                                           value=self.codec.encode(CHECKPOINT, manifest.record()))
+                                           value=self.codec.encode(CHECKPOINT, manifest.checkpoint().record()))

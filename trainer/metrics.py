@@ -6,6 +6,7 @@ import datetime
 import statistics
 from dataclasses import dataclass
 
+from schemas.checkpoint import CHECKPOINT_COLUMNS
 from trainer.batching import Batch
 from trainer.checkpoints import Manifest
 from trainer.step import StepResult
@@ -15,7 +16,6 @@ TRAIN_STEP_COLUMNS = (
     "clip_fraction", "importance_weight_mean", "staleness_mean", "staleness_max", "dropped_stale", "transitions",
     "tokens", "tokens_per_s", "step_time_s", "created_at", "skipped_nonfinite", "calls_per_sample", "prefix_breaks",
 )
-CHECKPOINT_COLUMNS = ("model", "version", "uri", "sha256", "step", "format", "metrics", "created_at")
 
 
 @dataclass(frozen=True)
@@ -109,7 +109,5 @@ class MetricsWriter:
                                column_names=list(TRAIN_STEP_COLUMNS))
 
     def checkpoint(self, manifest: Manifest) -> None:
-        created = datetime.datetime.fromtimestamp(manifest.created_at_us / 1e6, tz=datetime.UTC)
-        row = (manifest.model, manifest.version, manifest.uri, manifest.sha256, manifest.step, manifest.format,
-               manifest.metrics, created)
-        self.client.insert(f"{self.database}.checkpoints", [row], column_names=list(CHECKPOINT_COLUMNS))
+        self.client.insert(f"{self.database}.checkpoints", [manifest.checkpoint().row()],
+                           column_names=list(CHECKPOINT_COLUMNS))

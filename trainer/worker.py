@@ -27,13 +27,12 @@ from collections.abc import Callable
 from concurrent.futures import ThreadPoolExecutor
 from dataclasses import dataclass
 from pathlib import Path
-from typing import Any
+from typing import Any, Protocol
 
 from aiokafka import AIOKafkaConsumer, ConsumerRebalanceListener, TopicPartition
 from aiokafka.errors import KafkaError
 
 from infra.config import Config
-from infra.deployments import DeploymentFollower, Routing
 from infra.kafka import client_options, consumer_options, topic_name
 from infra.logreset import ConsumerLogWatch
 from infra.members import MemberLedger, evict_dead_members, member_id
@@ -62,10 +61,35 @@ from trainer.policy import (
     restore_last_good,
     save_weights_later,
 )
-from trainer.rebase import RejectionStreak
 from trainer.step import train_step
 
 log = logging.getLogger("agentstream.trainer")
+
+
+class ServingVersion(Protocol):
+    """The version serving users, which a rebase goes back to."""
+
+    @property
+    def stable_version(self) -> int: ...
+
+    @property
+    def stable_uri(self) -> str: ...
+
+
+class Rebase(Protocol):
+    """Says when the gate has refused ``limit`` of this model's candidates in a row (``deploy.rebase.RejectionStreak``).
+
+    The trainer and ``deploy`` do not import each other (they talk through Kafka): whoever
+    starts the trainer hands it the factory, ``RejectionStreak``, that follows the deployments topic.
+    """
+
+    limit: int
+
+    async def follow(self, config: Config, bootstrap_servers: str, stop: asyncio.Event) -> None: ...
+
+    def due(self) -> ServingVersion | None: ...
+
+    def clear(self) -> list[int]: ...
 
 METRICS_FLUSH_S = 1.0  # train_steps rows are written in batches, off the training path
 
@@ -113,11 +137,18 @@ class _ResumePositions(ConsumerRebalanceListener):
 
 
 class TrainerWorker:
-    """Trains ``config.trainer`` from the transitions topic; ``run`` until stopped or ``max_steps`` steps were taken."""
+    """Trains ``config.trainer`` from the transitions topic; ``run`` until stopped or ``max_steps`` steps were taken.
+
+    ``rebase`` makes the streak of refused candidates from the model's name and
+    ``trainer.rebase_after_rejections``; it is required when that setting is above 0.
+    """
 
     def __init__(self, config: Config, bootstrap_servers: str, *, metrics: MetricsWriter | None = None,
                  progress: Callable[[str], None] = print, policy: Policy | None = None,
-                 store: CheckpointStore | None = None) -> None:
+                 store: CheckpointStore | None = None, rebase: Callable[[str, int], Rebase] | None = None) -> None:
+        if rebase is None and config.trainer.rebase_after_rejections > 0:
+            raise ValueError("trainer.rebase_after_rejections needs the deployments topic: pass "
+                             "rebase=deploy.rebase.RejectionStreak")
         self.config = config
         self.settings = config.trainer
         self.bootstrap_servers = bootstrap_servers
@@ -148,7 +179,7 @@ class TrainerWorker:
         self._metrics_lock = asyncio.Lock()
         self._model_thread = ThreadPoolExecutor(max_workers=1, thread_name_prefix="trainer-model")
         self.batcher = self._batcher([])
-        self.streak = RejectionStreak(self.name, self.settings.rebase_after_rejections)
+        self.streak = rebase(self.name, self.settings.rebase_after_rejections) if rebase is not None else None
         self._rebased_on: int | None = None  # the version the next checkpoint was rebased on, if any
 
     def _batcher(self, trained_ids: list[str]) -> Batcher:
@@ -163,7 +194,8 @@ class TrainerWorker:
         stop = stop or asyncio.Event()
         await self.announcer.start()
         following = asyncio.Event()
-        follower = asyncio.create_task(self._follow_decisions(following)) if self.streak.limit > 0 else None
+        follower = (asyncio.create_task(self.streak.follow(self.config, self.bootstrap_servers, following))
+                    if self.streak is not None and self.streak.limit > 0 else None)
         try:
             await self._resume()
             options = client_options(self.config.kafka, self.bootstrap_servers)
@@ -193,15 +225,6 @@ class TrainerWorker:
             await self.announcer.stop()
             self._model_thread.shutdown()
         return self.summary
-
-    async def _follow_decisions(self, stop: asyncio.Event) -> None:
-        """Feed the gate's decisions to the rejection streak; those made before this run only set the routing."""
-        follower = DeploymentFollower(self.config, self.bootstrap_servers, on_decision=self.streak.seen)
-        following, ready = asyncio.create_task(follower.run(stop)), asyncio.create_task(follower.ready.wait())
-        await asyncio.wait([following, ready], return_when=asyncio.FIRST_COMPLETED)
-        ready.cancel()
-        self.streak.live = True
-        await following
 
     def unfinished(self) -> str:
         """What a forced exit abandons, for its log line (read from another thread: plain reads only)."""
@@ -247,8 +270,8 @@ class TrainerWorker:
                     self._consumed[tp] = record.offset + 1
                     if record.key == key:
                         self._offer(record, tp, now)
-            if (routing := self.streak.due()) is not None:
-                await self._rebase(routing)
+            if self.streak is not None and (routing := self.streak.due()) is not None:
+                await self._rebase(routing, self.streak.clear())
             while (self.batcher.ready(time.monotonic()) and not stop.is_set()
                    and (max_steps is None or self.summary.steps < max_steps)):
                 batch = self.batcher.take(self.version)
@@ -319,14 +342,13 @@ class TrainerWorker:
         if time.monotonic() - self._flushed_at >= METRICS_FLUSH_S:
             self._flush_metrics()
 
-    async def _rebase(self, routing: Routing) -> None:
+    async def _rebase(self, routing: ServingVersion, refused: list[int]) -> None:
         """Train on from the serving version's weights (and optimizer state, where it was written); versions count on.
 
         Steps since the last checkpoint are dropped with the weights they changed; their
         transitions still count as trained. A serving checkpoint that cannot be loaded (pruned,
         unreadable) leaves the trainer on its own weights, and the streak starts again.
         """
-        refused = self.streak.clear()
         try:
             folder = await asyncio.to_thread(self.store.get, routing.stable_uri)
             await self._on_model_thread(load_weights, self.policy, folder)

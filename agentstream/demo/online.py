@@ -30,10 +30,10 @@ from rich.table import Table
 from agentstream.dashboard.server import start_beside
 from agentstream.demo.training import compute_dtype
 from agentstream.session import SessionPlan, TrainingSession
+from deploy.deployments import DeploymentFollower, split_adapter_name
 from examples import arithmetic
 from infra.clickhouse import connect, migrate
 from infra.config import Config, CreditRule
-from infra.deployments import DeploymentFollower, split_adapter_name
 from infra.processes import free_port
 from infra.security import FEEDBACK_TOKEN_HEADER
 from pipeline.feedback import feedback_url

@@ -23,8 +23,8 @@ import openai
 import pytest
 
 from bench.scenario import Users, lora_checkpoint, publish, serve_app, wait_until
+from deploy.deployments import Action, DeploymentFollower, DeploymentLog, adapter_name
 from infra.config import TrainerConfig
-from infra.deployments import Action, DeploymentFollower, DeploymentLog, adapter_name
 from infra.kafka import create_topics, topic_name
 from infra.processes import free_port
 from models import load_model
@@ -156,10 +156,10 @@ def test_the_gate_rejects_a_broken_checkpoint_rolls_back_a_bad_canary_and_promot
         lora_setup, stack, publisher, clickhouse, tmp_path):
     import json
 
-    from agentstream.deploy import task_evaluator
-    from infra.deployments import Routing
+    from agentstream.evaluation import task_evaluator
+    from deploy.deployments import Routing
+    from deploy.gate import Gate
     from tests.support.streams_harness import Worker, worker_env
-    from trainer.gate import Gate
 
     base, name, store = lora_setup
     prompts = [f"Say something about the number {n}." for n in range(6)]
@@ -322,8 +322,8 @@ def test_deployments_promote_and_rollback_from_the_command_line(lora_setup, stac
 
 
 def test_a_gate_and_a_hot_swap_that_promotes_by_itself_refuse_to_run_side_by_side(lora_setup, stack, clickhouse):
-    from infra.deployments import GateDisagreement
-    from trainer.gate import Gate
+    from deploy.deployments import GateDisagreement
+    from deploy.gate import Gate
 
     config, name, _ = lora_setup
     gated = replace(config, deploy=replace(config.deploy, gate=True))
@@ -402,8 +402,8 @@ def test_an_evaluation_that_cannot_run_rejects_the_candidate_as_failed_not_as_sc
     """The evaluation goes through a proxy that is down: every call fails, and no candidate is judged on that."""
     import json
 
-    from agentstream.deploy import task_evaluator
-    from trainer.gate import Gate
+    from agentstream.evaluation import task_evaluator
+    from deploy.gate import Gate
 
     base, name, store = lora_setup
     task_file = tmp_path / "eval.jsonl"

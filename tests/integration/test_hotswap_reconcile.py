@@ -23,8 +23,8 @@ import aiohttp
 import pytest
 
 from bench.scenario import publish, serve_app
+from deploy.deployments import DeploymentLog, adapter_name
 from infra.config import ConfigError, Secret, TrainerConfig, load_config
-from infra.deployments import DeploymentLog, adapter_name
 from infra.kafka import create_topics
 from infra.processes import free_port
 from infra.security import KeySet
@@ -272,12 +272,12 @@ def test_hot_swap_sends_the_admin_token_and_a_401_is_not_taken_for_a_bad_checkpo
             config, stack.bootstrap_servers, url, name)
         try:
             with pytest.raises(AdminTokenRefused, match="401"):
-                await refused.apply(manifest.record())
-            refused.checkpoints[1] = manifest.record()
+                await refused.apply(manifest.checkpoint())
+            refused.checkpoints[1] = manifest.checkpoint()
             assert not await refused._load_until_done(1, asyncio.Event())
             assert 1 in refused.unauthorized and 1 not in refused.refused  # tried again at the next re-check
             assert runner.app[SERVER].version == 0
-            await accepted.apply(manifest.record())
+            await accepted.apply(manifest.checkpoint())
             assert runner.app[SERVER].version == 1
         finally:
             await refused.close()

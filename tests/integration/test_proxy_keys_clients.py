@@ -15,7 +15,8 @@ from dataclasses import replace
 import openai
 import pytest
 
-from agentstream.deploy import EVAL_ATTEMPTS, task_evaluator
+from agentstream.evaluation import EVAL_ATTEMPTS, task_evaluator
+from deploy.gate import GATE_AGENT, EvaluationError
 from examples import arithmetic
 from infra.config import AglConfig, Config, Secret
 from infra.kafka import topic_name
@@ -32,7 +33,6 @@ from serving.app import create_app
 from tests.support import agl_agents
 from tests.support.http_thread import ServerThread
 from tests.support.readback import Landed, read_topic
-from trainer.gate import GATE_AGENT, EvaluationError
 
 PROXY_KEYS = "k-stack-1,k-stack-2"
 

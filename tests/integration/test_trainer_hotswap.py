@@ -13,8 +13,8 @@ import torch
 from aiohttp import web
 
 from bench.scenario import publish
+from deploy.deployments import adapter_name
 from infra.config import TrainerConfig
-from infra.deployments import adapter_name
 from infra.kafka import create_topics
 from infra.processes import free_port
 from models import load_model, teacher_forced_logprobs
@@ -154,9 +154,9 @@ def test_a_checkpoint_whose_file_does_not_match_its_sha256_is_not_loaded(swap_se
             manifest = write_checkpoint(store, staging, weights, model=name, version=1, step=1, format="full",
                                         offsets={}, trained_ids=[], metrics={})
             with pytest.raises(HotSwapError, match="sha256"):
-                await swapper.apply({**manifest.record(), "sha256": "0" * 64})
+                await swapper.apply(replace(manifest.checkpoint(), sha256="0" * 64))
             assert app[SERVER].version == 0
-            await swapper.apply(manifest.record())
+            await swapper.apply(manifest.checkpoint())
             assert app[SERVER].version == 1
         finally:
             await swapper.close()

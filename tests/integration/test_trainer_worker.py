@@ -11,8 +11,9 @@ import pytest
 import torch
 from aiokafka import AIOKafkaConsumer, AIOKafkaProducer, TopicPartition
 
+from deploy.deployments import Action, DeploymentLog, Routing, decide
+from deploy.rebase import RejectionStreak
 from infra.config import Config, TrainerConfig
-from infra.deployments import Action, DeploymentLog, Routing, decide
 from infra.kafka import create_topics, topic_name
 from models.weights import ADAPTER_WEIGHTS_FILE
 from schemas import CHECKPOINT, TRANSITION, TRANSITION_BATCH, AvroCodec
@@ -240,7 +241,7 @@ def test_after_a_streak_of_refused_candidates_the_trainer_trains_on_from_the_ser
         return left.keys() == right.keys() and all(torch.equal(left[k], right[k]) for k in left)
 
     async def scenario() -> TrainerWorker:
-        running = TrainerWorker(config, stack.bootstrap_servers, progress=lines.append)
+        running = TrainerWorker(config, stack.bootstrap_servers, progress=lines.append, rebase=RejectionStreak)
         log = DeploymentLog(config, stack.bootstrap_servers)
         await log.start()
         old = decide(Routing(model), 1, Action.REJECTED, "gate", "made before this trainer started")

@@ -4,7 +4,7 @@ from __future__ import annotations
 
 import pytest
 
-from infra.deployments import (
+from deploy.deployments import (
     Action,
     Announcement,
     Decision,
@@ -15,11 +15,11 @@ from infra.deployments import (
     share_of,
     split_adapter_name,
 )
-from pipeline.routing import RouteError, resolve_route
+from deploy.gate import LiveRewards, Score, best_served, evaluation_verdict, judge_canary
+from deploy.rebase import RejectionStreak
+from deploy.routing import RouteError, resolve_route
+from deploy.sequential import Verdict, mixture_half_width, t_quantile
 from schemas import DEPLOYMENT, AvroCodec
-from trainer.gate import LiveRewards, Score, best_served, evaluation_verdict, judge_canary
-from trainer.rebase import RejectionStreak
-from trainer.sequential import Verdict, mixture_half_width, t_quantile
 
 
 class Table:

@@ -15,7 +15,7 @@ import agentstream
 from schemas.errors import AgentstreamError
 
 ROOT = Path(__file__).resolve().parents[2]
-PACKAGES = ("agentstream", "infra", "models", "pipeline", "schemas", "serving", "stack", "streams", "trainer")
+PACKAGES = ("agentstream", "deploy", "infra", "models", "pipeline", "schemas", "serving", "stack", "streams", "trainer")
 
 PRIVATE_EXEMPT = {"stack.objectstore._NotModified", "schemas.spanwriter._Unusual"}
 """Control flow inside one module (a 304 answer, the span writer's fast path): never raised out of it."""

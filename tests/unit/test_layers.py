@@ -1,7 +1,9 @@
 """The packages form layers, and imports run down them.
 
-agentstream -> {pipeline, serving, streams, trainer, stack} -> {models, schemas, infra}
+agentstream -> {pipeline, serving, streams, trainer, deploy, stack} -> {models, schemas, infra}
 
+Within the middle layer only pipeline and serving may import deploy (routing, the checkpoint
+follower); trainer and deploy sit side by side and talk through Kafka, never by import.
 stack (the one-command stack's embedded servers) imports only infra and schemas, and of the product
 packages only agentstream (the CLI, the demos) imports it. bench may use tests/support, not the tests.
 """
@@ -15,13 +17,13 @@ ROOT = Path(__file__).resolve().parents[2]
 
 LAYER = {
     "agentstream": 3,
-    "pipeline": 2, "serving": 2, "streams": 2, "trainer": 2, "stack": 2,
+    "pipeline": 2, "serving": 2, "streams": 2, "trainer": 2, "deploy": 2, "stack": 2,
     "models": 1, "infra": 1,
     "schemas": 0,
 }
-"""A package may import packages of a lower layer; within a layer only itself (and infra may import schemas)."""
+"""A package may import packages of a lower layer; within a layer only itself and the pairs below."""
 
-ALLOWED_SAME_LAYER = {("infra", "schemas")}
+ALLOWED_SAME_LAYER = {("infra", "schemas"), ("pipeline", "deploy"), ("serving", "deploy")}
 ONLY = {"stack": {"infra", "schemas"}}
 """Packages that may import fewer than their layer allows."""
 PRODUCT = tuple(LAYER)
@@ -104,6 +106,13 @@ def test_no_import_cycle_between_packages():
     assert find_cycle(package_graph()) is None
 
 
+def test_trainer_and_deploy_do_not_import_each_other():
+    """The trainer writes checkpoints and deploy decides what serves them: they talk through Kafka only."""
+    graph = package_graph()
+    assert "deploy" not in graph["trainer"] and "trainer" not in graph["deploy"]
+    assert ("trainer", "deploy") not in ALLOWED_SAME_LAYER and ("deploy", "trainer") not in ALLOWED_SAME_LAYER
+
+
 def test_only_the_demo_imports_examples():
     importers = sorted(str(path.relative_to(ROOT)) for package in PRODUCT for path in (ROOT / package).rglob("*.py")
                        if "examples" in imported_packages(path))
@@ -127,9 +136,14 @@ def test_the_checks_see_a_violation(tmp_path):
         (tmp_path / package).mkdir()
     (tmp_path / "models" / "bad.py").write_text("def f():\n    from trainer.policy import Policy\n")
     (tmp_path / "trainer" / "ok.py").write_text("import models\n")
+    (tmp_path / "serving" / "ok.py").write_text("from deploy.routing import Route\n")
     graph = package_graph(tmp_path)
     assert upward_imports(graph) == ["models imports trainer"]
     assert find_cycle(graph) in (["models", "trainer", "models"], ["trainer", "models", "trainer"])
+    (tmp_path / "trainer" / "side.py").write_text("from deploy.gate import Gate\n")
+    (tmp_path / "deploy" / "side.py").write_text("import trainer.checkpoints\n")
+    assert upward_imports(package_graph(tmp_path)) == ["deploy imports trainer", "models imports trainer",
+                                                       "trainer imports deploy"]
 
 
 def test_the_checks_see_a_misplaced_stack_import(tmp_path):

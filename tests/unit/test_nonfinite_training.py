@@ -297,6 +297,7 @@ def test_the_dev_server_and_hot_swap_refuse_weights_with_a_nan(tmp_path, tiny_co
     from safetensors.torch import load_file, save_file
 
     from models import ADAPTER_WEIGHTS_FILE, load_model, sha256_file
+    from schemas.checkpoint import Checkpoint
     from serving.app import create_app
     from serving.hotswap import HotSwapError, HotSwapper
     from tests.support.http_thread import ServerThread
@@ -322,8 +323,9 @@ def test_the_dev_server_and_hot_swap_refuse_weights_with_a_nan(tmp_path, tiny_co
         swapper = HotSwapper(load_config(environ={}), "127.0.0.1:1", server.url, "tiny")
         for folder, form, file in ((tmp_path / "full", "full", "model.safetensors"),
                                    (tmp_path / "lora", "lora", ADAPTER_WEIGHTS_FILE)):
-            checkpoint = {"model": "tiny", "version": 5, "uri": folder.as_uri(), "format": form,
-                          "sha256": sha256_file(folder / file), "created_at_us": 1}  # the right digest: only the NaN
+            digest = sha256_file(folder / file)  # the right digest: only the NaN
+            checkpoint = Checkpoint(model="tiny", version=5, uri=folder.as_uri(), sha256=digest, step=5,
+                                    created_at_us=1, format=form)
             with pytest.raises(HotSwapError, match="NaN or infinite"):
                 asyncio.run(swapper.apply(checkpoint))
         assert swapper.version is None and swapper.adapters == {}

@@ -13,7 +13,7 @@ from __future__ import annotations
 from dataclasses import dataclass
 from typing import Protocol
 
-from infra.deployments import Routing, adapter_name, split_adapter_name
+from deploy.deployments import Routing, adapter_name, split_adapter_name
 from schemas.contracts import VERSION_HEADER
 from schemas.errors import AgentstreamError
 

@@ -36,7 +36,7 @@ from aiokafka.errors import KafkaError
 
 from infra.config import Config
 from infra.kafka import client_options, consumer_options, topic_name
-from schemas import ANNOUNCEMENT, CHECKPOINT, DEPLOYMENT, AvroCodec, CodecError
+from schemas import ANNOUNCEMENT, DEPLOYMENT, AvroCodec, CodecError
 from schemas.errors import AgentstreamError
 
 log = logging.getLogger("agentstream.deployments")
@@ -73,17 +73,6 @@ def split_adapter_name(name: str) -> tuple[str, int | None]:
     """``("M", 5)`` for ``"M@v5"``; ``(name, None)`` for a name without a version."""
     match = ADAPTER_SUFFIX.match(name)
     return (match["model"], int(match["version"])) if match else (name, None)
-
-
-def checkpoint_of(record: Any, model: str, codec: AvroCodec) -> dict | None:
-    """The Checkpoint event a checkpoints-topic record holds for ``model`` (None: another model's, or unreadable)."""
-    if record.key != model.encode() or record.value is None:
-        return None
-    try:
-        return codec.decode(record.value, CHECKPOINT)[1]
-    except CodecError as error:
-        log.error("skipped an unreadable checkpoint event at offset %d: %s", record.offset, error)
-        return None
 
 
 def share_of(key: str) -> float:

@@ -8,7 +8,7 @@ For each new checkpoint of its model the gate (one process per trained model):
    held-out tasks, pinned to each version; both scored afresh for every candidate) and lets it
    on only when the data show it is no worse than the stable version by more than
    ``deploy.tolerance``: the lower ``deploy.confidence`` bound of the mean paired difference
-   (candidate - stable, task by task; :func:`trainer.sequential.paired_lower_bound`) is above
+   (candidate - stable, task by task; :func:`deploy.sequential.paired_lower_bound`) is above
    ``-deploy.tolerance``. The same test runs against the best-scoring version that has served
    all traffic (of those this gate process has scored, scored again now), so a run of
    candidates each a little worse than the one before cannot slide below the best by more than
@@ -17,7 +17,7 @@ For each new checkpoint of its model the gate (one process per trained model):
    failed", with the error;
 3. makes it the CANARY for ``deploy.canary_share`` of live rollouts and watches the live
    rewards of both versions in ClickHouse's ``rollouts`` table since the canary began, every
-   ``poll_s``: the always-valid bound of :mod:`trainer.sequential` (a normal-mixture sequential
+   ``poll_s``: the always-valid bound of :mod:`deploy.sequential` (a normal-mixture sequential
    test, valid however often it is looked at) PROMOTES it once the data show it is no worse than
    the tolerance (and ``canary_min_s`` has passed) and ROLLS it BACK once they show it is worse.
    Each wrong decision has probability at most 1 - ``deploy.confidence``. A canary still
@@ -28,7 +28,7 @@ rollouts (and two stable ones). Checkpoints that arrive while one is being consi
 when the gate is free it takes the newest and marks the ones in between SUPERSEDED. A
 person's decision (``agentstream promote``/``rollback``) that changes the candidate or canary
 ends the gate's consideration. The gate announces itself on the deployments topic
-(:func:`infra.deployments.announce`) and refuses to run beside a hot swap that promotes
+(:func:`deploy.deployments.announce`) and refuses to run beside a hot swap that promotes
 every checkpoint itself (``deploy.gate = false``).
 """
 
@@ -43,10 +43,9 @@ from dataclasses import dataclass
 from typing import Any
 
 import aiohttp
-from aiokafka import AIOKafkaConsumer
 
-from infra.config import Config
-from infra.deployments import (
+from deploy.checkpoints import CheckpointFollower
+from deploy.deployments import (
     Action,
     Decision,
     DeploymentFollower,
@@ -54,13 +53,13 @@ from infra.deployments import (
     Routing,
     adapter_name,
     announce,
-    checkpoint_of,
     decide,
 )
-from infra.kafka import consumer_options, topic_name
-from schemas import AvroCodec
+from deploy.sequential import Verdict, canary_bounds, canary_verdict, paired_differences, paired_lower_bound
+from infra.clickhouse import ROLLOUT_POLICY_VERSION
+from infra.config import Config
+from schemas.checkpoint import Checkpoint
 from schemas.errors import AgentstreamError
-from trainer.sequential import Verdict, canary_bounds, canary_verdict, paired_differences, paired_lower_bound
 
 log = logging.getLogger("agentstream.gate")
 
@@ -133,7 +132,7 @@ def best_served(scores: dict[int, Score], served: set[int]) -> int | None:
 
 def judge_canary(canary: LiveRewards, stable: LiveRewards, *, tolerance: float, confidence: float,
                  min_rollouts: int) -> CanaryVerdict:
-    """The sequential test of :mod:`trainer.sequential` on the live rewards so far (WAIT below the minimum)."""
+    """The sequential test of :mod:`deploy.sequential` on the live rewards so far (WAIT below the minimum)."""
     enough = canary.rollouts >= min_rollouts and stable.rollouts >= 2
     if not enough or canary.mean is None or stable.mean is None:
         return CanaryVerdict(Verdict.WAIT, False)
@@ -143,13 +142,13 @@ def judge_canary(canary: LiveRewards, stable: LiveRewards, *, tolerance: float, 
     return CanaryVerdict(canary_verdict(lower, upper, tolerance), True, difference, lower, upper)
 
 
-LIVE_REWARDS_SQL = """
-SELECT arrayMax(policy_versions) AS version, count() AS rollouts, avg(final_reward) AS mean,
+LIVE_REWARDS_SQL = f"""
+SELECT {ROLLOUT_POLICY_VERSION} AS version, count() AS rollouts, avg(final_reward) AS mean,
        ifNotFinite(varSamp(final_reward), 0) AS variance
-FROM {database}.rollouts FINAL
-WHERE model = {model:String} AND agent_name != {gate_agent:String} AND final_reward IS NOT NULL
-  AND notEmpty(policy_versions) AND start_time >= fromUnixTimestamp64Micro({since_us:Int64}, 'UTC')
-  AND arrayMax(policy_versions) IN {versions:Array(Int64)}
+FROM {{database}}.rollouts FINAL
+WHERE model = {{model:String}} AND agent_name != {{gate_agent:String}} AND final_reward IS NOT NULL
+  AND notEmpty(policy_versions) AND start_time >= fromUnixTimestamp64Micro({{since_us:Int64}}, 'UTC')
+  AND {ROLLOUT_POLICY_VERSION} IN {{versions:Array(Int64)}}
 GROUP BY version
 """
 
@@ -171,12 +170,12 @@ class Gate:
         self.poll_s = poll_s
         self.clock = clock
         self.follower = DeploymentFollower(config, bootstrap_servers, on_decision=self._seen)
-        self.checkpoints: dict[int, dict] = {}
+        self.checkpoint_follower = CheckpointFollower(config, bootstrap_servers, model)
+        self.checkpoints = self.checkpoint_follower.checkpoints
         self.considered = 0  # the newest version decided on (by anyone) or under consideration
         self.seen_ids: set[str] = set()  # decisions about this model read back from the topic
         self.scores: dict[int, Score] = {}
         self.served: set[int] = {0}  # versions that served all traffic and no person rolled back
-        self.codec = AvroCodec()
 
     @property
     def routing(self) -> Routing:
@@ -184,29 +183,21 @@ class Gate:
 
     async def run(self, stop: asyncio.Event) -> None:
         await announce(self.config, self.bootstrap_servers, self.model, "gate", gated=self.settings.gate, stop=stop)
-        consumer = AIOKafkaConsumer(topic_name(self.config.topics, "checkpoints"),
-                                    **consumer_options(self.config.kafka, self.bootstrap_servers), group_id=None,
-                                    enable_auto_commit=False, auto_offset_reset="earliest")
         following = asyncio.create_task(self.follower.run(stop))
-        await consumer.start()
+        await self.checkpoint_follower.start()
         try:
             await self.follower.ready.wait()
-            while fetched := await consumer.getmany(timeout_ms=500):  # what exists before deciding anything
-                for records in fetched.values():
-                    for record in records:
-                        self._collect(record)
+            await self.checkpoint_follower.catch_up(timeout_ms=500)  # what exists before deciding anything
             await self._resume(stop)
             while not stop.is_set():
-                for records in (await consumer.getmany(timeout_ms=200)).values():
-                    for record in records:
-                        self._collect(record)
+                await self.checkpoint_follower.poll(timeout_ms=200)
                 newest = max(self.checkpoints, default=0)
                 if newest > self.considered:
                     await self._supersede(newest)
                     self.considered = newest
                     await self.consider(self.checkpoints[newest], stop)
         finally:
-            await consumer.stop()
+            await self.checkpoint_follower.stop()
             await following
 
     def _seen(self, decision: Decision) -> None:
@@ -248,21 +239,16 @@ class Gate:
         elif routing.candidate_version is not None and routing.candidate_version in self.checkpoints:
             await self.consider(self.checkpoints[routing.candidate_version], stop)
 
-    def _collect(self, record: Any) -> None:
-        checkpoint = checkpoint_of(record, self.model, self.codec)
-        if checkpoint is not None:
-            self.checkpoints[checkpoint["version"]] = checkpoint
-
     async def _supersede(self, newest: int) -> None:
         for version in sorted(v for v in self.checkpoints if self.considered < v < newest):
             await self._record(decide(
                 self.routing, version, Action.SUPERSEDED, "gate",
                 f"v{newest} arrived before v{version} was considered; the gate considers the newest only"))
 
-    async def consider(self, checkpoint: dict, stop: asyncio.Event) -> None:
+    async def consider(self, checkpoint: Checkpoint, stop: asyncio.Event) -> None:
         """Take one checkpoint through evaluation and canary to a decision."""
-        version = checkpoint["version"]
-        if checkpoint["format"] != "lora":
+        version = checkpoint.version
+        if checkpoint.format != "lora":
             await self._record(decide(
                 self.routing, version, Action.REJECTED, "gate",
                 "full-weight checkpoints cannot be evaluated next to the version serving (the server holds one "
@@ -328,8 +314,8 @@ class Gate:
                 await asyncio.sleep(0.2)
         return False
 
-    async def _watch_canary(self, checkpoint: dict, stable_version: int, stop: asyncio.Event) -> None:
-        version = checkpoint["version"]
+    async def _watch_canary(self, checkpoint: Checkpoint, stable_version: int, stop: asyncio.Event) -> None:
+        version = checkpoint.version
         settings = self.settings
         started, since_us = self.clock(), time.time_ns() // 1000
         while not stop.is_set():
@@ -357,7 +343,7 @@ class Gate:
                 await self._record(decide(
                     self.routing, version, Action.PROMOTED, "gate",
                     f"canary: {summary} after {elapsed:.0f} s; no worse than {settings.tolerance} ({bounds})",
-                    stable_version=version, stable_uri=checkpoint["uri"], format=checkpoint["format"],
+                    stable_version=version, stable_uri=checkpoint.uri, format=checkpoint.format,
                     canary_version=None, canary_share=0.0, **numbers))
                 return
             if elapsed >= settings.canary_max_s:

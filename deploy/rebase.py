@@ -10,13 +10,18 @@ reaches the canary or is promoted ends the streak; superseded versions do not co
 
 Only decisions made while the trainer runs count: the history read at start-up was made
 before the checkpoint it resumed from, which already carries any earlier rebase.
+
+The trainer does not import ``deploy`` (the two talk through Kafka): whoever starts it hands it
+``RejectionStreak`` as its ``rebase`` factory (``trainer.worker.Rebase``).
 """
 
 from __future__ import annotations
 
+import asyncio
 from dataclasses import dataclass, field
 
-from infra.deployments import Action, Decision, Routing
+from deploy.deployments import Action, Decision, DeploymentFollower, Routing
+from infra.config import Config
 
 REFUSED = (Action.REJECTED, Action.ROLLED_BACK)
 ACCEPTED = (Action.CANARY, Action.PROMOTED)
@@ -60,3 +65,12 @@ class RejectionStreak:
         """Start a new streak (after a rebase); returns the refused versions that caused it."""
         refused, self.refused = self.refused, []
         return refused
+
+    async def follow(self, config: Config, bootstrap_servers: str, stop: asyncio.Event) -> None:
+        """Feed the gate's decisions to the streak until ``stop``; those made before this run only set the routing."""
+        follower = DeploymentFollower(config, bootstrap_servers, on_decision=self.seen)
+        following, ready = asyncio.create_task(follower.run(stop)), asyncio.create_task(follower.ready.wait())
+        await asyncio.wait([following, ready], return_when=asyncio.FIRST_COMPLETED)
+        ready.cancel()
+        self.live = True
+        await following
