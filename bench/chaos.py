@@ -46,7 +46,7 @@ from infra.kafka import client_options, topic_name
 from infra.processes import ServiceDirectory, free_port, wait_for_port
 from infra.stack import BROKER, CLICKHOUSE, Stack
 from schemas import TASK, TRANSITION, TRANSITION_BATCH, AvroCodec, CodecError
-from streams.transitions import transition_id
+from schemas.transition_writer import transition_id
 
 BENCH = "chaos"
 ROOT = Path(__file__).resolve().parents[1]

@@ -26,7 +26,7 @@ from infra.processes import free_port
 from infra.stack import Stack
 from pipeline.publisher import SpanPublisher
 from schemas import SPAN_BATCH, AvroCodec
-from schemas.spanwriter import SpanBatchEncoder, prepare_span
+from schemas.span_writer import SpanBatchEncoder, prepare_span
 
 BENCH = "publisher"
 emit = functools.partial(emit_figure, BENCH)

@@ -16,7 +16,7 @@ from dataclasses import dataclass, field
 
 from pipeline.publisher.errors import FlushTimeout, PublisherClosed
 from pipeline.publisher.journal import Record
-from schemas.spanwriter import PreparedSpan, SpanBatchEncoder
+from schemas.span_writer import PreparedSpan, SpanBatchEncoder
 
 Item = tuple[int, str, PreparedSpan | bytes, int]
 """One queued publish call: sequence number, rollout id, prepared span (or encoded RolloutEvent), bytes."""

@@ -2,7 +2,7 @@
 
 A :class:`SpanPublisher` owns an aiokafka producer running on its own uvloop event loop in a
 background thread (:mod:`pipeline.publisher.sender`). ``publish`` checks and mostly encodes a
-span in the caller's thread (``schemas.spanwriter``) and queues it in the
+span in the caller's thread (``schemas.span_writer``) and queues it in the
 :mod:`~pipeline.publisher.accumulator`; the loop sends the queue in waves, in order per rollout.
 While the broker is unreachable, spans go to an append-only
 :class:`~pipeline.publisher.journal.Journal` on local disk and are replayed in order once it is
@@ -28,7 +28,7 @@ from pipeline.publisher.accumulator import Accumulator
 from pipeline.publisher.errors import PublisherFull
 from pipeline.publisher.sender import SenderSettings, SenderThread
 from schemas import ROLLOUT_EVENT, AvroCodec, EncodeError
-from schemas.spanwriter import PreparedSpan, prepare_span
+from schemas.span_writer import PreparedSpan, prepare_span
 
 log = logging.getLogger(__name__)
 

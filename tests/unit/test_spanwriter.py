@@ -23,10 +23,10 @@ from schemas import (
     current_schemas,
     self_contained,
 )
-from schemas.spanwriter import (
+from schemas.binary import write_long
+from schemas.span_writer import (
     SpanBatchEncoder,
     prepare_span,
-    write_long,
     zigzag_varints,
 )
 
