@@ -64,8 +64,12 @@ the ids are little-endian int32 bytes (empty when the field is null or empty; ``
 ``middle`` then ends the array itself), ``block`` is the block header (minus the count, then
 the byte size) and the varints, and
 nbytes is the memory it holds. A plain tuple of bytes on purpose: the garbage collector stops
-tracking it, which matters when tens of thousands wait in a publisher's buffer.
+tracking it, which matters when tens of thousands wait in a publisher's buffer. A named tuple
+would not do: CPython never untracks an instance of a tuple subclass, and making one costs
+several times a tuple's display. Read it by unpacking, or its size as ``prepared[NBYTES]``.
 """
+NBYTES = 5
+"""The position of ``nbytes`` in a PreparedSpan."""
 
 
 def zigzag_varints(values: np.ndarray) -> tuple[bytes, np.ndarray]:
