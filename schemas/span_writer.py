@@ -23,7 +23,7 @@ import operator
 import reprlib
 import struct
 from collections.abc import Iterable, Mapping, Sequence
-from typing import Any
+from typing import Any, Final
 
 import numpy as np
 
@@ -68,7 +68,7 @@ tracking it, which matters when tens of thousands wait in a publisher's buffer. 
 would not do: CPython never untracks an instance of a tuple subclass, and making one costs
 several times a tuple's display. Read it by unpacking, or its size as ``prepared[NBYTES]``.
 """
-NBYTES = 5
+NBYTES: Final = 5
 """The position of ``nbytes`` in a PreparedSpan."""
 
 
