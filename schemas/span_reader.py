@@ -52,32 +52,20 @@ class NonFiniteReward(MalformedSpan):
 
 
 class ReadSpan(Protocol):
-    """What the reader makes of a span: the class it is given is called with these keywords.
+    """What the reader makes of a span: the class it is given (``streams.trajectory.SpanNode``), called with the
+    keywords span_id, rollout_id, parent_id, kind, name, start_us, end_us, attempt_id, agent_name, task_id,
+    group_id, model, policy_version, has_token_ids, reward, reward_dimensions, status, train and tokens.
 
     ``tokens``: the Avro of the three token arrays (prompt ids, response ids, logprobs) as a
     Transition holds them, or empty where the span lacks prompt or response ids
     (``has_token_ids`` false); ``train``: the span's ``agentstream.train`` attribute as a flag.
+    The reader itself reads back only what the reward check needs.
     """
 
     span_id: str
     rollout_id: str
-    parent_id: str
-    kind: str
-    name: str
-    start_us: int
-    end_us: int
-    attempt_id: str
-    agent_name: str
-    task_id: str
-    group_id: str
-    model: str
-    policy_version: int | None
-    has_token_ids: bool
     reward: float | None
     reward_dimensions: dict[str, float]
-    status: str
-    train: bool | None
-    tokens: bytes
 
 
 Span = TypeVar("Span", bound=ReadSpan)
