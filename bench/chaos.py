@@ -45,8 +45,8 @@ from infra.config import Config, CreditRule, dump_toml, load_config
 from infra.kafka import client_options, topic_name
 from infra.processes import ServiceDirectory, free_port, wait_for_port
 from schemas import TASK, TRANSITION, TRANSITION_BATCH, AvroCodec, CodecError
+from schemas.transition_writer import transition_id
 from stack.control import BROKER, CLICKHOUSE, Stack
-from streams.transitions import transition_id
 
 BENCH = "chaos"
 ROOT = Path(__file__).resolve().parents[1]

@@ -25,7 +25,7 @@ from infra.kafka import client_options, message_counts, topic_name
 from infra.processes import free_port
 from pipeline.publisher import SpanPublisher
 from schemas import SPAN_BATCH, AvroCodec
-from schemas.spanwriter import SpanBatchEncoder, prepare_span
+from schemas.span_writer import SpanBatchEncoder, prepare_span
 from stack.control import Stack
 
 BENCH = "publisher"

@@ -19,11 +19,11 @@ from dataclasses import dataclass, field
 
 from infra.config import Config, CreditRule
 from schemas import ROLLOUT_RESULT, AvroCodec, CodecError
+from schemas.transition_writer import Draft
 from streams.credit import GroupNormalized, NonFiniteCredit, matching_rule
 from streams.records import RawRecord
 from streams.sink import Completion, CompletionSink
-from streams.stage import Emitter, Holder, Stage, now_us
-from streams.transitions import Draft, Transitions
+from streams.stage import Emitter, Holder, Stage, Transitions, now_us
 
 log = logging.getLogger("agentstream.streams.groups")
 

@@ -38,16 +38,16 @@ from typing import Any, NamedTuple
 from infra.config import Config, CreditRule
 from infra.kafka import topic_name
 from schemas import DEAD_LETTER, ROLLOUT_RESULT, AvroCodec
+from schemas.container_file import container_file, read_container
+from schemas.span_reader import MalformedSpan, SpanReader
+from schemas.transition_writer import Draft, draft
 from streams.credit import Credit, NonFiniteCredit, matching_rule, strategy_for
 from streams.lifecycle import OpenRollout, RolloutTracker
-from streams.ocf import container_file, read_container
 from streams.records import RawRecord, sort_records
 from streams.sink import ROLLOUT_COLUMNS, Completion, CompletionSink, RolloutRow
-from streams.spanreader import MalformedSpan, SpanReader
-from streams.stage import Emitter, Holder, Stage, now_us
+from streams.stage import Emitter, Holder, Stage, Transitions, now_us
 from streams.trajectory import SpanNode, Trajectory, assemble
 from streams.trajectory_samples import TrajectorySamples, trajectory_samples
-from streams.transitions import Draft, Transitions, draft
 from streams.warehouse import RejectedData, Warehouse
 
 log = logging.getLogger("agentstream.streams")
@@ -143,7 +143,7 @@ class SpanProcessor(Stage[SpanBatch]):
         self.closed: set[str] = set()  # expired rollouts: a reward after expiry does not revive them
         self.recheck: dict[str, list[SpanNode]] = {}  # awaiting rollouts that got new spans, and those spans
         self.next_expiry_s = float("inf")  # no waiting rollout expires before this
-        self.readers: dict[int, SpanReader] = {}
+        self.readers: dict[int, SpanReader[SpanNode]] = {}
         self.groups_topic = topic_name(config.topics, "streams.groups")
         self.dlq_topic = topic_name(config.topics, "dlq")
 
@@ -225,10 +225,10 @@ class SpanProcessor(Stage[SpanBatch]):
         if dead:
             await self.emitter.flush()
 
-    def _reader(self, schema_id: int, schema: dict) -> SpanReader:
+    def _reader(self, schema_id: int, schema: dict) -> SpanReader[SpanNode]:
         reader = self.readers.get(schema_id)
         if reader is None:
-            reader = self.readers[schema_id] = SpanReader(schema)
+            reader = self.readers[schema_id] = SpanReader(schema, SpanNode)
         return reader
 
     async def _ingest_spans(self, spans: dict[int, list[tuple[RawRecord, bytes, list[SpanNode]]]],
@@ -431,7 +431,7 @@ async def read_stored_spans(warehouse: Warehouse, database: str, rollout_ids: li
     if not container:
         return spans
     schema, blocks = read_container(container)
-    reader = SpanReader(schema)
+    reader = SpanReader(schema, SpanNode)
     for count, datums in blocks:
         for node in reader.rows(count, datums):
             spans.setdefault(node.rollout_id, []).append(node)

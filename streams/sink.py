@@ -15,8 +15,8 @@ import datetime
 from dataclasses import dataclass, field
 from typing import NamedTuple, Protocol
 
+from schemas.transition_writer import transitions_container
 from streams.records import RawRecord
-from streams.transitions import transitions_container
 from streams.warehouse import Warehouse
 
 

@@ -22,15 +22,15 @@ from __future__ import annotations
 
 import time
 from collections.abc import Callable
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 from typing import Generic, Protocol, TypeVar
 
 from infra.config import Config
 from infra.kafka import topic_name
 from schemas import AvroCodec
+from schemas.transition_writer import Draft, batch_records
 from streams.records import RawRecord
 from streams.sink import CompletionSink
-from streams.transitions import Transitions, batch_records
 
 Batch = TypeVar("Batch")
 """What a stage's ``read`` makes of a batch of records, for its ``apply`` and ``ingest``."""
@@ -72,6 +72,17 @@ class Counters:
     credits_refused: int = 0  # rollouts (or group members) whose reward, return or advantage was not finite
     prefix_merges: int = 0  # trajectory level: calls merged into the sample before them
     prefix_breaks: int = 0  # trajectory level: samples split where the token prefix broke
+
+
+@dataclass(slots=True)
+class Transitions:
+    """Credited transitions, in step: each one's draft (the model it trains, its rollout) and its Transition datum.
+
+    Two lists rather than an object per transition: thousands are made per second.
+    """
+
+    drafts: list[Draft] = field(default_factory=list)
+    datums: list[bytes] = field(default_factory=list)
 
 
 def now_us() -> int:

@@ -23,17 +23,16 @@ from collections.abc import Iterable, Sequence
 from dataclasses import dataclass, field
 
 from infra.config import CreditRule
-from schemas.spanwriter import write_long
+from schemas.binary import END
+from schemas.span_reader import MalformedSpan, array_items
+from schemas.transition_writer import Draft, array, merged_draft, sample_end
 from streams.credit import Credit
-from streams.spanreader import MalformedSpan, array_items
 from streams.trajectory import SpanNode, Trajectory
-from streams.transitions import Draft, merged_draft
 
 log = logging.getLogger("agentstream.streams")
 
 _CONTINUATION = bytes(range(0x80, 0x100))  # the bytes of a varint before its last
 _FLOAT_ZERO = b"\x00" * 4  # 0.0 as an Avro float
-_END = b"\x00"  # the zero count that ends an Avro array
 
 
 class UnreadableTokens(MalformedSpan):
@@ -76,11 +75,6 @@ def call_arrays(tokens: bytes) -> CallArrays:
     if len(logprobs) != 4 * logprob_count:
         raise UnreadableTokens(f"logprobs: {len(logprobs)} bytes do not hold the {logprob_count} floats counted")
     return CallArrays(prompt, prompt_count, response, response_count, logprobs)
-
-
-def array(count: int, items: bytes | bytearray) -> bytes:
-    """An Avro array of ``count`` items already encoded: one block, then the end."""
-    return write_long(count) + items + _END if count else _END
 
 
 @dataclass(slots=True)
@@ -135,11 +129,10 @@ class _Sample:
         """The Avro of the token arrays, loss mask, merged_calls and split_at_break (a one-call sample copies its
         call's token bytes as they are)."""
         if self.calls == 1:
-            return self.first.tokens + _END + write_long(1) + bytes((self.split,))
-        logprobs = array(self.response_count, self.logprobs) if self.logprobs else _END
+            return self.first.tokens + sample_end(b"", 1, self.split)
+        logprobs = array(self.response_count, self.logprobs) if self.logprobs else END
         return b"".join((array(self.prompt_count, self.prompt), array(self.response_count, self.response),
-                         logprobs, array(self.response_count, self.mask),
-                         write_long(self.calls), bytes((self.split,))))
+                         logprobs, sample_end(self.mask, self.calls, self.split)))
 
 
 @dataclass(frozen=True, slots=True)

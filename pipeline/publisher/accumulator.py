@@ -16,10 +16,12 @@ from dataclasses import dataclass, field
 
 from pipeline.publisher.errors import FlushTimeout, PublisherClosed
 from pipeline.publisher.journal import Record
-from schemas.spanwriter import PreparedSpan, SpanBatchEncoder
+from schemas.span_writer import PreparedSpan, SpanBatchEncoder
 
 Item = tuple[int, str, PreparedSpan | bytes, int]
-"""One queued publish call: sequence number, rollout id, prepared span (or encoded RolloutEvent), bytes."""
+"""One queued publish call: sequence number, rollout id, prepared span (or encoded RolloutEvent), bytes.
+
+A plain tuple, read by unpacking, for the reason a PreparedSpan is one (schemas/span_writer.py)."""
 
 COUNTERS = ("spans_published", "events_published", "spans_journaled", "records_journaled",
             "records_replayed", "spans_replayed", "records_dropped")
@@ -236,11 +238,13 @@ class Accumulator:
             else:
                 items, taken = [], 0
                 while self._pending and taken < max_bytes:
-                    items.append(self._pending.popleft())
-                    taken += items[-1][3]
+                    item = self._pending.popleft()
+                    items.append(item)
+                    _, _, _, nbytes = item
+                    taken += nbytes
                 self._pending_bytes -= taken
             if items:
-                self._taken_seq = items[-1][0]
+                self._taken_seq, _, _, _ = items[-1]
             return items
 
     def build_records(self, items: list[Item]) -> list[Record]:

@@ -2,7 +2,7 @@
 
 A :class:`SpanPublisher` owns an aiokafka producer running on its own uvloop event loop in a
 background thread (:mod:`pipeline.publisher.sender`). ``publish`` checks and mostly encodes a
-span in the caller's thread (``schemas.spanwriter``) and queues it in the
+span in the caller's thread (``schemas.span_writer``) and queues it in the
 :mod:`~pipeline.publisher.accumulator`; the loop sends the queue in waves, in order per rollout.
 While the broker is unreachable, spans go to an append-only
 :class:`~pipeline.publisher.journal.Journal` on local disk and are replayed in order once it is
@@ -28,7 +28,7 @@ from pipeline.publisher.accumulator import Accumulator
 from pipeline.publisher.errors import PublisherFull
 from pipeline.publisher.sender import SenderSettings, SenderThread
 from schemas import ROLLOUT_EVENT, AvroCodec, EncodeError
-from schemas.spanwriter import PreparedSpan, prepare_span
+from schemas.span_writer import NBYTES, PreparedSpan, prepare_span
 
 log = logging.getLogger(__name__)
 
@@ -90,7 +90,7 @@ class SpanPublisher:
         it waits for room: bounded memory) or the background thread is encoding a wave (a few ms).
         """
         prepared = prepare_span(span)
-        self._queue.enqueue(span["rollout_id"], prepared, prepared[5])
+        self._queue.enqueue(span["rollout_id"], prepared, prepared[NBYTES])
 
     def publish_event(self, event: Mapping[str, Any]) -> None:
         """Queue one RolloutEvent record; it lands after every span of its rollout published before it."""
@@ -100,8 +100,8 @@ class SpanPublisher:
     async def publish_async(self, span: Mapping[str, Any]) -> None:
         """publish() for coroutines: waits for buffer space without blocking the caller's event loop."""
         prepared = prepare_span(span)
-        if not self._queue.try_enqueue(span["rollout_id"], prepared, prepared[5]):
-            await asyncio.to_thread(self._queue.enqueue, span["rollout_id"], prepared, prepared[5])
+        if not self._queue.try_enqueue(span["rollout_id"], prepared, prepared[NBYTES]):
+            await asyncio.to_thread(self._queue.enqueue, span["rollout_id"], prepared, prepared[NBYTES])
 
     def offer(self, spans: Sequence[Mapping[str, Any]], events: Sequence[Mapping[str, Any]] = ()
               ) -> list[tuple[Mapping[str, Any], EncodeError]]:
@@ -119,14 +119,14 @@ class SpanPublisher:
             except EncodeError as error:
                 refused.append((span, error))
                 continue
-            items.append((span["rollout_id"], prepared, prepared[5]))
+            items.append((span["rollout_id"], prepared, prepared[NBYTES]))
         for event in events:
             value = self._codec.encode(ROLLOUT_EVENT, event)
             items.append((event["rollout_id"], value, len(value)))
         if items:
             buffered = self._queue.try_enqueue_all(items)
             if buffered:
-                raise PublisherFull(sum(item[2] for item in items), buffered, self._queue.max_buffered,
+                raise PublisherFull(sum(nbytes for _, _, nbytes in items), buffered, self._queue.max_buffered,
                                     self._sender.state_name(False))
         return refused
 

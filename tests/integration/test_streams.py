@@ -12,9 +12,9 @@ from aiokafka import AIOKafkaConsumer, TopicPartition
 
 from infra.clickhouse import connect
 from schemas import TASK, AvroCodec
+from schemas.container_file import container_file
 from schemas.contracts import TRAIN_ATTRIBUTE
-from schemas.spanwriter import SpanBatchEncoder
-from streams.ocf import container_file
+from schemas.span_writer import SpanBatchEncoder
 from tests.support.streams_harness import (
     CODEC,
     Worker,

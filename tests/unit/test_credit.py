@@ -12,10 +12,10 @@ import pytest
 
 from infra.config import CreditRule, load_config
 from schemas import AvroCodec
+from schemas.container_file import container_file
 from streams.credit import DiscountedReturns, FinalReward, GroupNormalized, matching_rule
 from streams.groups import GroupProcessor
 from streams.lifecycle import RolloutTracker
-from streams.ocf import container_file
 from streams.records import RawRecord
 from streams.sink import CompletionSink
 from streams.trajectory import SpanNode, Trajectory, assemble

@@ -17,7 +17,7 @@ from schemas.errors import AgentstreamError
 ROOT = Path(__file__).resolve().parents[2]
 PACKAGES = ("agentstream", "deploy", "infra", "models", "pipeline", "schemas", "serving", "stack", "streams", "trainer")
 
-PRIVATE_EXEMPT = {"stack.objectstore._NotModified", "schemas.spanwriter._Unusual"}
+PRIVATE_EXEMPT = {"stack.objectstore._NotModified", "schemas.span_writer._Unusual"}
 """Control flow inside one module (a 304 answer, the span writer's fast path): never raised out of it."""
 
 RETRIABLE = {

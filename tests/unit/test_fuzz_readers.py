@@ -47,12 +47,13 @@ from schemas import (
     history_schemas,
     schema_id,
 )
-from schemas.spanwriter import write_long
+from schemas.binary import write_long
+from schemas.span_reader import SpanReader
+from schemas.transition_writer import batch_records, draft
 from streams.groups import GroupProcessor
 from streams.processor import SpanProcessor
 from streams.records import RawRecord
-from streams.spanreader import SpanReader
-from streams.transitions import batch_records, draft
+from streams.trajectory import SpanNode
 from trainer.worker import RunSummary, TrainerWorker
 
 RECORDS_PER_READER = 10_000  # mutated records each reader must take (a mutation can leave a seed as it was)
@@ -85,8 +86,8 @@ def _event(kind: str) -> bytes:
 
 
 SPAN_BATCH_RECORD = CODEC.encode_span_batch(_spans())
-CALL = next(node for node in SpanReader(CODEC.writer_schema(SPAN_BATCH_RECORD)[2]).batch(SPAN_BATCH_RECORD[5:])
-            if node.has_token_ids)
+CALL = next(node for node in SpanReader(CODEC.writer_schema(SPAN_BATCH_RECORD)[2], SpanNode).batch(
+    SPAN_BATCH_RECORD[5:]) if node.has_token_ids)
 DRAFT = draft("r1", "a1", "agent", "m", 0, CALL)
 TRANSITION_BATCHES = [value for _, value in batch_records(CODEC, [DRAFT.complete(1.0, 1.0, 0.5, "g1", NOW_US),
                                                                   DRAFT.complete(0.0, 0.0, -0.5, None, NOW_US)])]

@@ -14,12 +14,12 @@ import torch
 from infra.config import CreditRule, TrainerConfig, load_config
 from models import NonFiniteWeights, check_finite, read_weights, verify_finite, write_safetensors
 from schemas import AvroCodec
+from schemas.span_reader import NonFiniteReward
 from streams.credit import DiscountedReturns, FinalReward, GroupNormalized, NonFiniteCredit, RunningBaseline
 from streams.groups import GroupProcessor
 from streams.processor import SpanProcessor
 from streams.records import RawRecord
 from streams.sink import CompletionSink
-from streams.spanreader import NonFiniteReward
 from streams.trajectory import SpanNode, assemble
 from tests.unit.test_credit import Held, Sent
 from trainer.batching import Batch, Counts, NonFiniteTransition, Sample

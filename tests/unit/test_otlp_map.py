@@ -16,7 +16,7 @@ from opentelemetry.sdk.trace.export.in_memory_span_exporter import InMemorySpanE
 from pipeline.otlp import PROTOBUF, Refused, decode_request, status_protobuf
 from pipeline.otlp_map import TraceMapper, unflatten
 from pipeline.proxy import trace_context
-from schemas.spanwriter import prepare_span
+from schemas.span_writer import prepare_span
 
 
 def export(build, resource: dict | None = None):

@@ -8,12 +8,11 @@ import fastavro
 import pytest
 
 from infra.config import load_config
-from schemas import SPAN, AvroCodec, NotWireFormat, history_schemas
-from schemas.spanwriter import write_long
-from streams import spanreader
+from schemas import SPAN, AvroCodec, NotWireFormat, history_schemas, span_reader
+from schemas.binary import write_long
+from schemas.span_reader import MalformedSpan, compile_reader
 from streams.groups import GroupProcessor
 from streams.records import RawRecord, sort_records
-from streams.spanreader import MalformedSpan, compile_reader
 
 IDS = fastavro.parse_schema({"type": "record", "name": "Ids", "fields": [
     {"name": "ids", "type": {"type": "array", "items": "int"}},
@@ -71,7 +70,7 @@ def test_a_huge_block_count_is_malformed_and_the_pattern_cache_stays_bounded():
     assert isinstance(outcome.get("error"), MalformedSpan), outcome
     for count in range(1, 3000):
         read_within(reader, write_long(count) + b"\x02" * count + b"\x00" + b"\x00", 5.0)
-    assert spanreader.varint_run_cache_size() <= spanreader.VARINT_RUN_CACHE
+    assert span_reader.varint_run_cache_size() <= span_reader.VARINT_RUN_CACHE
 
 
 @pytest.mark.parametrize("field", ["ids", "tags"])

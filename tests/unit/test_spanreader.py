@@ -11,10 +11,11 @@ import pytest
 
 from infra.config import load_config
 from schemas import TRANSITION, TRANSITION_BATCH, AvroCodec, current_schemas
-from streams.ocf import read_container
-from streams.spanreader import MalformedSpan, SpanReader
-from streams.stage import Stage
-from streams.transitions import ONE_CALL, RECORD_BYTES, Transitions, batch_records, draft, transitions_container
+from schemas.container_file import read_container
+from schemas.span_reader import MalformedSpan, SpanReader
+from schemas.transition_writer import ONE_CALL, RECORD_BYTES, batch_records, draft, transitions_container
+from streams.stage import Stage, Transitions
+from streams.trajectory import SpanNode
 
 CODEC = AvroCodec()
 
@@ -43,7 +44,7 @@ def test_reader_agrees_with_fastavro_and_keeps_token_arrays_as_transition_bytes(
     spans = [random_span(rng, i) for i in range(60)]
     record = CODEC.encode_span_batch(spans)
     _, _, schema = CODEC.writer_schema(record)
-    nodes = SpanReader(schema).batch(record[5:])
+    nodes = SpanReader(schema, SpanNode).batch(record[5:])
     assert len(nodes) == len(spans)
     transition_schema = current_schemas()[TRANSITION]
     for node, span in zip(nodes, spans, strict=True):
@@ -79,7 +80,7 @@ def test_reader_skips_blocks_written_with_byte_sizes():
         {"name": "response_logprobs", "type": {"type": "array", "items": "float"}}]}
     sized_ids = b"\x05\x06\x02\x04\x06" + b"\x02\x80\x01" + b"\x00"  # a block of 3 items in 3 bytes, then 1 item
     row = b"\x04s1\x04a1\x02n\x06LLM\x02\x04" + sized_ids + b"\x02\x0e\x00" + b"\x02\x00\x00\x80\xbf\x00"
-    [node] = SpanReader(fastavro.parse_schema(schema)).rows(1, row)
+    [node] = SpanReader(fastavro.parse_schema(schema), SpanNode).rows(1, row)
     assert node.has_token_ids and node.tokens.startswith(sized_ids)
     datum = b"\x02x" * 5 + b"\x00\x00" + node.tokens + ONE_CALL + b"\x00" * 24 + b"\x00\x00"
     value = fastavro.schemaless_reader(io.BytesIO(datum), current_schemas()[TRANSITION])
@@ -92,9 +93,9 @@ def test_cut_short_or_corrupt_batches_raise_malformed_span(cut):
     record = CODEC.encode_span_batch([random_span(random.Random(cut), i) for i in range(4)])
     _, _, schema = CODEC.writer_schema(record)
     with pytest.raises(MalformedSpan):
-        SpanReader(schema).batch(record[5:-cut])
+        SpanReader(schema, SpanNode).batch(record[5:-cut])
     with pytest.raises(MalformedSpan):
-        SpanReader(schema).batch(record[5:] + b"\x00")
+        SpanReader(schema, SpanNode).batch(record[5:] + b"\x00")
 
 
 def test_a_negative_string_length_is_malformed():
@@ -104,7 +105,7 @@ def test_a_negative_string_length_is_malformed():
     assert body[0] == 2 and body[1] == 2 * len("s0"), "a batch of one span, then the span_id's length"
     body[1] = 3  # the zigzag varint of -2
     with pytest.raises(MalformedSpan, match="negative string length -2"):
-        SpanReader(schema).batch(bytes(body))
+        SpanReader(schema, SpanNode).batch(bytes(body))
 
 
 def test_transition_records_are_bounded_and_the_container_reads_back():
@@ -112,7 +113,7 @@ def test_transition_records_are_bounded_and_the_container_reads_back():
     span = random_span(rng, 0) | {"prompt_token_ids": list(range(3000)), "response_token_ids": [1, 2]}
     record = CODEC.encode_span_batch([span])
     _, _, schema = CODEC.writer_schema(record)
-    [node] = SpanReader(schema).batch(record[5:])
+    [node] = SpanReader(schema, SpanNode).batch(record[5:])
     datums = [draft(f"r{i}", "a1", "agent", "m", 0, node).complete(1.0, 1.0, 1.0, "g", i) for i in range(200)]
     records = list(batch_records(CODEC, datums))
     assert sum(count for count, _ in records) == 200 and len(records) > 1
@@ -139,7 +140,7 @@ def test_transitions_are_published_by_model_with_the_rollouts_they_carry():
 
     record = CODEC.encode_span_batch([random_span(random.Random(6), 0)])
     _, _, schema = CODEC.writer_schema(record)
-    [node] = SpanReader(schema).batch(record[5:])
+    [node] = SpanReader(schema, SpanNode).batch(record[5:])
     transitions = Transitions()
     for rollout, model in [("r2", "m-b"), ("r1", "m-a"), ("r3", "m-b"), ("r2", "m-b")]:
         pending = draft(rollout, "a1", "agent", model, 0, node)
@@ -161,14 +162,14 @@ def test_transitions_are_published_by_model_with_the_rollouts_they_carry():
 def test_transitions_refuse_a_transition_schema_they_do_not_write(monkeypatch):
     """draft() writes the Transition fields by hand: a changed schema must stop it, not produce garbage."""
     from schemas import EncodeError
-    from streams import transitions
+    from schemas import transition_writer as transitions
 
     transitions.check_layout.cache_clear()
     transitions.check_layout()  # the bundled schema is the layout written
     monkeypatch.setattr(transitions, "TRANSITION_SCHEMA_ID", transitions.TRANSITION_SCHEMA_ID + 1)
     transitions.check_layout.cache_clear()
     try:
-        with pytest.raises(EncodeError, match="update draft"):
+        with pytest.raises(EncodeError, match=r"update schemas\.transition_writer"):
             transitions.transitions_container([])
     finally:
         transitions.check_layout.cache_clear()

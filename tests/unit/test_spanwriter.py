@@ -23,10 +23,11 @@ from schemas import (
     current_schemas,
     self_contained,
 )
-from schemas.spanwriter import (
+from schemas.binary import write_long
+from schemas.span_writer import (
+    NBYTES,
     SpanBatchEncoder,
     prepare_span,
-    write_long,
     zigzag_varints,
 )
 
@@ -319,3 +320,13 @@ def test_prepared_span_reports_the_memory_it_holds() -> None:
     prepared = prepare_span({**valid_span(), "prompt_token_ids": list(range(100)), "response_token_ids": [1] * 50})
     head, prompt, middle, response, tail, nbytes = prepared
     assert nbytes == len(head) + len(middle) + len(tail) + 4 * 150 and len(prompt) == 400 and len(response) == 200
+    assert nbytes == prepared[NBYTES]
+
+
+def test_the_encoder_refuses_a_span_schema_it_does_not_write(monkeypatch) -> None:
+    """prepare_span writes the Span fields by hand: a changed schema must stop the encoder, not produce garbage."""
+    from schemas import span_writer
+
+    monkeypatch.setattr(span_writer, "SPAN_SCHEMA_ID", span_writer.SPAN_SCHEMA_ID + 1)
+    with pytest.raises(EncodeError, match=r"update schemas\.span_writer"):
+        SpanBatchEncoder()

@@ -12,8 +12,8 @@ from infra.config import ConfigError, CreditRule, load_config
 from pipeline.sdk import Rollout, build_span, rollout
 from schemas import AvroCodec
 from schemas.contracts import TRAIN_ATTRIBUTE, TRAIN_HEADER, TrainFlagError, parse_train_flag
+from schemas.span_reader import SpanReader
 from streams.processor import STORED_SPANS_SQL, sample_point, training_choice
-from streams.spanreader import SpanReader
 from streams.trajectory import SpanNode, assemble
 from tests.support.sinks import ListSink
 
@@ -99,7 +99,7 @@ def span(index: int, attributes: dict[str, str]) -> dict:
 def read(attributes_list: list[dict[str, str]]) -> list[SpanNode]:
     record = CODEC.encode_span_batch([span(i, a) for i, a in enumerate(attributes_list)])
     _, _, schema = CODEC.writer_schema(record)
-    return SpanReader(schema).batch(record[5:])
+    return SpanReader(schema, SpanNode).batch(record[5:])
 
 
 SAME_LENGTH = "agentstream.trail"  # as long as agentstream.train, one byte apart
@@ -137,7 +137,7 @@ def test_a_flag_value_that_is_not_text_never_raises():
         at = record.index(marker)
         record[at:at + 4] = b"\xff\xfe\x00\x80"  # not UTF-8: nothing in the map is decoded
     _, _, schema = CODEC.writer_schema(bytes(record))
-    [node] = SpanReader(schema).batch(bytes(record[5:]))
+    [node] = SpanReader(schema, SpanNode).batch(bytes(record[5:]))
     assert node.train is None and node.span_id == "s0"
 
 
@@ -154,7 +154,7 @@ def test_reader_finds_the_flag_in_blocks_written_with_byte_sizes():
     block = entry("gen_ai.system", "x") + entry(TRAIN_ATTRIBUTE, "false")
     sized = bytes([3]) + bytes([2 * len(block)]) + block + b"\x02" + entry("k", "v") + b"\x00"  # -2 items, then 1
     row = b"\x04s1\x04a1\x02n\x06LLM\x02\x04" + sized
-    [node] = SpanReader(schema).rows(1, row)
+    [node] = SpanReader(schema, SpanNode).rows(1, row)
     assert node.train is False and node.span_id == "s1"
 
 
@@ -163,7 +163,7 @@ def test_a_schema_without_attributes_reads_no_flag():
         {"name": "span_id", "type": "string"}, {"name": "attempt_id", "type": "string"},
         {"name": "name", "type": "string"}, {"name": "kind", "type": "string"},
         {"name": "start_time_us", "type": "long"}, {"name": "end_time_us", "type": "long"}]})
-    [node] = SpanReader(schema).rows(1, b"\x04s1\x04a1\x02n\x06LLM\x02\x04")
+    [node] = SpanReader(schema, SpanNode).rows(1, b"\x04s1\x04a1\x02n\x06LLM\x02\x04")
     assert node.train is None
 
 

@@ -12,16 +12,17 @@ import pytest
 
 from infra.config import CreditRule, load_config
 from schemas import TRANSITION, AvroCodec, current_schemas
-from schemas.spanwriter import SpanBatchEncoder, write_long
+from schemas.binary import write_long
+from schemas.span_reader import SpanReader
+from schemas.span_writer import SpanBatchEncoder
+from schemas.transition_writer import array, draft
 from streams.credit import DiscountedReturns, FinalReward
 from streams.groups import GroupProcessor
 from streams.processor import SpanProcessor
 from streams.records import RawRecord
 from streams.sink import CompletionSink
-from streams.spanreader import SpanReader
 from streams.trajectory import SpanNode, Trajectory, assemble
-from streams.trajectory_samples import UnreadableTokens, array, call_arrays, trajectory_samples, varint_count
-from streams.transitions import draft
+from streams.trajectory_samples import UnreadableTokens, call_arrays, trajectory_samples, varint_count
 from tests.unit.test_credit import Held, Sent
 
 CODEC = AvroCodec()
@@ -49,7 +50,7 @@ def read_spans(spans: list[dict], sized: bool = True) -> list[SpanNode]:
     """Spans as a worker reads them: the publisher's encoder (token ids in blocks with byte sizes) or fastavro's."""
     body = SpanBatchEncoder().encode_span_batch(spans) if sized else CODEC.encode_span_batch(spans)
     _, _, schema = CODEC.writer_schema(body)
-    return SpanReader(schema).batch(body[5:])
+    return SpanReader(schema, SpanNode).batch(body[5:])
 
 
 def rollout(spans: list[dict], sized: bool = True, group: str | None = None, rollout_id: str = "r") -> Trajectory:

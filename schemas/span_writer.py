@@ -23,14 +23,15 @@ import operator
 import reprlib
 import struct
 from collections.abc import Iterable, Mapping, Sequence
-from typing import Any
+from typing import Any, Final
 
 import numpy as np
 
+from .binary import DOUBLE, END, NULL, PRESENT, check_layout, write_long, write_string
 from .catalog import SPAN, SPAN_BATCH, current_schemas
 from .codec import MAGIC_BYTE
 from .errors import EncodeError
-from .registry import SchemaRegistry, default_registry, schema_id
+from .registry import SchemaRegistry, default_registry
 
 # The Span layout the functions below write, field by field. A different bundled Span schema
 # has a different content address, and the encoder refuses to run rather than write wrong bytes.
@@ -39,13 +40,6 @@ SPAN_SCHEMA_ID = 1310064008
 _INT_MIN, _INT_MAX = -(1 << 31), (1 << 31) - 1
 _LONG_MIN, _LONG_MAX = -(1 << 63), (1 << 63) - 1
 _HEADER = struct.Struct(">BI")
-_DOUBLE = struct.Struct("<d")
-
-# Zigzag varints of -64..63, the longs that fit one byte (lengths, counts, union branches).
-_SMALL_LONGS = tuple(bytes([(n << 1) ^ (n >> 63)]) for n in range(-64, 64))
-_NULL = b"\x00"
-_PRESENT = b"\x02"  # union branch 1: the non-null branch of every ["null", X] union in Span
-_EMPTY_BLOCKS = b"\x00"  # an empty array or map: no block, only the terminating zero count
 
 # Per varint byte count n (1..5): continuation bits for bytes 0..n-2, and which bytes to keep.
 _CONTINUATION_32 = np.array([0, 0, 0x80, 0x8080, 0x808080], dtype=np.uint32)
@@ -56,7 +50,6 @@ _CHUNK = 1 << 16  # values per vectorized pass: larger arrays fall out of the CP
 _CACHE_SIZE = 1 << 14  # entries per cache below; a full cache is emptied and refilled
 _CACHED_STRING_BYTES = 64
 _STRINGS: dict[str, bytes] = {}  # short string -> its Avro bytes
-_HIGH_VARINTS: dict[int, bytes] = {}  # bits above the lowest 21 of a zigzag value -> their varint
 _OPTIONAL_STRINGS: dict[str, bytes] = {}  # short string -> its branch and Avro bytes in a nullable union
 _BLOCK_HEADERS: dict[int, bytes] = {}  # (item count, byte size) of a token-id block -> its header
 _INT32S: dict[int, struct.Struct] = {}  # item count -> struct packing that many int32
@@ -71,36 +64,12 @@ the ids are little-endian int32 bytes (empty when the field is null or empty; ``
 ``middle`` then ends the array itself), ``block`` is the block header (minus the count, then
 the byte size) and the varints, and
 nbytes is the memory it holds. A plain tuple of bytes on purpose: the garbage collector stops
-tracking it, which matters when tens of thousands wait in a publisher's buffer.
+tracking it, which matters when tens of thousands wait in a publisher's buffer. A named tuple
+would not do: CPython never untracks an instance of a tuple subclass, and making one costs
+several times a tuple's display. Read it by unpacking, or its size as ``prepared[NBYTES]``.
 """
-
-
-def write_long(value: int) -> bytes:
-    """The zigzag varint of a 64-bit signed integer, as Avro writes `int` and `long`."""
-    if -64 <= value < 64:
-        return _SMALL_LONGS[value + 64]
-    zigzag = (value << 1) ^ (value >> 63)
-    if zigzag < 1 << 14:
-        return bytes((zigzag & 0x7F | 0x80, zigzag >> 7))
-    if zigzag < 1 << 21:
-        return bytes((zigzag & 0x7F | 0x80, zigzag >> 7 & 0x7F | 0x80, zigzag >> 14))
-    # Timestamps share their bits above the lowest 21 for about a second: cache the varint of those.
-    high = zigzag >> 21
-    rest = _HIGH_VARINTS.get(high)
-    if rest is None:
-        if len(_HIGH_VARINTS) >= _CACHE_SIZE:
-            _HIGH_VARINTS.clear()
-        rest = _HIGH_VARINTS[high] = _unsigned_varint(high)
-    return bytes((zigzag & 0x7F | 0x80, zigzag >> 7 & 0x7F | 0x80, zigzag >> 14 & 0x7F | 0x80)) + rest
-
-
-def _unsigned_varint(value: int) -> bytes:
-    out = bytearray()
-    while value > 0x7F:
-        out.append(value & 0x7F | 0x80)
-        value >>= 7
-    out.append(value)
-    return bytes(out)
+NBYTES: Final = 5
+"""The position of ``nbytes`` in a PreparedSpan."""
 
 
 def zigzag_varints(values: np.ndarray) -> tuple[bytes, np.ndarray]:
@@ -179,22 +148,22 @@ def _prepare_common(span: Mapping[str, Any]) -> PreparedSpan:
         _string_map(get("attributes", _NO_ATTRIBUTES), "attributes"),
         prompt_start,
     ))
-    middle = _NULL + response_start if prompt else response_start
+    middle = END + response_start if prompt else response_start
     logprobs, reward, dimensions = get("response_logprobs"), get("reward"), get("reward_dimensions")
     if type(logprobs) is list and logprobs:
         count = len(logprobs)
         floats = (_FLOAT32S.get(count) or _packer(_FLOAT32S, "f", count)).pack(*logprobs)
-        logprobs_start, logprobs_end = _array_start(count), _NULL
+        logprobs_start, logprobs_end = _array_start(count), END
     else:
         logprobs_start, floats, logprobs_end = _float_array(logprobs, "response_logprobs"), b"", b""
     tail = b"".join((
-        _NULL if response else b"",
+        END if response else b"",
         logprobs_start,
         floats,
         logprobs_end,
-        _NULL if reward is None else _PRESENT + _double(reward, "reward"),
-        _NULL if dimensions is None else _PRESENT + _double_map(dimensions, "reward_dimensions"),
-        _NULL if version is None else _PRESENT + _long(version, "policy_version"),
+        NULL if reward is None else PRESENT + _double(reward, "reward"),
+        NULL if dimensions is None else PRESENT + _double_map(dimensions, "reward_dimensions"),
+        NULL if version is None else PRESENT + _long(version, "policy_version"),
     ))
     return head, prompt, middle, response, tail, len(head) + len(middle) + len(tail) + len(prompt) + len(response)
 
@@ -204,7 +173,7 @@ def _list_of_ints(value: Any, name: str) -> tuple[bytes, bytes]:
     if type(value) is not list or not value:
         return _int_array(value, name)
     count = len(value)
-    return _PRESENT, (_INT32S.get(count) or _packer(_INT32S, "i", count)).pack(*value)
+    return PRESENT, (_INT32S.get(count) or _packer(_INT32S, "i", count)).pack(*value)
 
 
 def _block_header(count: int, size: int) -> bytes:
@@ -220,7 +189,7 @@ def _block_header(count: int, size: int) -> bytes:
 
 def _array_start(count: int) -> bytes:
     """Union branch 1 and the block count of a non-empty array."""
-    return _ARRAY_STARTS[count] if count < len(_ARRAY_STARTS) else _PRESENT + write_long(count)
+    return _ARRAY_STARTS[count] if count < len(_ARRAY_STARTS) else PRESENT + write_long(count)
 
 
 def _prepare_checked(span: Mapping[str, Any]) -> PreparedSpan:
@@ -252,14 +221,14 @@ def _prepare_checked(span: Mapping[str, Any]) -> PreparedSpan:
         prompt_start,
     ))
     # A block of items ends with a zero count: after the prompt ids, and after the response ids.
-    middle = _NULL + response_start if prompt else response_start
+    middle = END + response_start if prompt else response_start
     reward, dimensions, version = get("reward"), get("reward_dimensions"), get("policy_version")
     tail = b"".join((
-        _NULL if response else b"",
+        END if response else b"",
         _float_array(get("response_logprobs"), "response_logprobs"),
-        _NULL if reward is None else _PRESENT + _double(reward, "reward"),
-        _NULL if dimensions is None else _PRESENT + _double_map(dimensions, "reward_dimensions"),
-        _NULL if version is None else _PRESENT + _long(version, "policy_version"),
+        NULL if reward is None else PRESENT + _double(reward, "reward"),
+        NULL if dimensions is None else PRESENT + _double_map(dimensions, "reward_dimensions"),
+        NULL if version is None else PRESENT + _long(version, "policy_version"),
     ))
     return head, prompt, middle, response, tail, len(head) + len(middle) + len(tail) + len(prompt) + len(response)
 
@@ -272,12 +241,8 @@ class SpanBatchEncoder:
     """
 
     def __init__(self, registry: SchemaRegistry | None = None) -> None:
+        check_layout(SPAN, SPAN_SCHEMA_ID, "schemas.span_writer")
         schemas = current_schemas()
-        if schema_id(schemas[SPAN]) != SPAN_SCHEMA_ID:
-            raise EncodeError(
-                f"schemas.spanwriter writes the Span schema with id {SPAN_SCHEMA_ID}, but the bundled Span "
-                f"schema has id {schema_id(schemas[SPAN])}: update spanwriter to the new layout"
-            )
         registry = registry if registry is not None else default_registry()
         self._span_header = _HEADER.pack(MAGIC_BYTE, registry.register(schemas[SPAN]))
         self._batch_header = _HEADER.pack(MAGIC_BYTE, registry.register(schemas[SPAN_BATCH]))
@@ -294,11 +259,12 @@ class SpanBatchEncoder:
     def encode_batches(self, batches: Sequence[Sequence[PreparedSpan]]) -> list[bytes]:
         """One wire-format SpanBatch record per sequence of prepared spans, all token ids varint-encoded at once."""
         headers = [self._batch_header + write_long(len(batch)) if batch else self._batch_header for batch in batches]
-        return self._bodies(batches, headers, _NULL)
+        return self._bodies(batches, headers, END)
 
     @staticmethod
     def _bodies(batches: Sequence[Sequence[PreparedSpan]], headers: Sequence[bytes], trailer: bytes) -> list[bytes]:
-        arrays = [ids for batch in batches for span in batch for ids in (span[1], span[3]) if ids]
+        arrays = [ids for batch in batches for _, prompt, _, response, _, _ in batch
+                  for ids in (prompt, response) if ids]
         sizes: list[int] = []  # bytes of varints per non-empty array, in order
         varints = b""
         if arrays:
@@ -365,15 +331,14 @@ def _unique_string(value: Any) -> bytes:
     """A span id: unique, so not worth a cache entry."""
     if type(value) is not str:
         raise _Unusual
-    encoded = value.encode()
-    return write_long(len(encoded)) + encoded
+    return write_string(value)
 
 
 def _optional_string(value: Any, name: str) -> bytes:
     """Branch and string of a ["null", "string"] union; short strings are cached with their branch."""
     if value is None:
-        return _NULL
-    written = _PRESENT + _string(value, name)
+        return NULL
+    written = PRESENT + _string(value, name)
     if len(written) <= _CACHED_STRING_BYTES:
         if len(_OPTIONAL_STRINGS) >= _CACHE_SIZE:
             _OPTIONAL_STRINGS.clear()
@@ -405,7 +370,7 @@ def _double(value: Any, name: str) -> bytes:
     if type(value) is not float and (isinstance(value, bool) or not isinstance(value, (int, float))):
         raise _fail(name, value, "double")
     try:
-        return _DOUBLE.pack(value)
+        return DOUBLE.pack(value)
     except OverflowError as error:  # an int too large for a double
         raise _fail(name, value, "double", error) from error
 
@@ -414,7 +379,7 @@ def _string_map(value: Any, name: str) -> bytes:
     if type(value) is not dict and not isinstance(value, Mapping):
         raise _fail(name, value, "map of strings")
     if not value:
-        return _EMPTY_BLOCKS
+        return END
     strings = _STRINGS
     parts = [write_long(len(value))]
     for key, item in value.items():
@@ -423,7 +388,7 @@ def _string_map(value: Any, name: str) -> bytes:
             parts.append(strings.get(item) or _string(item, name))
         except TypeError as error:  # unhashable, so not a string
             raise _fail(name, item, "string", error) from error
-    parts.append(_NULL)
+    parts.append(END)
     return b"".join(parts)
 
 
@@ -431,19 +396,19 @@ def _double_map(value: Any, name: str) -> bytes:
     if type(value) is not dict and not isinstance(value, Mapping):
         raise _fail(name, value, "null or map of doubles")
     if not value:
-        return _EMPTY_BLOCKS
+        return END
     parts = [write_long(len(value))]
     for key, item in value.items():
         parts.append(_string(key, name))
         parts.append(_double(item, name))
-    parts.append(_NULL)
+    parts.append(END)
     return b"".join(parts)
 
 
 def _int_array(value: Any, name: str) -> tuple[bytes, bytes]:
     """The union branch and block header of a nullable int array, and its items as little-endian int32 bytes."""
     if value is None:
-        return _NULL, b""
+        return NULL, b""
     if isinstance(value, np.ndarray):
         if value.ndim != 1 or value.dtype.kind not in "iu":
             raise _fail(name, value, "null or array of int")
@@ -458,14 +423,14 @@ def _int_array(value: Any, name: str) -> tuple[bytes, bytes]:
         except (TypeError, struct.error) as error:
             raise _fail(name, value, "null or array of int (32-bit)", error) from error
     if not ids:
-        return _PRESENT + _EMPTY_BLOCKS, b""
-    return _PRESENT, ids  # the block header, which needs the varints' size, is written with them
+        return PRESENT + END, b""
+    return PRESENT, ids  # the block header, which needs the varints' size, is written with them
 
 
 def _float_array(value: Any, name: str) -> bytes:
     """A nullable float array: items as little-endian IEEE 754 binary32, as Avro writes `float`."""
     if value is None:
-        return _NULL
+        return NULL
     if isinstance(value, np.ndarray):
         if value.ndim != 1 or value.dtype.kind not in "fiu":
             raise _fail(name, value, "null or array of float")
@@ -482,8 +447,8 @@ def _float_array(value: Any, name: str) -> bytes:
         except (TypeError, struct.error) as error:
             raise _fail(name, value, "null or array of float", error) from error
     if not floats:
-        return _PRESENT + _EMPTY_BLOCKS
-    return b"".join((_PRESENT, write_long(len(floats) // 4), floats, _NULL))
+        return PRESENT + END
+    return b"".join((PRESENT, write_long(len(floats) // 4), floats, END))
 
 
 def _packer(cache: dict[int, struct.Struct], code: str, count: int) -> struct.Struct:
@@ -501,7 +466,7 @@ def _symbols(field_name: str) -> dict[str, bytes]:
     return {symbol: write_long(index) for index, symbol in enumerate(field["type"]["symbols"])}
 
 
-_ARRAY_STARTS = tuple(_PRESENT + write_long(count) for count in range(1 << 12))
+_ARRAY_STARTS = tuple(PRESENT + write_long(count) for count in range(1 << 12))
 _NOT_COMMON = (_Unusual, KeyError, TypeError, IndexError, struct.error, OverflowError)
 _FIELD_NAMES = frozenset(field["name"] for field in current_schemas()[SPAN]["fields"])
 _KIND = _symbols("kind")

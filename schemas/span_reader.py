@@ -1,10 +1,12 @@
 """Reading span datums straight from their Avro bytes: the fields assembly needs, token arrays left encoded.
 
-A worker sees every span it ingests, so it keeps each open rollout's spans in memory instead
-of reading them back from ClickHouse. Decoding a 1 KB LLM span in full (300 numbers) costs
-more than the rest of its processing; here a reader compiled once per writer schema walks a
-datum, decodes the scalars and skips each token array, keeping its bytes: a Transition's
-arrays have the same encoding, so a transition is built by concatenating them.
+A stream worker sees every span it ingests, so it keeps each open rollout's spans in memory
+instead of reading them back from ClickHouse. Decoding a 1 KB LLM span in full (300 numbers)
+costs more than the rest of its processing; here a reader compiled once per writer schema walks
+a datum, decodes the scalars and skips each token array, keeping its bytes: a Transition's
+arrays have the same encoding, so a transition is built by concatenating them
+(schemas/transition_writer.py). The reader makes each span with the class it is given (the
+stream processor's ``streams.trajectory.SpanNode``), called with the keywords of :class:`ReadSpan`.
 
 The same reader walks a ClickHouse ``FORMAT Avro`` result whose columns are named after the
 Span fields, which is how rollouts that wait for a late reward get their spans back.
@@ -20,16 +22,15 @@ import math
 import re
 import struct
 from collections.abc import Callable
-from typing import Any
+from typing import Any, Generic, Protocol, TypeVar
 
-from schemas.contracts import TRAIN_ATTRIBUTE, TRAIN_FALSE, TRAIN_TRUE
-from schemas.errors import AgentstreamError
-from streams.trajectory import SpanNode
+from .binary import DOUBLE, END, FLOAT, NULL, PRESENT, TOKEN_FIELDS
+from .contracts import TRAIN_ATTRIBUTE, TRAIN_FALSE, TRAIN_TRUE
+from .errors import AgentstreamError
 
 Reader = Callable[[bytes, int], tuple[Any, int]]
 """``reader(buffer, position) -> (value, next position)``."""
 
-TOKEN_FIELDS = ("prompt_token_ids", "response_token_ids", "response_logprobs")
 SKIPPED_FIELDS = frozenset({"status_message"})  # stored by ClickHouse, not needed for credit
 FLAG_FIELD = "attributes"  # a span's attributes: only the training flag is read from them
 TRAIN_KEY = TRAIN_ATTRIBUTE.encode()
@@ -39,9 +40,6 @@ SPAN_MARKERS = frozenset({"span_id", "attempt_id", "kind", "start_time_us", "end
 SPAN_NODE_FIELDS = frozenset({
     "span_id", "rollout_id", "attempt_id", "parent_id", "name", "kind", "start_time_us", "end_time_us", "status",
     "agent_name", "task_id", "group_id", "model", "policy_version", "reward", "reward_dimensions", *TOKEN_FIELDS})
-EMPTY_ARRAY = b"\x00"
-_DOUBLE = struct.Struct("<d")
-_FLOAT = struct.Struct("<f")
 VARINT_RUN_CACHE = 1024  # distinct array lengths whose patterns are kept; others are compiled (and cached by re)
 _VARINT_RUNS: dict[int, re.Pattern[bytes]] = {}
 
@@ -52,6 +50,26 @@ class MalformedSpan(AgentstreamError, ValueError):
 
 class NonFiniteReward(MalformedSpan):
     """A span whose reward or a reward dimension is NaN or infinite: written by a client that skipped every check."""
+
+
+class ReadSpan(Protocol):
+    """What the reader makes of a span: the class it is given (``streams.trajectory.SpanNode``), called with the
+    keywords span_id, rollout_id, parent_id, kind, name, start_us, end_us, attempt_id, agent_name, task_id,
+    group_id, model, policy_version, has_token_ids, reward, reward_dimensions, status, train and tokens.
+
+    ``tokens``: the Avro of the three token arrays (prompt ids, response ids, logprobs) as a
+    Transition holds them, or empty where the span lacks prompt or response ids
+    (``has_token_ids`` false); ``train``: the span's ``agentstream.train`` attribute as a flag.
+    The reader itself reads back only what the reward check needs.
+    """
+
+    span_id: str
+    rollout_id: str
+    reward: float | None
+    reward_dimensions: dict[str, float]
+
+
+Span = TypeVar("Span", bound=ReadSpan)
 
 
 def read_long(buffer: bytes, position: int) -> tuple[int, int]:
@@ -153,11 +171,11 @@ def _read_bytes(buffer: bytes, position: int) -> tuple[bytes, int]:
 
 
 def _read_double(buffer: bytes, position: int) -> tuple[float, int]:
-    return _DOUBLE.unpack_from(buffer, position)[0], position + 8
+    return DOUBLE.unpack_from(buffer, position)[0], position + 8
 
 
 def _read_float(buffer: bytes, position: int) -> tuple[float, int]:
-    return _FLOAT.unpack_from(buffer, position)[0], position + 4
+    return FLOAT.unpack_from(buffer, position)[0], position + 4
 
 
 def _read_null(buffer: bytes, position: int) -> tuple[None, int]:
@@ -318,9 +336,10 @@ def _flag_reader(schema: Any) -> Reader:
 
 
 def compile_reader(schema: Any, raw_arrays: frozenset[str] = frozenset(), field: str = "",
-                   skipped: frozenset[str] = frozenset()) -> Reader:
+                   skipped: frozenset[str] = frozenset(), node: Callable[..., Any] | None = None) -> Reader:
     """A reader for ``schema`` (parsed, self-contained); arrays of the fields named in ``raw_arrays``
-    come back as their encoded bytes (None where a union holds null), fields named in ``skipped`` as None."""
+    come back as their encoded bytes (None where a union holds null), fields named in ``skipped`` as None.
+    With ``node``, a span record comes back as ``node(**fields)`` (the keywords of :class:`ReadSpan`)."""
     if field in skipped:
         return _union([_skipper(b) for b in schema]) if isinstance(schema, list) else _skipper(schema)
     if isinstance(schema, str):
@@ -328,12 +347,12 @@ def compile_reader(schema: Any, raw_arrays: frozenset[str] = frozenset(), field:
             raise ValueError(f"cannot read Avro type {schema!r}")
         return PRIMITIVES[schema]
     if isinstance(schema, list):
-        return _union([compile_reader(branch, raw_arrays, field) for branch in schema])
+        return _union([compile_reader(branch, raw_arrays, field, node=node) for branch in schema])
     kind = schema["type"]
-    if kind == "record" and {f["name"] for f in schema["fields"]} >= SPAN_MARKERS:
-        return _span_reader(schema, raw_arrays, skipped)
+    if kind == "record" and node is not None and {f["name"] for f in schema["fields"]} >= SPAN_MARKERS:
+        return _span_reader(schema, raw_arrays, skipped, node)
     if kind == "record":
-        return _record([(f["name"], compile_reader(f["type"], raw_arrays, f["name"], skipped))
+        return _record([(f["name"], compile_reader(f["type"], raw_arrays, f["name"], skipped, node))
                         for f in schema["fields"]])
     if kind == "enum":
         return _enum(list(schema["symbols"]))
@@ -344,13 +363,13 @@ def compile_reader(schema: Any, raw_arrays: frozenset[str] = frozenset(), field:
             if items not in ("int", "long", "float", "double"):
                 raise ValueError(f"{field}: only arrays of numbers are kept encoded")
             return _blocks(None, sizes.get(items), keyed=False)
-        return _blocks(compile_reader(schema["items"], raw_arrays, skipped=skipped), None, keyed=False)
+        return _blocks(compile_reader(schema["items"], raw_arrays, skipped=skipped, node=node), None, keyed=False)
     if kind == "map":
-        return _blocks(compile_reader(schema["values"], raw_arrays), None, keyed=True)
+        return _blocks(compile_reader(schema["values"], raw_arrays, node=node), None, keyed=True)
     if kind == "fixed":
         size = schema["size"]
         return lambda buffer, position: (buffer[position:position + size], position + size)
-    return compile_reader(kind, raw_arrays, field)  # {"type": "long", "logicalType": ...}
+    return compile_reader(kind, raw_arrays, field, node=node)  # {"type": "long", "logicalType": ...}
 
 
 _STRING = """\
@@ -381,9 +400,9 @@ _INLINE = {"string": _STRING, "long": _LONG, "int": _LONG, "double": _DOUBLE_VAL
 _RAW_ARRAY = """\
     branch = buf[pos]
     pos += 1
-    if branch == 0:
+    if branch == {null}:
         {var} = None
-    elif branch == 2:
+    elif branch == {present}:
         start = pos
         while True:
             byte = buf[pos]
@@ -406,7 +425,7 @@ _RAW_ARRAY = """\
         {var} = buf[start:pos]
     else:
         raise MalformedSpan(f'union branch byte {branch} does not name a branch')
-"""
+""".replace("{null}", str(NULL[0])).replace("{present}", str(PRESENT[0]))
 _ITEM_BYTES = {"float": 4, "double": 8}
 
 
@@ -429,22 +448,23 @@ def _inline(schema: Any) -> str | None:
         value = _inline(schema[1])
         if value:
             body = value.replace("\n    ", "\n        ")
-            return ("    branch = buf[pos]\n    pos += 1\n    if branch == 0:\n        {var} = None\n"
-                    "    elif branch == 2:\n    " + body +
+            return (f"    branch = buf[pos]\n    pos += 1\n    if branch == {NULL[0]}:\n        {{var}} = None\n"
+                    f"    elif branch == {PRESENT[0]}:\n    " + body +
                     "    else:\n        raise MalformedSpan(f'union branch byte {branch} does not name a branch')\n")
     return None
 
 
-def _span_reader(schema: dict[str, Any], raw_arrays: frozenset[str], skipped: frozenset[str]) -> Reader:
-    """A reader for a span record straight into a SpanNode, generated as Python source for this writer schema.
+def _span_reader(schema: dict[str, Any], raw_arrays: frozenset[str], skipped: frozenset[str],
+                 node: Callable[..., Any]) -> Reader:
+    """A reader for a span record straight into ``node``, generated as Python source for this writer schema.
 
     The span fields' scalars are read inline (a call per field costs more than reading it);
     maps, token arrays and anything unusual go through the compiled readers above.
     """
     names = {f["name"] for f in schema["fields"]}
     lines = ["def read(buf, pos):"]
-    scope: dict[str, Any] = {"read_long": read_long, "MalformedSpan": MalformedSpan, "SpanNode": SpanNode,
-                             "EMPTY": EMPTY_ARRAY, "unpack_double": _DOUBLE.unpack_from, "skip_varints": _skip_varints}
+    scope: dict[str, Any] = {"read_long": read_long, "MalformedSpan": MalformedSpan, "Node": node,
+                             "EMPTY": END, "unpack_double": DOUBLE.unpack_from, "skip_varints": _skip_varints}
     for index, spec in enumerate(schema["fields"]):
         variable = f"v_{index}"
         if spec["name"] in skipped:
@@ -457,7 +477,7 @@ def _span_reader(schema: dict[str, Any], raw_arrays: frozenset[str], skipped: fr
             scope[f"read_{index}"] = _flag_reader(spec["type"])
             lines.append(f"    {variable}, pos = read_{index}(buf, pos)")
         elif source is None:
-            scope[f"read_{index}"] = compile_reader(spec["type"], raw_arrays, spec["name"], skipped)
+            scope[f"read_{index}"] = compile_reader(spec["type"], raw_arrays, spec["name"], skipped, node)
             lines.append(f"    {variable}, pos = read_{index}(buf, pos)")
         else:
             lines.append(source.replace("{var}", variable).rstrip("\n"))
@@ -470,7 +490,7 @@ def _span_reader(schema: dict[str, Any], raw_arrays: frozenset[str], skipped: fr
     prompt = {value['prompt_token_ids']} or EMPTY
     response = {value['response_token_ids']} or EMPTY
     has_tokens = prompt != EMPTY and response != EMPTY
-    return SpanNode(
+    return Node(
         span_id={value['span_id']}, rollout_id={value['rollout_id']} or '', parent_id={value['parent_id']} or '',
         kind={value['kind']}, name={value['name']}, start_us={value['start_time_us']}, end_us={value['end_time_us']},
         attempt_id={value['attempt_id']}, agent_name={value['agent_name']} or '', task_id={value['task_id']} or '',
@@ -483,14 +503,14 @@ def _span_reader(schema: dict[str, Any], raw_arrays: frozenset[str], skipped: fr
     return scope["read"]
 
 
-class SpanReader:
-    """Reads the spans of one writer schema (a SpanBatch, or a row of Span fields) into SpanNodes."""
+class SpanReader(Generic[Span]):
+    """Reads the spans of one writer schema (a SpanBatch, or a row of Span fields) into ``node`` objects."""
 
-    def __init__(self, schema: dict[str, Any]) -> None:
-        self._read = compile_reader(schema, frozenset(TOKEN_FIELDS), skipped=SKIPPED_FIELDS)
+    def __init__(self, schema: dict[str, Any], node: Callable[..., Span]) -> None:
+        self._read = compile_reader(schema, frozenset(TOKEN_FIELDS), skipped=SKIPPED_FIELDS, node=node)
         self._batch = any(f["name"] == "spans" for f in schema.get("fields", ()))
 
-    def batch(self, body: bytes) -> list[SpanNode]:
+    def batch(self, body: bytes) -> list[Span]:
         """The spans of one SpanBatch datum (the body of a spans-topic record)."""
         try:
             values, end = self._read(body, 0)
@@ -504,9 +524,10 @@ class SpanReader:
                 check_finite_reward(node)
         return nodes
 
-    def rows(self, count: int, datums: bytes) -> list[SpanNode]:
+    def rows(self, count: int, datums: bytes) -> list[Span]:
         """``count`` concatenated span rows (a block of an Avro container file)."""
-        nodes, position = [], 0
+        nodes: list[Span] = []
+        position = 0
         try:
             for _ in range(count):
                 node, position = self._read(datums, position)
@@ -516,7 +537,7 @@ class SpanReader:
         return nodes
 
 
-def check_finite_reward(node: SpanNode) -> None:
+def check_finite_reward(node: ReadSpan) -> None:
     """Raise :class:`NonFiniteReward` where a span's reward or a reward dimension is not a finite number.
 
     The SDK, proxy and collector refuse such rewards; one written straight onto the topic would

@@ -12,33 +12,23 @@ import os
 from collections.abc import Sequence
 from typing import Any
 
-from schemas.errors import AgentstreamError
+from .binary import END, write_long
+from .errors import AgentstreamError
 
 MAGIC = b"Obj\x01"
 
 
-def varint(value: int) -> bytes:
-    """Avro's zig-zag variable-length encoding of a long."""
-    value = (value << 1) ^ (value >> 63)
-    out = bytearray()
-    while value & ~0x7F:
-        out.append((value & 0x7F) | 0x80)
-        value >>= 7
-    out.append(value)
-    return bytes(out)
-
-
 def _bytes(value: bytes) -> bytes:
-    return varint(len(value)) + value
+    return write_long(len(value)) + value
 
 
 def container_file(schema: dict[str, Any], bodies: Sequence[bytes | memoryview]) -> bytes:
     """One object container file holding ``bodies`` (Avro binary datums written with ``schema``)."""
     sync = os.urandom(16)
     metadata = {b"avro.schema": json.dumps(schema, separators=(",", ":")).encode(), b"avro.codec": b"null"}
-    header = MAGIC + varint(len(metadata)) + b"".join(_bytes(k) + _bytes(v) for k, v in metadata.items())
+    header = MAGIC + write_long(len(metadata)) + b"".join(_bytes(k) + _bytes(v) for k, v in metadata.items())
     size = sum(len(body) for body in bodies)
-    return b"".join([header, varint(0), sync, varint(len(bodies)), varint(size), *bodies, sync])  # one copy
+    return b"".join([header, END, sync, write_long(len(bodies)), write_long(size), *bodies, sync])  # one copy
 
 
 class ContainerError(AgentstreamError, ValueError):
