@@ -27,7 +27,6 @@ import gzip
 import json
 import logging
 import re
-import signal
 import uuid
 import zlib
 from collections.abc import Callable
@@ -43,6 +42,7 @@ from infra.config import ConfigError, load_config
 from infra.security import KeySet, check_bind, is_loopback
 from schemas.errors import AgentstreamError
 from stack.chaccess import Access, Users, cross_site, presented
+from stack.signals import stop_on_signals
 
 log = logging.getLogger("agentstream.chserver")
 
@@ -418,11 +418,7 @@ async def serve(host: str, port: int, data_dir: Path, users: Users | None = None
     log.info("ClickHouse HTTP (chdb %s) on http://%s:%d, data in %s, %s", engine.version, host, port, data_dir,
              "open (no password)" if server.users.open else f"{len(server.users.readers)} read-only users and the "
              f"writer {server.users.writer!r}")
-    stop = asyncio.Event()
-    loop = asyncio.get_running_loop()
-    for sig in (signal.SIGTERM, signal.SIGINT):
-        loop.add_signal_handler(sig, stop.set)
-    await stop.wait()
+    await stop_on_signals().wait()
     await runner.cleanup()
     engine.close()
 

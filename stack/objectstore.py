@@ -36,7 +36,6 @@ import email.utils
 import hashlib
 import logging
 import os
-import signal
 import time
 import uuid
 from collections.abc import Callable, Iterator, Mapping
@@ -52,6 +51,7 @@ from xml.sax.saxutils import escape
 from aiohttp import web
 
 from schemas.errors import AgentstreamError
+from stack.signals import stop_on_signals
 
 log = logging.getLogger("agentstream.objectstore")
 T = TypeVar("T")
@@ -555,11 +555,7 @@ async def serve(port: int, root: Path, buckets: list[str], log_requests: bool = 
     await site.start()
     log.info("S3 object store on http://%s:%d, buckets %s (%s objects) in %s", HOST, port, ", ".join(buckets),
              ", ".join(str(len(bucket)) for bucket in server.buckets.values()), root)
-    stop = asyncio.Event()
-    loop = asyncio.get_running_loop()
-    for sig in (signal.SIGTERM, signal.SIGINT):
-        loop.add_signal_handler(sig, stop.set)
-    await stop.wait()
+    await stop_on_signals().wait()
     await runner.cleanup()
     server.close()
 

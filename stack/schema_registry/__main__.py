@@ -5,7 +5,6 @@ from __future__ import annotations
 import argparse
 import asyncio
 import logging
-import signal
 from pathlib import Path
 
 from infra.config import Config, ConfigError, load_config
@@ -14,6 +13,7 @@ from infra.security import KeySet, check_bind
 from stack.schema_registry.server import RegistryService, serve
 from stack.schema_registry.state import ID_STRATEGIES, RegistryState
 from stack.schema_registry.store import KafkaLog, MemoryLog, SchemaLog
+from stack.signals import stop_on_signals
 
 
 def default_bootstrap(config: Config) -> str:
@@ -35,11 +35,7 @@ def run(config: Config, bootstrap_servers: str, host: str, port: int, topic: str
     where = "memory" if memory else f"topic {topic or settings.topic_name(config.topics.prefix)} on {bootstrap_servers}"
 
     async def main() -> None:
-        stop = asyncio.Event()
-        loop = asyncio.get_running_loop()
-        for sig in (signal.SIGTERM, signal.SIGINT):
-            loop.add_signal_handler(sig, stop.set)
-        await serve(RegistryService(state, schema_log), host, port, seed=seed, stop=stop, keys=keys,
+        await serve(RegistryService(state, schema_log), host, port, seed=seed, stop=stop_on_signals(), keys=keys,
                     ready=lambda url: announce(f"schema registry on {url} ({state.ids} ids, {where})", flush=True))
 
     asyncio.run(main())
