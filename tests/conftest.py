@@ -24,8 +24,9 @@ def pytest_collection_modifyitems(config: pytest.Config, items: list[pytest.Item
 
     Tests marked ``agl`` need the side environment with the real Agent Lightning: only `make test-agl` runs them.
     """
+    tests = Path(__file__).parent
     for item in items:
-        kind = item.path.parent.name
+        kind = item.path.relative_to(tests).parts[0] if item.path.is_relative_to(tests) else ""
         if kind in ("unit", "integration"):
             item.add_marker(kind)
     if os.environ.get("AGENTSTREAM_TEST_AGL") != "1":
