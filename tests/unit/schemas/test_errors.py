@@ -14,7 +14,7 @@ import pytest
 import agentstream
 from schemas.errors import AgentstreamError
 
-ROOT = Path(__file__).resolve().parents[2]
+ROOT = Path(__file__).resolve().parents[3]
 PACKAGES = ("agentstream", "deploy", "infra", "models", "pipeline", "schemas", "serving", "stack", "streams", "trainer")
 
 PRIVATE_EXEMPT = {"stack.objectstore._NotModified", "schemas.span_writer._Unusual"}
