@@ -3,15 +3,11 @@
 from __future__ import annotations
 
 import json
-import os
-import subprocess
-import sys
 import urllib.error
 import urllib.request
 
 import pytest
 
-from infra.processes import free_port
 from infra.security import KeySet
 from models import load_model
 from serving.app import create_app
@@ -113,15 +109,3 @@ def test_without_a_configured_token_the_admin_routes_stay_open(tiny, tmp_path):
         assert call(running.url + "/v1/unload_lora_adapter", {"lora_name": "open"}, "anything")[0] == 200
     finally:
         running.stop()
-
-
-def test_serve_model_refuses_to_listen_beyond_loopback_without_an_admin_token(tmp_path):
-    env = {key: value for key, value in os.environ.items() if not key.startswith("AGENTSTREAM_")}
-    env["AGENTSTREAM_HOME"] = str(tmp_path)
-    command = [sys.executable, "-m", "agentstream", "serve-model", "--model", "tiny", "--host", "0.0.0.0",
-               "--port", str(free_port())]
-    refused = subprocess.run(command, env=env, capture_output=True, text=True, timeout=120, cwd=tmp_path)
-    assert refused.returncode != 0
-    lines = [line for line in refused.stderr.splitlines() if line.strip()]
-    assert len(lines) == 1 and "refusing to serve the model server on 0.0.0.0" in lines[0]
-    assert "admin_token" in lines[0]
