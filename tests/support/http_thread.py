@@ -3,7 +3,10 @@
 from __future__ import annotations
 
 import asyncio
+import json
 import threading
+import urllib.error
+import urllib.request
 from collections.abc import Coroutine
 from typing import Any, TypeVar
 
@@ -35,3 +38,18 @@ class ServerThread:
         self.call(self.runner.cleanup())
         self.loop.call_soon_threadsafe(self.loop.stop)
         self.thread.join(timeout=10)
+
+
+def post(url: str, body: dict | bytes) -> tuple[int, dict | str, dict]:
+    """POST raw JSON with urllib; returns (status, parsed body, headers) for errors too."""
+    data = body if isinstance(body, bytes) else json.dumps(body).encode()
+    request = urllib.request.Request(url, data=data, headers={"Content-Type": "application/json"})
+    try:
+        with urllib.request.urlopen(request, timeout=30) as response:
+            status, raw, headers = response.status, response.read().decode(), dict(response.headers)
+    except urllib.error.HTTPError as error:
+        status, raw, headers = error.code, error.read().decode(), dict(error.headers)
+    try:
+        return status, json.loads(raw), headers
+    except json.JSONDecodeError:
+        return status, raw, headers

@@ -1,4 +1,4 @@
-"""Model servers for tests: a scripted model and the exactness check of token ids and logprobs."""
+"""Model servers for tests: a scripted model, the exactness check of token ids and logprobs, and requests."""
 
 from __future__ import annotations
 
@@ -11,6 +11,10 @@ import torch
 from models import LoadedModel, load_model, teacher_forced_logprobs, tiny_tokenizer
 
 TOLERANCE = 1e-4
+HELLO = [{"role": "user", "content": "Say hello."}]
+WEATHER_TOOL = {"type": "function", "function": {
+    "name": "get_weather", "description": "Current weather in a city.",
+    "parameters": {"type": "object", "properties": {"city": {"type": "string"}}, "required": ["city"]}}}
 
 
 def assert_exact(loaded: LoadedModel, model: torch.nn.Module, prompt_ids: list[int], token_ids: list[int],

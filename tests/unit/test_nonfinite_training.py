@@ -300,9 +300,8 @@ def test_the_dev_server_and_hot_swap_refuse_weights_with_a_nan(tmp_path, tiny_co
     from schemas.checkpoint import Checkpoint
     from serving.app import create_app
     from serving.hotswap import HotSwapError, HotSwapper
-    from tests.support.http_thread import ServerThread
+    from tests.support.http_thread import ServerThread, post
     from tests.support.servers import make_lora
-    from tests.unit.test_model_server import post
 
     policy = build_policy(tiny_config)
     poison(policy, INF)

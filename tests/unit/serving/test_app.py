@@ -9,15 +9,13 @@ import urllib.request
 import pytest
 
 from infra.security import KeySet
-from models import load_model
 from serving.app import create_app
 from serving.handlers import SERVER
 from serving.protocol import Contract
 from tests.support.http_thread import ServerThread
-from tests.support.servers import make_lora
+from tests.support.servers import HELLO, make_lora
 
 TOKEN = "admin-s3cret"
-HELLO = [{"role": "user", "content": "Say hello."}]
 
 
 def call(url: str, body: dict | None = None, token: str | None = None) -> tuple[int, dict | str, dict]:
@@ -36,11 +34,6 @@ def call(url: str, body: dict | None = None, token: str | None = None) -> tuple[
         return status, json.loads(raw), got
     except json.JSONDecodeError:
         return status, raw, got
-
-
-@pytest.fixture(scope="module")
-def tiny():
-    return load_model("tiny")
 
 
 @pytest.fixture(scope="module", params=[Contract.DEV, Contract.VLLM], ids=str)

@@ -16,14 +16,13 @@ from click.testing import CliRunner
 
 from agentstream.cli import main
 from infra.config import ConfigError, ServerConfig
-from models import LoadedModel, load_model
+from models import load_model
 from schemas.contracts import POLICY_VERSION_HEADER
 from serving.app import create_app
 from serving.protocol import Contract
 from tests.support.http_thread import ServerThread
-from tests.support.servers import assert_exact, make_lora
+from tests.support.servers import HELLO, assert_exact, make_lora
 
-HELLO = [{"role": "user", "content": "Say hello."}]
 SAMPLED = dict(messages=HELLO, max_tokens=12, seed=5, logprobs=True, extra_body={"return_token_ids": True})
 
 
@@ -59,11 +58,6 @@ def not_found(model: str) -> dict[str, Any]:
 def chat_logprobs(choice: Any) -> list[float]:
     """The sampled tokens' logprobs of a chat choice."""
     return [entry.logprob for entry in choice.logprobs.content]
-
-
-@pytest.fixture(scope="module")
-def tiny() -> LoadedModel:
-    return load_model("tiny")
 
 
 def running(contract: Contract) -> Iterator[ServerThread]:

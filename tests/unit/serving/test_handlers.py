@@ -1,4 +1,5 @@
-"""The dev model server driven by the official openai SDK: vLLM's token-id/logprob contract, tools, LoRA, weights."""
+"""The dev model server's routes driven by the official openai SDK: vLLM's token-id/logprob contract,
+streaming, completions, tool calls, LoRA routes, weight loads and OpenAI errors."""
 
 from __future__ import annotations
 
@@ -12,46 +13,12 @@ import urllib.request
 import openai
 import pytest
 import torch
-from transformers.cache_utils import Cache
 
-from models import LoadedModel, ModelLoadError, load_model, tiny_tokenizer
+from models import LoadedModel, load_model
 from serving.app import create_app
-from serving.generation import BatchRequest, SamplingParams, SequenceState, draw, generate_batch, truncate
-from serving.kv_cache import ROOM, decoding_cache
-from serving.tool_format import (
-    ToolStreamFilter,
-    canonical_tool_call,
-    parse_tool_calls,
-    render_prompt,
-    renders_tools,
-)
-from tests.support.http_thread import ServerThread
-from tests.support.servers import TOLERANCE, assert_exact, make_lora, scripted
-
-HELLO = [{"role": "user", "content": "Say hello."}]
-WEATHER_TOOL = {"type": "function", "function": {
-    "name": "get_weather", "description": "Current weather in a city.",
-    "parameters": {"type": "object", "properties": {"city": {"type": "string"}}, "required": ["city"]}}}
-
-
-def post(url: str, body: dict | bytes) -> tuple[int, dict | str, dict]:
-    """POST raw JSON with urllib; returns (status, parsed body, headers) for errors too."""
-    data = body if isinstance(body, bytes) else json.dumps(body).encode()
-    request = urllib.request.Request(url, data=data, headers={"Content-Type": "application/json"})
-    try:
-        with urllib.request.urlopen(request, timeout=30) as response:
-            status, raw, headers = response.status, response.read().decode(), dict(response.headers)
-    except urllib.error.HTTPError as error:
-        status, raw, headers = error.code, error.read().decode(), dict(error.headers)
-    try:
-        return status, json.loads(raw), headers
-    except json.JSONDecodeError:
-        return status, raw, headers
-
-
-@pytest.fixture(scope="module")
-def tiny() -> LoadedModel:
-    return load_model("tiny")
+from serving.tool_format import render_prompt
+from tests.support.http_thread import ServerThread, post
+from tests.support.servers import HELLO, TOLERANCE, WEATHER_TOOL, assert_exact, make_lora, scripted
 
 
 @pytest.fixture(scope="module")
@@ -161,62 +128,6 @@ def test_concurrent_requests_are_batched_and_each_gets_what_it_would_alone(serve
                          mine.message.content, chat_logprobs(mine), request["temperature"])
 
 
-def test_requests_with_the_same_prompt_share_one_prefill_and_each_gets_what_it_would_alone(tiny):
-    """A GRPO group's rollouts send one request each with the same prompt: it is prefilled once, not per request."""
-    group, other = [5, 6, 7, 8, 9, 10], [11, 12, 13]
-    requests = [BatchRequest(group, SamplingParams(max_tokens=8, temperature=1.0, seed=seed, logprobs=True))
-                for seed in (1, 2, 3)]
-    requests.append(BatchRequest(other, SamplingParams(max_tokens=8, temperature=1.0, seed=4, logprobs=True)))
-    prefill_rows: list[int] = []
-    hook = tiny.model.register_forward_pre_hook(
-        lambda module, args, kwargs: prefill_rows.append(kwargs["input_ids"].shape[0]), with_kwargs=True)
-    try:
-        together = generate_batch(tiny.model, tiny.tokenizer, requests, eos_ids=set())
-    finally:
-        hook.remove()
-    assert prefill_rows[0] == 2 and set(prefill_rows[1:]) == {4}  # two distinct prompts, then four rows decoding
-    for request, (batched,) in zip(requests, together, strict=True):
-        (alone,) = generate_batch(tiny.model, tiny.tokenizer, [request], eos_ids=set())[0]
-        assert batched.token_ids == alone.token_ids
-        assert [e.logprob for e in batched.logprobs] == pytest.approx([e.logprob for e in alone.logprobs],
-                                                                      abs=TOLERANCE)
-    assert len({tuple(states[0].token_ids) for states in together[:3]}) == 3  # same prompt, own seeds, own samples
-
-
-@pytest.mark.parametrize("linger_s", [0.0, 1.0])
-def test_clients_that_resubmit_at_once_merge_into_one_batch_when_the_batcher_lingers(tiny, linger_s):
-    """Runners send a rollout's request right after its last one finished; a late cohort joins the early one."""
-    from serving.batcher import Batcher, Job
-    from serving.protocol import Output
-
-    batcher = Batcher(tiny, set(), 0, lambda adapter: 0, linger_s=linger_s)
-    output = Output(return_token_ids=True, logprobs=False, stream=False, include_usage=False)
-
-    def client(rounds: int) -> None:
-        for _ in range(rounds):
-            job = Job("tiny", None, [5, 6, 7], SamplingParams(max_tokens=64, temperature=1.0), output)
-            batcher.submit(job).result(timeout=60)
-            time.sleep(0.02)  # the runner records the rollout and takes the next task
-
-    try:
-        with batcher.model_lock:  # the early client's first batch is taken, then waits: the late ones queue
-            early = threading.Thread(target=client, args=(5,))
-            early.start()
-            time.sleep(0.2)
-            late = [threading.Thread(target=client, args=(4,)) for _ in range(3)]
-            for thread in late:
-                thread.start()
-            time.sleep(0.1)
-        for thread in [early, *late]:
-            thread.join(timeout=120)
-    finally:
-        batcher.close()
-    if linger_s:
-        assert batcher.batch_sizes[4] >= 3, batcher.batch_sizes  # merged after one round, and stayed merged
-    else:
-        assert batcher.batch_sizes[4] == 0 and batcher.batch_sizes[1] == 5, batcher.batch_sizes  # they alternate
-
-
 def test_streaming_matches_non_streaming(server, tiny):
     async def run():
         client = openai.AsyncOpenAI(base_url=server.url + "/v1", api_key="unused", max_retries=0)
@@ -272,66 +183,7 @@ def test_tokens_are_streamed_as_they_are_generated():
         running.stop()
 
 
-# ---------------------------------------------------------------- text and sampling units
-
-
-def test_text_deltas_hold_back_partial_characters_and_stop_strings():
-    tokenizer = tiny_tokenizer()
-    ids = tokenizer.encode("a€b", add_special_tokens=False)  # € is three bytes
-    sequence = SequenceState(0, tokenizer, SamplingParams(max_tokens=10), {tokenizer.eos_token_id})
-    assert [sequence.append(i, None).text for i in ids] == ["a", "", "", "€", "b"]
-
-    stopped = SequenceState(0, tokenizer, SamplingParams(max_tokens=10, stop=("END",)), {tokenizer.eos_token_id})
-    deltas = [stopped.append(i, None) for i in tokenizer.encode("okEND!", add_special_tokens=False)[:5]]
-    assert "".join(d.text for d in deltas) == "ok" == stopped.text
-    assert (deltas[-1].finish_reason, deltas[-1].stop_reason) == ("stop", "END")
-    assert stopped.token_ids == tokenizer.encode("okEND", add_special_tokens=False)
-
-
-def test_eos_and_stop_token_ids_end_sequences_and_stay_in_token_ids():
-    tokenizer = tiny_tokenizer()
-    eos = tokenizer.eos_token_id
-    sequence = SequenceState(0, tokenizer, SamplingParams(max_tokens=10), {eos})
-    last = [sequence.append(i, None) for i in [*tokenizer.encode("hi", add_special_tokens=False), eos]][-1]
-    assert (last.finish_reason, last.stop_reason, sequence.text, sequence.token_ids[-1]) == ("stop", None, "hi", eos)
-    by_id = SequenceState(0, tokenizer, SamplingParams(max_tokens=10, stop_token_ids=(ord("x") + 3,)), {eos})
-    assert by_id.append(ord("x") + 3, None).stop_reason == ord("x") + 3
-
-
-def test_top_k_and_top_p_truncation():
-    logprobs = torch.log_softmax(torch.tensor([[4.0, 3.0, 2.0, 1.0, 0.0]]), dim=-1)
-    kept = lambda masked: torch.isfinite(masked)[0].tolist()  # noqa: E731
-    assert kept(truncate(logprobs, 2, 1.0)) == [True, True, False, False, False]
-    probs = logprobs.exp()[0]
-    assert probs[0] < 0.7 < probs[0] + probs[1]
-    assert kept(truncate(logprobs, 0, 0.7)) == [True, True, False, False, False]
-    assert kept(truncate(logprobs, 0, 1.0)) == [True] * 5
-
-
-def test_decoding_in_place_past_the_reserved_room_keeps_every_row_exact(tiny):
-    """Rows that end at different steps leave the batch, and decoding past ``ROOM`` grows the buffers: still exact."""
-    assert isinstance(decoding_cache(tiny.model), Cache)
-    prompts = [[5, 6, 7, 8, 9, 10], [11, 12, 13]]
-    lengths = [3, 40, ROOM + 20]
-    requests = [BatchRequest(prompts[number % 2], SamplingParams(max_tokens=length, temperature=1.0, seed=number,
-                                                                 ignore_eos=True, logprobs=True))
-                for number, length in enumerate(lengths)]
-    results = generate_batch(tiny.model, tiny.tokenizer, requests, eos_ids=set())
-    for request, (state,), length in zip(requests, results, lengths, strict=True):
-        assert len(state.token_ids) == length
-        assert_exact(tiny, tiny.model, list(request.prompt_ids), state.token_ids, None,
-                     [entry.logprob for entry in state.logprobs], 1.0)
-
-
-def test_draw_follows_the_probabilities_and_never_picks_an_impossible_token():
-    probs = torch.tensor([[0.0, 0.5, 0.0, 0.3, 0.2, 0.0]]).repeat(20_000, 1)
-    picked = draw(probs, torch.Generator().manual_seed(3))
-    counts = torch.bincount(picked, minlength=6) / len(picked)
-    assert counts[[0, 2, 5]].tolist() == [0.0, 0.0, 0.0]
-    assert torch.allclose(counts[[1, 3, 4]], torch.tensor([0.5, 0.3, 0.2]), atol=0.015)
-    assert torch.equal(draw(probs[:50], torch.Generator().manual_seed(3)), picked[:50])  # a seed replays
-    unnormalised = torch.tensor([[0.0, 0.0, 0.0, 7.0]])  # truncation leaves rows that need not sum to 1
-    assert draw(unnormalised, torch.Generator().manual_seed(0)).tolist() == [3]
+# ---------------------------------------------------------------- sampling options
 
 
 def test_chat_with_top_k_top_p_still_reports_untruncated_logprobs(client, tiny):
@@ -399,86 +251,6 @@ def test_completions_stream_matches_non_streaming(client):
 
 
 # ---------------------------------------------------------------- tools
-
-
-def test_parse_tool_calls_from_text():
-    parsed = parse_tool_calls('Let me look.\n<tool_call>\n{"name": "get_weather", "arguments": {"city": "Paris"}}\n'
-                              '</tool_call><tool_call>{"name": "get_time", "arguments": {}}</tool_call>')
-    assert parsed.content == "Let me look.\n"
-    assert [call["function"]["name"] for call in parsed.tool_calls] == ["get_weather", "get_time"]
-    assert json.loads(parsed.tool_calls[0]["function"]["arguments"]) == {"city": "Paris"}
-    assert all(call["id"].startswith("call_") and call["type"] == "function" for call in parsed.tool_calls)
-
-    unterminated = parse_tool_calls('<tool_call>{"name": "f", "arguments": {"x": 1}}')
-    assert unterminated.content is None and unterminated.tool_calls[0]["function"]["arguments"] == '{"x": 1}'
-    broken = parse_tool_calls("<tool_call>{not json}</tool_call>")
-    assert broken.tool_calls == [] and broken.content == "<tool_call>{not json}</tool_call>"
-    assert parse_tool_calls("no tools here") == parse_tool_calls("no tools here")
-    assert parse_tool_calls("no tools here").tool_calls == []
-    spaced = parse_tool_calls('\n<tool_call>{"name": "f", "arguments": {}}</tool_call>\n<tool_call>{"name": "g", '
-                              '"arguments": {}}</tool_call>\n')
-    assert spaced.content == "\n" and len(spaced.tool_calls) == 2, "leading text is kept, separators are not"
-
-
-def test_tool_stream_filter_never_leaks_a_tool_call():
-    text = 'Sure.<tool_call>{"name": "f", "arguments": {}}</tool_call>'
-    stream_filter = ToolStreamFilter()
-    streamed = "".join(stream_filter.feed(character) for character in text)
-    rest, calls = stream_filter.finish()
-    assert streamed + rest == "Sure." and calls[0]["function"]["name"] == "f"
-    partial = ToolStreamFilter()
-    assert partial.feed("ok <tool") == "ok "
-    assert partial.feed("kit") == "<toolkit"
-
-
-def test_tools_render_natively_or_as_a_system_prompt():
-    tokenizer = tiny_tokenizer()
-    conversation = [*HELLO, {"role": "assistant", "content": None, "tool_calls": [
-        {"id": "call_1", "type": "function", "function": {"name": "get_weather", "arguments": '{"city": "Oslo"}'}}]},
-        {"role": "tool", "tool_call_id": "call_1", "content": "sunny"}]
-    assert renders_tools(tokenizer)
-    native = tokenizer.decode(render_prompt(tokenizer, conversation, [WEATHER_TOOL], True))
-    assert '"name": "get_weather"' in native and "<tools>" in native
-    assert '<tool_call>{"name": "get_weather", "arguments": {"city": "Oslo"}}</tool_call>' in native
-    assert "<tool_response>\nsunny\n</tool_response>" in native
-
-    plain = tiny_tokenizer()  # a template that ignores tools, like SmolLM2's
-    plain.chat_template = ("{% for m in messages %}<|im_start|>{{ m.role }}\n{{ m.content }}<|im_end|>\n{% endfor %}"
-                           "{% if add_generation_prompt %}<|im_start|>assistant\n{% endif %}")
-    assert not renders_tools(plain)
-    fallback = plain.decode(render_prompt(plain, conversation, [WEATHER_TOOL], False))
-    assert fallback.startswith("<|im_start|>system\n# Tools") and '"name": "get_weather"' in fallback
-    assert '{"name": "get_weather", "arguments": {"city": "Oslo"}}' in fallback
-    assert "<|im_start|>user\n<tool_response>\nsunny\n</tool_response>" in fallback
-
-
-PLAIN_TEMPLATE = ("{% for m in messages %}<|im_start|>{{ m.role }}\n{{ m.content }}<|im_end|>\n{% endfor %}"
-                  "{% if add_generation_prompt %}<|im_start|>assistant\n{% endif %}")  # ignores tools, like SmolLM2's
-CALL = canonical_tool_call("get_weather", {"city": "Oslo"})
-
-
-@pytest.mark.parametrize(("written", "extends"), [
-    (CALL, True),
-    ("Let me look.\n" + CALL, True),
-    ("Sure. " + CALL + "\n" + canonical_tool_call("get_time", {"zone": "CET", "exact": True}), True),
-    ('<tool_call>{"name": "get_weather", "arguments": {"city": "Oslo"}}</tool_call>', False),
-    ('<tool_call>\n{"name":"get_weather","arguments":{"city":"Oslo"}}\n</tool_call>', False),
-    ('<tool_call>\n{"arguments": {"city": "Oslo"}, "name": "get_weather"}\n</tool_call>', False),
-    (CALL + "\nDone.", False),
-], ids=["canonical", "text-before", "two-calls", "no-newlines", "compact", "keys-swapped", "text-after"])
-def test_a_tool_call_sent_back_re_renders_into_the_tokens_written_in_the_canonical_form_only(written, extends):
-    tokenizer = tiny_tokenizer()
-    tokenizer.chat_template = PLAIN_TEMPLATE
-    prompt = render_prompt(tokenizer, HELLO, [WEATHER_TOOL], False)
-    response = tokenizer.encode(written + "<|im_end|>", add_special_tokens=False)  # bytes: the turn's end is text
-    parsed = parse_tool_calls(written)
-    assert parsed.tool_calls, "every form parses into a call"
-    sent_back = json.loads(json.dumps({"role": "assistant", "content": parsed.content,
-                                       "tool_calls": parsed.tool_calls}))  # as the SDK sends it
-    results = [{"role": "tool", "tool_call_id": call["id"], "content": "ok"} for call in parsed.tool_calls]
-    following = render_prompt(tokenizer, [*HELLO, sent_back, *results], [WEATHER_TOOL], False)
-    sequence = prompt + response
-    assert (following[:len(sequence)] == sequence) is extends
 
 
 def test_tool_calls_end_to_end():
@@ -549,32 +321,6 @@ def test_lora_load_serve_unload(server, client, tiny, tmp_path):
     with pytest.raises(openai.NotFoundError):
         client.chat.completions.create(model="skill-v7", messages=HELLO, max_tokens=2)
     assert post(server.url + "/v1/unload_lora_adapter", {"lora_name": "skill-v7"})[0] == 404
-
-
-def test_an_adapter_runs_on_merged_weights_made_again_when_the_base_weights_change(tmp_path):
-    from serving.lora import applied, load_lora
-
-    model = load_model("tiny").model
-    reference = make_lora(tmp_path / "adapter")
-    adapter = load_lora(tmp_path / "adapter", model, "skill", 1)
-    ids = torch.tensor([[5, 6, 7, 8, 9]])
-    weights = {name: module.weight for name, module in model.named_modules() if name in adapter.layers}
-    with torch.no_grad():
-        with applied(adapter, model):
-            merged = model(input_ids=ids).logits
-        expected = reference(input_ids=ids).logits
-        assert torch.allclose(merged, expected, atol=1e-5)  # what peft computes unmerged
-        assert all(module.weight is weights[name] for name, module in model.named_modules() if name in weights)
-        assert not torch.allclose(model(input_ids=ids).logits, merged)  # the base model, untouched
-
-        changed = next(iter(weights))
-        weights[changed].mul_(1.5)  # a full-weight load assigns in place
-        with applied(adapter, model):
-            after = model(input_ids=ids).logits
-        fresh = load_lora(tmp_path / "adapter", model, "skill", 1)  # no merged copies yet
-        with applied(fresh, model):
-            assert torch.equal(after, model(input_ids=ids).logits)
-        assert not torch.allclose(after, merged)
 
 
 def test_unknown_model_and_bad_requests_get_openai_errors(server, client):
@@ -660,11 +406,3 @@ def test_load_weights_waits_for_in_flight_generation_and_changes_outputs(tmp_pat
         gate.set()
         hook.remove()
         running.stop()
-
-
-def test_tiny_model_is_deterministic_and_bad_specs_fail(tiny):
-    again = load_model("tiny")
-    pairs = zip(tiny.model.state_dict().values(), again.model.state_dict().values(), strict=True)
-    assert all(torch.equal(a, b) for a, b in pairs)
-    with pytest.raises(ModelLoadError):
-        load_model("/nonexistent/model")
