@@ -85,3 +85,23 @@ def test_dump_toml_reads_back_to_the_same_configuration(tmp_path):
     path = tmp_path / "dumped.toml"
     path.write_text(dump_toml(config))
     assert load_config(path, environ={}) == config
+
+
+def test_trainer_config_section_is_typed_and_validated(tmp_path):
+    path = tmp_path / "agentstream.toml"
+    path.write_text('[trainer]\nmodel = "tiny"\nlr = 0.002\nlora = true\nbatch_transitions = 32\n')
+    config = load_config(path, environ={})
+    assert (config.trainer.model, config.trainer.lr, config.trainer.lora, config.trainer.batch_transitions) == \
+        ("tiny", 0.002, True, 32)
+    path.write_text('[trainer]\nclip_eps = 1.5\n')
+    with pytest.raises(ConfigError, match="clip_eps"):
+        load_config(path, environ={})
+
+
+def test_demo_heldout_tasks_are_bounded_by_the_task_set(tmp_path):
+    path = tmp_path / "agentstream.toml"
+    path.write_text('[demo]\nheldout_tasks = 160\n')
+    assert load_config(path, environ={}).demo.heldout_tasks == 160
+    path.write_text('[demo]\nheldout_tasks = 400\n')
+    with pytest.raises(ConfigError, match="heldout_tasks must be between 1 and 399"):
+        load_config(path, environ={})

@@ -1,0 +1,151 @@
+"""Batching: transition records checked, duplicates, stale and flat ones dropped, batches closed, collation."""
+
+from __future__ import annotations
+
+from dataclasses import replace
+
+import pytest
+
+from trainer.batching import (
+    Batcher,
+    PackedMicroBatch,
+    Sample,
+    SeenIds,
+    TransitionError,
+    collate,
+)
+
+
+def sample(tid: str, version: int = 0, prompt: int = 3, response: int = 2, advantage: float = 1.0,
+           position=None) -> Sample:
+    return Sample(tid, "r", version, list(range(10, 10 + prompt)), list(range(50, 50 + response)),
+                  [-0.5] * response, 1.0, advantage, position)
+
+
+def batcher(**overrides) -> Batcher:
+    options = {"batch_tokens": 0, "batch_transitions": 4, "batch_wait_s": 0, "max_policy_lag": 2,
+               "skip_zero_advantage": True, "seen": SeenIds(100)}
+    options.update(overrides)
+    return Batcher(**options)
+
+
+def test_transition_records_are_checked():
+    record = {"transition_id": "t", "rollout_id": "r", "policy_version": 1, "prompt_token_ids": [1],
+              "response_token_ids": [2, 3], "behaviour_logprobs": [-0.1], "reward": 1.0, "advantage": 0.5}
+    with pytest.raises(TransitionError, match="1 logprobs for 2"):
+        Sample.from_record(record)
+    with pytest.raises(TransitionError, match="no prompt"):
+        Sample.from_record({**record, "prompt_token_ids": []})
+    assert Sample.from_record({**record, "behaviour_logprobs": [-0.1, -0.2]}, ("t", 0, 7)).position == ("t", 0, 7)
+
+
+def test_duplicates_stale_and_flat_transitions_are_dropped_and_counted():
+    b = batcher()
+    assert b.offer(sample("a"), current_version=1, now=0)
+    assert not b.offer(sample("a"), current_version=1, now=0)  # queued already
+    assert not b.offer(sample("old", version=0), current_version=3, now=0)  # lag 3 > 2
+    assert not b.offer(sample("flat", advantage=0.0), current_version=1, now=0)
+    assert b.offer(sample("b", version=1), current_version=1, now=0)
+    batch = b.take(current_version=3)  # "a" (lag 3) went stale while it waited
+    assert [s.transition_id for s in batch.samples] == ["b"]
+    assert (batch.counts.duplicate, batch.counts.stale, batch.counts.uninformative) == (1, 2, 1)
+    assert batch.lags() == [2]
+    assert not b.offer(sample("b", version=1), current_version=3, now=0)  # trained already
+    assert b.counts.duplicate == 1
+
+
+def test_batches_close_on_count_token_budget_or_wait():
+    b = batcher(batch_transitions=3)
+    for name in "abc":
+        b.offer(sample(name), 0, now=0)
+    assert b.ready(now=0) and len(b.take(0).samples) == 3
+    b = batcher(batch_transitions=0, batch_tokens=20)  # padded size = count x longest (5 tokens each)
+    for name in "abcde":
+        b.offer(sample(name), 0, now=0)
+    assert b.ready(now=0) and len(b.take(0).samples) == 4
+    assert not b.ready(now=0)
+    b.offer(sample("long", prompt=30), 0, now=0)  # alone over budget: still taken, alone, after the queued one
+    assert [len(b.take(0).samples), len(b.take(0).samples)] == [1, 1]
+    b = batcher(batch_transitions=10, batch_wait_s=2.0)
+    b.offer(sample("a"), 0, now=10.0)
+    assert not b.ready(now=11.0) and b.ready(now=12.0)
+
+
+def test_skipped_flat_transitions_count_toward_the_batch_when_asked():
+    counting, plain = batcher(batch_transitions=4, count_skipped=True), batcher(batch_transitions=4)
+    for b in (counting, plain):
+        b.offer(sample("a"), 0, now=0)
+        b.offer(sample("flat1", advantage=0.0), 0, now=0)
+        b.offer(sample("flat2", advantage=0.0), 0, now=0)
+        b.offer(sample("b"), 0, now=0)
+    assert counting.ready(now=0) and not plain.ready(now=0)
+    batch = counting.take(0)
+    assert [s.transition_id for s in batch.samples] == ["a", "b"] and batch.counts.uninformative == 2
+    for name in ("f3", "f4", "f5", "f6"):  # a batch's worth with no signal: nothing to take, and it is not carried
+        counting.offer(sample(name, advantage=0.0), 0, now=0)
+    counting.offer(sample("c"), 0, now=0)
+    assert not counting.ready(now=0)
+
+
+def test_a_backlog_of_rounds_is_cut_where_each_round_ends_when_skipped_ones_count():
+    b = batcher(batch_transitions=4, count_skipped=True)
+    rounds = [["a1", "flat", "a2", "flat"], ["flat", "flat", "b1", "b2"], ["c1", "c2", "c3", "c4"], ["flat"] * 3]
+    for round_ in rounds:  # three rounds of four arrive while the trainer is busy
+        for index, name in enumerate(round_):
+            b.offer(sample(f"{name}{index}{len(b)}", advantage=0.0 if name == "flat" else 1.0), 0, now=0)
+    taken = []
+    while b.ready(now=0):
+        taken.append([s.transition_id[:2] for s in b.take(0).samples])
+    assert taken == [["a1", "a2"], ["b1", "b2"], ["c1", "c2", "c3", "c4"]]  # not [a1 a2 b1 b2], [c1 c2 c3 c4]
+    b.offer(sample("d1"), 0, now=0)  # the last round's three flat ones count with it
+    assert b.ready(now=0) and [s.transition_id for s in b.take(0).samples] == ["d1"]
+    assert not b.ready(now=0)
+
+
+def test_pending_positions_hold_back_commits():
+    b = batcher()
+    b.offer(sample("a", position=("t", 0, 5)), 0, now=0)
+    b.offer(sample("b", position=("t", 1, 9)), 0, now=0)
+    assert sorted(b.pending_positions()) == [("t", 0, 5), ("t", 1, 9)]
+    b.take(0)
+    assert list(b.pending_positions()) == []
+
+
+def test_collate_right_pads_and_aligns_targets_with_response_tokens():
+    short, long = sample("s", prompt=2, response=1), sample("l", prompt=3, response=3)
+    micro, = collate([long, short], pad_id=0, device="cpu")
+    assert micro.input_ids.tolist() == [[10, 11, 50, 0, 0, 0], [10, 11, 12, 50, 51, 52]]
+    assert micro.attention_mask.tolist() == [[1, 1, 1, 0, 0, 0], [1] * 6]
+    # column c predicts the token at first + c + 1; first is the shortest prompt's last position
+    assert micro.first == 1 and micro.logits_to_keep == 5
+    assert micro.response_mask.tolist() == [[True, False, False, False],
+                                            [False, True, True, True]]
+    assert micro.targets[micro.response_mask].tolist() == [50, 50, 51, 52]
+    assert micro.behaviour_logprobs[micro.response_mask].tolist() == [-0.5] * 4
+    assert [m.input_ids.shape[0] for m in collate([long, short, long], 0, "cpu", micro_batches=2)] == [2, 1]
+
+
+def test_collate_packs_a_repeated_prompt_once_per_row_with_each_response_after_it():
+    group = [replace(sample(f"g{i}", prompt=3, response=1 + i), response_ids=[60 + i] * (1 + i)) for i in range(3)]
+    alone = sample("a", prompt=2, response=2)
+    micro, = collate([group[2], alone, group[0], group[1]], pad_id=0, device="cpu")
+    assert isinstance(micro, PackedMicroBatch)
+    assert micro.input_ids.tolist() == [[10, 11, 50, 51, 0, 0, 0, 0, 0], [10, 11, 12, 60, 61, 61, 62, 62, 62]]
+    # each response continues its prompt's positions
+    assert micro.position_ids.tolist() == [[0, 1, 2, 3, 0, 0, 0, 0, 0], [0, 1, 2, 3, 3, 4, 3, 4, 5]]
+    # the second token of response 61 sees the prompt and its own first token, not response 60
+    assert micro.attends[1, 5].tolist() == [True, True, True, False, True, True, False, False, False]
+    assert micro.attends[1, 2].tolist() == [True, True, True] + [False] * 6  # the prompt is causal
+    assert micro.attends[0, 6].tolist() == [False] * 6 + [True, False, False]  # a pad sees only itself
+    assert micro.row_of.tolist() == [0, 1, 1, 1]
+    # column 0 is predicted by the prompt's last position, column c by the response's token c - 1
+    assert micro.predictors[micro.response_mask].tolist() == [1, 2, 2, 2, 4, 2, 6, 7]
+    assert micro.targets.tolist() == [[50, 51, 0], [60, 0, 0], [61, 61, 0], [62, 62, 62]]
+    assert micro.behaviour_logprobs[micro.response_mask].tolist() == [-0.5] * 8
+    two = collate([*group, alone], 0, "cpu", micro_batches=2)  # a group stays together: sorted by prompt
+    assert [type(m).__name__ for m in two] == ["MicroBatch", "PackedMicroBatch"]
+    split, = collate(group, 0, "cpu", row_tokens=6)  # the third response would make the row 9 tokens long
+    assert split.input_ids.tolist() == [[10, 11, 12, 60, 61, 61], [10, 11, 12, 62, 62, 62]]
+    assert split.row_of.tolist() == [0, 0, 1] and split.predictors[2].tolist() == [2, 3, 4]
+
+
