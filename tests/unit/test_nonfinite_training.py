@@ -21,7 +21,7 @@ from streams.processor import SpanProcessor
 from streams.records import RawRecord
 from streams.sink import CompletionSink
 from streams.trajectory import SpanNode, assemble
-from tests.unit.test_credit import Held, Sent
+from tests.support.streams_fakes import Held, Sent
 from trainer.batching import Batch, Counts, NonFiniteTransition, Sample
 from trainer.policy import PolicyError, build_policy, load_weights, restore_last_good, save_weights, save_weights_later
 from trainer.step import train_step

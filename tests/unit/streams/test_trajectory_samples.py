@@ -23,7 +23,7 @@ from streams.records import RawRecord
 from streams.sink import CompletionSink
 from streams.trajectory import SpanNode, Trajectory, assemble
 from streams.trajectory_samples import UnreadableTokens, call_arrays, trajectory_samples, varint_count
-from tests.unit.test_credit import Held, Sent
+from tests.support.streams_fakes import Held, Sent
 
 CODEC = AvroCodec()
 TRAJECTORY = CreditRule(level="trajectory")
