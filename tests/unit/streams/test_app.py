@@ -1,10 +1,12 @@
-"""The streams worker's ingestion queue: records stay held until stored, and the agent waits only on queued bytes."""
+"""The streams worker (streams/app.py): its ingestion queue holds records until stored and makes the agent wait only
+on queued bytes; its state lives under the stack home."""
 
 from __future__ import annotations
 
 import asyncio
 from typing import Any
 
+from infra.config import load_config
 from streams.app import Ingestion
 from streams.records import RawRecord
 
@@ -54,3 +56,12 @@ def test_the_agent_waits_only_once_the_queued_bytes_reach_the_bound() -> None:
         runner.cancel()
 
     asyncio.run(scenario())
+
+
+def test_the_streams_worker_keeps_its_state_under_the_stack_home(tmp_path, monkeypatch):
+    from streams.app import create_app
+
+    monkeypatch.chdir(tmp_path)
+    config = load_config(environ={"AGENTSTREAM_HOME": str(tmp_path / "home")})
+    app = create_app(config, "127.0.0.1:1", "http://127.0.0.1:2")
+    assert app.conf.datadir.is_relative_to(tmp_path / "home"), "not faust's default, the current directory"

@@ -1,0 +1,86 @@
+"""The span reader and transition drafts: what fastavro reads, without decoding token arrays, and back to Avro."""
+
+from __future__ import annotations
+
+import io
+import random
+
+import fastavro
+import pytest
+
+from schemas import TRANSITION, AvroCodec, current_schemas
+from schemas.span_reader import MalformedSpan, SpanReader
+from schemas.transition_writer import ONE_CALL, draft
+from streams.trajectory import SpanNode
+from tests.support.spans import random_span
+
+CODEC = AvroCodec()
+
+
+def test_reader_agrees_with_fastavro_and_keeps_token_arrays_as_transition_bytes():
+    rng = random.Random(11)
+    spans = [random_span(rng, i) for i in range(60)]
+    record = CODEC.encode_span_batch(spans)
+    _, _, schema = CODEC.writer_schema(record)
+    nodes = SpanReader(schema, SpanNode).batch(record[5:])
+    assert len(nodes) == len(spans)
+    transition_schema = current_schemas()[TRANSITION]
+    for node, span in zip(nodes, spans, strict=True):
+        assert (node.span_id, node.attempt_id, node.kind, node.name, node.status) == (
+            span["span_id"], span["attempt_id"], span["kind"], span["name"], span["status"])
+        assert (node.start_us, node.end_us, node.policy_version, node.reward) == (
+            span["start_time_us"], span["end_time_us"], span["policy_version"], span["reward"])
+        assert (node.parent_id, node.agent_name, node.group_id) == (
+            span["parent_id"] or "", span["agent_name"] or "", span["group_id"] or "")
+        assert node.reward_dimensions == (span["reward_dimensions"] or {})
+        trainable = bool(span.get("prompt_token_ids")) and bool(span.get("response_token_ids"))
+        assert node.has_token_ids == trainable
+        if not trainable:
+            assert node.tokens == b""
+            continue
+        datum = draft("r", node.attempt_id, "agent", "m", 3, node).complete(0.5, 0.25, -1.5, None, 7)
+        value = fastavro.schemaless_reader(io.BytesIO(datum), transition_schema)
+        assert value["prompt_token_ids"] == span["prompt_token_ids"]
+        assert value["response_token_ids"] == span["response_token_ids"]
+        assert value["behaviour_logprobs"] == pytest.approx(span["response_logprobs"], abs=1e-6)
+        assert (value["step_index"], value["reward"], value["return_value"], value["advantage"]) == (3, 0.5, 0.25, -1.5)
+        assert value["group_id"] is None and value["policy_version"] == (span["policy_version"] or 0)
+
+
+def test_reader_skips_blocks_written_with_byte_sizes():
+    """Avro writers may write a negative block count followed by the block's size; the reader honours both forms."""
+    schema = {"type": "record", "name": "row", "fields": [
+        {"name": "span_id", "type": "string"}, {"name": "attempt_id", "type": "string"},
+        {"name": "name", "type": "string"}, {"name": "kind", "type": "string"},
+        {"name": "start_time_us", "type": "long"}, {"name": "end_time_us", "type": "long"},
+        {"name": "prompt_token_ids", "type": {"type": "array", "items": "int"}},
+        {"name": "response_token_ids", "type": {"type": "array", "items": "int"}},
+        {"name": "response_logprobs", "type": {"type": "array", "items": "float"}}]}
+    sized_ids = b"\x05\x06\x02\x04\x06" + b"\x02\x80\x01" + b"\x00"  # a block of 3 items in 3 bytes, then 1 item
+    row = b"\x04s1\x04a1\x02n\x06LLM\x02\x04" + sized_ids + b"\x02\x0e\x00" + b"\x02\x00\x00\x80\xbf\x00"
+    [node] = SpanReader(fastavro.parse_schema(schema), SpanNode).rows(1, row)
+    assert node.has_token_ids and node.tokens.startswith(sized_ids)
+    datum = b"\x02x" * 5 + b"\x00\x00" + node.tokens + ONE_CALL + b"\x00" * 24 + b"\x00\x00"
+    value = fastavro.schemaless_reader(io.BytesIO(datum), current_schemas()[TRANSITION])
+    assert value["prompt_token_ids"] == [1, 2, 3, 64] and value["response_token_ids"] == [7]
+    assert value["behaviour_logprobs"] == [-1.0]
+
+
+@pytest.mark.parametrize("cut", [1, 7, 40, 300])
+def test_cut_short_or_corrupt_batches_raise_malformed_span(cut):
+    record = CODEC.encode_span_batch([random_span(random.Random(cut), i) for i in range(4)])
+    _, _, schema = CODEC.writer_schema(record)
+    with pytest.raises(MalformedSpan):
+        SpanReader(schema, SpanNode).batch(record[5:-cut])
+    with pytest.raises(MalformedSpan):
+        SpanReader(schema, SpanNode).batch(record[5:] + b"\x00")
+
+
+def test_a_negative_string_length_is_malformed():
+    record = CODEC.encode_span_batch([random_span(random.Random(3), 0)])
+    _, _, schema = CODEC.writer_schema(record)
+    body = bytearray(record[5:])
+    assert body[0] == 2 and body[1] == 2 * len("s0"), "a batch of one span, then the span_id's length"
+    body[1] = 3  # the zigzag varint of -2
+    with pytest.raises(MalformedSpan, match="negative string length -2"):
+        SpanReader(schema, SpanNode).batch(bytes(body))
