@@ -7,7 +7,7 @@ from pathlib import Path
 
 import pytest
 
-from infra.config import ConfigError, Secret, describe, load_config
+from infra.config import ConfigError, CreditRule, Secret, describe, load_config
 
 
 def test_defaults_are_the_embedded_loopback_stack():
@@ -105,3 +105,18 @@ def test_demo_heldout_tasks_are_bounded_by_the_task_set(tmp_path):
     path.write_text('[demo]\nheldout_tasks = 400\n')
     with pytest.raises(ConfigError, match="heldout_tasks must be between 1 and 399"):
         load_config(path, environ={})
+
+
+def _config_with(tmp_path, rule: str):
+    path = tmp_path / "agentstream.toml"
+    path.write_text(f"[[credit]]\nagent = \"*\"\n{rule}\n")
+    return load_config(environ={"AGENTSTREAM_CONFIG": str(path), "AGENTSTREAM_HOME": str(tmp_path)})
+
+
+def test_sample_rate_defaults_to_one_and_is_validated(tmp_path):
+    assert CreditRule().sample_rate == 1.0
+    assert _config_with(tmp_path, "sample_rate = 0.25").credit[0].sample_rate == 0.25
+    assert _config_with(tmp_path, "sample_rate = 0").credit[0].sample_rate == 0.0
+    for bad in ("1.5", "-0.1", "nan"):
+        with pytest.raises(ConfigError, match=r"credit\[0\].sample_rate must be within \[0, 1\]"):
+            _config_with(tmp_path, f"sample_rate = {bad}")

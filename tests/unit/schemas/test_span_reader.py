@@ -1,4 +1,5 @@
-"""The span reader and transition drafts: what fastavro reads, without decoding token arrays, and back to Avro."""
+"""The span reader and transition drafts: what fastavro reads, without decoding token arrays, and back to Avro;
+the train flag found in the attributes map."""
 
 from __future__ import annotations
 
@@ -9,6 +10,7 @@ import fastavro
 import pytest
 
 from schemas import TRANSITION, AvroCodec, current_schemas
+from schemas.contracts import TRAIN_ATTRIBUTE
 from schemas.span_reader import MalformedSpan, SpanReader
 from schemas.transition_writer import ONE_CALL, draft
 from streams.trajectory import SpanNode
@@ -84,3 +86,80 @@ def test_a_negative_string_length_is_malformed():
     body[1] = 3  # the zigzag varint of -2
     with pytest.raises(MalformedSpan, match="negative string length -2"):
         SpanReader(schema, SpanNode).batch(bytes(body))
+
+
+def span(index: int, attributes: dict[str, str]) -> dict:
+    return {"span_id": f"s{index}", "rollout_id": "r", "attempt_id": "a", "name": "chat", "kind": "LLM",
+            "start_time_us": index, "end_time_us": index + 1, "status": "OK", "attributes": attributes,
+            "model": "m", "prompt_token_ids": [1, 2], "response_token_ids": [3], "response_logprobs": [-0.5]}
+
+
+def read(attributes_list: list[dict[str, str]]) -> list[SpanNode]:
+    record = CODEC.encode_span_batch([span(i, a) for i, a in enumerate(attributes_list)])
+    _, _, schema = CODEC.writer_schema(record)
+    return SpanReader(schema, SpanNode).batch(record[5:])
+
+
+SAME_LENGTH = "agentstream.trail"  # as long as agentstream.train, one byte apart
+assert len(SAME_LENGTH) == len(TRAIN_ATTRIBUTE)
+
+
+@pytest.mark.parametrize("attributes, expected", [
+    ({TRAIN_ATTRIBUTE: "true"}, True),
+    ({TRAIN_ATTRIBUTE: "false"}, False),
+    ({TRAIN_ATTRIBUTE: "FALSE"}, False),
+    ({TRAIN_ATTRIBUTE: "1"}, True),
+    ({}, None),
+    ({"gen_ai.system": "agentstream", "k": "v" * 300}, None),
+    ({TRAIN_ATTRIBUTE: "maybe"}, None),
+    ({TRAIN_ATTRIBUTE: ""}, None),
+    ({SAME_LENGTH: "false", "Agentstream.train": "false", "agentstream.trains": "false"}, None),
+    ({"gen_ai.system": "x", SAME_LENGTH: "true", TRAIN_ATTRIBUTE: "false", "z" * 200: "y" * 200}, False),
+    ({"a" * 17: "true", TRAIN_ATTRIBUTE: "yes", "b" * 17: "no"}, True),
+])
+def test_reader_picks_the_train_flag_from_the_attributes_map(attributes, expected):
+    [node] = read([attributes])
+    assert node.train is expected
+    assert node.span_id == "s0" and node.has_token_ids and node.model == "m", "the fields after the map still read"
+
+
+def test_reader_flags_differ_per_span_and_the_rest_of_the_batch_reads_on():
+    nodes = read([{TRAIN_ATTRIBUTE: "true"}, {}, {TRAIN_ATTRIBUTE: "false", "x": "y"}, {SAME_LENGTH: "true"}])
+    assert [n.train for n in nodes] == [True, None, False, None]
+    assert [n.span_id for n in nodes] == ["s0", "s1", "s2", "s3"]
+
+
+def test_a_flag_value_that_is_not_text_never_raises():
+    record = bytearray(CODEC.encode_span_batch([span(0, {TRAIN_ATTRIBUTE: "XXXX", "other": "YYYY"})]))
+    for marker in (b"XXXX", b"YYYY"):
+        at = record.index(marker)
+        record[at:at + 4] = b"\xff\xfe\x00\x80"  # not UTF-8: nothing in the map is decoded
+    _, _, schema = CODEC.writer_schema(bytes(record))
+    [node] = SpanReader(schema, SpanNode).batch(bytes(record[5:]))
+    assert node.train is None and node.span_id == "s0"
+
+
+def test_reader_finds_the_flag_in_blocks_written_with_byte_sizes():
+    schema = fastavro.parse_schema({"type": "record", "name": "row", "fields": [
+        {"name": "span_id", "type": "string"}, {"name": "attempt_id", "type": "string"},
+        {"name": "name", "type": "string"}, {"name": "kind", "type": "string"},
+        {"name": "start_time_us", "type": "long"}, {"name": "end_time_us", "type": "long"},
+        {"name": "attributes", "type": {"type": "map", "values": "string"}}]})
+
+    def entry(key: str, value: str) -> bytes:
+        return bytes([2 * len(key)]) + key.encode() + bytes([2 * len(value)]) + value.encode()
+
+    block = entry("gen_ai.system", "x") + entry(TRAIN_ATTRIBUTE, "false")
+    sized = bytes([3]) + bytes([2 * len(block)]) + block + b"\x02" + entry("k", "v") + b"\x00"  # -2 items, then 1
+    row = b"\x04s1\x04a1\x02n\x06LLM\x02\x04" + sized
+    [node] = SpanReader(schema, SpanNode).rows(1, row)
+    assert node.train is False and node.span_id == "s1"
+
+
+def test_a_schema_without_attributes_reads_no_flag():
+    schema = fastavro.parse_schema({"type": "record", "name": "row", "fields": [
+        {"name": "span_id", "type": "string"}, {"name": "attempt_id", "type": "string"},
+        {"name": "name", "type": "string"}, {"name": "kind", "type": "string"},
+        {"name": "start_time_us", "type": "long"}, {"name": "end_time_us", "type": "long"}]})
+    [node] = SpanReader(schema, SpanNode).rows(1, b"\x04s1\x04a1\x02n\x06LLM\x02\x04")
+    assert node.train is None

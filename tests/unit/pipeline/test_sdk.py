@@ -1,0 +1,38 @@
+"""The SDK: a rollout's train choice stamped on every span it builds."""
+
+from __future__ import annotations
+
+import pytest
+
+from pipeline.sdk import Rollout, build_span, rollout
+from schemas.contracts import TRAIN_ATTRIBUTE
+from tests.support.sinks import ListSink
+
+
+@pytest.mark.parametrize("train, expected", [(True, "true"), (False, "false"), (None, None)])
+def test_build_span_stamps_the_rollouts_choice_on_every_span(train, expected):
+    owner = Rollout("r", "r-1", "agent", train=train)
+    span = build_span(owner, "chat", "LLM", 1, 2, attributes={"gen_ai.system": "x", TRAIN_ATTRIBUTE: "maybe"})
+    assert span["attributes"].get(TRAIN_ATTRIBUTE) == (expected or "maybe"), "the rollout's choice overrides"
+    assert span["attributes"]["gen_ai.system"] == "x"
+    bare = build_span(owner, "reward", "REWARD", 1, 1)
+    assert bare["attributes"].get(TRAIN_ATTRIBUTE) == expected
+
+
+def test_sdk_rollout_train_argument_reaches_its_spans():
+    import agentstream as ags
+
+    sink = ListSink()
+    with ags.rollout("agent", sink=sink, train=False) as state:
+        assert state.train is False
+        with ags.span("plan"):
+            pass
+        ags.emit_reward(1.0)
+    assert len(sink.spans) == 3 and all(s["attributes"][TRAIN_ATTRIBUTE] == "false" for s in sink.spans)
+    sink = ListSink()
+    with rollout("agent", sink=sink) as state:
+        assert state.train is None
+        ags.emit_reward(1.0)
+    assert all(TRAIN_ATTRIBUTE not in s["attributes"] for s in sink.spans)
+
+
