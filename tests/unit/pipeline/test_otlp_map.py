@@ -15,7 +15,6 @@ from opentelemetry.sdk.trace.export.in_memory_span_exporter import InMemorySpanE
 
 from pipeline.otlp import PROTOBUF, Refused, decode_request, status_protobuf
 from pipeline.otlp_map import TraceMapper, unflatten
-from pipeline.proxy import trace_context
 from schemas.span_writer import prepare_span
 
 
@@ -158,37 +157,6 @@ def test_bad_spans_are_refused_one_by_one_and_bad_bodies_as_a_whole():
         decode_request(b'{"resourceSpans": [{"scopeSpans": [{"spans": [{"traceId": "zz"}]}]}]}', "application/json")
     status = status_pb2.Status.FromString(status_protobuf(3, "bad body ✓"))
     assert (status.code, status.message) == (3, "bad body ✓")
-
-
-def test_otlp_json_with_hex_ids_decodes():
-    body = json.dumps({"resourceSpans": [{"resource": {"attributes": [
-        {"key": "service.name", "value": {"stringValue": "js-agent"}}]}, "scopeSpans": [{"spans": [{
-            "traceId": "5b8efff798038103d269b633813fc60c", "spanId": "eee19b7ec3c1b174",
-            "parentSpanId": "eee19b7ec3c1b173", "name": "chat m", "kind": 3,
-            "startTimeUnixNano": "1544712660000000000", "endTimeUnixNano": 1544712661000000000,
-            "attributes": [{"key": "gen_ai.operation.name", "value": {"stringValue": "chat"}},
-                           {"key": "gen_ai.request.model", "value": {"stringValue": "m"}}],
-            "status": {"code": 2, "message": "boom"}, "unknownField": 1}]}]}]}).encode()
-    (span,) = TraceMapper().map(decode_request(body, "application/json"), now_us=1).spans
-    assert (span["rollout_id"], span["span_id"], span["parent_id"]) == (
-        "5b8efff798038103d269b633813fc60c", "eee19b7ec3c1b174", "eee19b7ec3c1b173")
-    assert (span["kind"], span["status"], span["status_message"], span["agent_name"]) == ("LLM", "ERROR", "boom",
-                                                                                         "js-agent")
-    assert span["start_time_us"] == 1544712660000000
-
-
-def test_traceparent_and_baggage_parsing():
-    from multidict import CIMultiDict
-
-    headers = CIMultiDict(traceparent="00-4bf92f3577b34da6a3ce929d0e0e4736-00f067aa0ba902b7-01")
-    headers.add("baggage", "agentstream.agent_name=math%20agent;p=1, other=x")
-    headers.add("baggage", "agentstream.train=false")
-    context = trace_context(headers)
-    assert (context.trace_id, context.parent_span_id) == ("4bf92f3577b34da6a3ce929d0e0e4736", "00f067aa0ba902b7")
-    assert context.baggage == {"agentstream.agent_name": "math agent", "other": "x", "agentstream.train": "false"}
-    for bad in ("00-00000000000000000000000000000000-00f067aa0ba902b7-01", "ff-4bf92f3577b34da6a3ce929d0e0e4736-"
-                "00f067aa0ba902b7-01", "00-4bf92f3577b34da6a3ce929d0e0e4736-00f067aa0ba902b7-01-extra", "junk"):
-        assert trace_context(CIMultiDict(traceparent=bad)).trace_id is None, bad
 
 
 def test_unflatten():
