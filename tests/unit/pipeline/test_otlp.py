@@ -1,4 +1,4 @@
-"""The OTLP receiver's decoding: OTLP/JSON with hex ids, as JavaScript exporters send it."""
+"""The OTLP receiver's decoding: an OTLP/JSON body with hex ids decodes and maps to a span."""
 
 from __future__ import annotations
 

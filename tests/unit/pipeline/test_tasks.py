@@ -1,9 +1,11 @@
-"""Task waves paced by the policy version the model server holds (no broker: the decision only)."""
+"""Task files (JSONL, JSON, CSV) and task waves paced by the policy version the model server holds (no broker)."""
 
 from __future__ import annotations
 
+import pytest
+
 from infra.config import load_config
-from pipeline.tasks import PacedQueue
+from pipeline.tasks import PacedQueue, TaskFileError, read_task_file
 
 
 def queue(max_lag: int) -> PacedQueue:
@@ -37,3 +39,17 @@ def test_a_wave_of_flat_groups_lets_one_more_out_once_settled():
     assert paced.settle({"c": True, "d": True, "e": True, "f": True}) == 2  # both flat: two more waves
     assert paced.waves_due(3, 0, 1.0) == 8
     assert paced.unsettled_groups() == set() and paced.settle({"a": True}) == 0
+
+
+def test_task_files_in_jsonl_json_and_csv(tmp_path):
+    (tmp_path / "t.jsonl").write_text('{"id": 1}\n\n{"id": 2}\n')
+    (tmp_path / "t.json").write_text('[{"id": 1}, {"id": 2}]')
+    (tmp_path / "d.json").write_text('{"data": [{"id": 1}, {"id": 2}]}')
+    (tmp_path / "t.csv").write_text("id,question\n1,\"a, b\"\n2,c\n")
+    assert read_task_file(tmp_path / "t.jsonl") == [{"id": 1}, {"id": 2}]
+    assert read_task_file(tmp_path / "t.json") == [{"id": 1}, {"id": 2}]
+    assert read_task_file(tmp_path / "d.json") == [{"id": 1}, {"id": 2}]
+    assert read_task_file(tmp_path / "t.csv") == [{"id": "1", "question": "a, b"}, {"id": "2", "question": "c"}]
+    (tmp_path / "bad.json").write_text("[1]")
+    with pytest.raises(TaskFileError, match="item 0"):
+        read_task_file(tmp_path / "bad.json")

@@ -12,7 +12,6 @@ from infra.config import AglConfig
 from pipeline import sdk
 from pipeline.agl import adapt_agent, forward_span, install_tracer, is_agl1_agent, task_environment
 from pipeline.runner import call_agent, load_agent
-from pipeline.tasks import TaskFileError, read_task_file
 from tests.support.sinks import ListSink
 
 SETTINGS = AglConfig(model="tiny", temperature=0.7, prompt_template="Solve {question}")
@@ -155,20 +154,6 @@ def test_agent_lightning_spans_become_agentstream_spans():
     assert sink.of("MESSAGE")[0]["attributes"]["message"] == "hi"
     assert json.loads(sink.of("OBJECT")[0]["attributes"]["object"]) == [1, 2]
     assert sink.of("EXCEPTION")[0]["status_message"] == "KeyError: x"
-
-
-def test_task_files_in_jsonl_json_and_csv(tmp_path):
-    (tmp_path / "t.jsonl").write_text('{"id": 1}\n\n{"id": 2}\n')
-    (tmp_path / "t.json").write_text('[{"id": 1}, {"id": 2}]')
-    (tmp_path / "d.json").write_text('{"data": [{"id": 1}, {"id": 2}]}')
-    (tmp_path / "t.csv").write_text("id,question\n1,\"a, b\"\n2,c\n")
-    assert read_task_file(tmp_path / "t.jsonl") == [{"id": 1}, {"id": 2}]
-    assert read_task_file(tmp_path / "t.json") == [{"id": 1}, {"id": 2}]
-    assert read_task_file(tmp_path / "d.json") == [{"id": 1}, {"id": 2}]
-    assert read_task_file(tmp_path / "t.csv") == [{"id": "1", "question": "a, b"}, {"id": "2", "question": "c"}]
-    (tmp_path / "bad.json").write_text("[1]")
-    with pytest.raises(TaskFileError, match="item 0"):
-        read_task_file(tmp_path / "bad.json")
 
 
 def test_a_1_0_agent_gets_its_task_as_environment_variables():
