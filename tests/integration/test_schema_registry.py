@@ -6,6 +6,8 @@ schemas, its ids on the wire, and an incompatible change refused with a clear er
 The embedded ClickHouse (chdb) lists the Kafka table engine but cannot create a Kafka table ("Shutdown was
 called"), so ClickHouse reads the topics' records as a Kafka engine would hand them over: raw values inserted
 with ``FORMAT AvroConfluent`` and ``format_avro_schema_registry_url``.
+
+Schema ids are the same in another process with another hash seed (a child process, so the test is here).
 """
 
 from __future__ import annotations
@@ -49,8 +51,8 @@ from schemas import (
     schema_id,
     use_registry,
 )
+from tests.support.avro_samples import ROOT, SAMPLES, llm_span
 from tests.support.schema_registry import RegistryProcess
-from tests.unit.test_schemas import SAMPLES, llm_span
 
 # Which records each product topic carries.
 TOPIC_RECORDS = {
@@ -256,3 +258,15 @@ def test_the_stack_serves_the_registry(stack_config: Config, stack) -> None:
     assert set(current_schemas()) <= set(SchemaRegistryClient({"url": url}).get_subjects())
     state = Stack(stack_config).status().services["schema-registry"]
     assert "running" in state and "subjects" in state
+
+
+def test_ids_are_stable_across_processes() -> None:
+    program = (
+        "import json, schemas\n"
+        "print(json.dumps({n: schemas.schema_id(s) for n, s in schemas.current_schemas().items()}))\n"
+    )
+    env = {**os.environ, "PYTHONHASHSEED": "4242", "PYTHONPATH": os.pathsep.join([str(ROOT), *sys.path])}
+    result = subprocess.run(
+        [sys.executable, "-c", program], cwd=ROOT, env=env, capture_output=True, text=True, check=True
+    )
+    assert json.loads(result.stdout) == {name: schema_id(schema) for name, schema in current_schemas().items()}
