@@ -1,19 +1,32 @@
-"""Batching: transition records checked, duplicates, stale and flat ones dropped, batches closed, collation."""
+"""Batching: transition records checked, duplicates, stale and flat ones dropped, batches closed, collation;
+trajectory-level samples with their loss masks, demonstrations, token weights and micro-batch budgets."""
 
 from __future__ import annotations
 
+import json
+import math
 from dataclasses import replace
+from pathlib import Path
 
 import pytest
 
+from infra.config import ConfigError, TrainerConfig
+from schemas import TRANSITION, AvroCodec
+from tests.support.samples import CALL_1, CALL_2, MASK, PROMPT, TOOL, record
 from trainer.batching import (
     Batcher,
+    MicroBatch,
+    NonFiniteTransition,
     PackedMicroBatch,
     Sample,
     SeenIds,
     TransitionError,
     collate,
+    token_weights,
 )
+from trainer.loss import TokenStats
+from trainer.metrics import StepReport
+from trainer.step import StepResult
 
 
 def sample(tid: str, version: int = 0, prompt: int = 3, response: int = 2, advantage: float = 1.0,
@@ -149,3 +162,98 @@ def test_collate_packs_a_repeated_prompt_once_per_row_with_each_response_after_i
     assert split.row_of.tolist() == [0, 0, 1] and split.predictors[2].tolist() == [2, 3, 4]
 
 
+# ---------------------------------------------------------------- trajectory-level samples
+
+
+OLD_TRANSITION_SCHEMA = Path(__file__).parents[3] / "schemas" / "avro" / "history" / "transition.571826264.avsc"
+
+
+def test_trajectory_records_carry_their_mask_calls_and_break_and_old_records_read_as_one_call():
+    sample = Sample.from_record(record())
+    assert (sample.loss_mask, sample.merged_calls, sample.split_at_break) == (MASK, 2, True)
+    assert sample.trained_tokens == 7 and not sample.demonstration
+    # a record written with the schema before the loss mask decodes without those fields
+    codec = AvroCodec()
+    old_schema = json.loads(OLD_TRANSITION_SCHEMA.read_text())
+    old = {key: value for key, value in record().items() if key not in ("loss_mask", "merged_calls", "split_at_break")}
+    old.update(response_token_ids=CALL_1, behaviour_logprobs=[-1.0] * 4, span_id="s", agent_name="a", model="m",
+               step_index=0, return_value=1.0, group_id=None, created_at_us=0)
+    name, decoded = codec.decode(codec.encode(old_schema, old))
+    assert name.endswith(TRANSITION) and "loss_mask" not in decoded
+    plain = Sample.from_record(decoded)
+    assert (plain.loss_mask, plain.merged_calls, plain.split_at_break, plain.trained) == ((), 1, False, [True] * 4)
+
+
+def test_bad_masks_and_demonstrations_with_no_positive_advantage_are_refused():
+    with pytest.raises(TransitionError, match="loss mask of 3 for 10"):
+        Sample.from_record(record(loss_mask=[True, False, True]))
+    with pytest.raises(TransitionError, match="trains no token"):
+        Sample.from_record(record(loss_mask=[False] * 10))
+    with pytest.raises(TransitionError, match="9 logprobs for 10"):
+        Sample.from_record(record(behaviour_logprobs=[-1.0] * 9))
+    for advantage in (0.0, -0.5):
+        with pytest.raises(TransitionError, match="demonstration"):
+            Sample.from_record(record(behaviour_logprobs=[], advantage=advantage))
+    demonstration = Sample.from_record(record(behaviour_logprobs=[]))
+    assert demonstration.demonstration and demonstration.trained_tokens == 7
+    # a masked token's behaviour logprob is never read; a trained one's must be finite
+    garbage = [-1.0] * 4 + [math.nan, math.inf, 1e30] + [-2.0] * 3
+    assert Sample.from_record(record(behaviour_logprobs=garbage)).behaviour_logprobs[4:7][1] == math.inf
+    with pytest.raises(NonFiniteTransition, match="nan"):
+        Sample.from_record(record(behaviour_logprobs=[math.nan, *garbage[1:]]))
+
+
+def test_a_demonstration_never_goes_stale_a_sampled_trajectory_does():
+    batcher = Batcher(batch_tokens=0, batch_transitions=4, batch_wait_s=0, max_policy_lag=1,
+                      skip_zero_advantage=True, seen=SeenIds(10))
+    assert batcher.offer(Sample.from_record(record(transition_id="demo", behaviour_logprobs=[])), 5, now=0)
+    assert not batcher.offer(Sample.from_record(record(transition_id="sampled")), 5, now=0)
+    assert batcher.offer(Sample.from_record(record(transition_id="fresh", policy_version=4)), 4, now=0)
+    batch = batcher.take(current_version=9)  # "fresh" went stale while it waited; the demonstration did not
+    assert [s.transition_id for s in batch.samples] == ["demo"] and batch.counts.stale == 2
+    report = StepReport.of("m", 1, batch, StepResult(TokenStats(tokens=7), 0.1, 1.0, 1, 16, 0.5))
+    assert (report.staleness_mean, report.staleness_max) == (0.0, 0)  # nothing here lags behind a behaviour policy
+
+
+def test_collation_puts_the_loss_mask_into_the_response_mask_padded_and_packed():
+    merged = Sample.from_record(record())
+    micro, = collate([merged, Sample.from_record(record(transition_id="u", prompt_token_ids=[3, 4]))], 0, "cpu")
+    assert isinstance(micro, MicroBatch)
+    row = micro.response_mask[1]  # the longer prompt's row: its response starts at column len(PROMPT) - 2
+    assert row.tolist() == [False] * 4 + list(MASK)
+    assert micro.behaviour_logprobs[1].tolist() == [0.0] * 4 + [-1.0] * 4 + [0.0] * 3 + [-2.0] * 3
+    assert micro.targets[1, 4:].tolist() == CALL_1 + TOOL + CALL_2  # the tool result is in the inputs all the same
+    assert micro.weights.sum().item() == pytest.approx(1.0) and (micro.weights[~micro.response_mask] == 0).all()
+    group = [replace(merged, transition_id=f"g{i}", response_ids=[t + i for t in merged.response_ids])
+             for i in range(3)]
+    packed, = collate(group, 0, "cpu")
+    assert isinstance(packed, PackedMicroBatch)
+    assert packed.input_ids[0].tolist() == PROMPT + [t for s in group for t in s.response_ids]
+    assert packed.response_mask.tolist() == [list(MASK)] * 3
+    assert packed.weights[packed.response_mask].tolist() == pytest.approx([1 / 21] * 21)
+    assert packed.behaviour_logprobs[~packed.response_mask].abs().sum() == 0
+
+
+def test_token_weights_for_each_normalization_by_hand():
+    a = Sample("a", "r1", 0, [1], [2, 3], [-1.0] * 2, 1.0, 1.0)
+    b = Sample("b", "r1", 0, [1], [2, 3, 4, 5], [-1.0] * 4, 1.0, 1.0, loss_mask=(True, False, True, True))
+    c = Sample("c", "r2", 0, [1], [2, 3, 4, 5], [-1.0] * 4, 1.0, 1.0)
+    assert token_weights([a, b, c], "token") == pytest.approx([1 / 9] * 3)
+    assert token_weights([a, b, c], "transition") == pytest.approx([1 / 6, 1 / 9, 1 / 12])
+    assert token_weights([a, b, c], "rollout") == pytest.approx([1 / 10, 1 / 10, 1 / 8])  # r1: 5 tokens, r2: 4
+    for normalization in ("token", "transition", "rollout"):
+        weights = token_weights([a, b, c], normalization)
+        assert sum(w * s.trained_tokens for w, s in zip(weights, [a, b, c], strict=True)) == pytest.approx(1.0)
+    with pytest.raises(ValueError, match="unknown loss normalization"):
+        token_weights([a], "sequence")
+
+
+def test_micro_batch_tokens_cut_micro_batches_to_a_padded_token_budget_a_longer_sample_alone():
+    lengths = [10, 20, 30, 40, 100]
+    samples = [Sample(f"s{n}", "r", 0, [n] * 5, [2] * (n - 5), [-1.0] * (n - 5), 1.0, 1.0) for n in lengths]
+    micros = collate(samples, 0, "cpu", micro_batch_tokens=60)
+    assert [m.input_ids.shape for m in micros] == [(2, 20), (1, 30), (1, 40), (1, 100)]
+    assert [m.input_ids.shape[0] for m in collate(samples, 0, "cpu", 2, micro_batch_tokens=90)] == [3, 1, 1]
+    assert len(collate(samples, 0, "cpu")) == 1  # 0: off, as before
+    with pytest.raises(ConfigError, match="micro_batch_tokens"):
+        TrainerConfig(micro_batch_tokens=-1)

@@ -1,4 +1,5 @@
-"""The dual-clip policy loss against hand-computed numbers: branches, masks, KL and entropy terms."""
+"""The dual-clip policy loss against hand-computed numbers: branches, masks, KL and entropy terms; masked tokens
+of a trajectory-level sample."""
 
 from __future__ import annotations
 
@@ -7,6 +8,8 @@ import math
 import pytest
 import torch
 
+from tests.support.samples import record
+from trainer.batching import Sample, collate
 from trainer.loss import policy_loss
 
 
@@ -52,3 +55,28 @@ def test_kl_and_entropy_terms_by_hand():
     assert out.loss.item() == pytest.approx(0.1 * kl - 0.01 * 1.5)
     assert out.stats.mean("kl") == pytest.approx(kl)
     assert out.stats.mean("entropy") == pytest.approx(1.5)
+
+
+# ---------------------------------------------------------------- trajectory-level samples
+
+
+def test_masked_tokens_get_no_loss_no_gradient_and_a_merged_samples_advantage_reaches_every_generated_token():
+    merged = Sample.from_record(record(advantage=0.5))
+    micro, = collate([merged], 0, "cpu")
+    logprobs = micro.behaviour_logprobs.clone().requires_grad_()  # ratio 1 at every trained token
+    out = policy_loss(logprobs, micro.behaviour_logprobs, micro.advantages, micro.response_mask, weights=micro.weights,
+                      likelihood=micro.likelihood)
+    out.loss.backward()
+    assert out.stats.tokens == 7 and out.loss.item() == pytest.approx(-0.5)
+    # d loss / d logp_t = -A·ρ·w_t = -0.5/7 at each of both calls' tokens, 0 at the tool result's
+    assert logprobs.grad[micro.response_mask].tolist() == pytest.approx([-0.5 / 7] * 7)
+    assert (logprobs.grad[~micro.response_mask] == 0).all()
+    # other tokens at the masked positions (their logprobs differ), garbage behaviour there: the same loss exactly
+    changed = logprobs.detach().clone()
+    changed[~micro.response_mask] = torch.rand(int((~micro.response_mask).sum())) * -30
+    changed.requires_grad_()
+    behaviour = micro.behaviour_logprobs.clone()
+    behaviour[~micro.response_mask] = 1e30
+    again = policy_loss(changed, behaviour, micro.advantages, micro.response_mask, weights=micro.weights)
+    again.loss.backward()
+    assert torch.equal(again.loss, out.loss) and again.stats == out.stats and torch.equal(changed.grad, logprobs.grad)
