@@ -3,15 +3,12 @@
 from __future__ import annotations
 
 import json
-from dataclasses import replace
 
 import pytest
 
 import agentstream as ags
 from agentstream.demo.demonstrations import demonstration_calls, publish_demonstrations
-from agentstream.demo.training import AGENTS, demo_config
 from examples import calculator_agent
-from infra.config import load_config
 from models import load_model
 from schemas import SPAN, AvroCodec
 from serving.tool_format import parse_tool_calls
@@ -77,18 +74,3 @@ def test_publishing_demonstrations_records_one_rewarded_rollout_each(tokenizer):
     assert calls == 6 and len(sink.of("LLM")) == 6 and [r["reward"] for r in sink.rewards()] == [1.0] * 3
     assert {span["task_id"] for span in sink.spans} == {task["id"] for task in tasks}
     assert all(span["attributes"]["agentstream.train"] == "true" for span in sink.spans)
-
-
-def test_the_demo_trains_each_agent_at_its_level_and_steps_on_its_samples_per_step(tmp_path):
-    config = load_config()
-    wave = config.demo.group_size * config.demo.prompts_per_wave
-    calculator = demo_config(config, "r", tmp_path, AGENTS["calculator"])
-    rules = {rule.agent: rule for rule in calculator.credit}
-    assert rules["calculator"].level == rules["calculator-demonstrations"].level == "trajectory"
-    assert rules["calculator-demonstrations"].strategy == "final" and not rules["*"].train
-    assert calculator.trainer.batch_transitions == wave and calculator.trainer.micro_batch_tokens == 2048
-    halved = demo_config(config, "r", tmp_path, replace(AGENTS["calculator"], samples_per_step=wave // 2))
-    assert halved.trainer.batch_transitions == wave // 2
-    arithmetic = demo_config(config, "r", tmp_path, AGENTS["arithmetic"])
-    assert {rule.agent for rule in arithmetic.credit} == {"arithmetic", "*"}
-    assert arithmetic.credit[0].level == "transition"
