@@ -12,8 +12,6 @@ import pytest
 
 from infra.clickhouse import (
     PRODUCT_TABLES,
-    UnsupportedClickHouse,
-    check_version,
     connect,
     load_migrations,
     migrate,
@@ -78,12 +76,6 @@ def test_read_only_client_refuses_writes(stack_config, stack):
     with pytest.raises(Exception, match="readonly"):
         reader.command("CREATE TABLE default.should_not_exist (a UInt8) ENGINE = Memory")
     reader.close()
-
-
-def test_version_check_refuses_old_servers():
-    with pytest.raises(UnsupportedClickHouse, match=r"18\.16\.1 .* too old"):
-        check_version("18.16.1", "http://old:8123")
-    check_version("26.9.2.1", "http://new:8123")
 
 
 def test_http_interface_speaks_clickhouse(stack):

@@ -24,7 +24,7 @@ import pytest
 
 from bench.scenario import publish, serve_app
 from deploy.deployments import DeploymentLog, adapter_name
-from infra.config import ConfigError, Secret, TrainerConfig, load_config
+from infra.config import Secret, TrainerConfig
 from infra.kafka import create_topics
 from infra.processes import free_port
 from infra.security import KeySet
@@ -285,13 +285,3 @@ def test_hot_swap_sends_the_admin_token_and_a_401_is_not_taken_for_a_bad_checkpo
             await runner.cleanup()
 
     asyncio.run(scenario())
-
-
-def test_deploy_reconcile_s_is_validated(tmp_path):
-    path = tmp_path / "agentstream.toml"
-    path.write_text("[deploy]\nreconcile_s = -1\n")
-    with pytest.raises(ConfigError, match=r"deploy\.reconcile_s must be >= 0"):
-        load_config(path, environ={})
-    path.write_text("[deploy]\nreconcile_s = 0\n")
-    assert load_config(path, environ={}).deploy.reconcile_s == 0
-    assert load_config(environ={}).deploy.reconcile_s == 10.0

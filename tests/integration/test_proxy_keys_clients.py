@@ -139,12 +139,6 @@ def test_agent_lightning_agents_present_the_key(proxy, publisher, topics_config,
     assert not [s for s in landed.of("agl-unkeyed")[0] if s["kind"] in ("LLM", "REWARD")]
 
 
-def test_a_rollouts_key_is_its_api_key_and_stays_out_of_its_repr():
-    state = sdk.Rollout("r", "r-1", proxy_url="http://127.0.0.1:1", proxy_key="k-secret")
-    assert state.llm_api_key() == "k-secret" and "k-secret" not in repr(state)
-    assert sdk.Rollout("r", "r-1").llm_api_key() == sdk.UNUSED_API_KEY
-
-
 def test_the_client_key_is_the_first_configured_one(topics_config):
     assert proxy_client_key(keyed(topics_config, " k-a , k-b")) == "k-a"
     assert proxy_client_key(keyed(topics_config, " , ")) is None

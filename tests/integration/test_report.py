@@ -13,7 +13,6 @@ from pathlib import Path
 
 import pytest
 
-from agentstream.report import format_duration, parse_duration
 from infra.clickhouse import migrate
 from infra.processes import free_port
 
@@ -259,12 +258,3 @@ def test_missing_tables_and_bad_options_are_clear_errors(tmp_path, stack):
     assert len(result.stderr.strip().splitlines()) == 1
     bad = report(cli_env(tmp_path, stack.clickhouse_url, "agentstream"), "--since", "yesterday")
     assert bad.returncode == 2 and "--since" in bad.stderr
-
-
-def test_durations():
-    assert [parse_duration(text) for text in ("30s", "1m", "1h30m", "2d", "90", " 1w ")] == [
-        30, 60, 5400, 172800, 90, 604800]
-    for text in ("", "0m", "1y", "h", "1h-"):
-        with pytest.raises(ValueError):
-            parse_duration(text)
-    assert [format_duration(s) for s in (60, 90, 3600, 86400)] == ["1m", "90s", "1h", "1d"]

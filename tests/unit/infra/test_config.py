@@ -120,3 +120,13 @@ def test_sample_rate_defaults_to_one_and_is_validated(tmp_path):
     for bad in ("1.5", "-0.1", "nan"):
         with pytest.raises(ConfigError, match=r"credit\[0\].sample_rate must be within \[0, 1\]"):
             _config_with(tmp_path, f"sample_rate = {bad}")
+
+
+def test_deploy_reconcile_s_is_validated(tmp_path):
+    path = tmp_path / "agentstream.toml"
+    path.write_text("[deploy]\nreconcile_s = -1\n")
+    with pytest.raises(ConfigError, match=r"deploy\.reconcile_s must be >= 0"):
+        load_config(path, environ={})
+    path.write_text("[deploy]\nreconcile_s = 0\n")
+    assert load_config(path, environ={}).deploy.reconcile_s == 0
+    assert load_config(environ={}).deploy.reconcile_s == 10.0

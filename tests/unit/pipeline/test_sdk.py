@@ -1,9 +1,10 @@
-"""The SDK: a rollout's train choice stamped on every span it builds."""
+"""The SDK: a rollout's train choice stamped on every span it builds; its proxy key is its API key, kept out of repr."""
 
 from __future__ import annotations
 
 import pytest
 
+from pipeline import sdk
 from pipeline.sdk import Rollout, build_span, rollout
 from schemas.contracts import TRAIN_ATTRIBUTE
 from tests.support.sinks import ListSink
@@ -36,3 +37,7 @@ def test_sdk_rollout_train_argument_reaches_its_spans():
     assert all(TRAIN_ATTRIBUTE not in s["attributes"] for s in sink.spans)
 
 
+def test_a_rollouts_key_is_its_api_key_and_stays_out_of_its_repr():
+    state = sdk.Rollout("r", "r-1", proxy_url="http://127.0.0.1:1", proxy_key="k-secret")
+    assert state.llm_api_key() == "k-secret" and "k-secret" not in repr(state)
+    assert sdk.Rollout("r", "r-1").llm_api_key() == sdk.UNUSED_API_KEY
