@@ -7,7 +7,7 @@ and the two hook classes here, and nothing else in ``streams/`` names a private 
 either library. Each one below names the upstream member it relies on and what that member
 does in the pinned version.
 
-``tests/unit/test_dependency_adapters_faust.py`` checks the installed libraries against this
+``tests/unit/streams/test_dependency_adapters.py`` checks the installed libraries against this
 list (no broker needed). When it fails after an upgrade, read the upstream code of the member
 it names, adapt this module (and only it), then move the pins and the versions below.
 """

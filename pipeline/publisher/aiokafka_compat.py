@@ -8,7 +8,7 @@ So it goes through the functions here, and nothing else in ``pipeline/publisher/
 private member of aiokafka or its (undocumented) ``AIOKafkaClient``. Each function names the
 upstream members it relies on and what they do in the pinned version.
 
-``tests/unit/test_dependency_adapters_aiokafka.py`` checks the installed aiokafka against this
+``tests/unit/pipeline/publisher/test_aiokafka_compat.py`` checks the installed aiokafka against this
 list (no broker needed). When it fails after an upgrade, read the upstream code of the member
 it names, adapt this module (and only it), then move the pin and the version below.
 """
