@@ -18,9 +18,8 @@ the same call, made again later, may succeed (a broker or server outage, a full 
 (bad input).
 """
 
-from typing import TYPE_CHECKING
-
 from infra.config import ConfigError
+from pipeline.errors import AgentLoadError
 from pipeline.feedback import feedback_token, feedback_url
 from pipeline.publisher import FlushTimeout, PublisherClosed, PublisherError, PublisherFull, SpanPublisher
 from pipeline.sdk import (
@@ -41,9 +40,6 @@ from pipeline.sdk import (
 from pipeline.tasks import TaskFileError
 from schemas.contracts import RewardError
 from schemas.errors import AgentstreamError, CodecError, EncodeError
-
-if TYPE_CHECKING:
-    from pipeline.runner import AgentLoadError
 
 __all__ = [
     "AgentLoadError",
@@ -74,12 +70,3 @@ __all__ = [
     "set_sink",
     "span",
 ]
-
-
-def __getattr__(name: str) -> object:
-    # AgentLoadError lives with the runner, which imports aiohttp: about 150 ms an agent process need not pay.
-    if name == "AgentLoadError":
-        from pipeline.runner import AgentLoadError
-
-        return AgentLoadError
-    raise AttributeError(f"module {__name__!r} has no attribute {name!r}")

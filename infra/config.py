@@ -504,7 +504,7 @@ class DemoConfig:
     stop_at_target: bool = False
     server_threads: int = 1
     trainer_threads: int = 1  # beside the server's thread; 2 made a step 7-8 s instead of 5-6 s on two cores
-    max_policy_lag: int = 2  # lags 0-4 measured (README): 2 is as fast as 3 and 4, with the freshest data
+    max_policy_lag: int = 2  # lags 0-4 measured (docs/measured.md): 2 is as fast as 3 and 4, with the freshest data
     heldout_tasks: int = 64
     dtype: str = "auto"
     warm_start_demonstrations: int = 128

@@ -31,18 +31,14 @@ from infra.logreset import ConsumerLogWatch
 from infra.members import MemberLedger, evict_dead_members, member_id
 from pipeline.access import proxy_client_key
 from pipeline.agl import adapt_agent
+from pipeline.errors import AgentLoadError
 from pipeline.sdk import Rollout, SpanSink, emit_exception, emit_reward, new_id, rollout
 from pipeline.tasks import enqueue
 from schemas import TASK, AvroCodec, CodecError
-from schemas.errors import AgentstreamError
 
 log = logging.getLogger("agentstream.runner")
 
 AgentFunction = Callable[..., Any]
-
-
-class AgentLoadError(AgentstreamError, ImportError):
-    """`module:function` does not name an importable callable."""
 
 
 def load_agent(spec: str, agl: AglConfig | None = None) -> AgentFunction:

@@ -27,6 +27,7 @@ from typing import Any
 import torch
 
 from schemas.errors import AgentstreamError
+from trainer.errors import TrainerConfigError
 
 PACKED_ROW_TOKENS = 512  # a longer row holds the prompt again: attention is quadratic in a row's length
 
@@ -300,7 +301,7 @@ def token_weights(samples: list[Sample], normalization: str) -> list[float]:
         for sample, n in zip(samples, counts, strict=True):
             per_rollout[sample.rollout_id] = per_rollout.get(sample.rollout_id, 0) + n
         return [1.0 / (per_rollout[s.rollout_id] * len(per_rollout)) for s in samples]
-    raise ValueError(f"unknown loss normalization {normalization!r} (token, transition or rollout)")
+    raise TrainerConfigError(f"unknown loss normalization {normalization!r} (token, transition or rollout)")
 
 
 @dataclass(frozen=True)

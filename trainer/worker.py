@@ -50,6 +50,7 @@ from trainer.checkpoints import (
     recent_trained_ids,
     write_checkpoint,
 )
+from trainer.errors import TrainerConfigError
 from trainer.metrics import MetricsWriter, StepReport
 from trainer.policy import (
     OPTIMIZER_STATE,
@@ -147,8 +148,8 @@ class TrainerWorker:
                  progress: Callable[[str], None] = print, policy: Policy | None = None,
                  store: CheckpointStore | None = None, rebase: Callable[[str, int], Rebase] | None = None) -> None:
         if rebase is None and config.trainer.rebase_after_rejections > 0:
-            raise ValueError("trainer.rebase_after_rejections needs the deployments topic: pass "
-                             "rebase=deploy.rebase.RejectionStreak")
+            raise TrainerConfigError("trainer.rebase_after_rejections needs the deployments topic: pass "
+                                     "rebase=deploy.rebase.RejectionStreak")
         self.config = config
         self.settings = config.trainer
         self.bootstrap_servers = bootstrap_servers

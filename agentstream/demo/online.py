@@ -366,7 +366,7 @@ def run_online_demo(config: Config, console: Console | None = None) -> OnlineRep
     console.rule(f"agentstream online demo ({demo.online_seconds:.0f} s of live traffic, vLLM contract, gated, "
                  f"{config.trainer.dtype})")
     machine = calibrate()
-    console.print(f"machine: {machine.describe()} (the README's figures name theirs)")
+    console.print(f"machine: {machine.describe()} (docs/online.md's figures name theirs)")
     stack = Stack(config)
     endpoints = stack.up(progress=console.print)
     session = TrainingSession(config, endpoints, workdir, SessionPlan(

@@ -523,7 +523,7 @@ def run_demo(config: Config, console: Console | None = None, snapshots: Path | N
     console.rule(f"agentstream demo: {agent.name} ({'quick, ' if demo.quick else ''}{demo.training_seconds:.0f} s "
                  "of training)")
     machine = calibrate()
-    console.print(f"machine: {machine.describe()} (the README's figures name theirs: a slower machine learns "
+    console.print(f"machine: {machine.describe()} (docs/demo.md's figures name theirs: a slower machine learns "
                   "slower in the same minutes)")
     console.print(f"precision: {config.trainer.dtype} compute, float32 weights (demo.dtype {demo.dtype!r}: "
                   "bfloat16 where the device multiplies it natively)")

@@ -21,7 +21,7 @@ from tests.support.broker import MemoryBroker
 from tests.support.streams_harness import CliProcess, Worker, produce, rollout_records, wait_for, worker_env
 
 GRACE_S = 3.0
-RESTART_BOUND_S = 5.0  # on the machine the bound was set on: README's, `python_loop_s` 0.22-0.25
+RESTART_BOUND_S = 5.0  # set on the 2-core Xeon of docs/measured.md, `python_loop_s` 0.22-0.25
 REFERENCE_PYTHON_LOOP_S = 0.25
 CONFIG = """
 [streams]

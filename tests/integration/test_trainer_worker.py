@@ -19,6 +19,7 @@ from models.weights import ADAPTER_WEIGHTS_FILE
 from schemas import CHECKPOINT, TRANSITION, TRANSITION_BATCH, AvroCodec
 from tests.support.streams_harness import CliProcess, worker_env
 from trainer.checkpoints import manifests, open_store
+from trainer.errors import TrainerConfigError
 from trainer.metrics import MetricsWriter
 from trainer.worker import TrainerWorker
 
@@ -217,6 +218,12 @@ def test_a_killed_trainer_resumes_from_its_checkpoint_and_trains_no_transition_t
     log = trainer.log()
     print("\n".join(line for line in log.splitlines() if "resumed" in line or "checkpoint v" in line))
     clickhouse.command(f"DROP DATABASE IF EXISTS {database}")
+
+
+def test_a_rebase_setting_without_the_deployments_log_is_a_config_error():
+    config = Config(trainer=TrainerConfig(model="tiny", rebase_after_rejections=2))
+    with pytest.raises(TrainerConfigError, match="rebase_after_rejections"):
+        TrainerWorker(config, "127.0.0.1:1")
 
 
 def test_after_a_streak_of_refused_candidates_the_trainer_trains_on_from_the_serving_version(

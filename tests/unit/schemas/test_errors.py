@@ -107,7 +107,7 @@ def test_the_retriable_errors_are_the_transient_ones(classes):
 
 def test_builtin_bases_that_callers_catch_are_kept(classes):
     assert issubclass(classes["infra.config.ConfigError"], ValueError)
-    assert issubclass(classes["pipeline.runner.AgentLoadError"], ImportError)
+    assert issubclass(classes["pipeline.errors.AgentLoadError"], ImportError)
     assert issubclass(classes["schemas.contracts.RewardError"], ValueError)
     assert issubclass(classes["pipeline.publisher.errors.PublisherError"], RuntimeError)
 

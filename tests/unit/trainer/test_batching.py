@@ -24,6 +24,7 @@ from trainer.batching import (
     collate,
     token_weights,
 )
+from trainer.errors import TrainerConfigError
 from trainer.loss import TokenStats
 from trainer.metrics import StepReport
 from trainer.step import StepResult
@@ -244,7 +245,7 @@ def test_token_weights_for_each_normalization_by_hand():
     for normalization in ("token", "transition", "rollout"):
         weights = token_weights([a, b, c], normalization)
         assert sum(w * s.trained_tokens for w, s in zip(weights, [a, b, c], strict=True)) == pytest.approx(1.0)
-    with pytest.raises(ValueError, match="unknown loss normalization"):
+    with pytest.raises(TrainerConfigError, match="unknown loss normalization"):
         token_weights([a], "sequence")
 
 
