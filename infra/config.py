@@ -229,8 +229,8 @@ class TrainerConfig:
     whose gradients add up; with ``micro_batch_tokens`` > 0 each is cut further so that it holds at
     most that many padded tokens (samples × the longest of them; a longer sample goes alone), which
     bounds the activations a step keeps however long its trajectories are (0: no such cut).
-    ``checkpoint_dir`` is a folder or a ``file://`` URI
-    (default: ``checkpoints`` under the stack home). The optimizer state (AdamW's moments: twice
+    ``checkpoint_dir`` is a folder, a ``file://`` URI or ``s3://bucket/prefix`` (see ``[checkpoints]``;
+    default: ``checkpoints`` under the stack home). The optimizer state (AdamW's moments: twice
     the weights, 1 GB for SmolLM2, 2 s to write on a CPU) goes with every ``optimizer_state_every``-th
     checkpoint (0: none); a trainer resumed from a checkpoint without it starts the moments afresh
     and says so. ``threads`` is torch's CPU thread count (0: torch's
@@ -327,6 +327,51 @@ class TrainerConfig:
         for message, ok in checks.items():
             if not ok:
                 raise ConfigError(f"trainer.{message}")
+
+
+CHECKPOINT_BUCKET = "agentstream"
+"""The bucket the stack's embedded object store serves for checkpoints (``s3://agentstream/...``)."""
+OBJECTSTORE_SERVICE = "objectstore"
+"""The name the stack records its embedded object store under (``<home>/run/objectstore.json``)."""
+
+
+@dataclass(frozen=True)
+class CheckpointsConfig:
+    """How an ``s3://`` checkpoint store is reached, and the local cache its readers load from.
+
+    ``trainer.checkpoint_dir`` names the store the trainer writes; readers (hot swap, a resuming
+    trainer) follow the ``uri`` each Checkpoint event carries. For ``s3://bucket/prefix`` URIs
+    ``s3_endpoint`` is the S3 API to call (MinIO ``http://host:9000``, AWS
+    ``https://s3.<region>.amazonaws.com``, GCS ``https://storage.googleapis.com`` with HMAC keys);
+    left empty, the local stack's embedded object store is used when the stack runs, and nothing
+    else is guessed. ``s3_region`` defaults to the AWS environment's (``AWS_REGION``), else
+    ``us-east-1``. ``s3_access_key_id``/``s3_secret_access_key`` left empty fall back to the AWS
+    chain (``AWS_ACCESS_KEY_ID``/``AWS_SECRET_ACCESS_KEY``, profiles, instance roles). Files of
+    ``s3_multipart_mb`` or more go up in parts of that size (0: one PUT each, for stores without
+    multipart uploads; S3 takes at most 5 GiB in one PUT, the embedded store 1 GiB).
+
+    A reader downloads each version once into ``cache_dir`` (default ``<home>/checkpoint-cache``),
+    checks every file's sha256, and hands the model server that local folder. The cache keeps at
+    most ``cache_max_versions`` versions and ``cache_max_gb`` gigabytes (0: no bound), evicting
+    the least recently used whole versions, never the one being loaded.
+    """
+
+    s3_endpoint: str | None = None
+    s3_region: str | None = None
+    s3_access_key_id: str | None = None
+    s3_secret_access_key: Secret | None = None
+    s3_multipart_mb: int = 64
+    cache_dir: str = ""
+    cache_max_gb: float = 20.0
+    cache_max_versions: int = 4
+
+    def __post_init__(self) -> None:
+        if self.s3_endpoint is not None and not self.s3_endpoint.startswith(("http://", "https://")):
+            raise ConfigError(f"checkpoints.s3_endpoint must start with http:// or https://, got {self.s3_endpoint!r}")
+        if self.s3_multipart_mb < 0 or self.cache_max_gb < 0 or self.cache_max_versions < 0:
+            raise ConfigError("checkpoints.s3_multipart_mb, cache_max_gb and cache_max_versions must be >= 0")
+        if 0 < self.s3_multipart_mb < 5:
+            raise ConfigError("checkpoints.s3_multipart_mb must be 0 (one PUT) or >= 5 (S3's smallest part)")
 
 
 @dataclass(frozen=True)
@@ -673,6 +718,7 @@ class Config:
     runner: RunnerConfig = field(default_factory=RunnerConfig)
     credit: tuple[CreditRule, ...] = (CreditRule(),)
     trainer: TrainerConfig = field(default_factory=TrainerConfig)
+    checkpoints: CheckpointsConfig = field(default_factory=CheckpointsConfig)
     server: ServerConfig = field(default_factory=ServerConfig)
     proxy: ProxyConfig = field(default_factory=ProxyConfig)
     agl: AglConfig = field(default_factory=AglConfig)
@@ -722,6 +768,8 @@ ENVIRONMENT: dict[str, tuple[str, str]] = {
     "AGENTSTREAM_CLICKHOUSE_READERS": ("security", "clickhouse_readers"),
     "AGENTSTREAM_FEEDBACK_SECRET": ("security", "feedback_secret"),
     "AGENTSTREAM_ALLOW_OPEN_BIND": ("security", "allow_open_bind"),
+    "AWS_ENDPOINT_URL_S3": ("checkpoints", "s3_endpoint"),
+    "AGENTSTREAM_CHECKPOINT_CACHE": ("checkpoints", "cache_dir"),
     "DEMO_QUICK": ("demo", "quick"),
     "DEMO_SECONDS": ("demo", "seconds"),
 }
@@ -734,6 +782,7 @@ SECTIONS: dict[str, type] = {
     "streams": StreamsConfig,
     "runner": RunnerConfig,
     "trainer": TrainerConfig,
+    "checkpoints": CheckpointsConfig,
     "server": ServerConfig,
     "proxy": ProxyConfig,
     "agl": AglConfig,

@@ -8,8 +8,12 @@ vLLM's runtime LoRA contract: ``POST /v1/load_lora_adapter {"lora_name": "<model
 ``/v1/unload_lora_adapter`` once no route names it (the version serving before the current
 stable one stays loaded, so requests routed just before a change finish). Full weights go to
 the dev server's ``POST /v1/load_weights {"path", "version"}``, which waits for the generation
-in progress. The sha256 in the Checkpoint event is checked before loading whenever the weights
-file is readable here, and so is every weight: a checkpoint holding a NaN or an infinity is refused.
+in progress. Both take a path on the server's disk: an ``s3://`` checkpoint is first downloaded
+into this machine's checkpoint cache (``[checkpoints]``, every file's sha256 checked), and that
+folder is what the server is given, so hot swap runs on the server's machine. The sha256 in the
+Checkpoint event is checked before loading whenever the weights file is readable here, and so is
+every weight: a checkpoint holding a NaN or an infinity is refused. A store that cannot be reached
+is tried again, like a server that cannot.
 
 The admin routes it calls take ``[security] admin_token``, which hot swap sends as
 ``Authorization: Bearer``; a 401 is logged and tried again at the next re-check, never taken as
@@ -47,6 +51,7 @@ from deploy.deployments import (
     decide,
     split_adapter_name,
 )
+from infra.checkpoint_store import CheckpointError, CheckpointReader
 from infra.config import Config
 from infra.security import KeySet
 from models import WeightsError, local_path, verify_finite, verify_sha256
@@ -62,6 +67,12 @@ CHECK_TIMEOUT_S = 10.0
 
 class HotSwapError(AgentstreamError, RuntimeError):
     """A checkpoint cannot be loaded: its file does not match its sha256, holds a non-finite weight, or was refused."""
+
+
+class StoreNotReachable(HotSwapError):
+    """The checkpoint store did not answer (retriable): the version is tried again, not refused."""
+
+    retriable = True
 
 
 class AdminTokenRefused(HotSwapError):
@@ -89,8 +100,10 @@ class HotSwapper:
 
     def __init__(self, config: Config, bootstrap_servers: str, server_url: str, model: str, *,
                  verify: bool = True, on_swap: Callable[[Swap], None] | None = None, retry_s: float = 0.5,
-                 deployments: DeploymentLog | None = None) -> None:
+                 deployments: DeploymentLog | None = None, reader: CheckpointReader | None = None) -> None:
         self.config = config
+        self.reader = reader or CheckpointReader(config.checkpoints, config.stack.home)
+        self.folders: dict[int, str] = {}  # version -> the local folder the server was given
         self.bootstrap_servers = bootstrap_servers
         self.server_url = server_url.rstrip("/").removesuffix("/v1")
         self.model = model
@@ -204,6 +217,10 @@ class HotSwapper:
                 log.warning("model server %s unreachable (%s); retrying", self.server_url, error)
                 await asyncio.sleep(self.retry_s)
                 continue
+            except StoreNotReachable as error:
+                log.warning("checkpoint %s v%d: %s; retrying", checkpoint.model, version, error)
+                await asyncio.sleep(self.retry_s)
+                continue
             except AdminTokenRefused as error:
                 log.error("%s v%d not loaded: %s; set [security] admin_token to the model server's (retrying at the "
                           "next re-check)", checkpoint.model, version, error)
@@ -224,8 +241,11 @@ class HotSwapper:
                                             and checkpoint.format == "full")
 
     async def apply(self, checkpoint: Checkpoint) -> Swap:
-        """Load one checkpoint's weights into the server."""
-        folder = local_path(checkpoint.uri)
+        """Load one checkpoint's weights into the server (from this machine's cache for an ``s3://`` checkpoint)."""
+        try:
+            folder = await asyncio.to_thread(self.reader.local_folder, checkpoint.uri)
+        except CheckpointError as error:
+            raise (StoreNotReachable if error.retriable else HotSwapError)(str(error)) from error
         if self.verify:
             try:
                 await asyncio.to_thread(verify_sha256, folder, checkpoint.format, checkpoint.sha256)
@@ -243,6 +263,7 @@ class HotSwapper:
             served = self.model
             await self._post("/v1/load_weights", {"path": str(folder), "version": version})
             self.version = version
+        self.folders[version] = str(folder)
         swap = Swap(self.model, version, checkpoint.format, served, checkpoint.created_at_us,
                     time.time_ns() // 1000)
         log.info("loaded %s v%d into %s as %s (%.3f s after it was written)", self.model, version, self.server_url,
@@ -285,7 +306,9 @@ class HotSwapper:
         wanted = set(self.routing.loaded_versions())
         for v, (name, root) in sorted(listed.items()):
             checkpoint = self.checkpoints.get(v)
-            if checkpoint is None or not root or root == str(local_path(checkpoint.uri)):
+            expected = self.folders.get(v) or (str(local_path(checkpoint.uri)) if checkpoint is not None
+                                               and CheckpointReader.is_local(checkpoint.uri) else None)
+            if checkpoint is None or not root or expected is None or root == expected:
                 continue
             log.warning("%s serves %s from %s, not from its checkpoint %s (replaced behind hot swap's back): %s",
                         self.server_url, name, root, checkpoint.uri,

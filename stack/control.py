@@ -18,7 +18,7 @@ from dataclasses import dataclass, field
 from pathlib import Path
 
 from infra.clickhouse import migrate, table_counts, wait_for_clickhouse
-from infra.config import Config, dump_toml
+from infra.config import CHECKPOINT_BUCKET, OBJECTSTORE_SERVICE, Config, dump_toml
 from infra.kafka import (
     admin_client,
     client_options,
@@ -37,7 +37,7 @@ from stack.schema_registry.service import SCHEMA_REGISTRY, registry_state, start
 
 BROKER = "broker"
 CLICKHOUSE = "clickhouse"
-OBJECTSTORE = "objectstore"
+OBJECTSTORE = OBJECTSTORE_SERVICE
 
 
 @dataclass(frozen=True)
@@ -162,7 +162,7 @@ class Stack:
             port = old_port if previous.alive() or port_is_free(OBJECTSTORE_HOST, old_port) else 0
         port = port or free_port(OBJECTSTORE_HOST)
         command = [sys.executable, "-m", "stack.objectstore", "--port", str(port),
-                   "--root", str(self.broker_data), "--bucket", BUCKET]
+                   "--root", str(self.broker_data), "--bucket", BUCKET, "--bucket", CHECKPOINT_BUCKET]
         record = self.services.start(OBJECTSTORE, command, OBJECTSTORE_HOST, port, timeout_s)
         progress(f"objectstore pid {record.pid} on http://{record.address} (broker data {self.broker_data})")
         return s3_storage(f"http://{record.address}")

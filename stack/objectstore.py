@@ -10,11 +10,16 @@ of the S3 REST API that client uses, path-style (``/<bucket>/<key>``):
 - ``GET``/``HEAD`` an object, with ``If-Match`` (412), ``If-None-Match`` (304) and ``Range``;
 - ``DELETE`` an object, and ``POST /<bucket>?delete`` (DeleteObjects);
 - ``GET /<bucket>?list-type=2`` (ListObjectsV2: prefix, delimiter, start-after,
-  continuation-token, max-keys), ``HEAD /<bucket>``.
+  continuation-token, max-keys), ``HEAD /<bucket>``;
+- multipart uploads (create, upload part, complete, abort), which checkpoint stores use for
+  large files: parts wait in ``<root>/.uploads`` and the object appears whole, as a PUT's does,
+  when the upload completes; uploads not completed before a restart are dropped.
 
-Anything else (multipart uploads, copies, versioning, ACLs) is answered 501 ``NotImplemented``.
-Requests are not authenticated, so it always listens on 127.0.0.1 (:data:`HOST`), whatever the
-stack's host: only the local broker talks to it.
+Anything else (listing uploads or parts, copies, versioning, ACLs) is answered 501 ``NotImplemented``.
+The stack's store does not authenticate requests, so it always listens on 127.0.0.1
+(:data:`HOST`), whatever the stack's host: only the local broker and the checkpoint stores of
+this machine talk to it. Given ``credentials`` (key id -> secret), it checks each request's AWS
+Signature Version 4 header as S3 does (403 ``InvalidAccessKeyId``, ``SignatureDoesNotMatch``).
 
 Durability: a PUT is answered only after the object's bytes and its directory entry are on
 disk (temporary file, ``fsync``, ``rename``, ``fsync`` of the directory), so an object the
@@ -34,8 +39,10 @@ import base64
 import bisect
 import email.utils
 import hashlib
+import hmac
 import logging
 import os
+import shutil
 import time
 import uuid
 from collections.abc import Callable, Iterator, Mapping
@@ -43,8 +50,8 @@ from concurrent.futures import ThreadPoolExecutor
 from dataclasses import dataclass
 from datetime import UTC, datetime
 from pathlib import Path
-from typing import TypeVar
-from urllib.parse import unquote
+from typing import Any, TypeVar
+from urllib.parse import quote, unquote
 from xml.etree import ElementTree
 from xml.sax.saxutils import escape
 
@@ -62,6 +69,8 @@ MAX_OBJECT_BYTES = 1 << 30  # a record batch is a few MB at most; S3's own singl
 MAX_KEYS = 1000
 LOCK_STRIPES = 64
 TEMPORARY = ".tmp"
+UPLOADS = ".uploads"
+MAX_PARTS = 10_000
 HOST = "127.0.0.1"
 
 
@@ -212,11 +221,27 @@ class Bucket:
 
     def write(self, key: str, body: bytes) -> ObjectInfo:
         """Store ``body`` under ``key`` durably and atomically; returns its new info."""
+        info = self._place(key, lambda file: file.write(body))
+        return ObjectInfo(info.size, info.modified, _quote_etag(hashlib.md5(body).hexdigest()))
+
+    def assemble(self, key: str, parts: list[Path], etag: str) -> ObjectInfo:
+        """Store the concatenation of ``parts`` under ``key`` durably and atomically (a completed multipart upload)."""
+
+        def copy(file: Any) -> None:
+            for part in parts:
+                with open(part, "rb") as source:
+                    shutil.copyfileobj(source, file, 1 << 20)
+
+        info = self._place(key, copy)
+        return ObjectInfo(info.size, info.modified, etag)
+
+    def _place(self, key: str, fill: Callable[[Any], object]) -> ObjectInfo:
+        """Write a temporary file with ``fill``, fsync it and rename it to ``key``'s file (ETag left to the caller)."""
         target = self.path(key)
         temporary = self.temporary / uuid.uuid4().hex
         try:
             with open(temporary, "wb") as file:
-                file.write(body)
+                fill(file)
                 file.flush()
                 os.fsync(file.fileno())
             _make_folders(target.parent, self.folder)
@@ -229,7 +254,8 @@ class Bucket:
             temporary.unlink(missing_ok=True)
             raise
         _fsync_directory(target.parent)
-        return ObjectInfo(len(body), target.stat().st_mtime, _quote_etag(hashlib.md5(body).hexdigest()))
+        stat = target.stat()
+        return ObjectInfo(stat.st_size, stat.st_mtime, None)
 
     def read(self, key: str, known: ObjectInfo | None = None) -> tuple[bytes, ObjectInfo]:
         """The content of ``key`` and its info: ``known`` (what this store wrote or hashed last, read under the key's
@@ -348,9 +374,14 @@ def _byte_range(header: str, size: int) -> tuple[int, int]:
 class ObjectStoreServer:
     """The aiohttp application: S3 requests routed to the buckets under one root folder."""
 
-    def __init__(self, root: Path, buckets: list[str], log_requests: bool = False) -> None:
+    def __init__(self, root: Path, buckets: list[str], log_requests: bool = False,
+                 credentials: Mapping[str, str] | None = None) -> None:
         self.root = root
+        self.credentials = dict(credentials) if credentials else None
         self.buckets = {name: Bucket(root, name) for name in buckets}
+        self.uploads = root / UPLOADS
+        shutil.rmtree(self.uploads, ignore_errors=True)  # uploads a restart cut short were never completed
+        self._uploads: dict[str, tuple[str, str, dict[int, tuple[str, Path]]]] = {}  # id -> bucket, key, parts
         self.log_requests = log_requests
         self._executor = ThreadPoolExecutor(max_workers=8, thread_name_prefix="objectstore")
         self.app = web.Application(client_max_size=MAX_OBJECT_BYTES)
@@ -368,6 +399,8 @@ class ObjectStoreServer:
         bucket_name, _, key = request.rel_url.raw_path.lstrip("/").partition("/")
         bucket_name, key = unquote(bucket_name), unquote(key)
         try:
+            if self.credentials is not None:
+                await self._authenticate(request)
             response = await self._dispatch(request, bucket_name, key)
         except _NotModified as answer:
             response = web.Response(status=304, headers={"ETag": answer.etag})
@@ -380,6 +413,44 @@ class ObjectStoreServer:
                      request.rel_url.raw_query_string, response.status, (time.perf_counter() - started) * 1e3,
                      conditions or "")
         return response
+
+    async def _authenticate(self, request: web.Request) -> None:
+        """Check the request's AWS Signature Version 4 (header form, as boto3 and the AWS SDKs send it)."""
+        assert self.credentials is not None
+        scheme, _, fields_text = request.headers.get("Authorization", "").partition(" ")
+        if scheme != "AWS4-HMAC-SHA256":
+            raise S3Error(403, "AccessDenied", "this store takes only requests signed with AWS Signature Version 4")
+        try:
+            fields = dict(part.strip().split("=", 1) for part in fields_text.split(","))
+            key_id, date, region, service, _ = fields["Credential"].split("/")
+            signed, signature = fields["SignedHeaders"], fields["Signature"]
+        except (KeyError, ValueError):
+            raise S3Error(400, "AuthorizationHeaderMalformed", "the Authorization header is malformed") from None
+        secret = self.credentials.get(key_id)
+        if secret is None:
+            raise S3Error(403, "InvalidAccessKeyId",
+                          "The AWS Access Key Id you provided does not exist in our records.")
+        payload = request.headers.get("x-amz-content-sha256", "")
+        if len(payload) == 64 and request.method in ("PUT", "POST"):
+            if hashlib.sha256(await request.read()).hexdigest() != payload:
+                raise S3Error(400, "XAmzContentSHA256Mismatch", "the body does not match x-amz-content-sha256")
+        elif payload != "UNSIGNED-PAYLOAD" and len(payload) != 64:
+            raise S3Error(501, "NotImplemented", "only signed or UNSIGNED-PAYLOAD bodies are supported")
+        pairs = sorted((quote(unquote(name), safe="-_.~"), quote(unquote(value), safe="-_.~"))
+                       for name, _, value in (pair.partition("=") for pair in
+                                              request.rel_url.raw_query_string.split("&") if pair))
+        headers = "".join(f"{name}:{' '.join(request.headers.get(name, '').split())}\n" for name in signed.split(";"))
+        canonical = "\n".join([request.method, request.rel_url.raw_path, "&".join(f"{n}={v}" for n, v in pairs),
+                               headers, signed, payload])
+        scope = f"{date}/{region}/{service}/aws4_request"
+        to_sign = "\n".join(["AWS4-HMAC-SHA256", request.headers.get("x-amz-date", ""), scope,
+                             hashlib.sha256(canonical.encode()).hexdigest()])
+        key = f"AWS4{secret}".encode()
+        for part in (date, region, service, "aws4_request"):
+            key = hmac.new(key, part.encode(), hashlib.sha256).digest()
+        if not hmac.compare_digest(hmac.new(key, to_sign.encode(), hashlib.sha256).hexdigest(), signature):
+            raise S3Error(403, "SignatureDoesNotMatch", "The request signature we calculated does not match the "
+                          "signature you provided. Check your key and signing method.")
 
     def _error(self, error: S3Error, resource: str) -> web.Response:
         root = ElementTree.Element("Error")
@@ -396,10 +467,14 @@ class ObjectStoreServer:
         if bucket is None:
             raise S3Error(404, "NoSuchBucket", "The specified bucket does not exist")
         query = request.rel_url.query
+        method = request.method
+        if key and "uploadId" in query:
+            return await self._multipart(request, bucket, key, query["uploadId"])
+        if key and method == "POST" and "uploads" in query:
+            return self._create_upload(bucket, key)
         unsupported = {"uploads", "uploadId", "partNumber", "versionId", "acl", "tagging", "versioning"} & set(query)
         if unsupported or "x-amz-copy-source" in request.headers:
             raise S3Error(501, "NotImplemented", f"this store does not implement {sorted(unsupported) or 'copies'}")
-        method = request.method
         if not key:
             if method == "GET":
                 return await self._list(bucket, query)
@@ -418,6 +493,69 @@ class ObjectStoreServer:
                 bucket.remember(key, None)
             return web.Response(status=204)
         raise S3Error(405, "MethodNotAllowed", f"{method} is not allowed on an object")
+
+    def _create_upload(self, bucket: Bucket, key: str) -> web.Response:
+        bucket.path(key)  # refuse a bad key now, not at the end
+        upload_id = uuid.uuid4().hex
+        (self.uploads / upload_id).mkdir(parents=True)
+        self._uploads[upload_id] = (bucket.name, key, {})
+        root = ElementTree.Element("InitiateMultipartUploadResult", xmlns=S3_NAMESPACE)
+        _element(root, "Bucket", bucket.name)
+        _element(root, "Key", key)
+        _element(root, "UploadId", upload_id)
+        return web.Response(body=_xml(root), content_type="application/xml")
+
+    async def _multipart(self, request: web.Request, bucket: Bucket, key: str, upload_id: str) -> web.Response:
+        """Upload a part (PUT), complete (POST) or abort (DELETE) the multipart upload ``upload_id`` of ``key``."""
+        upload = self._uploads.get(upload_id)
+        if upload is None or upload[:2] != (bucket.name, key):
+            raise S3Error(404, "NoSuchUpload", "The specified multipart upload does not exist.", key)
+        parts = upload[2]
+        folder = self.uploads / upload_id
+        if request.method == "PUT":
+            try:
+                number = int(request.rel_url.query.get("partNumber", ""))
+            except ValueError:
+                number = 0
+            if not 1 <= number <= MAX_PARTS:
+                raise S3Error(400, "InvalidArgument", f"partNumber must be an integer from 1 to {MAX_PARTS}")
+            body = await request.read()
+            path = folder / f"{number:05d}"
+            await self._run(path.write_bytes, body)
+            parts[number] = (hashlib.md5(body).hexdigest(), path)
+            return web.Response(status=200, headers={"ETag": _quote_etag(parts[number][0])})
+        if request.method == "DELETE":
+            del self._uploads[upload_id]
+            await self._run(shutil.rmtree, folder, True)
+            return web.Response(status=204)
+        if request.method != "POST":
+            raise S3Error(405, "MethodNotAllowed", f"{request.method} is not allowed on a multipart upload")
+        try:
+            listed = [(int(_child_text(entry, "PartNumber")), _child_text(entry, "ETag").strip('"'))
+                      for entry in ElementTree.fromstring(await request.read()) if _local(entry.tag) == "Part"]
+        except (ElementTree.ParseError, ValueError):
+            raise S3Error(400, "MalformedXML", "The XML you provided was not well-formed") from None
+        numbers = [number for number, _ in listed]
+        if not listed or numbers != sorted(set(numbers)):
+            raise S3Error(400, "InvalidPartOrder", "The list of parts was not in ascending order.", key)
+        if any(number not in parts or parts[number][0] != etag for number, etag in listed):
+            raise S3Error(400, "InvalidPart", "One or more of the specified parts could not be found.", key)
+        digests = b"".join(bytes.fromhex(parts[number][0]) for number in numbers)
+        etag = _quote_etag(f"{hashlib.md5(digests).hexdigest()}-{len(numbers)}")  # as S3 tags multipart objects
+        arrived = bucket.in_flight.begin(key)
+        try:
+            async with bucket.lock(key):
+                info = await self._run(bucket.assemble, key, [parts[number][1] for number in numbers], etag)
+                bucket.remember(key, info)
+        finally:
+            bucket.in_flight.end(arrived)
+        del self._uploads[upload_id]
+        await self._run(shutil.rmtree, folder, True)
+        root = ElementTree.Element("CompleteMultipartUploadResult", xmlns=S3_NAMESPACE)
+        _element(root, "Bucket", bucket.name)
+        _element(root, "Key", key)
+        _element(root, "ETag", etag)
+        return web.Response(body=_xml(root), content_type="application/xml")
 
     async def _current(self, bucket: Bucket, key: str) -> ObjectInfo | None:
         """The info of ``key`` with its ETag known (reads the object once after a restart)."""
@@ -536,6 +674,14 @@ class ObjectStoreServer:
 def _local(tag: str) -> str:
     """An XML tag without its ``{namespace}``."""
     return tag.rpartition("}")[2]
+
+
+def _child_text(element: ElementTree.Element, tag: str) -> str:
+    """The text of ``element``'s first child named ``tag`` (any namespace); ValueError if there is none."""
+    for child in element:
+        if _local(child.tag) == tag:
+            return (child.text or "").strip()
+    raise ValueError(f"no <{tag}>")
 
 
 def walk_keys(root: Path, bucket: str) -> Iterator[str]:

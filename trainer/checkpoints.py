@@ -4,39 +4,32 @@ A checkpoint is a folder ``<model>/v<version>`` holding the weights file, the op
 and ``checkpoint.json`` (the manifest). The manifest also records what a restart needs: the
 Kafka positions up to which every transition is either in this checkpoint or was dropped, and
 the ids of the transitions trained since the previous checkpoint (for deduplication across
-restarts, and as the audit trail of what each version learnt from). The folder store writes a
-checkpoint into a staging folder and renames it into place, so a crash never leaves half of one.
+restarts, and as the audit trail of what each version learnt from). The stores (a folder, or
+``s3://`` on any S3 API) are in ``infra/checkpoint_store.py``: neither announces a checkpoint
+that is not whole, and the trainer announces one only after ``put`` returned.
 """
 
 from __future__ import annotations
 
 import json
-import shutil
-import tempfile
 import time
 from dataclasses import asdict, dataclass, field
 from pathlib import Path
-from typing import Protocol
-from urllib.parse import quote, unquote, urlsplit
+from urllib.parse import quote
 
 from aiokafka import AIOKafkaProducer
 
+from infra.checkpoint_store import MANIFEST as MANIFEST
+from infra.checkpoint_store import CheckpointError as CheckpointError
+from infra.checkpoint_store import CheckpointStore as CheckpointStore
+from infra.checkpoint_store import FolderStore as FolderStore
+from infra.checkpoint_store import UnsupportedStore as UnsupportedStore
+from infra.checkpoint_store import open_store as open_store
 from infra.config import Config
 from infra.kafka import client_options, topic_name
-from models.weights import local_path, sha256_file
+from models.weights import sha256_file
 from schemas import CHECKPOINT, AvroCodec
 from schemas.checkpoint import Checkpoint
-from schemas.errors import AgentstreamError
-
-MANIFEST = "checkpoint.json"
-
-
-class CheckpointError(AgentstreamError, RuntimeError):
-    """A checkpoint cannot be written, found or read."""
-
-
-class UnsupportedStore(CheckpointError):
-    """The checkpoint location names a store this build does not implement (only folders and file:// URIs)."""
 
 
 @dataclass(frozen=True)
@@ -54,75 +47,12 @@ class Manifest:
     offsets: dict[str, int] = field(default_factory=dict)  # "topic:partition" -> next offset to read
     trained_ids: list[str] = field(default_factory=list)  # transitions trained since the previous checkpoint
     metrics: dict[str, float] = field(default_factory=dict)
+    files: dict[str, str] = field(default_factory=dict)  # file -> sha256, filled by stores that download (s3://)
 
     def checkpoint(self) -> Checkpoint:
         """The Checkpoint record announced for it (the event and the ``checkpoints`` row)."""
         return Checkpoint(model=self.model, version=self.version, uri=self.uri, sha256=self.sha256, step=self.step,
                           created_at_us=self.created_at_us, metrics=dict(self.metrics), format=self.format)
-
-
-class CheckpointStore(Protocol):
-    """Where checkpoint folders live: written locally, then ``put`` under a name; ``get`` gives a local folder back."""
-
-    def staging(self) -> Path: ...
-
-    def put(self, name: str, staging: Path) -> str: ...
-
-    def get(self, uri: str) -> Path: ...
-
-    def uri(self, name: str) -> str: ...
-
-    def names(self, prefix: str) -> list[str]: ...
-
-    def delete(self, name: str) -> None: ...
-
-
-class FolderStore:
-    """Checkpoints as folders under a root directory; ``put`` is an atomic rename and URIs are ``file://`` URIs."""
-
-    def __init__(self, root: Path) -> None:
-        self.root = root.expanduser().resolve()
-        self.root.mkdir(parents=True, exist_ok=True)
-
-    def staging(self) -> Path:
-        return Path(tempfile.mkdtemp(prefix=".staging-", dir=self.root))
-
-    def put(self, name: str, staging: Path) -> str:
-        target = self.root / name
-        target.parent.mkdir(parents=True, exist_ok=True)
-        if target.exists():
-            shutil.rmtree(staging, ignore_errors=True)
-            raise CheckpointError(f"checkpoint {target} already exists: is another trainer writing this model?")
-        staging.chmod(0o755)
-        staging.rename(target)
-        return self.uri(name)
-
-    def get(self, uri: str) -> Path:
-        path = local_path(uri)
-        if not path.is_dir():
-            raise CheckpointError(f"checkpoint {uri} does not exist")
-        return path
-
-    def uri(self, name: str) -> str:
-        return (self.root / name).as_uri()
-
-    def names(self, prefix: str) -> list[str]:
-        folder = self.root / prefix
-        if not folder.is_dir():
-            return []
-        return sorted(f"{prefix}/{entry.name}" for entry in folder.iterdir()
-                      if entry.is_dir() and (entry / MANIFEST).is_file())
-
-    def delete(self, name: str) -> None:
-        shutil.rmtree(self.root / name, ignore_errors=True)
-
-
-def open_store(location: str) -> FolderStore:
-    """The store for a folder path or a ``file://`` URI; object-store URIs (s3://, gs://) are refused for now."""
-    parts = urlsplit(location)
-    if parts.scheme in ("", "file"):
-        return FolderStore(Path(unquote(parts.path) if parts.scheme else location))
-    raise UnsupportedStore(f"checkpoint store {location!r}: only folders and file:// URIs are supported")
 
 
 def checkpoint_name(model: str, version: int) -> str:
@@ -155,11 +85,11 @@ def write_checkpoint(store: CheckpointStore, staging: Path, weights: Path, *, mo
 
 
 def read_manifest(store: CheckpointStore, name: str) -> Manifest:
-    path = store.get(store.uri(name)) / MANIFEST
+    """The manifest of checkpoint ``name``, read alone (an s3:// store does not download the weights for it)."""
     try:
-        return Manifest(**json.loads(path.read_text()))
-    except (OSError, ValueError, TypeError) as error:
-        raise CheckpointError(f"cannot read {path}: {error}") from None
+        return Manifest(**json.loads(store.read(name, MANIFEST)))
+    except (ValueError, TypeError) as error:
+        raise CheckpointError(f"cannot read {store.uri(name)}/{MANIFEST}: {error}") from None
 
 
 def manifests(store: CheckpointStore, model: str) -> list[Manifest]:
@@ -200,12 +130,13 @@ def _prune_folder(store: CheckpointStore, folder: str, keep: int) -> list[str]:
     return names
 
 
-def keep_only_newest(store: FolderStore, drop_files: tuple[str, ...] = ()) -> list[Path]:
+def keep_only_newest(store: CheckpointStore, drop_files: tuple[str, ...] = ()) -> list[Path]:
     """Delete all but each model's newest checkpoint, and the named files (e.g. optimizer state) from that one.
 
     For a run that is over: a SmolLM2 checkpoint with its AdamW state takes 1.6 GB, and a demo
-    keeps three of them while it runs. Returns the folders kept.
+    keeps three of them while it runs. Returns the folders kept. Folder stores only (a demo's).
     """
+    store = _folder_store(store)
     kept = []
     for model in _model_folders(store):
         for name in _prune_folder(store, model, keep=1):
@@ -216,13 +147,21 @@ def keep_only_newest(store: FolderStore, drop_files: tuple[str, ...] = ()) -> li
     return kept
 
 
-def find_version(store: FolderStore, version: int) -> Manifest:
-    """The checkpoint of ``version`` in a store that holds one model's checkpoints (a demo's), whatever its name."""
+def find_version(store: CheckpointStore, version: int) -> Manifest:
+    """The checkpoint of ``version`` in a folder store that holds one model's checkpoints (a demo's), whatever its
+    name."""
+    store = _folder_store(store)
     for folder in _model_folders(store):
         name = f"{folder}/{_version_folder(version)}"
         if name in store.names(folder):
             return read_manifest(store, name)
     raise CheckpointError(f"no checkpoint of version {version} in {store.root}")
+
+
+def _folder_store(store: CheckpointStore) -> FolderStore:
+    if not isinstance(store, FolderStore):
+        raise CheckpointError(f"{store!r}: this works on a folder store only")
+    return store
 
 
 def _model_folders(store: FolderStore) -> list[str]:

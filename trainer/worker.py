@@ -157,7 +157,8 @@ class TrainerWorker:
         self.progress = progress
         self.policy = policy or build_policy(self.settings)
         self.name = self.policy.name
-        self.store = store or open_store(self.settings.checkpoint_dir or str(config.stack.home / "checkpoints"))
+        self.store = store or open_store(self.settings.checkpoint_dir or str(config.stack.home / "checkpoints"),
+                                         config.checkpoints, config.stack.home)
         self.codec = AvroCodec()
         self.announcer = CheckpointAnnouncer(config, bootstrap_servers)
         self.consumer: AIOKafkaConsumer | None = None
@@ -247,7 +248,7 @@ class TrainerWorker:
         if manifest is None:
             self.progress(f"trainer {self.name}: no checkpoint yet, starting from {self.settings.model} at version 0")
             return
-        folder = self.store.get(manifest.uri)
+        folder = await asyncio.to_thread(self.store.get, manifest.uri)
         await self._on_model_thread(load_weights, self.policy, folder)
         if not (folder / OPTIMIZER_STATE).is_file():
             self.progress(f"trainer {self.name}: version {manifest.version} was written without the optimizer state "

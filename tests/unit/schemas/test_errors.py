@@ -21,6 +21,7 @@ PRIVATE_EXEMPT = {"stack.objectstore._NotModified", "schemas.span_writer._Unusua
 """Control flow inside one module (a 304 answer, the span writer's fast path): never raised out of it."""
 
 RETRIABLE = {
+    "infra.checkpoint_store.StoreUnreachable",
     "infra.clickhouse.ClickHouseUnreachable",
     "infra.kafka.KafkaUnreachable",
     "infra.schema_registry.errors.RegistryUnavailable",
@@ -30,6 +31,7 @@ RETRIABLE = {
     "pipeline.proxy.UpstreamError",
     "pipeline.publisher.errors.FlushTimeout",
     "pipeline.publisher.errors.PublisherFull",
+    "serving.hotswap.StoreNotReachable",
 }
 """Outages and back-pressure: the same call, made again later, may succeed."""
 

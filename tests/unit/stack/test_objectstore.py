@@ -222,7 +222,8 @@ def test_objects_and_etags_survive_a_restart_and_half_writes_vanish(tmp_path: Pa
 
 
 def test_refuses_what_it_does_not_implement(store: Store):
-    assert store.client.post("big", params={"uploads": ""}).status_code == 501
+    assert store.client.get("", params={"uploads": ""}).status_code == 501  # listing uploads
+    assert store.client.put("part", params={"partNumber": "1", "uploadId": "none"}).status_code == 404
     assert store.client.put("copy", headers={"x-amz-copy-source": "/b/k"}).status_code == 501
     for bad in ("a/../b", "a//b", "trailing/"):
         with pytest.raises(S3Error):
@@ -230,3 +231,36 @@ def test_refuses_what_it_does_not_implement(store: Store):
     store.client.put("file", content=b".")
     clash = store.client.put("file/child", content=b".")
     assert clash.status_code == 409 and store.client.get("file").content == b"."
+
+
+def test_multipart_upload_appears_whole_on_completion_and_abort_leaves_nothing(store: Store):
+    created = store.client.post("big", params={"uploads": ""})
+    upload_id = ElementTree.fromstring(created.content).findtext(f"{NS}UploadId")
+    assert created.status_code == 200 and upload_id
+    tags = [store.client.put("big", params={"partNumber": str(n), "uploadId": upload_id}, content=body)
+            .headers["ETag"] for n, body in ((1, b"first-"), (2, b"second"))]
+    assert store.client.get("big").status_code == 404  # nothing shows before completion
+    parts = "".join(f"<Part><PartNumber>{n}</PartNumber><ETag>{tag}</ETag></Part>" for n, tag in enumerate(tags, 1))
+    done = store.client.post("big", params={"uploadId": upload_id},
+                             content=f"<CompleteMultipartUpload>{parts}</CompleteMultipartUpload>")
+    assert done.status_code == 200, done.text
+    assert store.client.get("big").content == b"first-second"
+    digests = hashlib.md5(b"".join(hashlib.md5(b).digest() for b in (b"first-", b"second"))).hexdigest()
+    assert ElementTree.fromstring(done.content).findtext(f"{NS}ETag") == f'"{digests}-2"'
+    answer = store.client.post("gone", params={"uploads": ""})
+    aborted = ElementTree.fromstring(answer.content).findtext(f"{NS}UploadId")
+    store.client.put("gone", params={"partNumber": "1", "uploadId": aborted}, content=b"x")
+    assert store.client.delete("gone", params={"uploadId": aborted}).status_code == 204
+    assert store.client.get("gone").status_code == 404
+    assert not any((store.server.root / ".uploads").iterdir())
+
+
+def test_with_credentials_it_refuses_unsigned_requests(tmp_path: Path):
+    server = ObjectStoreServer(tmp_path / "data", ["b"], credentials={"id": "secret"})
+    thread = ServerThread(server.app)
+    try:
+        refused = httpx.get(thread.url + "/b/key")
+        assert (refused.status_code, error_code(refused)) == (403, "AccessDenied")
+    finally:
+        thread.stop()
+        server.close()

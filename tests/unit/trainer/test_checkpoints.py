@@ -38,4 +38,4 @@ def test_store_lists_prunes_and_remembers_trained_ids(tmp_path):
     kept = sorted(p.name for p in (store.root / "m" / "v00000004").iterdir())
     assert kept == ["checkpoint.json", "model.safetensors"]
     with pytest.raises(UnsupportedStore):
-        open_store("s3://bucket/checkpoints")
+        open_store("gs://bucket/checkpoints")

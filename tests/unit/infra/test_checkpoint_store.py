@@ -1,0 +1,264 @@
+"""The s3:// checkpoint store against the real embedded object store: whole checkpoints only, checked downloads, a
+bounded cache, and clear errors for refused credentials."""
+
+from __future__ import annotations
+
+import os
+import signal
+import subprocess
+import sys
+import threading
+import time
+from pathlib import Path
+
+import pytest
+
+from infra.checkpoint_store import (
+    MANIFEST,
+    CheckpointCache,
+    CheckpointError,
+    CheckpointNotFound,
+    DigestMismatch,
+    S3Store,
+    StoreAccessDenied,
+    StoreUnreachable,
+    open_store,
+)
+from infra.config import CHECKPOINT_BUCKET, CheckpointsConfig, ConfigError, Secret, describe, load_config
+from models.weights import sha256_file
+from stack.objectstore import ObjectStoreServer
+from tests.support.http_thread import ServerThread
+from trainer.checkpoints import (
+    checkpoint_name,
+    latest_manifest,
+    manifests,
+    prune,
+    read_manifest,
+    recent_trained_ids,
+    write_checkpoint,
+)
+
+ROOT = Path(__file__).resolve().parents[3]
+KEY_ID, SECRET = "trainer", "s3cr3t-never-printed"
+LOCATION = f"s3://{CHECKPOINT_BUCKET}/checkpoints"
+
+
+class EmbeddedStore:
+    """The stack's object store on a free loopback port, checking signatures against one key pair."""
+
+    def __init__(self, root: Path) -> None:
+        self.root = root
+        self.server = ObjectStoreServer(root, [CHECKPOINT_BUCKET], credentials={KEY_ID: SECRET})
+        self.thread = ServerThread(self.server.app)
+        self.url = self.thread.url
+
+    def object_path(self, key: str) -> Path:
+        return self.root / CHECKPOINT_BUCKET / key
+
+    def stop(self) -> None:
+        self.thread.stop()
+        self.server.close()
+
+
+@pytest.fixture
+def embedded(tmp_path: Path):
+    running = EmbeddedStore(tmp_path / "objects")
+    yield running
+    running.stop()
+
+
+def settings(embedded: EmbeddedStore, cache: Path, secret: str = SECRET, key_id: str = KEY_ID,
+             **cache_bounds: float) -> CheckpointsConfig:
+    return CheckpointsConfig(s3_endpoint=embedded.url, s3_access_key_id=key_id, s3_secret_access_key=Secret(secret),
+                             s3_multipart_mb=5, cache_dir=str(cache), **cache_bounds)
+
+
+def s3_store(embedded: EmbeddedStore, tmp_path: Path, cache: str = "cache", **cache_bounds: float) -> S3Store:
+    store = open_store(LOCATION, settings(embedded, tmp_path / cache, **cache_bounds), home=tmp_path)
+    assert isinstance(store, S3Store)
+    return store
+
+
+def write(store: S3Store, version: int, weights: bytes, model: str = "m") -> str:
+    staging = store.staging()
+    (staging / "model.safetensors").write_bytes(weights)
+    (staging / "optimizer.pt").write_bytes(b"adam" * 100)
+    return write_checkpoint(store, staging, staging / "model.safetensors", model=model, version=version, step=version,
+                            format="full", offsets={"t:0": version}, trained_ids=[f"t{version}"], metrics={}).uri
+
+
+def test_put_get_round_trip_lists_prunes_and_uploads_large_files_in_parts(embedded: EmbeddedStore, tmp_path: Path):
+    store = s3_store(embedded, tmp_path)
+    big = os.urandom(12 << 20)  # over s3_multipart_mb = 5: three parts
+    uris = [write(store, 1, big)] + [write(store, version, b"w%d" % version) for version in (2, 3)]
+    assert uris[0] == f"{LOCATION}/m/v00000001"
+    assert store.names("m") == [f"m/v0000000{v}" for v in (1, 2, 3)]
+    assert [m.version for m in manifests(store, "m")] == [1, 2, 3]
+    assert recent_trained_ids(store, "m", limit=2) == ["t2", "t3"]
+    stored = embedded.object_path("checkpoints/m/v00000001/model.safetensors")
+    assert stored.read_bytes() == big  # assembled from its parts
+    folder = store.get(uris[0])
+    assert (folder / "model.safetensors").read_bytes() == big
+    assert (folder / "optimizer.pt").read_bytes() == b"adam" * 100
+    manifest = read_manifest(store, checkpoint_name("m", 1))
+    assert manifest.sha256 == sha256_file(folder / "model.safetensors") == manifest.files["model.safetensors"]
+    assert set(manifest.files) == {"model.safetensors", "optimizer.pt"}
+    assert store.get(uris[0]) == folder and store.downloads == 1  # the second get is served by the cache
+    with pytest.raises(CheckpointError, match="already exists"):
+        write(store, 1, b"again")
+    prune(store, "m", keep=1)
+    assert store.names("m") == ["m/v00000003"]
+    assert not any(path.is_file() for path in embedded.object_path("checkpoints/m/v00000001").rglob("*"))
+    assert latest_manifest(store, "m").version == 3
+
+
+CRASHING_UPLOADER = """
+import sys, time
+from pathlib import Path
+from infra.config import CheckpointsConfig, Secret
+from infra.checkpoint_store import MANIFEST, open_store
+from trainer.checkpoints import write_checkpoint
+
+endpoint, home, marker = sys.argv[1], Path(sys.argv[2]), Path(sys.argv[3])
+settings = CheckpointsConfig(s3_endpoint=endpoint, s3_access_key_id=sys.argv[4],
+                             s3_secret_access_key=Secret(sys.argv[5]), cache_dir=str(home / "uploader-cache"))
+store = open_store(sys.argv[6], settings, home)
+put_object = store._client.put_object
+
+def stop_before_the_manifest(**request):
+    if request["Key"].endswith(MANIFEST):
+        marker.write_text("weights stored")
+        time.sleep(600)  # the test kills this process here
+    return put_object(**request)
+
+store._client.put_object = stop_before_the_manifest
+staging = store.staging()
+(staging / "model.safetensors").write_bytes(b"weights" * 1000)
+write_checkpoint(store, staging, staging / "model.safetensors", model="m", version=1, step=1, format="full",
+                 offsets={}, trained_ids=[], metrics={})
+marker.write_text("put returned: announced")  # the trainer announces only after put() returns
+"""
+
+
+def test_an_uploader_killed_before_the_manifest_leaves_no_checkpoint(embedded: EmbeddedStore, tmp_path: Path):
+    marker = tmp_path / "marker"
+    child = subprocess.Popen([sys.executable, "-c", CRASHING_UPLOADER, embedded.url, str(tmp_path), str(marker),
+                              KEY_ID, SECRET, LOCATION], env={**os.environ, "PYTHONPATH": str(ROOT)}, cwd=ROOT)
+    try:
+        deadline = time.monotonic() + 60
+        while not marker.exists() and child.poll() is None and time.monotonic() < deadline:
+            time.sleep(0.05)
+        assert marker.read_text() == "weights stored", "the uploader did not reach the manifest"
+        assert embedded.object_path("checkpoints/m/v00000001/model.safetensors").is_file()
+    finally:
+        os.kill(child.pid, signal.SIGKILL)
+        child.wait(10)
+    assert not embedded.object_path(f"checkpoints/m/v00000001/{MANIFEST}").exists()
+    store = s3_store(embedded, tmp_path)
+    assert store.names("m") == [] and latest_manifest(store, "m") is None
+    with pytest.raises(CheckpointNotFound, match="does not exist"):
+        store.get(f"{LOCATION}/m/v00000001")
+    assert marker.read_text() == "weights stored"  # never announced
+    assert store.cache.entries() == []
+    uri = write(store, 1, b"written again")  # the restarted trainer writes the version afresh
+    assert store.names("m") == ["m/v00000001"]
+    assert (store.get(uri) / "model.safetensors").read_bytes() == b"written again"
+
+
+def test_a_corrupt_object_raises_a_named_error_and_leaves_the_cache_empty(embedded: EmbeddedStore, tmp_path: Path):
+    store = s3_store(embedded, tmp_path)
+    uri = write(store, 1, b"weights" * 1000)
+    stored = embedded.object_path("checkpoints/m/v00000001/model.safetensors")
+    corrupt = bytearray(stored.read_bytes())
+    corrupt[100] ^= 0xFF
+    stored.write_bytes(bytes(corrupt))
+    with pytest.raises(DigestMismatch, match=r"model\.safetensors has sha256") as raised:
+        store.get(uri)
+    assert raised.value.retriable is False
+    assert store.cache.entries() == []
+    assert not any((store.cache.root / ".partial").iterdir())
+
+
+def test_the_cache_keeps_its_bound_and_never_evicts_the_version_being_loaded(embedded: EmbeddedStore,
+                                                                               tmp_path: Path):
+    writer = s3_store(embedded, tmp_path, cache="writer")
+    uris = [write(writer, version, os.urandom(100_000)) for version in (1, 2, 3, 4)]
+    two = s3_store(embedded, tmp_path, cache="two", cache_max_versions=2)
+    for uri in uris:
+        two.get(uri)
+    assert [path.name.split("-")[1] for path in two.cache.entries()] == ["v00000003", "v00000004"]
+    two.get(uris[2])  # v3 is now the most recently used
+    two.get(uris[0])
+    assert [path.name.split("-")[1] for path in two.cache.entries()] == ["v00000003", "v00000001"]
+    assert two.downloads == 5
+    tiny = s3_store(embedded, tmp_path, cache="tiny", cache_max_gb=1e-6)  # 1 kB: less than one version
+    for uri in uris[:2]:
+        folder = tiny.get(uri)
+        assert [path.name for path in tiny.cache.entries()] == [folder.name]
+        assert (folder / "model.safetensors").stat().st_size == 100_000
+
+
+def test_two_concurrent_gets_of_one_version_download_it_once(embedded: EmbeddedStore, tmp_path: Path):
+    writer = s3_store(embedded, tmp_path, cache="writer")
+    uri = write(writer, 1, os.urandom(8 << 20))
+    readers = [s3_store(embedded, tmp_path, cache="shared") for _ in range(2)]  # two processes' stores, one cache
+    start = threading.Barrier(2)
+    folders: list[Path] = []
+
+    def get(store: S3Store) -> None:
+        start.wait()
+        folders.append(store.get(uri))
+
+    threads = [threading.Thread(target=get, args=(reader,)) for reader in readers]
+    for thread in threads:
+        thread.start()
+    for thread in threads:
+        thread.join(60)
+    assert len(folders) == 2 and folders[0] == folders[1]
+    assert sum(reader.downloads for reader in readers) == 1
+    assert sha256_file(folders[0] / "model.safetensors") == read_manifest(writer, "m/v00000001").sha256
+
+
+def test_refused_credentials_and_a_missing_endpoint_are_clear_errors(embedded: EmbeddedStore, tmp_path: Path):
+    wrong_secret = open_store(LOCATION, settings(embedded, tmp_path / "c", secret="not-the-secret"), tmp_path)
+    with pytest.raises(StoreAccessDenied, match="refused the credentials") as raised:
+        wrong_secret.names("m")
+    message = str(raised.value)
+    assert "403 SignatureDoesNotMatch" in message and KEY_ID in message and "not-the-secret" not in message
+    assert not raised.value.retriable
+    unknown = open_store(LOCATION, settings(embedded, tmp_path / "c", key_id="nobody"), tmp_path)
+    with pytest.raises(StoreAccessDenied, match="403 InvalidAccessKeyId"):
+        unknown.names("m")
+    assert SECRET not in repr(settings(embedded, tmp_path / "c"))
+    with pytest.raises(StoreUnreachable, match="no \\[checkpoints\\] s3_endpoint is set") as missing:
+        open_store(LOCATION, CheckpointsConfig(), tmp_path / "no-stack")
+    assert missing.value.retriable
+
+
+def test_the_cache_is_whole_versions_only(tmp_path: Path):
+    cache = CheckpointCache(tmp_path / "cache")
+
+    def fails(folder: Path) -> None:
+        (folder / "model.safetensors").write_bytes(b"half")
+        raise StoreUnreachable("cut off")
+
+    with pytest.raises(StoreUnreachable):
+        cache.fetch("s3://b/p/m/v00000001", fails)
+    assert cache.entries() == []
+    folder = cache.fetch("s3://b/p/m/v00000001", lambda f: (f / "model.safetensors").write_bytes(b"whole"))
+    assert folder.name.startswith("m-v00000001-") and (folder / "model.safetensors").read_bytes() == b"whole"
+
+
+def test_the_checkpoints_section_is_typed_and_its_secret_masked(tmp_path: Path):
+    path = tmp_path / "agentstream.toml"
+    path.write_text('[trainer]\ncheckpoint_dir = "s3://agentstream/checkpoints"\n[checkpoints]\n'
+                    's3_access_key_id = "id"\ns3_secret_access_key = "hidden"\ncache_max_versions = 2\n')
+    config = load_config(path, environ={"AWS_ENDPOINT_URL_S3": "http://127.0.0.1:9000"})
+    checkpoints = config.checkpoints
+    assert (checkpoints.s3_endpoint, checkpoints.s3_access_key_id, checkpoints.cache_max_versions) == \
+        ("http://127.0.0.1:9000", "id", 2)
+    assert checkpoints.s3_secret_access_key == Secret("hidden") and "hidden" not in str(describe(config))
+    assert load_config(tmp_path / "agentstream.toml", environ={}).checkpoints.s3_endpoint is None
+    path.write_text('[checkpoints]\ns3_endpoint = "minio:9000"\n')
+    with pytest.raises(ConfigError, match="must start with http"):
+        load_config(path, environ={})

@@ -1,0 +1,60 @@
+"""Hot swap with an s3:// checkpoint: the dev model server is given a folder on its own disk, downloaded and checked."""
+
+from __future__ import annotations
+
+import asyncio
+from dataclasses import replace
+from pathlib import Path
+
+import pytest
+
+from infra.checkpoint_store import S3Store, open_store
+from infra.config import CHECKPOINT_BUCKET, CheckpointsConfig, Config, Secret, TrainerConfig
+from models import load_model
+from models.weights import sha256_file
+from serving.app import create_app
+from serving.handlers import SERVER
+from serving.hotswap import HotSwapError, HotSwapper
+from stack.objectstore import ObjectStoreServer
+from tests.support.http_thread import ServerThread
+from trainer.checkpoints import write_checkpoint
+from trainer.policy import build_policy, save_weights
+
+
+def test_an_s3_checkpoint_reaches_the_server_as_a_checked_local_folder(tmp_path: Path):
+    objects = ObjectStoreServer(tmp_path / "objects", [CHECKPOINT_BUCKET], credentials={"id": "secret"})
+    store_thread = ServerThread(objects.app)
+    name = "tiny-s3"
+    server = create_app(load_model("tiny", threads=None), served_model_name=name)
+    server_thread = ServerThread(server)
+    try:
+        settings = CheckpointsConfig(s3_endpoint=store_thread.url, s3_access_key_id="id",
+                                     s3_secret_access_key=Secret("secret"), cache_dir=str(tmp_path / "swap-cache"))
+        config = Config(checkpoints=settings, trainer=TrainerConfig(model="tiny", model_name=name, device="cpu"))
+        store = open_store(f"s3://{CHECKPOINT_BUCKET}/runs/1", replace(settings, cache_dir=str(tmp_path / "trainer")),
+                           tmp_path)
+        assert isinstance(store, S3Store)
+        staging = store.staging()
+        weights = save_weights(build_policy(config.trainer), staging)
+        manifest = write_checkpoint(store, staging, weights, model=name, version=1, step=1, format="full",
+                                    offsets={}, trained_ids=[], metrics={})
+        assert manifest.uri.startswith(f"s3://{CHECKPOINT_BUCKET}/runs/1/")
+        swapper = HotSwapper(config, "127.0.0.1:1", server_thread.url, name)
+
+        async def swap() -> Path:
+            try:
+                with pytest.raises(HotSwapError, match="does not exist"):
+                    await swapper.apply(replace(manifest.checkpoint(), uri=manifest.uri.replace("v00000001", "v9")))
+                await swapper.apply(manifest.checkpoint())
+                return Path(swapper.folders[1])
+            finally:
+                await swapper.close()
+
+        folder = asyncio.run(swap())
+        assert server[SERVER].version == 1
+        assert folder.parent == tmp_path / "swap-cache"
+        assert sha256_file(folder / "model.safetensors") == manifest.sha256
+    finally:
+        server_thread.stop()
+        store_thread.stop()
+        objects.close()
