@@ -4,30 +4,23 @@ bounded cache, and clear errors for refused credentials."""
 from __future__ import annotations
 
 import os
-import signal
-import subprocess
-import sys
 import threading
-import time
 from pathlib import Path
 
 import pytest
 
 from infra.checkpoint_store import (
-    MANIFEST,
     CheckpointCache,
     CheckpointError,
-    CheckpointNotFound,
     DigestMismatch,
     S3Store,
     StoreAccessDenied,
     StoreUnreachable,
     open_store,
 )
-from infra.config import CHECKPOINT_BUCKET, CheckpointsConfig, ConfigError, Secret, describe, load_config
+from infra.config import CheckpointsConfig, ConfigError, Secret, describe, load_config
 from models.weights import sha256_file
-from stack.objectstore import ObjectStoreServer
-from tests.support.http_thread import ServerThread
+from tests.support.s3_checkpoints import KEY_ID, LOCATION, SECRET, EmbeddedStore, s3_store, settings, write
 from trainer.checkpoints import (
     checkpoint_name,
     latest_manifest,
@@ -35,29 +28,7 @@ from trainer.checkpoints import (
     prune,
     read_manifest,
     recent_trained_ids,
-    write_checkpoint,
 )
-
-ROOT = Path(__file__).resolve().parents[3]
-KEY_ID, SECRET = "trainer", "s3cr3t-never-printed"
-LOCATION = f"s3://{CHECKPOINT_BUCKET}/checkpoints"
-
-
-class EmbeddedStore:
-    """The stack's object store on a free loopback port, checking signatures against one key pair."""
-
-    def __init__(self, root: Path) -> None:
-        self.root = root
-        self.server = ObjectStoreServer(root, [CHECKPOINT_BUCKET], credentials={KEY_ID: SECRET})
-        self.thread = ServerThread(self.server.app)
-        self.url = self.thread.url
-
-    def object_path(self, key: str) -> Path:
-        return self.root / CHECKPOINT_BUCKET / key
-
-    def stop(self) -> None:
-        self.thread.stop()
-        self.server.close()
 
 
 @pytest.fixture
@@ -65,26 +36,6 @@ def embedded(tmp_path: Path):
     running = EmbeddedStore(tmp_path / "objects")
     yield running
     running.stop()
-
-
-def settings(embedded: EmbeddedStore, cache: Path, secret: str = SECRET, key_id: str = KEY_ID,
-             **cache_bounds: float) -> CheckpointsConfig:
-    return CheckpointsConfig(s3_endpoint=embedded.url, s3_access_key_id=key_id, s3_secret_access_key=Secret(secret),
-                             s3_multipart_mb=5, cache_dir=str(cache), **cache_bounds)
-
-
-def s3_store(embedded: EmbeddedStore, tmp_path: Path, cache: str = "cache", **cache_bounds: float) -> S3Store:
-    store = open_store(LOCATION, settings(embedded, tmp_path / cache, **cache_bounds), home=tmp_path)
-    assert isinstance(store, S3Store)
-    return store
-
-
-def write(store: S3Store, version: int, weights: bytes, model: str = "m") -> str:
-    staging = store.staging()
-    (staging / "model.safetensors").write_bytes(weights)
-    (staging / "optimizer.pt").write_bytes(b"adam" * 100)
-    return write_checkpoint(store, staging, staging / "model.safetensors", model=model, version=version, step=version,
-                            format="full", offsets={"t:0": version}, trained_ids=[f"t{version}"], metrics={}).uri
 
 
 def test_put_get_round_trip_lists_prunes_and_uploads_large_files_in_parts(embedded: EmbeddedStore, tmp_path: Path):
@@ -110,59 +61,6 @@ def test_put_get_round_trip_lists_prunes_and_uploads_large_files_in_parts(embedd
     assert store.names("m") == ["m/v00000003"]
     assert not any(path.is_file() for path in embedded.object_path("checkpoints/m/v00000001").rglob("*"))
     assert latest_manifest(store, "m").version == 3
-
-
-CRASHING_UPLOADER = """
-import sys, time
-from pathlib import Path
-from infra.config import CheckpointsConfig, Secret
-from infra.checkpoint_store import MANIFEST, open_store
-from trainer.checkpoints import write_checkpoint
-
-endpoint, home, marker = sys.argv[1], Path(sys.argv[2]), Path(sys.argv[3])
-settings = CheckpointsConfig(s3_endpoint=endpoint, s3_access_key_id=sys.argv[4],
-                             s3_secret_access_key=Secret(sys.argv[5]), cache_dir=str(home / "uploader-cache"))
-store = open_store(sys.argv[6], settings, home)
-put_object = store._client.put_object
-
-def stop_before_the_manifest(**request):
-    if request["Key"].endswith(MANIFEST):
-        marker.write_text("weights stored")
-        time.sleep(600)  # the test kills this process here
-    return put_object(**request)
-
-store._client.put_object = stop_before_the_manifest
-staging = store.staging()
-(staging / "model.safetensors").write_bytes(b"weights" * 1000)
-write_checkpoint(store, staging, staging / "model.safetensors", model="m", version=1, step=1, format="full",
-                 offsets={}, trained_ids=[], metrics={})
-marker.write_text("put returned: announced")  # the trainer announces only after put() returns
-"""
-
-
-def test_an_uploader_killed_before_the_manifest_leaves_no_checkpoint(embedded: EmbeddedStore, tmp_path: Path):
-    marker = tmp_path / "marker"
-    child = subprocess.Popen([sys.executable, "-c", CRASHING_UPLOADER, embedded.url, str(tmp_path), str(marker),
-                              KEY_ID, SECRET, LOCATION], env={**os.environ, "PYTHONPATH": str(ROOT)}, cwd=ROOT)
-    try:
-        deadline = time.monotonic() + 60
-        while not marker.exists() and child.poll() is None and time.monotonic() < deadline:
-            time.sleep(0.05)
-        assert marker.read_text() == "weights stored", "the uploader did not reach the manifest"
-        assert embedded.object_path("checkpoints/m/v00000001/model.safetensors").is_file()
-    finally:
-        os.kill(child.pid, signal.SIGKILL)
-        child.wait(10)
-    assert not embedded.object_path(f"checkpoints/m/v00000001/{MANIFEST}").exists()
-    store = s3_store(embedded, tmp_path)
-    assert store.names("m") == [] and latest_manifest(store, "m") is None
-    with pytest.raises(CheckpointNotFound, match="does not exist"):
-        store.get(f"{LOCATION}/m/v00000001")
-    assert marker.read_text() == "weights stored"  # never announced
-    assert store.cache.entries() == []
-    uri = write(store, 1, b"written again")  # the restarted trainer writes the version afresh
-    assert store.names("m") == ["m/v00000001"]
-    assert (store.get(uri) / "model.safetensors").read_bytes() == b"written again"
 
 
 def test_a_corrupt_object_raises_a_named_error_and_leaves_the_cache_empty(embedded: EmbeddedStore, tmp_path: Path):
