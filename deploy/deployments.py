@@ -26,7 +26,7 @@ import re
 import socket
 import time
 import uuid
-from collections.abc import Callable
+from collections.abc import Callable, Mapping
 from dataclasses import dataclass, field, replace
 from enum import StrEnum
 from typing import Any
@@ -51,6 +51,7 @@ class Action(StrEnum):
     PROMOTED = "PROMOTED"
     ROLLED_BACK = "ROLLED_BACK"
     SUPERSEDED = "SUPERSEDED"
+    OTHER = "OTHER"  # how a reader decodes an action added after it was written (the schema's enum default)
 
 
 class DeploymentError(AgentstreamError, RuntimeError):
@@ -160,13 +161,13 @@ class Decision:
         }
 
     @classmethod
-    def from_record(cls, record: dict[str, Any]) -> Decision:
+    def from_record(cls, record: Mapping[str, Any]) -> Decision:
+        """A Deployment event decoded with the current schema (so every field is there)."""
         routing = Routing(model=record["model"], stable_version=record["stable_version"],
                           stable_uri=record["stable_uri"], format=record["format"],
                           canary_version=record["canary_version"], canary_share=record["canary_share"],
                           candidate_version=record["candidate_version"])
-        action = record["action"]
-        return cls(version=record["version"], action=Action(action) if action in Action.__members__ else action,
+        return cls(version=record["version"], action=Action(record["action"]),
                    decided_by=record["decided_by"], reason=record["reason"], routing=routing,
                    candidate_score=record["candidate_score"], stable_score=record["stable_score"],
                    eval_tasks=record["eval_tasks"], canary_reward=record["canary_reward"],
@@ -248,6 +249,17 @@ class Announcement:
         """A hot swap without the gate: it promotes every checkpoint it loads."""
         return self.role == "hotswap" and not self.gated
 
+    def record(self) -> dict[str, Any]:
+        """The Announcement event (``schemas/avro/announcement.avsc``)."""
+        return {"model": self.model, "role": self.role, "gated": self.gated, "instance": self.instance,
+                "at_us": self.at_us, "live_s": self.live_s}
+
+    @classmethod
+    def from_record(cls, record: Mapping[str, Any]) -> Announcement:
+        """An Announcement event decoded with the current schema."""
+        return cls(model=record["model"], role=record["role"], gated=record["gated"], instance=record["instance"],
+                   at_us=record["at_us"], live_s=record["live_s"])
+
 
 class DeploymentFollower:
     """Folds the deployments topic into the routing of every model, from its start and then as decisions arrive.
@@ -305,7 +317,7 @@ class DeploymentFollower:
             return
         try:
             if self.codec.writer_schema(record.value)[1] == ANNOUNCEMENT:
-                said = Announcement(**self.codec.decode(record.value, ANNOUNCEMENT)[1])
+                said = Announcement.from_record(self.codec.decode(record.value, ANNOUNCEMENT)[1])
                 self.announcements[said.instance] = said
                 return
             decision = Decision.from_record(self.codec.decode(record.value, DEPLOYMENT)[1])
@@ -387,7 +399,7 @@ _ANNOUNCING: set[asyncio.Task] = set()  # keeps each renewal task alive while it
 async def _say(producer: AIOKafkaProducer, topic: str, codec: AvroCodec, said: Announcement) -> None:
     # Partition 0: the one every DeploymentFollower reads.
     await producer.send_and_wait(topic, key=f"announce/{said.role}/{said.model}/{said.instance}".encode(),
-                                 value=codec.encode(ANNOUNCEMENT, said.__dict__), partition=0)
+                                 value=codec.encode(ANNOUNCEMENT, said.record()), partition=0)
 
 
 async def _announcements_up_to(config: Config, bootstrap_servers: str, mine: Announcement,

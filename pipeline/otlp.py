@@ -46,6 +46,7 @@ from pipeline.publisher import PublisherClosed, PublisherFull
 from pipeline.sdk import now_us
 from schemas import DEAD_LETTER, AvroCodec, EncodeError
 from schemas.errors import AgentstreamError
+from schemas.records import RolloutEventRecord, SpanRecord
 
 log = logging.getLogger("agentstream.otlp")
 
@@ -90,8 +91,8 @@ SIGNALS = (TRACES, LOGS, METRICS)
 
 
 class SpanSink(Protocol):
-    def offer(self, spans: Sequence[Mapping[str, Any]], events: Sequence[Mapping[str, Any]] = ()
-              ) -> list[tuple[Mapping[str, Any], EncodeError]]: ...
+    def offer(self, spans: Sequence[SpanRecord], events: Sequence[RolloutEventRecord] = ()
+              ) -> list[tuple[SpanRecord, EncodeError]]: ...
 
 
 class DeadLetterSink(Protocol):
@@ -322,7 +323,7 @@ class OtlpReceiver:
         return Busy(f"the collector cannot take more spans now ({error}); retry after {self.retry_after_s}s",
                     self.retry_after_s)
 
-    def _count(self, mapped: Mapped, unfit: list[tuple[Mapping[str, Any], EncodeError]], received: int) -> None:
+    def _count(self, mapped: Mapped, unfit: list[tuple[SpanRecord, EncodeError]], received: int) -> None:
         for span, error in unfit:
             mapped.rejected.append((f"span {span.get('name')!r} does not fit the Span schema: {error}",
                                     {key: value for key, value in span.items() if key != "attributes"}))

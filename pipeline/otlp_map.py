@@ -42,13 +42,14 @@ from collections import OrderedDict
 from collections.abc import Iterable, Mapping
 from dataclasses import dataclass, field
 from operator import attrgetter, methodcaller
-from typing import Any
+from typing import Any, TypedDict
 
 from opentelemetry.proto.collector.trace.v1.trace_service_pb2 import ExportTraceServiceRequest
 from opentelemetry.proto.common.v1.common_pb2 import AnyValue, KeyValue
 from opentelemetry.proto.trace.v1.trace_pb2 import Span as OtelSpan
 
 from schemas.errors import AgentstreamError
+from schemas.records import RolloutEventRecord, SpanRecord
 
 SOURCE_ATTRIBUTE = "agentstream.source"
 SOURCE = "otlp"
@@ -103,10 +104,20 @@ class RejectedSpan(AgentstreamError, ValueError):
 class Mapped:
     """What an export request became: agentstream spans, terminal rollout events, and the spans refused."""
 
-    spans: list[dict[str, Any]] = field(default_factory=list)
-    events: list[dict[str, Any]] = field(default_factory=list)
+    spans: list[SpanRecord] = field(default_factory=list)
+    events: list[RolloutEventRecord] = field(default_factory=list)
     rejected: list[tuple[str, dict[str, Any]]] = field(default_factory=list)  # (reason, the span as JSON)
     analytics_only_llm: int = 0
+
+
+class _Attribution(TypedDict):
+    """The Span fields every span mapped from one trace shares."""
+
+    rollout_id: str
+    attempt_id: str
+    agent_name: str | None
+    task_id: str | None
+    group_id: str | None
 
 
 @dataclass(frozen=True)
@@ -517,8 +528,8 @@ class TraceMapper:
             model = first(("gen_ai.response.model", "gen_ai.request.model"), merged)
             if prompt_ids is None:
                 mapped.analytics_only_llm += 1
-        common = {"rollout_id": identity.rollout_id, "attempt_id": identity.attempt_id, "agent_name": agent_name,
-                  "task_id": identity.task_id, "group_id": identity.group_id}
+        common: _Attribution = {"rollout_id": identity.rollout_id, "attempt_id": identity.attempt_id,
+                                "agent_name": agent_name, "task_id": identity.task_id, "group_id": identity.group_id}
         mapped.spans.append({
             "span_id": span_id, "parent_id": parent_id, "name": name, "kind": kind, "start_time_us": start_us,
             "end_time_us": end_us, "status": status, "status_message": message, "model": model,

@@ -73,6 +73,7 @@ from schemas.contracts import (
     resolve_reward,
 )
 from schemas.errors import AgentstreamError
+from schemas.records import SpanRecord
 
 log = logging.getLogger("agentstream.proxy")
 
@@ -227,7 +228,7 @@ def _merge_tool_calls(into: list[dict[str, Any]], calls: list[dict[str, Any]], s
         call["function"]["arguments"] += function.get("arguments") or ""
 
 
-def spans_of(capture: CallCapture, ended_us: int) -> list[dict[str, Any]]:
+def spans_of(capture: CallCapture, ended_us: int) -> list[SpanRecord]:
     """One LLM span per choice (n > 1 samples are separate trajectories' steps), or one error span."""
     request = capture.request
     served = capture.response_model or request.get("model")

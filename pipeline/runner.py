@@ -21,7 +21,7 @@ import sys
 from collections.abc import Callable
 from concurrent.futures import ThreadPoolExecutor
 from dataclasses import dataclass, field
-from typing import Any
+from typing import Any, cast
 
 from aiokafka import AIOKafkaConsumer, ConsumerRebalanceListener, TopicPartition
 
@@ -35,6 +35,7 @@ from pipeline.errors import AgentLoadError
 from pipeline.sdk import Rollout, SpanSink, emit_exception, emit_reward, new_id, rollout
 from pipeline.tasks import enqueue
 from schemas import TASK, AvroCodec, CodecError
+from schemas.records import TaskRecord
 
 log = logging.getLogger("agentstream.runner")
 
@@ -230,7 +231,7 @@ class Runner:
         """Run one task; ``tracker`` is the partition's at the time it was read (a log reset replaces it)."""
         try:
             try:
-                _, task = self.codec.decode(record.value, TASK)
+                task = cast(TaskRecord, self.codec.decode(record.value, TASK)[1])
             except CodecError as error:
                 self.stats.undecodable += 1
                 log.error("task at %s@%d is not a Task record (%s); skipped", tp, record.offset, error)
@@ -240,7 +241,7 @@ class Runner:
             tracker.done(record.offset)
             slots.release()
 
-    async def _run_attempt(self, task: dict[str, Any]) -> None:
+    async def _run_attempt(self, task: TaskRecord) -> None:
         attempt = task["attempt"]
         scope = rollout(
             task.get("agent_name"), rollout_id=task["rollout_id"],
@@ -275,7 +276,7 @@ class Runner:
     async def _call(self, payload: Any, state: Rollout) -> Any:
         return await call_agent(self.agent, payload, state, self._threads)
 
-    async def _retry(self, task: dict[str, Any]) -> None:
+    async def _retry(self, task: TaskRecord) -> None:
         if task["attempt"] >= task["max_attempts"]:
             return
         await enqueue(self.config, self.bootstrap_servers, [{**task, "attempt": task["attempt"] + 1}], self.codec)

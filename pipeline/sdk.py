@@ -21,11 +21,12 @@ import traceback
 import uuid
 from collections.abc import Mapping, Sequence
 from dataclasses import dataclass, field
-from typing import Any, Protocol
+from typing import Any, Protocol, TypedDict, Unpack
 from urllib.parse import quote
 
 from schemas.contracts import TRAIN_ATTRIBUTE, resolve_reward
 from schemas.errors import AgentstreamError
+from schemas.records import RolloutEventRecord, SpanRecord
 
 UNUSED_API_KEY = "unused"  # what an OpenAI client sends to a proxy that asks for no key
 
@@ -33,9 +34,9 @@ UNUSED_API_KEY = "unused"  # what an OpenAI client sends to a proxy that asks fo
 class SpanSink(Protocol):
     """Where spans and rollout events go: publish must not block for long (it buffers)."""
 
-    def publish(self, span: dict[str, Any]) -> None: ...
+    def publish(self, span: SpanRecord) -> None: ...
 
-    def publish_event(self, event: dict[str, Any]) -> None: ...
+    def publish_event(self, event: RolloutEventRecord) -> None: ...
 
 
 class NoRollout(AgentstreamError, RuntimeError):
@@ -136,9 +137,21 @@ def _attribute_text(value: Any) -> str:
     return value if isinstance(value, str) else json.dumps(value, default=str, separators=(",", ":"))
 
 
+class SpanFields(TypedDict, total=False):
+    """The Span fields (schemas/records.py :class:`SpanRecord`) that :func:`build_span` takes as keywords."""
+
+    model: str | None
+    prompt_token_ids: list[int] | None
+    response_token_ids: list[int] | None
+    response_logprobs: list[float] | None
+    reward: float | None
+    reward_dimensions: Mapping[str, float] | None
+    policy_version: int | None
+
+
 def build_span(owner: Rollout, name: str, kind: str, start_us: int, end_us: int, *, span_id: str | None = None,
                parent_id: str | None = None, attributes: Mapping[str, Any] | None = None, status: str = "OK",
-               status_message: str | None = None, **fields: Any) -> dict[str, Any]:
+               status_message: str | None = None, **fields: Unpack[SpanFields]) -> SpanRecord:
     """A Span record (schemas/avro/span.avsc) attributed to ``owner``.
 
     When the owner made a training choice (``owner.train`` not None) the span carries it as the
@@ -210,11 +223,12 @@ class span:
         self.__exit__(exc_type, exc, tb)
 
 
-def _emit(kind: str, name: str, attributes: Mapping[str, Any] | None = None, **fields: Any) -> str:
+def _emit(kind: str, name: str, attributes: Mapping[str, Any] | None = None, *, status: str = "OK",
+          status_message: str | None = None, **fields: Unpack[SpanFields]) -> str:
     owner = _require_rollout()
     at = now_us()
     record = build_span(owner, name, kind, at, at, parent_id=_current_span.get() or owner.root_span_id,
-                        attributes=attributes, **fields)
+                        attributes=attributes, status=status, status_message=status_message, **fields)
     owner._sink().publish(record)
     return record["span_id"]
 

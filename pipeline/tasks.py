@@ -15,6 +15,7 @@ from infra.kafka import client_options, topic_name
 from pipeline.sdk import new_id, now_us
 from schemas import TASK, AvroCodec
 from schemas.errors import AgentstreamError
+from schemas.records import TaskRecord
 
 
 class TaskFileError(AgentstreamError, ValueError):
@@ -23,7 +24,7 @@ class TaskFileError(AgentstreamError, ValueError):
 
 def make_task(payload: Mapping[str, Any], *, task_id: str | None = None, rollout_id: str | None = None,
               group_id: str | None = None, agent_name: str | None = None, max_attempts: int = 1,
-              timeout_s: float = 300.0, metadata: Mapping[str, str] | None = None) -> dict[str, Any]:
+              timeout_s: float = 300.0, metadata: Mapping[str, str] | None = None) -> TaskRecord:
     """A Task record: the agent receives ``payload``; rollouts sharing ``group_id`` are compared (GRPO)."""
     return {
         "task_id": task_id or new_id(),
@@ -40,9 +41,9 @@ def make_task(payload: Mapping[str, Any], *, task_id: str | None = None, rollout
 
 
 def grouped_tasks(payloads: Iterable[Mapping[str, Any]], *, group_size: int = 1,
-                  **options: Any) -> list[dict[str, Any]]:
+                  **options: Any) -> list[TaskRecord]:
     """``group_size`` rollouts per payload, sharing a task id and a group id, each with its own rollout id."""
-    tasks: list[dict[str, Any]] = []
+    tasks: list[TaskRecord] = []
     for payload in payloads:
         task_id = str(payload.get("id", payload.get("task_id", new_id())))
         group_id = f"{task_id}-{new_id()[:8]}" if group_size > 1 else None
@@ -114,7 +115,7 @@ def _read_jsonl(path: Path) -> list[dict[str, Any]]:
     return payloads
 
 
-async def enqueue(config: Config, bootstrap_servers: str, tasks: Iterable[dict[str, Any]],
+async def enqueue(config: Config, bootstrap_servers: str, tasks: Iterable[TaskRecord],
                   codec: AvroCodec | None = None) -> int:
     """Publish Task records keyed by rollout id; returns how many were acknowledged."""
     producer = AIOKafkaProducer(**client_options(config.kafka, bootstrap_servers), acks="all", linger_ms=5)
@@ -126,7 +127,7 @@ async def enqueue(config: Config, bootstrap_servers: str, tasks: Iterable[dict[s
 
 
 async def _publish(producer: AIOKafkaProducer, config: Config, codec: AvroCodec,
-                   tasks: Iterable[dict[str, Any]]) -> int:
+                   tasks: Iterable[TaskRecord]) -> int:
     topic = topic_name(config.topics, "tasks")
     count = 0
     for task in tasks:
@@ -149,7 +150,7 @@ class PacedQueue:
     goes out too, so the loop cannot stall; it stays counted, since that wave made no version.
     """
 
-    def __init__(self, config: Config, bootstrap_servers: str, waves: Iterable[list[dict[str, Any]]],
+    def __init__(self, config: Config, bootstrap_servers: str, waves: Iterable[list[TaskRecord]],
                  max_lag: int, stall_s: float = 30.0) -> None:
         self.config, self.bootstrap_servers = config, bootstrap_servers
         self.max_lag, self.stall_s = max_lag, stall_s
@@ -212,7 +213,7 @@ class PacedQueue:
                 break
             sent += await _publish(self._producer, self.config, self._codec, wave)
             self.enqueued_waves += 1
-            if groups := {task["group_id"] for task in wave if task.get("group_id")}:
+            if groups := {group for task in wave if (group := task.get("group_id"))}:
                 self._unsettled.append(groups)
         self.enqueued_tasks += sent
         return sent

@@ -19,6 +19,7 @@ from fastavro.validation import ValidationError, validate
 
 from .catalog import SPAN_BATCH, Schema, current_schemas, full_name, self_contained
 from .errors import EncodeError, IncompatibleSchema, MalformedRecord, NotWireFormat, UnknownRecordName
+from .records import SpanRecord
 from .registry import SchemaRegistry, default_registry, schema_id
 from .unions import BranchTagger, branch_tagger
 
@@ -67,7 +68,7 @@ class AvroCodec:
             raise EncodeError(_explain_mismatch(value, writer, error)) from error
         return buffer.getvalue()
 
-    def encode_span_batch(self, spans: Sequence[Mapping[str, Any]]) -> bytes:
+    def encode_span_batch(self, spans: Sequence[SpanRecord]) -> bytes:
         """Wire-format bytes of one SpanBatch holding `spans`."""
         return self.encode(SPAN_BATCH, {"spans": spans})
 

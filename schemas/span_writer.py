@@ -31,6 +31,7 @@ from .binary import DOUBLE, END, NULL, PRESENT, check_layout, write_long, write_
 from .catalog import SPAN, SPAN_BATCH, current_schemas
 from .codec import MAGIC_BYTE
 from .errors import EncodeError
+from .records import SpanRecord
 from .registry import SchemaRegistry, default_registry
 
 # The Span layout the functions below write, field by field. A different bundled Span schema
@@ -106,8 +107,11 @@ def _zigzag_varints(values: np.ndarray) -> tuple[bytes, np.ndarray]:
     return data.tobytes(), counts
 
 
-def prepare_span(span: Mapping[str, Any]) -> PreparedSpan:
-    """Check `span` against the Span schema and write everything but its token-id varints."""
+def prepare_span(span: SpanRecord) -> PreparedSpan:
+    """Check `span` against the Span schema and write everything but its token-id varints.
+
+    Checked at run time whatever its static type: a span may come from code mypy never saw.
+    """
     try:
         return _prepare_common(span)
     except _NOT_COMMON:
@@ -247,12 +251,12 @@ class SpanBatchEncoder:
         self._span_header = _HEADER.pack(MAGIC_BYTE, registry.register(schemas[SPAN]))
         self._batch_header = _HEADER.pack(MAGIC_BYTE, registry.register(schemas[SPAN_BATCH]))
 
-    def encode_span(self, span: Mapping[str, Any]) -> bytes:
+    def encode_span(self, span: SpanRecord) -> bytes:
         """Wire-format bytes of one Span record."""
         (body,) = self._bodies([[prepare_span(span)]], (self._span_header,), b"")
         return body
 
-    def encode_span_batch(self, spans: Iterable[Mapping[str, Any]]) -> bytes:
+    def encode_span_batch(self, spans: Iterable[SpanRecord]) -> bytes:
         """Wire-format bytes of one SpanBatch record holding `spans`."""
         return self.encode_batches([[prepare_span(span) for span in spans]])[0]
 

@@ -10,8 +10,8 @@ are persisted in ClickHouse (status AWAITING_REWARD) instead, so they do not hol
 from __future__ import annotations
 
 from dataclasses import dataclass, field
-from typing import Any
 
+from schemas.records import RolloutEventRecord
 from streams.records import RawRecord
 from streams.trajectory import SpanNode
 
@@ -66,7 +66,7 @@ class RolloutTracker:
         rollout.spans.extend(spans)
         return holds
 
-    def on_event(self, event: dict[str, Any], record: RawRecord, now_s: float) -> bool:
+    def on_event(self, event: RolloutEventRecord, record: RawRecord, now_s: float) -> bool:
         """Apply a RolloutEvent; True when the caller must hold this record's offset."""
         rollout, holds = self._touch(event["rollout_id"], record, now_s)
         kind = event["event"]

@@ -39,6 +39,7 @@ from infra.config import Config, CreditRule
 from infra.kafka import topic_name
 from schemas import DEAD_LETTER, ROLLOUT_RESULT, AvroCodec
 from schemas.container_file import container_file, read_container
+from schemas.records import RolloutEventRecord
 from schemas.span_reader import MalformedSpan, SpanReader
 from schemas.transition_writer import Draft, draft
 from streams.credit import Credit, NonFiniteCredit, matching_rule, strategy_for
@@ -118,7 +119,7 @@ class SpanBatch:
 
     spans: dict[int, list[tuple[RawRecord, bytes, list[SpanNode]]]]  # by writer schema id
     schemas: dict[int, dict]
-    in_order: list[tuple[RawRecord, list[SpanNode] | dict[str, Any]]]  # spans and events, as the topic has them
+    in_order: list[tuple[RawRecord, list[SpanNode] | RolloutEventRecord]]  # spans and events, as the topic has them
     dead: list[tuple[RawRecord, Exception]]
 
 
@@ -175,8 +176,8 @@ class SpanProcessor(Stage[SpanBatch]):
                 except MalformedSpan as error:
                     sorted_records.dead.append((record, error))
         self.counters.records += len(records)
-        payloads: dict[int, list[SpanNode] | dict[str, Any]] = {id(record): event
-                                                                for record, event in sorted_records.events}
+        payloads: dict[int, list[SpanNode] | RolloutEventRecord] = {id(record): event
+                                                                    for record, event in sorted_records.events}
         payloads.update((id(record), nodes) for read in spans.values() for record, _, nodes in read)
         in_order = [(record, payloads[id(record)]) for record in records if id(record) in payloads]
         return SpanBatch(spans, sorted_records.schemas, in_order, sorted_records.dead)
@@ -201,7 +202,7 @@ class SpanProcessor(Stage[SpanBatch]):
             elif rollout_id not in self.closed and self.tracker.on_spans(rollout_id, record, now, payload):
                 self.holder.hold(record)
 
-    def _apply_event(self, record: RawRecord, event: dict[str, Any], now: float) -> None:
+    def _apply_event(self, record: RawRecord, event: RolloutEventRecord, now: float) -> None:
         self.counters.events += 1
         if event["rollout_id"] in self.closed:
             return

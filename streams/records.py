@@ -7,9 +7,10 @@ here; anything that is not a record we know is a dead letter.
 from __future__ import annotations
 
 from dataclasses import dataclass, field
-from typing import Any
+from typing import Any, cast
 
 from schemas import AvroCodec, CodecError
+from schemas.records import RolloutEventRecord
 
 SPAN_BATCH = "io.agentstream.v1.SpanBatch"
 SPAN = "io.agentstream.v1.Span"
@@ -34,7 +35,7 @@ class Sorted:
 
     span_bodies: dict[int, list[tuple[RawRecord, bytes]]] = field(default_factory=dict)
     schemas: dict[int, dict] = field(default_factory=dict)
-    events: list[tuple[RawRecord, dict[str, Any]]] = field(default_factory=list)
+    events: list[tuple[RawRecord, RolloutEventRecord]] = field(default_factory=list)
     dead: list[tuple[RawRecord, Exception]] = field(default_factory=list)
 
 
@@ -57,7 +58,7 @@ def sort_records(records: list[RawRecord], codec: AvroCodec) -> Sorted:
                 out.span_bodies.setdefault(schema_id, []).append((record, body))
                 out.schemas[schema_id] = schema
             elif name == ROLLOUT_EVENT:
-                out.events.append((record, codec.decode(record.value)[1]))
+                out.events.append((record, cast(RolloutEventRecord, codec.decode(record.value)[1])))
             else:
                 raise UnexpectedRecord(f"{name} records do not belong on the spans topic")
         except CodecError as error:

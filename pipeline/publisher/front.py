@@ -16,10 +16,10 @@ from __future__ import annotations
 import asyncio
 import logging
 import time
-from collections.abc import Mapping, Sequence
+from collections.abc import Sequence
 from dataclasses import dataclass
 from pathlib import Path
-from typing import Any, Self
+from typing import Self
 
 from infra.config import Config
 from infra.kafka import topic_name
@@ -28,6 +28,7 @@ from pipeline.publisher.accumulator import Accumulator
 from pipeline.publisher.errors import PublisherFull
 from pipeline.publisher.sender import SenderSettings, SenderThread
 from schemas import ROLLOUT_EVENT, AvroCodec, EncodeError
+from schemas.records import RolloutEventRecord, SpanRecord
 from schemas.span_writer import NBYTES, PreparedSpan, prepare_span
 
 log = logging.getLogger(__name__)
@@ -83,7 +84,7 @@ class SpanPublisher:
         exit_hooks.register(self)
         return self
 
-    def publish(self, span: Mapping[str, Any]) -> None:
+    def publish(self, span: SpanRecord) -> None:
         """Queue one Span record (a dict as in schemas/avro/span.avsc); raises EncodeError at once if it does not fit.
 
         It returns at once, unless `max_buffered_bytes` of spans already wait for the broker (then
@@ -92,19 +93,19 @@ class SpanPublisher:
         prepared = prepare_span(span)
         self._queue.enqueue(span["rollout_id"], prepared, prepared[NBYTES])
 
-    def publish_event(self, event: Mapping[str, Any]) -> None:
+    def publish_event(self, event: RolloutEventRecord) -> None:
         """Queue one RolloutEvent record; it lands after every span of its rollout published before it."""
         value = self._codec.encode(ROLLOUT_EVENT, event)
         self._queue.enqueue(event["rollout_id"], value, len(value))
 
-    async def publish_async(self, span: Mapping[str, Any]) -> None:
+    async def publish_async(self, span: SpanRecord) -> None:
         """publish() for coroutines: waits for buffer space without blocking the caller's event loop."""
         prepared = prepare_span(span)
         if not self._queue.try_enqueue(span["rollout_id"], prepared, prepared[NBYTES]):
             await asyncio.to_thread(self._queue.enqueue, span["rollout_id"], prepared, prepared[NBYTES])
 
-    def offer(self, spans: Sequence[Mapping[str, Any]], events: Sequence[Mapping[str, Any]] = ()
-              ) -> list[tuple[Mapping[str, Any], EncodeError]]:
+    def offer(self, spans: Sequence[SpanRecord], events: Sequence[RolloutEventRecord] = ()
+              ) -> list[tuple[SpanRecord, EncodeError]]:
         """Queue these spans, then these RolloutEvents, all together if the buffer has room for them now; never waits.
 
         For servers that answer "retry later" rather than hold a request: raises PublisherFull, with
@@ -112,7 +113,7 @@ class SpanPublisher:
         Spans that do not fit the Span schema are left out and returned with their EncodeError.
         """
         items: list[tuple[str, PreparedSpan | bytes, int]] = []
-        refused: list[tuple[Mapping[str, Any], EncodeError]] = []
+        refused: list[tuple[SpanRecord, EncodeError]] = []
         for span in spans:
             try:
                 prepared = prepare_span(span)

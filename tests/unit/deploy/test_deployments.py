@@ -14,7 +14,7 @@ from deploy.deployments import (
     share_of,
     split_adapter_name,
 )
-from schemas import DEPLOYMENT, AvroCodec
+from schemas import ANNOUNCEMENT, DEPLOYMENT, AvroCodec
 
 
 def test_adapter_names_round_trip_and_plain_names_have_no_version():
@@ -48,6 +48,32 @@ def test_a_decision_is_an_avro_event_and_a_row():
     assert Decision.from_record(codec.decode(codec.encode(DEPLOYMENT, decision.record()), DEPLOYMENT)[1]) == decision
     row = decision.row()
     assert row[:4] == [decision.decision_id, "m", 5, "CANARY"] and row[-1].timestamp() == decision.at_us / 1e6
+
+
+# The bytes main (4837efc) wrote for these two events, before Announcement had record()/from_record() and
+# Action had OTHER: the typed records must write the same bytes, and read the events already on the topic.
+DECISION = Decision(version=5, action=Action.CANARY, decided_by="gate", reason="passed: 0.80 vs 0.70 on 32 tasks",
+                    routing=Routing("m", stable_version=2, stable_uri="file:///c/v2", format="lora", canary_version=5,
+                                    canary_share=0.1, candidate_version=None),
+                    candidate_score=0.8, stable_score=0.7, eval_tasks=32, canary_reward=None, canary_rollouts=0,
+                    stable_reward=0.5, stable_rollouts=12, at_us=1_764_000_000_123_456, decision_id="d" * 32)
+DECISION_BYTES = bytes.fromhex(
+    "00759d5ca2406464646464646464646464646464646464646464646464646464646464646464026d0a040867617465407061737365643a"
+    "20302e383020767320302e3730206f6e203332207461736b73086c6f7261041866696c653a2f2f2f632f7632020a9a9999999999b93f00"
+    "029a9999999999e93f02666666666666e63f40000002000000000000e03f188089a196a896a206")
+ANNOUNCEMENT_RECORD = Announcement("m", "gate", True, "host:12:abcdef", 1_764_000_000_123_456, 20.0)
+ANNOUNCEMENT_BYTES = bytes.fromhex(
+    "0067f31d9c026d0867617465011c686f73743a31323a6162636465668089a196a896a2060000000000003440")
+
+
+def test_deployment_events_keep_their_wire_bytes_and_old_events_still_read():
+    codec = AvroCodec()
+    assert codec.encode(DEPLOYMENT, DECISION.record()) == DECISION_BYTES
+    assert Decision.from_record(codec.decode(DECISION_BYTES, DEPLOYMENT)[1]) == DECISION
+    assert codec.encode(ANNOUNCEMENT, ANNOUNCEMENT_RECORD.record()) == ANNOUNCEMENT_BYTES
+    assert Announcement.from_record(codec.decode(ANNOUNCEMENT_BYTES, ANNOUNCEMENT)[1]) == ANNOUNCEMENT_RECORD
+    newer = {**DECISION.record(), "action": "OTHER"}  # what the reader schema makes of an action it does not know
+    assert Decision.from_record(newer).action is Action.OTHER
 
 
 def test_a_gate_and_a_hot_swap_that_promotes_by_itself_disagree():
