@@ -1,4 +1,8 @@
-"""The `agentstream` command line: the local stack, SQL over ClickHouse, and (later) runners and training."""
+"""The `agentstream` command line: it parses options, resolves the configuration and calls what does the work.
+
+A long-running process's `main` lives in the package of what it does (``pipeline/proxy_main.py``,
+``trainer/worker_main.py``, ``deploy/gate_main.py``, ...); here it only gets its options.
+"""
 
 from __future__ import annotations
 
