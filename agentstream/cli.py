@@ -1,9 +1,12 @@
-"""The `agentstream` command line: the local stack, SQL over ClickHouse, and (later) runners and training."""
+"""The `agentstream` command line: it parses options, resolves the configuration and calls what does the work.
+
+A long-running process's `main` lives in the package of what it does (``pipeline/proxy_main.py``,
+``trainer/worker_main.py``, ``deploy/gate_main.py``, ...); here it only gets its options.
+"""
 
 from __future__ import annotations
 
 import asyncio
-import gc
 import json
 import logging
 import signal
@@ -12,13 +15,12 @@ from pathlib import Path
 
 import click
 
+from agentstream.command_config import command_config as _config
 from agentstream.schema_registry import schema_registry_command
 from infra.clickhouse import ClickHouseError, connect, server_message
-from infra.config import Config, ConfigError, describe, load_config
-from infra.grace import ShutdownDeadline
+from infra.config import AglConfig, Config, ConfigError, describe
 from infra.kafka import KafkaSetupError
 from infra.processes import ServiceError
-from infra.schema_registry.client import use_configured_registry
 from infra.schema_registry.errors import RegistryError, RegistryUnavailable
 from pipeline.runner import AgentLoadError
 from pipeline.tasks import TaskFileError
@@ -49,13 +51,6 @@ def main(ctx: click.Context, config_path: Path | None) -> None:
     for noisy in ("aiokafka", "clickhouse_connect"):  # their retry chatter; our errors say what failed
         logging.getLogger(noisy).setLevel(logging.CRITICAL)
     ctx.obj = config_path
-
-
-def _config(ctx: click.Context) -> Config:
-    """The configuration; with ``[schema_registry] url`` set, this process's records use that registry's ids."""
-    config = load_config(ctx.obj)
-    use_configured_registry(config)
-    return config
 
 
 @main.command()
@@ -226,13 +221,6 @@ def dashboard_command(ctx: click.Context, host: str, port: int, database: str | 
         pass
 
 
-def _publisher(config: Config, component: str):
-    from pipeline.publisher import SpanPublisher
-
-    bootstrap = Stack(config).endpoints().bootstrap_servers
-    return SpanPublisher(config, bootstrap, journal_dir=config.stack.home.resolve() / "journal" / component)
-
-
 @main.command("proxy")
 @click.option("--upstream", required=True, help="Base URL of the OpenAI-compatible model server (vLLM or serve-model).")
 @click.option("--host", default="127.0.0.1", show_default=True)
@@ -251,46 +239,12 @@ def proxy_command(ctx: click.Context, upstream: str, host: str, port: int, agent
     reward endpoint takes a rollout's feedback token (``[security] feedback_tokens``). Beyond loopback
     it refuses to start without keys unless ``[security] allow_open_bind`` says so.
     """
-    import uvloop
-
-    from deploy.deployments import DeploymentFollower
-    from infra.security import KeySet, check_bind
-    from pipeline.feedback import proxy_feedback_secret
-    from pipeline.proxy import LLMProxy, serve_proxy
+    from pipeline.proxy_main import ProxyOptions, run_proxy
 
     config = _config(ctx)
-    keys = KeySet(config.security.proxy_keys)
-    check_bind("LLM proxy", host, keys, "proxy_keys", config.security)
-    feedback_secret = proxy_feedback_secret(config)
-    logging.getLogger("agentstream.deployments").setLevel(logging.INFO)
-
-    async def serve() -> None:
-        stop = asyncio.Event()
-        follower = None if no_deployments else DeploymentFollower(
-            config, Stack(config).endpoints().bootstrap_servers,
-            on_decision=lambda d: click.echo(f"{d.model}: serving {d.routing.describe()}"))
-        following = asyncio.create_task(follower.run(stop)) if follower else None
-        if follower is not None:
-            try:
-                await asyncio.wait_for(follower.ready.wait(), 30)
-            except TimeoutError:
-                click.echo("warning: the deployments topic did not answer within 30 s; requests go to the model "
-                           "they name until it does", err=True)
-        with _publisher(config, "proxy") as publisher:
-            proxy = LLMProxy(upstream, publisher, agent_name=agent_name, deployments=follower,
-                             max_tokens=config.proxy.max_tokens, keys=keys, feedback_secret=feedback_secret)
-            runner = await serve_proxy(proxy, host, port)
-            click.echo(f"proxy on http://{host}:{port} -> {upstream}; point OpenAI clients at "
-                       f"http://{host}:{port}/rollouts/<rollout_id>/v1")
-            try:
-                await _until_signalled(stop)
-            finally:
-                await runner.cleanup()
-                stop.set()
-                if following is not None:
-                    await following
-
-    uvloop.run(serve())
+    run_proxy(config, Stack(config).endpoints().bootstrap_servers,
+              ProxyOptions(upstream=upstream, host=host, port=port, agent_name=agent_name,
+                           follow_deployments=not no_deployments))
 
 
 @main.command("collector")
@@ -316,56 +270,10 @@ def collector_command(ctx: click.Context, host: str | None, port: int | None, gr
     cannot keep up, exports get 503 + Retry-After (gRPC: UNAVAILABLE + RetryInfo), which the
     exporters retry.
     """
-    import uvloop
-
-    from infra.kafka import client_options, topic_name
-    from infra.processes import ServiceError
-    from infra.security import KeySet, check_bind
-    from pipeline.otlp import KafkaDeadLetters, OtlpReceiver
-    from pipeline.otlp_grpc import serve_grpc
-    from pipeline.otlp_http import serve_http
+    from pipeline.collector_main import run_collector
 
     config = _config(ctx)
-    host = host or config.otlp.host
-    port = port or config.otlp.port
-    grpc_port = config.otlp.grpc_port if grpc_port is None else grpc_port
-    keys = KeySet(config.security.collector_keys)
-    check_bind("OTLP collector", host, keys, "collector_keys", config.security)
-
-    async def serve() -> None:
-        bootstrap = Stack(config).endpoints().bootstrap_servers
-        dead_letters = KafkaDeadLetters(client_options(config.kafka, bootstrap), topic_name(config.topics, "dlq"))
-        with _publisher(config, "collector") as publisher:
-            receiver = OtlpReceiver(publisher, dead_letters, keys=keys, complete_on_root=config.otlp.complete_on_root,
-                                    max_body_bytes=config.otlp.max_body_mb << 20)
-            try:
-                runner = await serve_http(receiver, host, port)
-            except OSError as error:
-                raise ServiceError(f"the OTLP/HTTP receiver cannot listen on {host}:{port}: {error}") from None
-            try:
-                grpc = await serve_grpc(receiver, host, grpc_port) if grpc_port else None
-            except ServiceError:
-                await runner.cleanup()
-                raise
-            keyed = " (keys required: OTEL_EXPORTER_OTLP_HEADERS=Authorization=Bearer%20<key>)" if keys else ""
-            click.echo(f"collector on http://{host}:{port} (OTLP/HTTP: /v1/traces, /v1/logs, /v1/metrics)"
-                       + (f" and {host}:{grpc_port} (OTLP/gRPC)" if grpc else "") + f"{keyed}; export with "
-                       f"OTEL_EXPORTER_OTLP_ENDPOINT=http://{host}:{port}"
-                       + (f", or http://{host}:{grpc_port} and OTEL_EXPORTER_OTLP_PROTOCOL=grpc" if grpc else ""))
-            try:
-                await _until_signalled()
-            finally:
-                if grpc is not None:
-                    await grpc.stop()
-                await runner.cleanup()
-                stats = receiver.stats
-                click.echo(f"collector: {stats.spans_published} spans published, {stats.spans_rejected} refused, "
-                           f"{stats.requests_refused} requests refused, {stats.requests_busy} answered 'retry later', "
-                           f"{stats.requests_unauthorized} without a key, {stats.analytics_only_llm_spans} LLM spans "
-                           f"without token ids (analytics only); {stats.log_records_received} log records and "
-                           f"{stats.metric_points_received} metric points accepted, not stored")
-
-    uvloop.run(serve())
+    run_collector(config, Stack(config).endpoints().bootstrap_servers, host=host, port=port, grpc_port=grpc_port)
 
 
 @main.command("run")
@@ -381,34 +289,17 @@ def collector_command(ctx: click.Context, host: str | None, port: int | None, gr
 def run_command(ctx: click.Context, agent: str, concurrency: int, group_id: str, proxy_url: str | None,
                 max_tasks: int | None, session_timeout_ms: int) -> None:
     """Run AGENT (module:function) on tasks from the tasks topic, as one member of a runner pool."""
-    import uvloop
-
-    from pipeline.runner import Runner, RunnerOptions, load_agent
-    from pipeline.sdk import set_sink
+    from pipeline.runner import RunnerOptions
+    from pipeline.runner_main import run_runner
 
     config = _config(ctx)
-    function = load_agent(agent, _agl_settings(config))
     options = RunnerOptions(concurrency=concurrency, group_id=group_id, proxy_url=proxy_url,
                             session_timeout_ms=session_timeout_ms)
-
-    async def serve() -> None:
-        with _publisher(config, "runner") as publisher:
-            set_sink(publisher)
-            runner = Runner(function, config, Stack(config).endpoints().bootstrap_servers, publisher, options)
-            stop = asyncio.Event()
-            deadline = ShutdownDeadline("runner", config.runner.shutdown_grace_s, runner.unfinished)
-            watcher = asyncio.create_task(_until_signalled(stop, deadline))
-            click.echo(f"runner {options.worker_id}: {agent} x{concurrency} in group {group_id}")
-            stats = await runner.run(stop, max_tasks)
-            watcher.cancel()
-            deadline.disarm()
-            click.echo(f"finished {stats.finished} rollouts: {stats.succeeded} succeeded, {stats.failed} failed, "
-                       f"{stats.timed_out} timed out, {stats.retried} retried")
-
-    uvloop.run(serve())
+    run_runner(config, Stack(config).endpoints().bootstrap_servers, agent, options, agl=_agl_settings(config),
+               max_tasks=max_tasks)
 
 
-def _agl_settings(config: Config):
+def _agl_settings(config: Config) -> AglConfig:
     """``[agl]`` with its model resolved: the trained model's served name unless one is set."""
     from dataclasses import replace
 
@@ -442,42 +333,11 @@ def enqueue_command(ctx: click.Context, task_file: Path, group_size: int, agent_
 @click.pass_context
 def streams_command(ctx: click.Context, loglevel: str) -> None:
     """Run a stream-processing worker (spans -> ClickHouse, trajectories, credit, transitions); run more to scale."""
-    import uvloop
-
-    asyncio.set_event_loop_policy(uvloop.EventLoopPolicy())
-
-    from infra.clickhouse import migrate, wait_for_clickhouse
-    from streams.app import create_app, evict_dead_workers, prepare_topics, streams_worker
+    from streams.worker_main import run_streams_worker
 
     config = _config(ctx)
     endpoints = Stack(config).endpoints()
-    client = wait_for_clickhouse(config.clickhouse, endpoints.clickhouse_url, timeout_s=30)
-    migrate(client, config.clickhouse.database)
-    client.close()
-    asyncio.run(prepare_topics(config, endpoints.bootstrap_servers))
-    asyncio.run(evict_dead_workers(config, endpoints.bootstrap_servers))
-    app = create_app(config, endpoints.bootstrap_servers, endpoints.clickhouse_url)
-    # The worker makes a few container objects per span and keeps open rollouts' spans alive: with
-    # the default thresholds the cycle collector ran hundreds of times a second over all of them (a
-    # third of the completion work). Cycles are rare here: collect seldom, and never scan start-up's objects.
-    gc.freeze()
-    gc.set_threshold(100_000, 50, 100)
-    streams_worker(app, config, loglevel).execute_from_commandline()
-
-
-async def _until_signalled(stop: asyncio.Event | None = None, deadline: ShutdownDeadline | None = None) -> None:
-    """Wait for SIGTERM or SIGINT (then set ``stop``); a ``deadline`` is armed at the signal, not when stop is seen."""
-    event = stop or asyncio.Event()
-    loop = asyncio.get_running_loop()
-
-    def signalled() -> None:
-        if deadline is not None:
-            deadline.arm()
-        event.set()
-
-    for sig in (signal.SIGTERM, signal.SIGINT):
-        loop.add_signal_handler(sig, signalled)
-    await event.wait()
+    run_streams_worker(config, endpoints.bootstrap_servers, endpoints.clickhouse_url, loglevel)
 
 
 @main.command()
@@ -606,36 +466,20 @@ def serve_model_command(ctx: click.Context, model_spec: str, host: str, port: in
                         device: str | None, dtype: str | None, threads: int | None, max_tokens: int | None,
                         contract: str | None) -> None:
     """Serve a model with vLLM's OpenAI-compatible API (token ids, logprobs, LoRA and weight updates)."""
-    import uvloop
-
     try:
-        from models import ModelLoadError, load_model
-        from models.precision import PrecisionError, resolve_precision
-        from serving.app import serve
-        from serving.protocol import Contract
+        from models import ModelLoadError
+        from models.precision import PrecisionError
+        from serving.model_server_main import ModelServerOptions, run_model_server
     except ImportError as error:
         raise click.ClickException(f"serve-model needs {error.name}: pip install 'agentstream[train]'") from None
-    from infra.security import KeySet, check_bind
 
-    logging.getLogger("agentstream").setLevel(logging.INFO)
-    config = _config(ctx)
-    settings = config.server
-    admin_token = KeySet(config.security.admin_token)
-    check_bind("model server", host, admin_token, "admin_token", config.security)
+    options = ModelServerOptions(model_spec=model_spec, host=host, port=port, served_model_name=served_model_name,
+                                 device=device, dtype=dtype, threads=threads, max_tokens=max_tokens,
+                                 contract=contract)
     try:
-        precision = resolve_precision(device or settings.device, dtype or settings.dtype)
-        loaded = load_model(model_spec, precision=precision, threads=settings.threads if threads is None else threads,
-                            inference_only=True)
+        run_model_server(_config(ctx), options)
     except (ModelLoadError, PrecisionError) as error:
         raise click.ClickException(str(error)) from None
-    served_contract = Contract(contract or settings.contract)
-    click.echo(f"serving {loaded.name} on {precision.describe()} ({served_contract} contract)")
-    try:
-        uvloop.run(serve(loaded, host=host, port=port, served_model_name=served_model_name,
-                         contract=served_contract, admin_token=admin_token,
-                         max_tokens=settings.max_tokens if max_tokens is None else max_tokens))
-    except KeyboardInterrupt:
-        pass
 
 
 # ---------------------------------------------------------------- trainer and hot swap
@@ -650,46 +494,23 @@ def train_worker_command(ctx: click.Context, model_spec: str | None, max_steps: 
     """Train one model from the transitions topic; checkpoints go to the store and the checkpoints topic."""
     from dataclasses import replace
 
-    import uvloop
-
     from deploy.rebase import RejectionStreak
-    from infra.clickhouse import migrate, wait_for_clickhouse
-    from infra.kafka import create_topics
 
     try:
         from trainer.checkpoints import CheckpointError
-        from trainer.metrics import MetricsWriter
         from trainer.policy import PolicyError
-        from trainer.worker import TrainerWorker
+        from trainer.worker_main import run_train_worker
     except ImportError as error:
         raise click.ClickException(f"train-worker needs {error.name}: pip install 'agentstream[train]'") from None
     config = _config(ctx)
     if model_spec:
         config = replace(config, trainer=replace(config.trainer, model=model_spec))
     endpoints = Stack(config).endpoints()
-    database = config.clickhouse.database
-    client = wait_for_clickhouse(config.clickhouse, endpoints.clickhouse_url, timeout_s=30)
-    migrate(client, database)
-
-    async def serve() -> None:
-        await create_topics(config, endpoints.bootstrap_servers)
-        worker = TrainerWorker(config, endpoints.bootstrap_servers, metrics=MetricsWriter(client, database),
-                               progress=click.echo, rebase=RejectionStreak)
-        stop = asyncio.Event()
-        deadline = ShutdownDeadline("trainer", config.trainer.shutdown_grace_s, worker.unfinished)
-        watcher = asyncio.create_task(_until_signalled(stop, deadline))
-        summary = await worker.run(stop, max_steps)
-        watcher.cancel()
-        deadline.disarm()
-        click.echo(f"trained {summary.steps} steps on {summary.transitions} transitions ({summary.tokens} tokens), "
-                   f"{summary.checkpoints} checkpoints; now at version {worker.version}")
-
     try:
-        uvloop.run(serve())
+        run_train_worker(config, endpoints.bootstrap_servers, endpoints.clickhouse_url, max_steps=max_steps,
+                         rebase=RejectionStreak)
     except (CheckpointError, PolicyError) as error:
         raise click.ClickException(str(error)) from None
-    finally:
-        client.close()
 
 
 @main.command("hotswap")
@@ -699,42 +520,16 @@ def train_worker_command(ctx: click.Context, model_spec: str | None, max_steps: 
 @click.pass_context
 def hotswap_command(ctx: click.Context, server_url: str, model_name: str, no_verify: bool) -> None:
     """Keep a model server holding the deployed versions of MODEL (without a gate: each new checkpoint, promoted)."""
-    import uvloop
-
-    from deploy.deployments import DeploymentError, DeploymentLog
-    from infra.clickhouse import migrate, wait_for_clickhouse
-    from serving.hotswap import HotSwapper
+    from deploy.deployments import DeploymentError
+    from serving.hotswap_main import run_hotswap
 
     config = _config(ctx)
-    logging.getLogger("agentstream.hotswap").setLevel(logging.INFO)
-    logging.getLogger("agentstream.deployments").setLevel(logging.INFO)
     endpoints = Stack(config).endpoints()
-    client = wait_for_clickhouse(config.clickhouse, endpoints.clickhouse_url, timeout_s=30)
-    migrate(client, config.clickhouse.database)
-
-    async def serve() -> None:
-        deployments = DeploymentLog(config, endpoints.bootstrap_servers, client)
-        await deployments.start()
-        swapper = HotSwapper(config, endpoints.bootstrap_servers, server_url, model_name, verify=not no_verify,
-                             deployments=deployments,
-                             on_swap=lambda swap: click.echo(f"{swap.model} v{swap.version} ({swap.format}) loaded "
-                                                             f"as {swap.served_name}"))
-        stop = asyncio.Event()
-        watcher = asyncio.create_task(_until_signalled(stop))
-        mode = "the gate decides what serves" if config.deploy.gate else "no gate: each new checkpoint is promoted"
-        click.echo(f"hot swap: checkpoints of {model_name} -> {server_url} ({mode})")
-        try:
-            await swapper.run(stop)
-        finally:
-            watcher.cancel()
-            await deployments.stop()
-
     try:
-        uvloop.run(serve())
+        run_hotswap(config, endpoints.bootstrap_servers, endpoints.clickhouse_url, server_url, model_name,
+                    verify=not no_verify)
     except DeploymentError as error:  # e.g. a gate runs for this model and deploy.gate is false here
         raise click.ClickException(str(error)) from None
-    finally:
-        client.close()
 
 
 # ---------------------------------------------------------------- deployments
@@ -752,43 +547,19 @@ def gate_command(ctx: click.Context, model_name: str, server_url: str, proxy_url
     hot swap must run with deploy.gate = true so that it loads what the gate names (each refuses to
     start beside the other otherwise). The rule and its error rates: docs/gate.md.
     """
-    import uvloop
-
     from agentstream.evaluation import task_evaluator
-    from deploy.deployments import DeploymentError, DeploymentLog
-    from deploy.gate import Gate
-    from infra.clickhouse import migrate, wait_for_clickhouse
+    from deploy.deployments import DeploymentError
+    from deploy.gate_main import run_gate
+    from pipeline.publisher import process_publisher
 
     config = _config(ctx)
-    for name in ("agentstream.gate", "agentstream.deployments"):
-        logging.getLogger(name).setLevel(logging.INFO)
     endpoints = Stack(config).endpoints()
-    client = wait_for_clickhouse(config.clickhouse, endpoints.clickhouse_url, timeout_s=30)
-    migrate(client, config.clickhouse.database)
-
-    async def serve() -> None:
-        with _publisher(config, "gate") as publisher:
-            evaluate = task_evaluator(config, proxy_url, model_name, publisher)
-            deployments = DeploymentLog(config, endpoints.bootstrap_servers, client)
-            await deployments.start()
-            gate = Gate(config, endpoints.bootstrap_servers, model_name, evaluate=evaluate, warehouse=client,
-                        deployments=deployments, server_url=server_url)
-            stop = asyncio.Event()
-            watcher = asyncio.create_task(_until_signalled(stop))
-            click.echo(f"gate: checkpoints of {model_name} -> evaluation through {proxy_url} -> canary "
-                       f"({config.deploy.canary_share:.0%}) -> promotion")
-            try:
-                await gate.run(stop)
-            finally:
-                watcher.cancel()
-                await deployments.stop()
-
     try:
-        uvloop.run(serve())
+        with process_publisher(config, endpoints.bootstrap_servers, "gate") as publisher:
+            run_gate(config, endpoints.bootstrap_servers, endpoints.clickhouse_url, model_name, server_url,
+                     evaluate=task_evaluator(config, proxy_url, model_name, publisher), proxy_url=proxy_url)
     except DeploymentError as error:
         raise click.ClickException(str(error)) from None
-    finally:
-        client.close()
 
 
 @main.command("deployments")

@@ -4,16 +4,8 @@ from __future__ import annotations
 
 import click
 
-from infra.config import Config
+from agentstream.command_config import command_config as _config
 from stack.schema_registry.service import registry_client, registry_url
-
-
-def _config(ctx: click.Context) -> Config:
-    from agentstream.cli import _config as load
-
-    return load(ctx)
-
-
 
 
 @click.group("schema-registry")

@@ -11,8 +11,10 @@ only after what it read was stored or trained, so the abandoned work is read aga
 
 from __future__ import annotations
 
+import asyncio
 import logging
 import os
+import signal
 import sys
 import threading
 from collections.abc import Callable
@@ -66,3 +68,18 @@ class ShutdownDeadline:
         sys.stdout.flush()
         sys.stderr.flush()
         os._exit(EXIT_ABANDONED)
+
+
+async def until_signalled(stop: asyncio.Event | None = None, deadline: ShutdownDeadline | None = None) -> None:
+    """Wait for SIGTERM or SIGINT (then set ``stop``); a ``deadline`` is armed at the signal, not when stop is seen."""
+    event = stop or asyncio.Event()
+    loop = asyncio.get_running_loop()
+
+    def signalled() -> None:
+        if deadline is not None:
+            deadline.arm()
+        event.set()
+
+    for sig in (signal.SIGTERM, signal.SIGINT):
+        loop.add_signal_handler(sig, signalled)
+    await event.wait()

@@ -8,7 +8,7 @@ and the loop), ``sender`` (the background loop that delivers, journals and repla
 """
 
 from pipeline.publisher.errors import FlushTimeout, PublisherClosed, PublisherError, PublisherFull
-from pipeline.publisher.front import PublisherStats, SpanPublisher
+from pipeline.publisher.front import PublisherStats, SpanPublisher, process_publisher
 
 __all__ = ["FlushTimeout", "PublisherClosed", "PublisherError", "PublisherFull", "PublisherStats",
-           "SpanPublisher"]
+           "SpanPublisher", "process_publisher"]

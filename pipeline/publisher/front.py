@@ -164,3 +164,8 @@ class SpanPublisher:
 
     def __exit__(self, *exc_info: object) -> None:
         self.close()
+
+
+def process_publisher(config: Config, bootstrap_servers: str, component: str) -> SpanPublisher:
+    """The span publisher of one of agentstream's processes; its journal is ``<stack home>/journal/<component>``."""
+    return SpanPublisher(config, bootstrap_servers, journal_dir=config.stack.home.resolve() / "journal" / component)

@@ -1,4 +1,4 @@
-"""The packages form layers, and imports run down them.
+"""The packages form layers, imports run down them, and no module imports itself back through others.
 
 agentstream -> {pipeline, serving, streams, trainer, deploy, stack} -> {models, schemas, infra}
 
@@ -6,11 +6,28 @@ Within the middle layer only pipeline and serving may import deploy (routing, th
 follower); trainer and deploy sit side by side and talk through Kafka, never by import.
 stack (the one-command stack's embedded servers) imports only infra and schemas, and of the product
 packages only agentstream (the CLI, the demos) imports it. bench may use tests/support, not the tests.
+
+The same rules hold for each module, and the modules of the product form no circle, within a
+package or across packages. An edge of the module graph is an import as written, anywhere in
+the file (a lazy import in a function and one under ``TYPE_CHECKING`` count):
+
+* ``import a.b.c`` is an edge to the module ``a.b.c``;
+* ``from a.b import c`` is an edge to ``a.b.c`` when that is a module, otherwise to ``a.b``
+  (the package's ``__init__``);
+* a relative import is resolved against the importing module's package first.
+
+The ``__init__`` modules of the packages above a named module (``a`` and ``a.b`` for
+``import a.b.c``) are not edges, though Python runs them first: a module depends on the module it
+names, and counting the chain would put every package whose ``__init__`` re-exports its
+submodules (``schemas``, ``models``, ``pipeline.publisher``) in a circle with each submodule that
+imports a sibling by its full name. A module that names its own package's ``__init__``
+(``from schemas import X`` inside ``schemas/``) is an edge and is checked.
 """
 
 from __future__ import annotations
 
 import ast
+from collections.abc import Mapping
 from pathlib import Path
 
 ROOT = Path(__file__).resolve().parents[2]
@@ -53,6 +70,39 @@ def node_of(module: str) -> str:
     return SUPPORT if module == SUPPORT or module.startswith(SUPPORT + ".") else module.split(".")[0]
 
 
+def module_name(path: Path, root: Path = ROOT) -> str:
+    """``a/b/c.py`` is ``a.b.c``; ``a/b/__init__.py`` is ``a.b``."""
+    parts = path.relative_to(root).with_suffix("").parts
+    return ".".join(parts[:-1] if parts[-1] == "__init__" else parts)
+
+
+def product_modules(root: Path = ROOT) -> dict[str, Path]:
+    """Every module of the product packages, by its dotted name."""
+    return {module_name(path, root): path for package in PRODUCT for path in (root / package).rglob("*.py")}
+
+
+def module_imports(path: Path, name: str, known: Mapping[str, Path]) -> set[str]:
+    """The modules of ``known`` that the module ``name`` (at ``path``) imports, by the rule in this file's docstring."""
+    package = name if path.name == "__init__.py" else name.rpartition(".")[0]
+    found: set[str] = set()
+    for node in ast.walk(ast.parse(path.read_text(), filename=str(path))):
+        if isinstance(node, ast.Import):
+            found.update(alias.name for alias in node.names)
+        elif isinstance(node, ast.ImportFrom):
+            base = node.module or ""
+            if node.level:
+                parents = package.split(".")
+                base = ".".join([*parents[:len(parents) - node.level + 1], *([node.module] if node.module else [])])
+            found.update(f"{base}.{alias.name}" if f"{base}.{alias.name}" in known else base for alias in node.names)
+    return (found & known.keys()) - {name}
+
+
+def module_graph(root: Path = ROOT) -> dict[str, set[str]]:
+    """The product's modules and the product modules each imports."""
+    modules = product_modules(root)
+    return {name: module_imports(path, name, modules) for name, path in modules.items()}
+
+
 def package_graph(root: Path = ROOT) -> dict[str, set[str]]:
     graph: dict[str, set[str]] = {package: set() for package in (*PRODUCT, *OTHERS)}
     for package in (*PRODUCT, "examples", "bench", "tests"):
@@ -62,18 +112,23 @@ def package_graph(root: Path = ROOT) -> dict[str, set[str]]:
     return graph
 
 
+def forbidden(package: str, target: str) -> bool:
+    """Whether product package ``package`` may not import ``target`` (another package, or a node of OTHERS)."""
+    if target == "examples" and package == "agentstream":
+        return False  # the demo runs an example agent; test_only_the_demo_imports_examples keeps it there
+    return target in OTHERS or LAYER[target] > LAYER[package] or target not in ONLY.get(package, {target}) or (
+        LAYER[target] == LAYER[package] and (package, target) not in ALLOWED_SAME_LAYER)
+
+
 def upward_imports(graph: dict[str, set[str]]) -> list[str]:
-    problems = []
-    for package, targets in graph.items():
-        if package not in LAYER:
-            continue
-        for target in targets:
-            if target == "examples" and package == "agentstream":
-                continue  # the demo runs an example agent; test_only_the_demo_imports_examples keeps it there
-            if target in OTHERS or LAYER[target] > LAYER[package] or target not in ONLY.get(package, {target}) or (
-                    LAYER[target] == LAYER[package] and (package, target) not in ALLOWED_SAME_LAYER):
-                problems.append(f"{package} imports {target}")
-    return sorted(problems)
+    return sorted(f"{package} imports {target}" for package, targets in graph.items() if package in LAYER
+                  for target in targets if forbidden(package, target))
+
+
+def upward_module_imports(graph: dict[str, set[str]]) -> list[str]:
+    """The same rule for the module graph, naming the modules (a module may import its own package's)."""
+    return sorted(f"{module} imports {target}" for module, targets in graph.items() for target in targets
+                  if node_of(module) != node_of(target) and forbidden(node_of(module), node_of(target)))
 
 
 def find_cycle(graph: dict[str, set[str]]) -> list[str] | None:
@@ -104,6 +159,22 @@ def test_no_package_imports_upward():
 
 def test_no_import_cycle_between_packages():
     assert find_cycle(package_graph()) is None
+
+
+def test_no_module_imports_upward():
+    assert upward_module_imports(module_graph()) == []
+
+
+def test_no_import_cycle_between_modules():
+    """No circle anywhere: not across packages, not inside one."""
+    assert find_cycle(module_graph()) is None
+
+
+def test_the_module_graph_sees_the_process_mains():
+    """The walk reads the real tree: the CLI's lazy imports of each process's main are edges."""
+    graph = module_graph()
+    assert {"pipeline.proxy_main", "trainer.worker_main", "deploy.gate_main"} <= graph["agentstream.cli"]
+    assert "agentstream.cli" not in graph["agentstream.schema_registry"]
 
 
 def test_trainer_and_deploy_do_not_import_each_other():
@@ -161,12 +232,34 @@ def test_the_checks_see_a_misplaced_stack_import(tmp_path):
     assert graph["bench"] == {"tests", "tests.support"}
 
 
-def test_the_runner_side_hot_swap_and_model_files_import_without_torch():
-    """A runner, the proxy and hot swap (which may point at vLLM) must not need the [train] extra's torch."""
-    import subprocess
-    import sys
+def test_the_module_checks_see_a_circle_inside_a_package_and_an_upward_import(tmp_path):
+    """Two modules of one package importing each other (one lazily, one relatively) are a circle the package
+    graph cannot see; a module importing a module of a higher layer is named."""
+    for package in (*PRODUCT, "examples", "bench", "tests"):
+        (tmp_path / package).mkdir()
+        (tmp_path / package / "__init__.py").write_text("")
+    (tmp_path / "pipeline" / "a.py").write_text("from pipeline import b\n")
+    (tmp_path / "pipeline" / "b.py").write_text("def f():\n    from .a import g\n")
+    assert find_cycle(package_graph(tmp_path)) is None
+    assert find_cycle(module_graph(tmp_path)) == ["pipeline.a", "pipeline.b", "pipeline.a"]
+    (tmp_path / "pipeline" / "b.py").write_text("")
+    (tmp_path / "trainer" / "policy.py").write_text("")
+    (tmp_path / "models" / "bad.py").write_text("def f():\n    from trainer.policy import Policy\n")
+    graph = module_graph(tmp_path)
+    assert upward_module_imports(graph) == ["models.bad imports trainer.policy"]
+    assert find_cycle(graph) is None
 
-    program = ("import sys, agentstream, pipeline.proxy, pipeline.runner, serving.hotswap, models, models.weights; "
-               "print(sorted(name for name in ('torch', 'transformers') if name in sys.modules))")
-    result = subprocess.run([sys.executable, "-c", program], cwd=ROOT, capture_output=True, text=True, check=True)
-    assert result.stdout.strip() == "[]"
+
+def test_a_package_init_re_exporting_its_modules_is_no_circle(tmp_path):
+    """The rule of the docstring: ``import schemas.errors`` is no edge to ``schemas/__init__``; naming it is."""
+    for package in PRODUCT:
+        (tmp_path / package).mkdir()
+    (tmp_path / "schemas" / "__init__.py").write_text("from .codec import Codec\nfrom schemas.errors import Bad\n")
+    (tmp_path / "schemas" / "errors.py").write_text("")
+    (tmp_path / "schemas" / "codec.py").write_text("import schemas.errors\nfrom schemas import errors\n")
+    graph = module_graph(tmp_path)
+    assert graph["schemas"] == {"schemas.codec", "schemas.errors"}
+    assert graph["schemas.codec"] == {"schemas.errors"}
+    assert find_cycle(graph) is None
+    (tmp_path / "schemas" / "codec.py").write_text("from schemas import Bad\n")
+    assert find_cycle(module_graph(tmp_path)) == ["schemas", "schemas.codec", "schemas"]

@@ -1,0 +1,31 @@
+"""The `agentstream streams` process: one stream-processing worker (spans to ClickHouse, trajectories, transitions)."""
+
+from __future__ import annotations
+
+import asyncio
+import gc
+
+import uvloop
+
+from infra.clickhouse import migrate, wait_for_clickhouse
+from infra.config import Config
+
+
+def run_streams_worker(config: Config, bootstrap_servers: str, clickhouse_url: str, loglevel: str = "info") -> None:
+    """Run one stream-processing worker until SIGTERM or SIGINT; run more processes to scale."""
+    asyncio.set_event_loop_policy(uvloop.EventLoopPolicy())
+    # Imported once uvloop's policy is set, as before this function existed: faust and mode make loops.
+    from streams.app import create_app, evict_dead_workers, prepare_topics, streams_worker
+
+    client = wait_for_clickhouse(config.clickhouse, clickhouse_url, timeout_s=30)
+    migrate(client, config.clickhouse.database)
+    client.close()
+    asyncio.run(prepare_topics(config, bootstrap_servers))
+    asyncio.run(evict_dead_workers(config, bootstrap_servers))
+    app = create_app(config, bootstrap_servers, clickhouse_url)
+    # The worker makes a few container objects per span and keeps open rollouts' spans alive: with
+    # the default thresholds the cycle collector ran hundreds of times a second over all of them (a
+    # third of the completion work). Cycles are rare here: collect seldom, and never scan start-up's objects.
+    gc.freeze()
+    gc.set_threshold(100_000, 50, 100)
+    streams_worker(app, config, loglevel).execute_from_commandline()
