@@ -5,13 +5,12 @@ from __future__ import annotations
 import asyncio
 import logging
 
-import uvloop
+from clickhouse_connect.driver.client import Client
 
 from deploy.deployments import DeploymentLog
 from deploy.gate import Evaluate, Gate
-from infra.clickhouse import migrate, wait_for_clickhouse
+from deploy.service import run_with_deployment_log
 from infra.config import Config
-from infra.grace import until_signalled
 
 
 def run_gate(config: Config, bootstrap_servers: str, clickhouse_url: str, model_name: str, server_url: str, *,
@@ -22,25 +21,11 @@ def run_gate(config: Config, bootstrap_servers: str, clickhouse_url: str, model_
     """
     for name in ("agentstream.gate", "agentstream.deployments"):
         logging.getLogger(name).setLevel(logging.INFO)
-    client = wait_for_clickhouse(config.clickhouse, clickhouse_url, timeout_s=30)
-    migrate(client, config.clickhouse.database)
 
-    async def serve() -> None:
-        deployments = DeploymentLog(config, bootstrap_servers, client)
-        await deployments.start()
-        gate = Gate(config, bootstrap_servers, model_name, evaluate=evaluate, warehouse=client,
-                    deployments=deployments, server_url=server_url)
-        stop = asyncio.Event()
-        watcher = asyncio.create_task(until_signalled(stop))
+    async def gate(deployments: DeploymentLog, client: Client, stop: asyncio.Event) -> None:
         print(f"gate: checkpoints of {model_name} -> evaluation through {proxy_url} -> canary "
               f"({config.deploy.canary_share:.0%}) -> promotion", flush=True)
-        try:
-            await gate.run(stop)
-        finally:
-            watcher.cancel()
-            await deployments.stop()
+        await Gate(config, bootstrap_servers, model_name, evaluate=evaluate, warehouse=client,
+                   deployments=deployments, server_url=server_url).run(stop)
 
-    try:
-        uvloop.run(serve())
-    finally:
-        client.close()
+    run_with_deployment_log(config, bootstrap_servers, clickhouse_url, gate)

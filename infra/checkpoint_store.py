@@ -39,29 +39,13 @@ from typing import Any, Protocol
 from urllib.parse import quote, unquote, urlsplit
 
 from infra.config import CHECKPOINT_BUCKET, OBJECTSTORE_SERVICE, CheckpointsConfig
+from infra.files import CHUNK, local_path, sha256_file
 from infra.processes import ServiceDirectory
 from schemas.errors import AgentstreamError
 
 MANIFEST = "checkpoint.json"
 EMBEDDED_KEYS = ("agentstream", "agentstream-local")
 """The placeholder keys the stack's embedded store is called with (it runs on loopback and checks none)."""
-CHUNK = 1 << 20
-
-
-def local_path(uri: str) -> Path:
-    """The local path of a ``file://`` URI or a plain path (as ``models.weights.local_path``, which infra cannot
-    import)."""
-    parts = urlsplit(uri)
-    return Path(unquote(parts.path)) if parts.scheme == "file" else Path(uri)
-
-
-def sha256_file(path: Path) -> str:
-    """The hex sha256 of a file, read in 1 MiB chunks."""
-    digest = hashlib.sha256()
-    with open(path, "rb") as handle:
-        for chunk in iter(lambda: handle.read(CHUNK), b""):
-            digest.update(chunk)
-    return digest.hexdigest()
 
 
 class CheckpointError(AgentstreamError, RuntimeError):

@@ -1,9 +1,10 @@
 """Models shared by the dev model server and the trainer: loading, weights files, teacher-forced logprobs.
 
-A leaf package: it imports only torch/transformers and the standard library, so serving and
-trainer can both depend on it without depending on each other.
+Below serving and trainer: it imports torch/transformers, infra's local files and schemas' errors, so serving
+and trainer can both depend on it without depending on each other.
 """
 
+from infra.files import local_path, sha256_file
 from models.loading import (
     SMOLLM2_NAME,
     LoadedModel,
@@ -27,9 +28,7 @@ from models.weights import (
     assign_weights,
     check_finite,
     check_weights,
-    local_path,
     read_weights,
-    sha256_file,
     verify_finite,
     verify_sha256,
     write_safetensors,

@@ -12,8 +12,8 @@ import math
 from collections.abc import Mapping
 from pathlib import Path
 from typing import TYPE_CHECKING, Any
-from urllib.parse import unquote, urlsplit
 
+from infra.files import sha256_file
 from schemas.errors import AgentstreamError
 
 if TYPE_CHECKING:
@@ -32,21 +32,6 @@ class WeightsError(AgentstreamError):
 
 class NonFiniteWeights(WeightsError):
     """Weights holding a NaN or an infinity: never written as a checkpoint, loaded by hot swap, or served."""
-
-
-def local_path(uri: str) -> Path:
-    """The local path of a ``file://`` URI or a plain path."""
-    parts = urlsplit(uri)
-    return Path(unquote(parts.path)) if parts.scheme == "file" else Path(uri)
-
-
-def sha256_file(path: Path) -> str:
-    """The hex sha256 of a file, read in 1 MiB chunks."""
-    digest = hashlib.sha256()
-    with open(path, "rb") as handle:
-        for chunk in iter(lambda: handle.read(1 << 20), b""):
-            digest.update(chunk)
-    return digest.hexdigest()
 
 
 SAFETENSORS_DTYPES = {"float32": "F32", "bfloat16": "BF16", "float16": "F16", "float64": "F64", "int64": "I64",

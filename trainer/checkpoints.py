@@ -26,8 +26,8 @@ from infra.checkpoint_store import FolderStore as FolderStore
 from infra.checkpoint_store import UnsupportedStore as UnsupportedStore
 from infra.checkpoint_store import open_store as open_store
 from infra.config import Config
+from infra.files import sha256_file
 from infra.kafka import client_options, topic_name
-from models.weights import sha256_file
 from schemas import CHECKPOINT, AvroCodec
 from schemas.checkpoint import Checkpoint
 

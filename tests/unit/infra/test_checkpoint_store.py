@@ -19,7 +19,7 @@ from infra.checkpoint_store import (
     open_store,
 )
 from infra.config import CheckpointsConfig, ConfigError, Secret, describe, load_config
-from models.weights import sha256_file
+from infra.files import sha256_file
 from tests.support.s3_checkpoints import KEY_ID, LOCATION, SECRET, EmbeddedStore, s3_store, settings, write
 from trainer.checkpoints import (
     checkpoint_name,

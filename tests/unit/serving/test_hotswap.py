@@ -10,8 +10,8 @@ import pytest
 
 from infra.checkpoint_store import S3Store, open_store
 from infra.config import CHECKPOINT_BUCKET, CheckpointsConfig, Config, Secret, TrainerConfig
+from infra.files import sha256_file
 from models import load_model
-from models.weights import sha256_file
 from serving.app import create_app
 from serving.handlers import SERVER
 from serving.hotswap import HotSwapError, HotSwapper

@@ -1,0 +1,39 @@
+"""A process that follows the deployments log until SIGTERM or SIGINT: the shared frame of the gate and hot swap."""
+
+from __future__ import annotations
+
+import asyncio
+from collections.abc import Awaitable, Callable
+
+import uvloop
+from clickhouse_connect.driver.client import Client
+
+from deploy.deployments import DeploymentLog
+from infra.clickhouse import migrate, wait_for_clickhouse
+from infra.config import Config
+from infra.grace import until_signalled
+
+Body = Callable[[DeploymentLog, Client, asyncio.Event], Awaitable[None]]
+"""What the process does, given the started log, the ClickHouse client and the event set on a signal."""
+
+
+def run_with_deployment_log(config: Config, bootstrap_servers: str, clickhouse_url: str, body: Body) -> None:
+    """Migrate ClickHouse, start the deployments log, and run ``body`` until it returns or a signal stops it."""
+    client = wait_for_clickhouse(config.clickhouse, clickhouse_url, timeout_s=30)
+    migrate(client, config.clickhouse.database)
+
+    async def serve() -> None:
+        deployments = DeploymentLog(config, bootstrap_servers, client)
+        await deployments.start()
+        stop = asyncio.Event()
+        watcher = asyncio.create_task(until_signalled(stop))
+        try:
+            await body(deployments, client, stop)
+        finally:
+            watcher.cancel()
+            await deployments.stop()
+
+    try:
+        uvloop.run(serve())
+    finally:
+        client.close()
