@@ -370,6 +370,7 @@ class Soak:
         self.workdir = workdir
         self.rng = random.Random(args.seed)
         self.ledger_dir = workdir / "ledger"
+        self.ledgered: list[str] = []  # the producers that write a ledger (its file's stem)
         self.logs = workdir / "logs"
         self.work_home = workdir / "home"
         self.checkpoints = workdir / "checkpoints"
@@ -422,6 +423,7 @@ class Soak:
             return child
 
         def ledgered(name: str, *command: str) -> list[str]:
+            self.ledgered.append(name)
             return [python, "-m", "bench.chaos_ledger", "--ledger", str(self.ledger_dir / f"{name}.ledger"), "--",
                     *command]
 
@@ -439,6 +441,7 @@ class Soak:
             add(f"runner-{number}", "runner", ledgered(f"runner-{number}", "run", "examples.arithmetic:solve",
                                                       "--proxy", self.proxy_url, "--concurrency",
                                                       str(self.args.concurrency)), self.config.runner.shutdown_grace_s)
+        self.ledgered.append("publisher")
         add("publisher", "runner", [python, "-m", "bench.chaos_ledger", "--ledger",
                                     str(self.ledger_dir / "publisher.ledger"), "publish", "--journal",
                                     str(self.work_home / "journal" / "direct"), "--rollouts-per-s",
@@ -750,9 +753,13 @@ class Soak:
         emit(BENCH, "chaos_faults_by_kind", len(by_kind), "kinds", by_kind=dict(sorted(by_kind.items())),
              by_kind_and_mode=dict(sorted(by_mode.items())), **extra)
         producers = Counter(entry[0] for entry in state.spans.values())
+        silent = sorted(name for name in self.ledgered if not producers[name])
         emit(BENCH, "chaos_spans_acknowledged", len(state.spans), "spans", by_producer=dict(sorted(producers.items())),
              rollouts_acknowledged=verdict["acked_rollouts"], publisher_records_dropped=sum(state.dropped.values()),
-             **extra)
+             producers_without_spans=silent, **extra)
+        if silent:
+            say(f"no acknowledged span in the ledger of {', '.join(silent)}: their spans were not checked (is the "
+                f"ledgered publisher installed where that process builds its publisher?)")
         emit(BENCH, "chaos_spans_lost", len(verdict["lost_spans"]), "spans",
              by_producer=dict(Counter(state.spans[s][0] for s in verdict["lost_spans"])),
              by_fault=self.blame([state.spans[s][6] for s in verdict["lost_spans"]]),
@@ -782,7 +789,7 @@ class Soak:
                         or verdict["twice"])
         say("the ledger " + ("balances" if balanced else "does NOT balance")
             + (f"; {len(self.stuck)} process(es) stuck" if self.stuck else "; no process stuck"))
-        return 0 if balanced and not self.stuck else 1
+        return 0 if balanced and not self.stuck and not silent else 1
 
     def blame(self, times: list[float]) -> dict[str, int]:
         """Lost items by the last fault injected before they were acknowledged ("before faults" if none)."""

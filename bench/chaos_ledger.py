@@ -137,8 +137,11 @@ def _span_line(span: Mapping[str, Any]) -> str:
 def install() -> None:
     """Make every SpanPublisher an ``agentstream`` command creates from now on a ledgered one."""
     import pipeline.publisher
+    import pipeline.publisher.front
 
+    # process_publisher (front) builds the processes' publishers; the package's name is patched for any other caller
     pipeline.publisher.SpanPublisher = LedgeredPublisher  # type: ignore[misc]
+    pipeline.publisher.front.SpanPublisher = LedgeredPublisher  # type: ignore[misc]
 
 
 def publish_direct(journal: Path, rollouts_per_s: float, seed: int) -> None:
