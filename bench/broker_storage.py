@@ -21,7 +21,6 @@ from aiokafka.admin import AIOKafkaAdminClient, NewTopic
 from bench.common import emit as emit_figure
 from bench.common import percentile, private_stack
 from infra.kafka import client_options
-from infra.processes import free_port
 from stack.control import BROKER, Stack
 
 emit = functools.partial(emit_figure, "broker_storage")
@@ -107,8 +106,7 @@ def main() -> None:
     args = parser.parse_args()
     for storage in ("memory", "durable"):
         started = time.perf_counter()
-        with private_stack(AGENTSTREAM_BROKER_STORAGE=storage,
-                           AGENTSTREAM_SCHEMA_REGISTRY_PORT=str(free_port())) as (config, endpoints):
+        with private_stack(AGENTSTREAM_BROKER_STORAGE=storage) as (config, endpoints):
             emit("stack_up", time.perf_counter() - started, "s", storage=storage)
             options = client_options(config.kafka, endpoints.bootstrap_servers)
             asyncio.run(produce_figures(options, storage, args.records))

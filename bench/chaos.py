@@ -39,7 +39,7 @@ from pathlib import Path
 
 from clickhouse_connect.driver.client import Client
 
-from bench.common import emit, percentile
+from bench.common import emit, percentile, private_environ
 from infra.clickhouse import connect
 from infra.config import Config, CreditRule, dump_toml, load_config
 from infra.kafka import client_options, topic_name
@@ -376,9 +376,8 @@ class Soak:
         self.checkpoints = workdir / "checkpoints"
         for folder in (self.ledger_dir, self.logs, self.work_home, self.checkpoints):
             folder.mkdir(parents=True)
-        environ = {"AGENTSTREAM_HOME": str(workdir / "stack"), "AGENTSTREAM_BROKER_PORT": str(free_port()),
-                   "AGENTSTREAM_CLICKHOUSE_PORT": str(free_port()), "AGENTSTREAM_BROKER_STORAGE": args.broker_storage}
-        self.config = load_config(environ=environ)
+        self.config = load_config(environ=private_environ(str(workdir / "stack"),
+                                                          AGENTSTREAM_BROKER_STORAGE=args.broker_storage))
         self.stack = Stack(self.config)
         self.children: dict[str, Child] = {}
         self.services: dict[str, Service] = {}

@@ -27,12 +27,19 @@ def percentile(values: list[float], q: float) -> float:
     return ordered[min(len(ordered) - 1, int(q * len(ordered)))]
 
 
+def private_environ(home: str, **environ: str) -> dict[str, str]:
+    """Settings for a stack of our own in ``home``: every service on a free loopback port, so a user's stack (or
+    ``make demo``) on the default ports runs beside it."""
+    return {"AGENTSTREAM_HOME": home, "AGENTSTREAM_BROKER_PORT": str(free_port()),
+            "AGENTSTREAM_CLICKHOUSE_PORT": str(free_port()), "AGENTSTREAM_SCHEMA_REGISTRY_PORT": str(free_port()),
+            **environ}
+
+
 @contextlib.contextmanager
 def private_stack(**environ: str) -> Iterator[tuple[Config, Endpoints]]:
-    """A broker and ClickHouse of our own on free loopback ports, stopped afterwards."""
+    """A stack of our own on free loopback ports, stopped afterwards."""
     with tempfile.TemporaryDirectory(prefix="agentstream-bench-") as home:
-        config = load_config(environ={"AGENTSTREAM_HOME": home, "AGENTSTREAM_BROKER_PORT": str(free_port()),
-                                      "AGENTSTREAM_CLICKHOUSE_PORT": str(free_port()), **environ})
+        config = load_config(environ=private_environ(home, **environ))
         stack = Stack(config)
         endpoints = stack.up(progress=lambda line: None)
         try:

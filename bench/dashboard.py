@@ -22,7 +22,6 @@ import urllib.request
 from agentstream.dashboard.server import DashboardThread
 from bench.common import emit, private_stack
 from infra.clickhouse import connect, migrate
-from infra.processes import free_port
 
 BENCH = "dashboard"
 DATABASE = "dashboard_bench"
@@ -132,8 +131,7 @@ def main() -> None:
     parser.add_argument("--spans", type=int, default=1_000_000)
     parser.add_argument("--repeat", type=int, default=5)
     args = parser.parse_args()
-    with private_stack(AGENTSTREAM_SCHEMA_REGISTRY_PORT=str(free_port()),
-                       AGENTSTREAM_BROKER_STORAGE="memory") as (config, endpoints):
+    with private_stack(AGENTSTREAM_BROKER_STORAGE="memory") as (config, endpoints):
         client = connect(config.clickhouse, endpoints.clickhouse_url)
         migrate(client, DATABASE)
         started = time.perf_counter()

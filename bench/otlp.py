@@ -115,7 +115,7 @@ def main() -> None:
     pool = span_pool(7)
     bodies = [export_body(pool, f"otlp-{index:07d}", args.spans, index * args.spans) for index in range(args.rollouts)]
     ours = None
-    with private_stack(AGENTSTREAM_SCHEMA_REGISTRY_PORT=str(free_port())) as (config, endpoints), \
+    with private_stack() as (config, endpoints), \
             tempfile.TemporaryDirectory() as scratch:
         env = {k: v for k, v in os.environ.items() if not k.startswith(("KAFKA_", "CLICKHOUSE_", "AGENTSTREAM_"))}
         port = free_port()

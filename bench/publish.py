@@ -19,10 +19,9 @@ from pathlib import Path
 from typing import Any
 
 from bench.common import emit as emit_figure
-from bench.common import llm_span
+from bench.common import llm_span, private_environ
 from infra.config import load_config
 from infra.kafka import client_options, message_counts, topic_name
-from infra.processes import free_port
 from pipeline.publisher import SpanPublisher
 from schemas import SPAN_BATCH, AvroCodec
 from schemas.span_writer import SpanBatchEncoder, prepare_span
@@ -101,9 +100,7 @@ def main() -> None:
     pool = [llm_span(rng, index) for index in range(512)]
     span_bytes = encoder_figures(pool, args.rollouts)
     with tempfile.TemporaryDirectory(prefix="agentstream-bench-") as home:
-        environ = {"AGENTSTREAM_HOME": home, "AGENTSTREAM_BROKER_PORT": str(free_port()),
-                   "AGENTSTREAM_CLICKHOUSE_PORT": str(free_port())}
-        config = load_config(environ=environ)
+        config = load_config(environ=private_environ(home))
         stack = Stack(config)
         endpoints = stack.up(progress=lambda line: None)
         try:

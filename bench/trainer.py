@@ -34,6 +34,7 @@ from dataclasses import replace
 import aiohttp
 from aiokafka import AIOKafkaConsumer, AIOKafkaProducer
 
+from bench.common import private_environ
 from infra.clickhouse import connect, migrate
 from infra.config import Config, TrainerConfig, load_config
 from infra.kafka import client_options, create_topics, topic_name
@@ -190,8 +191,7 @@ async def hot_swaps(config: Config, bootstrap: str, env: dict, home: Path) -> li
 def main() -> None:
     with tempfile.TemporaryDirectory(prefix="agentstream-bench-") as folder:
         home = Path(folder)
-        environ = {"AGENTSTREAM_HOME": str(home), "AGENTSTREAM_BROKER_PORT": str(free_port()),
-                   "AGENTSTREAM_CLICKHOUSE_PORT": str(free_port()), "AGENTSTREAM_TOPIC_PARTITIONS": "1"}
+        environ = private_environ(str(home), AGENTSTREAM_TOPIC_PARTITIONS="1")
         config = load_config(environ=environ)
         # One torch thread: the tiny model is Python-bound (two threads are no faster), and one thread is far less
         # disturbed by other load on a 2-core machine, which otherwise swamps the comparison.
