@@ -222,14 +222,16 @@ def dashboard_command(ctx: click.Context, host: str, port: int, database: str | 
 
 
 @main.command("proxy")
-@click.option("--upstream", required=True, help="Base URL of the OpenAI-compatible model server (vLLM or serve-model).")
+@click.option("--upstream", "upstreams", multiple=True,
+              help="Base URL of an OpenAI-compatible model server (vLLM or serve-model); repeat it for a fleet. "
+                   "Default: [proxy] upstreams.")
 @click.option("--host", default="127.0.0.1", show_default=True)
 @click.option("--port", default=8080, show_default=True, type=int)
 @click.option("--agent-name", default=None, help="Agent name for calls that do not say (X-Agentstream-Agent).")
 @click.option("--no-deployments", is_flag=True,
               help="Do not follow the deployments topic: forward every request's model unchanged.")
 @click.pass_context
-def proxy_command(ctx: click.Context, upstream: str, host: str, port: int, agent_name: str | None,
+def proxy_command(ctx: click.Context, upstreams: tuple[str, ...], host: str, port: int, agent_name: str | None,
                   no_deployments: bool) -> None:
     """Serve the OpenAI-compatible LLM proxy that records every call as a span with exact token ids.
 
@@ -237,13 +239,19 @@ def proxy_command(ctx: click.Context, upstream: str, host: str, port: int, agent
     deployed for it (stable or canary; ``model@vN`` or X-Agentstream-Version pins one). It forwards
     only the OpenAI routes users may call; with ``[security] proxy_keys`` they need a key, and the
     reward endpoint takes a rollout's feedback token (``[security] feedback_tokens``). Beyond loopback
-    it refuses to start without keys unless ``[security] allow_open_bind`` says so.
+    it refuses to start without keys unless ``[security] allow_open_bind`` says so. With several
+    model servers it sends each request to the least busy healthy one that holds the version asked
+    for, and a request that failed on one before its first byte to another.
     """
     from pipeline.proxy_main import ProxyOptions, run_proxy
 
     config = _config(ctx)
+    upstreams = upstreams or config.proxy.upstreams
+    if not upstreams:
+        raise click.UsageError("name the model server: --upstream URL (repeat it for several) or [proxy] upstreams")
     run_proxy(config, Stack(config).endpoints().bootstrap_servers,
-              ProxyOptions(upstream=upstream, host=host, port=port, agent_name=agent_name,
+              ProxyOptions(upstream=upstreams if len(upstreams) > 1 else upstreams[0], host=host, port=port,
+                           agent_name=agent_name,
                            follow_deployments=not no_deployments))
 
 
