@@ -386,8 +386,9 @@ class LLMProxy:
     async def _open(self, app: web.Application) -> None:
         connector = aiohttp.TCPConnector(limit=256, keepalive_timeout=60)
         self.session = aiohttp.ClientSession(connector=connector, timeout=self.timeout, auto_decompress=True)
-        await self.pool.check_all(self.session)  # know who is up and what each holds before the first request
-        self._checking = asyncio.create_task(self.pool.run(self.session))
+        if len(self.pool.replicas) > 1:  # one model server takes everything, as it always did: nothing to check
+            await self.pool.check_all(self.session)  # who is up, and what each holds, before the first request
+            self._checking = asyncio.create_task(self.pool.run(self.session))
 
     async def _close(self, app: web.Application) -> None:
         if self._checking is not None:
@@ -551,7 +552,10 @@ class LLMProxy:
     async def _relay_on_fleet(self, request: web.Request, path: str, headers: dict[str, str],
                               capture: CallCapture) -> web.StreamResponse:
         """Relay on the replica the pool picks; one that fails before the first byte reaches the client, once more."""
-        model, version, strict = _wanted(capture)
+        model, version = _wanted(capture)
+        # a model the deployments know goes only where its version is; any other is the model server's to answer
+        strict = capture.route is not None and capture.route.reason != "unrouted" and self.deployments is not None \
+            and self.deployments.routing(capture.route.model) is not None
         tried: list[Replica] = []
         failure: web.StreamResponse | None = None
         while len(tried) < 2:
@@ -744,16 +748,15 @@ def _broken(error: BaseException) -> bool:
     return isinstance(error, (aiohttp.ClientConnectionError, aiohttp.ClientPayloadError))
 
 
-def _wanted(capture: CallCapture) -> tuple[str | None, int | None, bool]:
-    """The model name a replica must list to take the request, the weights version it must serve, and
-    whether the request is routed (then no replica without them may take it)."""
+def _wanted(capture: CallCapture) -> tuple[str | None, int | None]:
+    """The model name a replica must list to take the request, and the weights version it must serve."""
     route = capture.route
     if route is None or route.reason == "unrouted":
         model = capture.request.get("model")
-        return (model if isinstance(model, str) else None), None, False
+        return (model if isinstance(model, str) else None), None
     # an adapter is its own name; full weights (or the base model) are the server's one version
     version = route.version if route.upstream_model == route.model else None
-    return route.upstream_model, version, True
+    return route.upstream_model, version
 
 
 def _forward_headers(headers) -> dict[str, str]:

@@ -7,7 +7,8 @@ requests in flight (ties go round robin). Every ``interval_s`` it asks each repl
 loaded adapter, ``model@vN``), so version routing needs nothing beyond vLLM's own contract.
 ``eject_after`` consecutive failures (a health check, a connection error, a 5xx before the body)
 take a replica out; the first health check that passes puts it back. When every replica is out,
-all of them are tried again, as Envoy's panic mode does: refusing everything helps no one.
+all of them are tried again, as Envoy's panic mode does: refusing everything helps no one. The
+proxy checks nothing when it has a single model server: everything goes there, as it always did.
 
 A replica whose listing could not be read (vLLM with ``--api-key`` answers 401 to the pool,
 which has no key) is taken to hold every model. A model no replica lists is looked up once more
@@ -126,13 +127,15 @@ class UpstreamPool:
     def succeeded(self, replica: Replica) -> None:
         replica.served += 1
         replica.failures = 0
+        if not replica.healthy:  # it was tried with every replica out, and answered
+            self._return(replica, "it answered a request")
 
     def failed(self, replica: Replica, reason: str) -> None:
         """One failure on ``replica``; the ``eject_after``-th in a row takes it out until a health check passes."""
         replica.failed += 1
         replica.failures += 1
         replica.last_error = reason
-        if replica.healthy and replica.failures >= self.health.eject_after:
+        if replica.healthy and replica.failures >= self.health.eject_after and len(self.replicas) > 1:
             replica.healthy = False
             replica.ejected_at = time.monotonic()
             log.warning("model server %s ejected after %d failures in a row: %s", replica.url, replica.failures,
@@ -140,26 +143,38 @@ class UpstreamPool:
 
     async def check(self, session: aiohttp.ClientSession, replica: Replica) -> bool:
         """One health check of ``replica``: /health answers 200, then its /v1/models listing (best effort)."""
-        timeout = aiohttp.ClientTimeout(total=self.health.timeout_s)
         try:
-            async with session.get(f"{replica.url}/health", timeout=timeout) as answer:
-                await answer.read()
-                if answer.status != 200:
-                    raise aiohttp.ClientResponseError(answer.request_info, (), status=answer.status,
-                                                      message=f"/health answered HTTP {answer.status}")
-                replica.version = policy_version(answer.headers)
+            await self._health(session, replica)
         except (aiohttp.ClientError, TimeoutError, OSError) as error:
             self.failed(replica, f"health check: {error or type(error).__name__}")
             return False
-        await self.relist(session, replica)
+        await self._listing(session, replica)
         replica.failures = 0
         if not replica.healthy:
-            replica.healthy, replica.ejected_at = True, None
-            log.warning("model server %s is back: its health check passed", replica.url)
+            self._return(replica, "its health check passed")
         return True
 
+    def _return(self, replica: Replica, why: str) -> None:
+        replica.healthy, replica.ejected_at = True, None
+        log.warning("model server %s is back: %s", replica.url, why)
+
     async def relist(self, session: aiohttp.ClientSession, replica: Replica) -> None:
-        """Read what ``replica`` holds from /v1/models; a listing that cannot be read leaves it unknown."""
+        """Read what ``replica`` holds now: the version /health names (full weights) and its /v1/models listing."""
+        with contextlib.suppress(aiohttp.ClientError, TimeoutError, OSError):
+            await self._health(session, replica)
+        await self._listing(session, replica)
+
+    async def _health(self, session: aiohttp.ClientSession, replica: Replica) -> None:
+        async with session.get(f"{replica.url}/health",
+                               timeout=aiohttp.ClientTimeout(total=self.health.timeout_s)) as answer:
+            await answer.read()
+            if answer.status != 200:
+                raise aiohttp.ClientResponseError(answer.request_info, (), status=answer.status,
+                                                  message=f"/health answered HTTP {answer.status}")
+            replica.version = policy_version(answer.headers)
+
+    async def _listing(self, session: aiohttp.ClientSession, replica: Replica) -> None:
+        """A listing refused (no key for vLLM's --api-key) is unknown; one cut short keeps the last one read."""
         try:
             async with session.get(f"{replica.url}/v1/models",
                                    timeout=aiohttp.ClientTimeout(total=self.health.timeout_s)) as answer:
@@ -168,8 +183,8 @@ class UpstreamPool:
                     return
                 listed = (await answer.json(content_type=None)).get("data") or []
                 replica.models = frozenset(str(entry["id"]) for entry in listed)
-        except (aiohttp.ClientError, TimeoutError, OSError, ValueError, KeyError, TypeError, AttributeError):
-            replica.models = None
+        except (aiohttp.ClientError, TimeoutError, OSError, ValueError, KeyError, TypeError, AttributeError) as error:
+            log.debug("cannot read the models of %s: %s", replica.url, error)
 
     async def check_all(self, session: aiohttp.ClientSession) -> None:
         await asyncio.gather(*(self.check(session, replica) for replica in self.replicas))

@@ -59,3 +59,11 @@ def test_failures_in_a_row_eject_and_a_success_between_them_resets():
     fleet.failed(b, "reset")
     fleet.failed(b, "reset")
     assert {id(fleet.pick(None)) for _ in range(4)} == {id(a), id(b)}, "none healthy: all are tried"
+    fleet.succeeded(a)
+    assert a.healthy and fleet.pick(None) is a, "one that answers while all are out is back"
+
+
+def test_a_single_model_server_is_never_ejected():
+    single = pool(1, eject_after=1)
+    single.failed(single.replicas[0], "refused")
+    assert single.replicas[0].healthy and single.pick(None) is single.replicas[0]
