@@ -522,19 +522,23 @@ def train_worker_command(ctx: click.Context, model_spec: str | None, max_steps: 
 
 
 @main.command("hotswap")
-@click.option("--server", "server_url", required=True, help="Base URL of the model server (serve-model or vLLM).")
+@click.option("--server", "server_urls", required=True, multiple=True,
+              help="Base URL of the model server (serve-model or vLLM); repeat it for each server of a fleet.")
 @click.option("--model", "model_name", required=True, help="The trained model whose checkpoints to load.")
 @click.option("--no-verify", is_flag=True, help="Do not check the weights' sha256 before loading.")
 @click.pass_context
-def hotswap_command(ctx: click.Context, server_url: str, model_name: str, no_verify: bool) -> None:
-    """Keep a model server holding the deployed versions of MODEL (without a gate: each new checkpoint, promoted)."""
+def hotswap_command(ctx: click.Context, server_urls: tuple[str, ...], model_name: str, no_verify: bool) -> None:
+    """Keep model servers holding the deployed versions of MODEL (without a gate: each new checkpoint, promoted).
+
+    Each server is reconciled on its own: one that restarts gets the deployed versions back.
+    """
     from deploy.deployments import DeploymentError
     from serving.hotswap_main import run_hotswap
 
     config = _config(ctx)
     endpoints = Stack(config).endpoints()
     try:
-        run_hotswap(config, endpoints.bootstrap_servers, endpoints.clickhouse_url, server_url, model_name,
+        run_hotswap(config, endpoints.bootstrap_servers, endpoints.clickhouse_url, server_urls, model_name,
                     verify=not no_verify)
     except DeploymentError as error:  # e.g. a gate runs for this model and deploy.gate is false here
         raise click.ClickException(str(error)) from None
