@@ -577,12 +577,15 @@ def gate_command(ctx: click.Context, model_name: str, server_url: str, proxy_url
 @main.command("deployments")
 @click.option("--model", "model_name", default=None, help="Only this model.")
 @click.option("--history", default=10, show_default=True, help="Recent decisions to list (0: none).")
+@click.option("--server", "server_urls", multiple=True,
+              help="A model server to ask what it holds; repeat it for a fleet (default: [proxy] upstreams).")
 @click.pass_context
-def deployments_command(ctx: click.Context, model_name: str | None, history: int) -> None:
-    """What serves what, per trained model, and the latest deployment decisions."""
+def deployments_command(ctx: click.Context, model_name: str | None, history: int, server_urls: tuple[str, ...]) -> None:
+    """What serves what, per trained model, what each model server holds, and the latest deployment decisions."""
     from deploy.deployments import DeploymentError, read_routes
     from deploy.manual import RECENT_DECISIONS_SQL
     from infra.clickhouse import connect, server_message
+    from pipeline.upstreams import holdings_rows, survey
 
     config = _config(ctx)
     endpoints = Stack(config).endpoints()
@@ -599,6 +602,11 @@ def deployments_command(ctx: click.Context, model_name: str | None, history: int
                    ": a model appears here once a checkpoint of it is promoted or becomes a candidate")
     else:
         click.echo(render(["model", "stable", "canary", "share", "candidate", "format"], rows, "table"))
+    server_urls = server_urls or config.proxy.upstreams
+    if server_urls:
+        servers = holdings_rows(asyncio.run(survey(server_urls)), routes.values(), model_name)
+        click.echo("\nmodel servers:")
+        click.echo(render(["server", "up", "weights", "holds", "missing"], servers, "table"))
     if history > 0:
         database = config.clickhouse.database
         client = connect(config.clickhouse, endpoints.clickhouse_url, readonly=True)

@@ -27,6 +27,7 @@ from dataclasses import dataclass, field
 
 import aiohttp
 
+from deploy.deployments import Routing, adapter_name, split_adapter_name
 from schemas.contracts import policy_version
 
 log = logging.getLogger("agentstream.upstreams")
@@ -212,3 +213,35 @@ class UpstreamPool:
 
     def describe(self) -> list[dict[str, object]]:
         return [replica.describe() for replica in self.replicas]
+
+
+async def survey(urls: Sequence[str], timeout_s: float = 5.0) -> list[Replica]:
+    """Ask each server once what it holds; ``failures`` > 0: it did not answer."""
+    pool = UpstreamPool(urls, HealthSettings(timeout_s=timeout_s))
+    async with aiohttp.ClientSession() as session:
+        await pool.check_all(session)
+    return pool.replicas
+
+
+def missing(replica: Replica, routing: Routing) -> list[str]:
+    """The versions ``routing`` wants served that ``replica`` lacks, as it would list them (unknown: none)."""
+    if routing.format == "full":
+        stable = routing.stable_version
+        return [] if replica.version is None or replica.version == stable else [f"{routing.model} v{stable}"]
+    if replica.models is None:
+        return []
+    wanted = (adapter_name(routing.model, v) if v else routing.model for v in routing.loaded_versions())
+    return [name for name in wanted if name not in replica.models]
+
+
+def holdings_rows(replicas: Sequence[Replica], routings: Iterable[Routing], model: str | None) -> list[list[object]]:
+    """``agentstream deployments``' rows of model servers: up, weights version, what each holds and lacks."""
+    routings = [r for r in routings if model in (None, r.model)]
+    rows: list[list[object]] = []
+    for replica in replicas:
+        holds = "?" if replica.models is None else ", ".join(
+            sorted(m for m in replica.models if model in (None, split_adapter_name(m)[0])))
+        lacks = [name for routing in routings for name in missing(replica, routing)]
+        rows.append([replica.url, "no" if replica.failures else "yes",
+                     "" if replica.version is None else replica.version, holds, ", ".join(lacks)])
+    return rows

@@ -9,6 +9,9 @@ following the deployments topic. No gate: the first server to hold a checkpoint 
 from __future__ import annotations
 
 import asyncio
+import os
+import subprocess
+import sys
 import time
 
 import aiohttp
@@ -17,7 +20,7 @@ from bench.scenario import publish
 from deploy.deployments import Action, DeploymentFollower, DeploymentLog
 from infra.processes import free_port
 from pipeline.proxy import LLMProxy, serve_proxy
-from pipeline.upstreams import HealthSettings
+from pipeline.upstreams import HealthSettings, holdings_rows, survey
 from serving.hotswap_main import fleet_swappers, run_fleet
 from serving.protocol import Contract
 from tests.integration.test_hotswap_reconcile import (  # noqa: F401 (reconcile_setup is a fixture)
@@ -95,6 +98,14 @@ def test_every_server_gets_the_version_and_a_restarted_one_gets_it_back_before_i
                 print(f"v1 restored {time.monotonic() - started:.2f} s after the restarted server answered; "
                       f"{meanwhile} calls meanwhile")
                 await until(lambda: _healthy_with(proxy, restarted.url, 1), 10, "the proxy to see v1 there")
+                view = holdings_rows(await survey([s.url for s in servers]), [routing], name)
+                assert [row[1:] for row in view] == [["yes", 1, name, ""]] * 2, view
+                listed = await asyncio.to_thread(
+                    subprocess.run, [sys.executable, "-m", "agentstream", "deployments", "--model", name,
+                                     "--server", servers[0].url, "--server", servers[1].url],
+                    env=_env(config, stack), capture_output=True, text=True, timeout=120)
+                assert listed.returncode == 0, listed.stderr
+                assert "model servers:" in listed.stdout and all(s.url in listed.stdout for s in servers)
                 before = {r.url: r.served for r in proxy.pool.replicas}
                 await asyncio.gather(*(chat() for _ in range(6)))
                 return {r.url: r.served - before[r.url] for r in proxy.pool.replicas}
@@ -126,3 +137,11 @@ async def _routed(follower: DeploymentFollower, name: str):
 
 async def _healthy_with(proxy: LLMProxy, url: str, version: int) -> bool:
     return any(r.url == url and r.healthy and r.version == version for r in proxy.pool.replicas)
+
+
+def _env(config, stack) -> dict[str, str]:
+    env = {key: value for key, value in os.environ.items()
+           if not key.startswith(("KAFKA_", "CLICKHOUSE_", "AGENTSTREAM_"))}
+    env.update(KAFKA_BOOTSTRAP_SERVERS=stack.bootstrap_servers, CLICKHOUSE_URL=stack.clickhouse_url,
+               CLICKHOUSE_DATABASE=config.clickhouse.database, AGENTSTREAM_TOPIC_PREFIX=config.topics.prefix)
+    return env

@@ -4,7 +4,8 @@ from __future__ import annotations
 
 import pytest
 
-from pipeline.upstreams import HealthSettings, UpstreamPool, base_url
+from deploy.deployments import Routing
+from pipeline.upstreams import HealthSettings, UpstreamPool, base_url, holdings_rows
 
 
 def pool(count: int = 3, eject_after: int = 2) -> UpstreamPool:
@@ -67,3 +68,18 @@ def test_a_single_model_server_is_never_ejected():
     single = pool(1, eject_after=1)
     single.failed(single.replicas[0], "refused")
     assert single.replicas[0].healthy and single.pick(None) is single.replicas[0]
+
+
+def test_the_deployments_view_says_what_each_server_holds_and_lacks():
+    fleet = pool(3)
+    a, b, c = fleet.replicas
+    a.models, b.models = frozenset({"tiny", "tiny@v1", "tiny@v2", "other"}), frozenset({"tiny", "tiny@v1"})
+    a.version = b.version = 0
+    c.failures = 1  # did not answer: nothing known
+    lora = Routing("tiny", stable_version=2, canary_version=1, canary_share=0.1)
+    rows = holdings_rows(fleet.replicas, [lora], "tiny")
+    assert rows == [["http://s0:8000", "yes", 0, "tiny, tiny@v1, tiny@v2", ""],
+                    ["http://s1:8000", "yes", 0, "tiny, tiny@v1", "tiny@v2"],
+                    ["http://s2:8000", "no", "", "?", ""]]
+    b.version = 3
+    assert holdings_rows([a, b], [Routing("tiny", stable_version=3, format="full")], None)[0][4] == "tiny v3"
