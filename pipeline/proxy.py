@@ -653,7 +653,7 @@ class LLMProxy:
                 try:
                     raw = await upstream.read()
                 except (aiohttp.ClientError, TimeoutError) as error:
-                    return self._upstream_failed(capture, replica, error), True
+                    return self._upstream_failed(capture, replica, error), _broken(error)
                 return self._answered(replica, upstream.status, raw, capture, upstream.content_type)
             response = web.StreamResponse(headers={"Content-Type": "text/event-stream", "Cache-Control": "no-cache",
                                                    **self._response_headers(capture)})
