@@ -28,10 +28,17 @@ def fleet_swappers(config: Config, bootstrap_servers: str, server_urls: Sequence
 
 
 async def run_fleet(swappers: Sequence[HotSwapper], stop: asyncio.Event) -> None:
-    """Run every hot swap until ``stop``; one that fails stops the others."""
-    async with asyncio.TaskGroup() as group:
-        for swapper in swappers:
-            group.create_task(swapper.run(stop))
+    """Run every hot swap until ``stop``; one that fails stops the others and its error is raised as it is (a
+    refusal such as DeploymentError reaches the CLI by its name, not wrapped in an ExceptionGroup)."""
+    try:
+        async with asyncio.TaskGroup() as group:
+            for swapper in swappers:
+                group.create_task(swapper.run(stop))
+    except ExceptionGroup as failed:
+        first, *others = failed.exceptions
+        for other in others:
+            logging.getLogger("agentstream.hotswap").error("another hot swap failed too: %s", other)
+        raise first from None
 
 
 def run_hotswap(config: Config, bootstrap_servers: str, clickhouse_url: str, server_url: str | Sequence[str],
