@@ -222,14 +222,16 @@ def dashboard_command(ctx: click.Context, host: str, port: int, database: str | 
 
 
 @main.command("proxy")
-@click.option("--upstream", required=True, help="Base URL of the OpenAI-compatible model server (vLLM or serve-model).")
+@click.option("--upstream", "upstreams", multiple=True,
+              help="Base URL of an OpenAI-compatible model server (vLLM or serve-model); repeat it for a fleet. "
+                   "Default: [proxy] upstreams.")
 @click.option("--host", default="127.0.0.1", show_default=True)
 @click.option("--port", default=8080, show_default=True, type=int)
 @click.option("--agent-name", default=None, help="Agent name for calls that do not say (X-Agentstream-Agent).")
 @click.option("--no-deployments", is_flag=True,
               help="Do not follow the deployments topic: forward every request's model unchanged.")
 @click.pass_context
-def proxy_command(ctx: click.Context, upstream: str, host: str, port: int, agent_name: str | None,
+def proxy_command(ctx: click.Context, upstreams: tuple[str, ...], host: str, port: int, agent_name: str | None,
                   no_deployments: bool) -> None:
     """Serve the OpenAI-compatible LLM proxy that records every call as a span with exact token ids.
 
@@ -237,13 +239,19 @@ def proxy_command(ctx: click.Context, upstream: str, host: str, port: int, agent
     deployed for it (stable or canary; ``model@vN`` or X-Agentstream-Version pins one). It forwards
     only the OpenAI routes users may call; with ``[security] proxy_keys`` they need a key, and the
     reward endpoint takes a rollout's feedback token (``[security] feedback_tokens``). Beyond loopback
-    it refuses to start without keys unless ``[security] allow_open_bind`` says so.
+    it refuses to start without keys unless ``[security] allow_open_bind`` says so. With several
+    model servers it sends each request to the least busy healthy one that holds the version asked
+    for, and a request that failed on one before its first byte to another.
     """
     from pipeline.proxy_main import ProxyOptions, run_proxy
 
     config = _config(ctx)
+    upstreams = upstreams or config.proxy.upstreams
+    if not upstreams:
+        raise click.UsageError("name the model server: --upstream URL (repeat it for several) or [proxy] upstreams")
     run_proxy(config, Stack(config).endpoints().bootstrap_servers,
-              ProxyOptions(upstream=upstream, host=host, port=port, agent_name=agent_name,
+              ProxyOptions(upstream=upstreams if len(upstreams) > 1 else upstreams[0], host=host, port=port,
+                           agent_name=agent_name,
                            follow_deployments=not no_deployments))
 
 
@@ -514,19 +522,23 @@ def train_worker_command(ctx: click.Context, model_spec: str | None, max_steps: 
 
 
 @main.command("hotswap")
-@click.option("--server", "server_url", required=True, help="Base URL of the model server (serve-model or vLLM).")
+@click.option("--server", "server_urls", required=True, multiple=True,
+              help="Base URL of the model server (serve-model or vLLM); repeat it for each server of a fleet.")
 @click.option("--model", "model_name", required=True, help="The trained model whose checkpoints to load.")
 @click.option("--no-verify", is_flag=True, help="Do not check the weights' sha256 before loading.")
 @click.pass_context
-def hotswap_command(ctx: click.Context, server_url: str, model_name: str, no_verify: bool) -> None:
-    """Keep a model server holding the deployed versions of MODEL (without a gate: each new checkpoint, promoted)."""
+def hotswap_command(ctx: click.Context, server_urls: tuple[str, ...], model_name: str, no_verify: bool) -> None:
+    """Keep model servers holding the deployed versions of MODEL (without a gate: each new checkpoint, promoted).
+
+    Each server is reconciled on its own: one that restarts gets the deployed versions back.
+    """
     from deploy.deployments import DeploymentError
     from serving.hotswap_main import run_hotswap
 
     config = _config(ctx)
     endpoints = Stack(config).endpoints()
     try:
-        run_hotswap(config, endpoints.bootstrap_servers, endpoints.clickhouse_url, server_url, model_name,
+        run_hotswap(config, endpoints.bootstrap_servers, endpoints.clickhouse_url, server_urls, model_name,
                     verify=not no_verify)
     except DeploymentError as error:  # e.g. a gate runs for this model and deploy.gate is false here
         raise click.ClickException(str(error)) from None
@@ -565,12 +577,15 @@ def gate_command(ctx: click.Context, model_name: str, server_url: str, proxy_url
 @main.command("deployments")
 @click.option("--model", "model_name", default=None, help="Only this model.")
 @click.option("--history", default=10, show_default=True, help="Recent decisions to list (0: none).")
+@click.option("--server", "server_urls", multiple=True,
+              help="A model server to ask what it holds; repeat it for a fleet (default: [proxy] upstreams).")
 @click.pass_context
-def deployments_command(ctx: click.Context, model_name: str | None, history: int) -> None:
-    """What serves what, per trained model, and the latest deployment decisions."""
+def deployments_command(ctx: click.Context, model_name: str | None, history: int, server_urls: tuple[str, ...]) -> None:
+    """What serves what, per trained model, what each model server holds, and the latest deployment decisions."""
     from deploy.deployments import DeploymentError, read_routes
     from deploy.manual import RECENT_DECISIONS_SQL
     from infra.clickhouse import connect, server_message
+    from pipeline.upstreams import holdings_rows, survey
 
     config = _config(ctx)
     endpoints = Stack(config).endpoints()
@@ -587,6 +602,11 @@ def deployments_command(ctx: click.Context, model_name: str | None, history: int
                    ": a model appears here once a checkpoint of it is promoted or becomes a candidate")
     else:
         click.echo(render(["model", "stable", "canary", "share", "candidate", "format"], rows, "table"))
+    server_urls = server_urls or config.proxy.upstreams
+    if server_urls:
+        servers = holdings_rows(asyncio.run(survey(server_urls)), routes.values(), model_name)
+        click.echo("\nmodel servers:")
+        click.echo(render(["server", "up", "weights", "holds", "missing"], servers, "table"))
     if history > 0:
         database = config.clickhouse.database
         client = connect(config.clickhouse, endpoints.clickhouse_url, readonly=True)

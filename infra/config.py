@@ -406,13 +406,29 @@ class ServerConfig:
 
 @dataclass(frozen=True)
 class ProxyConfig:
-    """The LLM proxy: ``max_tokens`` is added to a generation request that names none (0: leave it to the server)."""
+    """The LLM proxy: ``max_tokens`` is added to a generation request that names none (0: leave it to the server).
+
+    ``upstreams``: the model servers it forwards to when ``agentstream proxy`` names none with
+    ``--upstream`` (``AGENTSTREAM_PROXY_UPSTREAMS``, comma-separated). Each is asked ``/health`` and
+    ``/v1/models`` every ``health_interval_s`` (each call bounded by ``health_timeout_s``);
+    ``eject_after`` failures in a row take one out until a health check passes.
+    """
 
     max_tokens: int = 1024
+    upstreams: tuple[str, ...] = ()
+    health_interval_s: float = 2.0
+    health_timeout_s: float = 2.0
+    eject_after: int = 3
 
     def __post_init__(self) -> None:
         if self.max_tokens < 0:
             raise ConfigError("proxy.max_tokens must be >= 0 (0: no default limit)")
+        if any(not url.startswith(("http://", "https://")) for url in self.upstreams):
+            raise ConfigError(f"proxy.upstreams must be http:// or https:// URLs, got {list(self.upstreams)}")
+        if self.health_interval_s <= 0 or self.health_timeout_s <= 0:
+            raise ConfigError("proxy.health_interval_s and proxy.health_timeout_s must be > 0")
+        if self.eject_after < 1:
+            raise ConfigError("proxy.eject_after must be >= 1")
 
 
 @dataclass(frozen=True)
@@ -761,6 +777,7 @@ ENVIRONMENT: dict[str, tuple[str, str]] = {
     "AGENTSTREAM_OTLP_PORT": ("otlp", "port"),
     "AGENTSTREAM_OTLP_GRPC_PORT": ("otlp", "grpc_port"),
     "AGENTSTREAM_PROXY_KEYS": ("security", "proxy_keys"),
+    "AGENTSTREAM_PROXY_UPSTREAMS": ("proxy", "upstreams"),
     "AGENTSTREAM_COLLECTOR_KEYS": ("security", "collector_keys"),
     "AGENTSTREAM_REGISTRY_KEYS": ("security", "registry_keys"),
     "AGENTSTREAM_DASHBOARD_KEYS": ("security", "dashboard_keys"),
@@ -867,6 +884,9 @@ def _coerce(where: str, hint: Any, value: Any) -> Any:
             return float(value)
         if hint is Path:
             return Path(value)
+        if text == "tuple[str, ...]":  # a TOML array, or a comma-separated environment value
+            items = value.split(",") if isinstance(value, str) else list(value)
+            return tuple(str(item).strip() for item in items if str(item).strip())
         return value if value is None else str(value)
     except (TypeError, ValueError):
         raise ConfigError(f"{where}: cannot use {value!r} (expected {text})") from None
@@ -934,6 +954,8 @@ def dump_toml(config: Config) -> str:
             return "true" if value else "false"
         if isinstance(value, (int, float)):
             return repr(value)
+        if isinstance(value, tuple):
+            return "[" + ", ".join(literal(item) for item in value) + "]"
         return '"' + str(value).replace("\\", "\\\\").replace('"', '\\"') + '"'
 
     def table(header: str, section: Any) -> list[str]:

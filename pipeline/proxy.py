@@ -33,9 +33,11 @@ the client span that made the call; ``baggage`` entries ``agentstream.rollout_id
 
 from __future__ import annotations
 
+import asyncio
 import json
 import logging
 import re
+from collections.abc import Sequence
 from dataclasses import dataclass, field
 from typing import Any
 from urllib.parse import quote, unquote
@@ -56,6 +58,7 @@ from pipeline.access import (
     upstream_headers,
 )
 from pipeline.sdk import Rollout, SpanSink, build_span, new_id, now_us
+from pipeline.upstreams import HealthSettings, Replica, UpstreamPool
 from schemas.contracts import (
     AGENT_HEADER,
     ATTEMPT_HEADER,
@@ -111,6 +114,8 @@ class CallCapture:
     choices: dict[int, ChoiceCapture] = field(default_factory=dict)
     error: str | None = None
     trace: TraceContext | None = None
+    upstream: str | None = None  # the model server that answered (set when the proxy fronts several)
+    retried: bool = False  # it failed on one model server before its first byte and went to another
 
     def choice(self, index: int) -> ChoiceCapture:
         return self.choices.setdefault(index, ChoiceCapture(index))
@@ -256,6 +261,10 @@ def spans_of(capture: CallCapture, ended_us: int) -> list[SpanRecord]:
     attributes["agentstream.latency_ms"] = round((ended_us - capture.started_us) / 1000, 3)
     if capture.route is not None and capture.route.reason != "unrouted":
         attributes["agentstream.route"] = capture.route.reason
+    if capture.upstream is not None:
+        attributes["agentstream.upstream"] = capture.upstream
+    if capture.retried:
+        attributes["agentstream.upstream.retried"] = True
     trace = capture.trace
     if trace is not None and trace.trace_id:
         attributes["otel.trace_id"] = trace.trace_id
@@ -339,22 +348,25 @@ def served_version(headers, capture: CallCapture) -> int | None:
 class LLMProxy:
     """The proxy application: routes, attribution, relay and capture.
 
-    ``keys``: the API keys callers must present (empty or None: any caller). ``feedback_secret``: what
-    feedback tokens are made with (None: tokens off, the reward endpoint takes any caller); the CLI
-    builds both from ``[security]``.
+    ``upstream``: one model server's URL, or several (a fleet: ``pipeline/upstreams.py`` picks one per
+    request and ``health`` says how it checks them). ``keys``: the API keys callers must present
+    (empty or None: any caller). ``feedback_secret``: what feedback tokens are made with (None:
+    tokens off, the reward endpoint takes any caller); the CLI builds both from ``[security]``.
     """
 
-    def __init__(self, upstream: str, sink: SpanSink, *, agent_name: str | None = None,
+    def __init__(self, upstream: str | Sequence[str], sink: SpanSink, *, agent_name: str | None = None,
                  timeout_s: float = 600.0, deployments: RoutingTable | None = None, max_tokens: int = 0,
-                 keys: KeySet | None = None, feedback_secret: bytes | None = None) -> None:
+                 keys: KeySet | None = None, feedback_secret: bytes | None = None,
+                 health: HealthSettings | None = None) -> None:
         self.deployments = deployments
         self.keys = keys or KeySet(None)
         self.feedback_secret = feedback_secret
         self.max_tokens = max_tokens  # added to a chat request that names no limit (0: none added)
         self._auto_model: str | None = None
-        self.upstream = upstream.rstrip("/")
-        if self.upstream.endswith("/v1"):
-            self.upstream = self.upstream[:-3]
+        self.pool = UpstreamPool([upstream] if isinstance(upstream, str) else list(upstream),
+                                 health or HealthSettings())
+        self.upstream = self.pool.replicas[0].url
+        self._checking: asyncio.Task | None = None
         self.sink = sink
         self.agent_name = agent_name
         self.timeout = aiohttp.ClientTimeout(total=timeout_s, sock_connect=10)
@@ -374,13 +386,20 @@ class LLMProxy:
     async def _open(self, app: web.Application) -> None:
         connector = aiohttp.TCPConnector(limit=256, keepalive_timeout=60)
         self.session = aiohttp.ClientSession(connector=connector, timeout=self.timeout, auto_decompress=True)
+        if len(self.pool.replicas) > 1:  # one model server takes everything, as it always did: nothing to check
+            await self.pool.check_all(self.session)  # who is up, and what each holds, before the first request
+            self._checking = asyncio.create_task(self.pool.run(self.session))
 
     async def _close(self, app: web.Application) -> None:
+        if self._checking is not None:
+            self._checking.cancel()
+            await asyncio.gather(self._checking, return_exceptions=True)
         if self.session is not None:
             await self.session.close()
 
     async def health(self, request: web.Request) -> web.Response:
-        return web.json_response({"status": "ok", "upstream": self.upstream})
+        return web.json_response({"status": "ok", "upstream": self.upstream, "upstreams": [
+            {"url": r.url, "healthy": r.healthy, "outstanding": r.outstanding} for r in self.pool.replicas]})
 
     def _owner(self, request: web.Request, trace: TraceContext | None = None) -> Rollout:
         """Who a request belongs to: the path, then X-Agentstream-* headers, then baggage, then the trace."""
@@ -465,9 +484,10 @@ class LLMProxy:
         """Model ``auto`` becomes the upstream's first listed model (asked once)."""
         if body.get("model") != AUTO_MODEL:
             return
-        if self._auto_model is None and self.session is not None:
+        replica = self.pool.pick(None)
+        if self._auto_model is None and self.session is not None and replica is not None:
             try:
-                async with self.session.get(f"{self.upstream}/v1/models") as answer:
+                async with self.session.get(f"{replica.url}/v1/models") as answer:
                     listed = (await answer.json()).get("data") or []
                     self._auto_model = str(listed[0]["id"]) if listed else None
             except (aiohttp.ClientError, TimeoutError, ValueError, KeyError, TypeError) as error:
@@ -524,15 +544,80 @@ class LLMProxy:
             return openai_error(error.status, str(error), "NotFoundError" if error.status == 404
                                 else "invalid_request_error", param="model")
         headers = self._upstream_headers(request)
-        url = f"{self.upstream}/v1/{path}"
         try:
-            if body.get("stream"):
-                return await self._relay_stream(request, url, headers, capture)
-            return await self._relay_once(url, headers, capture)
+            return await self._relay_on_fleet(request, path, headers, capture)
         finally:
             self._record(capture)
 
-    async def _relay_once(self, url: str, headers: dict[str, str], capture: CallCapture) -> web.Response:
+    async def _relay_on_fleet(self, request: web.Request, path: str, headers: dict[str, str],
+                              capture: CallCapture) -> web.StreamResponse:
+        """Relay on the replica the pool picks; one that fails before the first byte reaches the client, once more."""
+        model, version = _wanted(capture)
+        # a model the deployments know goes only where its version is; any other is the model server's to answer
+        strict = capture.route is not None and capture.route.reason != "unrouted" and self.deployments is not None \
+            and self.deployments.routing(capture.route.model) is not None
+        tried: list[Replica] = []
+        failure: web.StreamResponse | None = None
+        while len(tried) < 2:
+            replica = await self._choose(model, version, strict, tried)
+            if replica is None:
+                break
+            if tried:
+                self.pool.retries += 1
+                capture.retried, capture.error, capture.policy_version = True, None, None
+                log.warning("retrying a request that failed on %s before its first byte on %s",
+                            tried[-1].url, replica.url)
+            tried.append(replica)
+            if len(self.pool.replicas) > 1:
+                capture.upstream = replica.url
+            with self.pool.busy(replica):
+                relay = self._relay_stream if capture.request.get("stream") else self._relay_once
+                response, retriable = await relay(request, replica, f"{replica.url}/v1/{path}", headers, capture)
+            if not retriable:
+                return response
+            failure = response
+        if failure is not None:
+            return failure
+        return self._none_holds(capture, model)
+
+    async def _choose(self, model: str | None, version: int | None, strict: bool,
+                      tried: list[Replica]) -> Replica | None:
+        """A replica for the request: one holding its model; for a routed request, no other."""
+        replica = self.pool.pick(model, version, exclude=tried)
+        if replica is None and strict and not tried and self.session is not None:
+            await self.pool.relist_all(self.session)  # hot swap may have loaded it since the last listing
+            replica = self.pool.pick(model, version)
+        if replica is None and not strict:
+            replica = self.pool.pick(None, exclude=tried)  # the model server answers for names it does not know
+        return replica
+
+    def _none_holds(self, capture: CallCapture, model: str | None) -> web.Response:
+        """No model server holds the routed version: a pin is the client's error; a deployment on its way is not."""
+        route = capture.route
+        assert route is not None
+        if route.reason == "pinned":
+            capture.error = f"no model server holds `{model}`"
+            return openai_error(404, f"version {route.version} of model `{route.model}` is held by no model server",
+                                "NotFoundError", param="model")
+        capture.error = f"no model server holds `{model}` yet"
+        response = openai_error(503, f"no model server holds `{model}` ({route.reason} version of `{route.model}`) "
+                                     f"yet; retry shortly", "service_unavailable")
+        response.headers["Retry-After"] = "1"
+        return response
+
+    def _answered(self, replica: Replica, status: int, raw: bytes, capture: CallCapture,
+                  content_type: str | None) -> tuple[web.Response, bool]:
+        """The upstream's own error answer, passed on as it is; 502 and 503 may go to another replica instead."""
+        capture.error = f"upstream HTTP {status}: {raw[:500].decode(errors='replace')}"
+        if status >= 500:
+            self.pool.failed(replica, f"HTTP {status}")
+        else:
+            self.pool.succeeded(replica)
+        return (web.Response(status=status, body=raw, headers=self._response_headers(capture),
+                             content_type=content_type or "application/json"), status in (502, 503))
+
+    async def _relay_once(self, request: web.Request, replica: Replica, url: str, headers: dict[str, str],
+                          capture: CallCapture) -> tuple[web.StreamResponse, bool]:
         assert self.session is not None
         try:
             async with self.session.post(url, json=upstream_request(capture.request, capture.operation, capture.route),
@@ -540,38 +625,39 @@ class LLMProxy:
                 raw = await upstream.read()
                 capture.policy_version = served_version(upstream.headers, capture)
                 if upstream.status != 200:
-                    capture.error = f"upstream HTTP {upstream.status}: {raw[:500].decode(errors='replace')}"
-                    return web.Response(status=upstream.status, body=raw, headers=self._response_headers(capture),
-                                        content_type=upstream.content_type or "application/json")
+                    return self._answered(replica, upstream.status, raw, capture, upstream.content_type)
                 try:
                     payload = json.loads(raw)
                 except ValueError:
                     raise UpstreamError(f"upstream answered non-JSON: {raw[:200]!r}") from None
         except (aiohttp.ClientError, TimeoutError, UpstreamError) as error:
-            return self._upstream_failed(capture, error)
+            # nothing has reached the client yet: a broken connection may go to another replica
+            return self._upstream_failed(capture, replica, error), _broken(error)
+        self.pool.succeeded(replica)
         absorb(capture, payload, streamed=False)
         return web.json_response(client_view(payload, capture.request, capture.operation),
-                                 headers=self._response_headers(capture))
+                                 headers=self._response_headers(capture)), False
 
-    async def _relay_stream(self, request: web.Request, url: str, headers: dict[str, str],
-                            capture: CallCapture) -> web.StreamResponse:
+    async def _relay_stream(self, request: web.Request, replica: Replica, url: str, headers: dict[str, str],
+                            capture: CallCapture) -> tuple[web.StreamResponse, bool]:
         assert self.session is not None
         wants_usage = bool((capture.request.get("stream_options") or {}).get("include_usage"))
         try:
             forwarded = upstream_request(capture.request, capture.operation, capture.route)
             upstream = await self.session.post(url, json=forwarded, headers=headers)
         except (aiohttp.ClientError, TimeoutError) as error:
-            return self._upstream_failed(capture, error)
+            return self._upstream_failed(capture, replica, error), _broken(error)
         async with upstream:
             capture.policy_version = served_version(upstream.headers, capture)
             if upstream.status != 200:
-                raw = await upstream.read()
-                capture.error = f"upstream HTTP {upstream.status}: {raw[:500].decode(errors='replace')}"
-                return web.Response(status=upstream.status, body=raw, headers=self._response_headers(capture),
-                                    content_type=upstream.content_type or "application/json")
+                try:
+                    raw = await upstream.read()
+                except (aiohttp.ClientError, TimeoutError) as error:
+                    return self._upstream_failed(capture, replica, error), _broken(error)
+                return self._answered(replica, upstream.status, raw, capture, upstream.content_type)
             response = web.StreamResponse(headers={"Content-Type": "text/event-stream", "Cache-Control": "no-cache",
                                                    **self._response_headers(capture)})
-            await response.prepare(request)
+            await response.prepare(request)  # from here on, what fails is the client's to see
             try:
                 async for line in upstream.content:
                     out = self._stream_line(line, capture, wants_usage)
@@ -579,11 +665,14 @@ class LLMProxy:
                         await response.write(out)
             except (aiohttp.ClientError, TimeoutError) as error:
                 capture.error = f"upstream stream broke: {error}"
+                self.pool.failed(replica, capture.error)
             except ConnectionResetError:
                 capture.error = "client disconnected before the stream ended"
-                return response
+                return response, False
+            else:
+                self.pool.succeeded(replica)
             await response.write_eof()
-            return response
+            return response, False
 
     def _stream_line(self, line: bytes, capture: CallCapture, wants_usage: bool) -> bytes | None:
         text = line.strip()
@@ -605,11 +694,12 @@ class LLMProxy:
         view = client_view(chunk, capture.request, capture.operation)
         return b"data: " + json.dumps(view, separators=(",", ":")).encode() + b"\n\n"
 
-    def _upstream_failed(self, capture: CallCapture, error: BaseException) -> web.Response:
+    def _upstream_failed(self, capture: CallCapture, replica: Replica, error: BaseException) -> web.Response:
         reason = str(error) or type(error).__name__
         capture.error = f"upstream unreachable or malformed: {reason}"
-        log.warning("upstream %s failed: %s", self.upstream, reason)
-        return openai_error(502, f"the model server at {self.upstream} failed: {reason}", "upstream_error")
+        log.warning("upstream %s failed: %s", replica.url, reason)
+        self.pool.failed(replica, reason)
+        return openai_error(502, f"the model server at {replica.url} failed: {reason}", "upstream_error")
 
     def _record(self, capture: CallCapture) -> None:
         for span in spans_of(capture, now_us()):
@@ -626,16 +716,47 @@ class LLMProxy:
         return headers
 
     async def _forward(self, request: web.Request, path: str) -> web.Response:
-        """Forward an allowed, uncaptured route (``path`` under the upstream's /v1, built here) as it is."""
+        """Forward an allowed, uncaptured route (``path`` under the upstream's /v1, built here) as it is.
+
+        It goes to the least busy replica, and to another once when the first cannot be reached.
+        """
         assert self.session is not None
-        try:
-            async with self.session.request(request.method, f"{self.upstream}/v1/{path}", params=request.query,
-                                            data=await request.read(),
-                                            headers=self._upstream_headers(request)) as upstream:
-                return web.Response(status=upstream.status, body=await upstream.read(),
-                                    content_type=upstream.content_type or "application/json")
-        except (aiohttp.ClientError, TimeoutError) as error:
-            return openai_error(502, f"the model server at {self.upstream} failed: {error}", "upstream_error")
+        body = await request.read()
+        tried: list[Replica] = []
+        failure = openai_error(502, "no model server to forward to", "upstream_error")
+        while len(tried) < 2 and (replica := self.pool.pick(None, exclude=tried)) is not None:
+            tried.append(replica)
+            try:
+                with self.pool.busy(replica):
+                    async with self.session.request(request.method, f"{replica.url}/v1/{path}", params=request.query,
+                                                    data=body, headers=self._upstream_headers(request)) as upstream:
+                        answer = web.Response(status=upstream.status, body=await upstream.read(),
+                                              content_type=upstream.content_type or "application/json")
+            except (aiohttp.ClientError, TimeoutError) as error:
+                self.pool.failed(replica, str(error) or type(error).__name__)
+                failure = openai_error(502, f"the model server at {replica.url} failed: {error}", "upstream_error")
+                if not isinstance(error, aiohttp.ClientConnectionError):
+                    break
+                continue
+            self.pool.succeeded(replica)
+            return answer
+        return failure
+
+
+def _broken(error: BaseException) -> bool:
+    """A connection refused, reset or cut mid-answer (a request may go elsewhere), not a timeout or a bad answer."""
+    return isinstance(error, (aiohttp.ClientConnectionError, aiohttp.ClientPayloadError))
+
+
+def _wanted(capture: CallCapture) -> tuple[str | None, int | None]:
+    """The model name a replica must list to take the request, and the weights version it must serve."""
+    route = capture.route
+    if route is None or route.reason == "unrouted":
+        model = capture.request.get("model")
+        return (model if isinstance(model, str) else None), None
+    # an adapter is its own name; full weights (or the base model) are the server's one version
+    version = route.version if route.upstream_model == route.model else None
+    return route.upstream_model, version
 
 
 def _forward_headers(headers) -> dict[str, str]:

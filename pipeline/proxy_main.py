@@ -16,13 +16,14 @@ from infra.security import KeySet, check_bind
 from pipeline.feedback import proxy_feedback_secret
 from pipeline.proxy import LLMProxy, serve_proxy
 from pipeline.publisher import process_publisher
+from pipeline.upstreams import HealthSettings
 
 
 @dataclass(frozen=True)
 class ProxyOptions:
-    """Where the proxy listens and what it forwards to."""
+    """Where the proxy listens and what it forwards to: one model server's URL, or several (a fleet)."""
 
-    upstream: str
+    upstream: str | tuple[str, ...]
     host: str = "127.0.0.1"
     port: int = 8080
     agent_name: str | None = None
@@ -35,7 +36,9 @@ def run_proxy(config: Config, bootstrap_servers: str, options: ProxyOptions) -> 
     check_bind("LLM proxy", options.host, keys, "proxy_keys", config.security)
     feedback_secret = proxy_feedback_secret(config)
     logging.getLogger("agentstream.deployments").setLevel(logging.INFO)
-    host, port, upstream = options.host, options.port, options.upstream
+    host, port = options.host, options.port
+    upstreams = (options.upstream,) if isinstance(options.upstream, str) else options.upstream
+    health = HealthSettings(config.proxy.health_interval_s, config.proxy.health_timeout_s, config.proxy.eject_after)
 
     async def serve() -> None:
         stop = asyncio.Event()
@@ -51,10 +54,12 @@ def run_proxy(config: Config, bootstrap_servers: str, options: ProxyOptions) -> 
                 print("warning: the deployments topic did not answer within 30 s; requests go to the model "
                       "they name until it does", file=sys.stderr, flush=True)
         with process_publisher(config, bootstrap_servers, "proxy") as publisher:
-            proxy = LLMProxy(upstream, publisher, agent_name=options.agent_name, deployments=follower,
-                             max_tokens=config.proxy.max_tokens, keys=keys, feedback_secret=feedback_secret)
+            proxy = LLMProxy(upstreams, publisher, agent_name=options.agent_name, deployments=follower,
+                             max_tokens=config.proxy.max_tokens, keys=keys, feedback_secret=feedback_secret,
+                             health=health)
             runner = await serve_proxy(proxy, host, port)
-            print(f"proxy on http://{host}:{port} -> {upstream}; point OpenAI clients at "
+            print(f"proxy on http://{host}:{port} -> {', '.join(r.url for r in proxy.pool.replicas)}; "
+                  f"point OpenAI clients at "
                   f"http://{host}:{port}/rollouts/<rollout_id>/v1", flush=True)
             try:
                 await until_signalled(stop)

@@ -95,12 +95,15 @@ class HotSwapper:
     """Loads into (and unloads from) a server the versions of ``model`` its routing needs; ``run`` follows.
 
     ``deployments`` records the promotions hot swap makes when no gate runs (``config.deploy.gate``
-    false); without one (tests of loading alone) nothing is recorded.
+    false); without one (tests of loading alone) nothing is recorded. ``promotions`` is shared by
+    the hot swaps of one process, one per server of a fleet: the first to load a version promotes
+    it, the others take that decision as theirs rather than record it again.
     """
 
     def __init__(self, config: Config, bootstrap_servers: str, server_url: str, model: str, *,
                  verify: bool = True, on_swap: Callable[[Swap], None] | None = None, retry_s: float = 0.5,
-                 deployments: DeploymentLog | None = None, reader: CheckpointReader | None = None) -> None:
+                 deployments: DeploymentLog | None = None, reader: CheckpointReader | None = None,
+                 promotions: dict[int, Decision] | None = None) -> None:
         self.config = config
         self.reader = reader or CheckpointReader(config.checkpoints, config.stack.home)
         self.folders: dict[int, str] = {}  # version -> the local folder the server was given
@@ -111,6 +114,7 @@ class HotSwapper:
         self.on_swap = on_swap
         self.retry_s = retry_s
         self.deployments = deployments
+        self.promotions = promotions
         self.gated = config.deploy.gate
         self.version: int | None = None  # full weights: the version the server holds
         self.adapters: dict[int, str] = {}  # version -> adapter name loaded on the server
@@ -190,10 +194,16 @@ class HotSwapper:
         checkpoint = self.checkpoints[newest]
         if not await self._load_until_done(newest, stop):
             return
+        decision = self.promotions.get(newest) if self.promotions is not None else None
+        if decision is not None:  # another server of this process's fleet held it first and promoted it
+            self._set_routing(decision.routing, decision.at_us)
+            return
         decision = decide(self.routing, newest, Action.PROMOTED, "hotswap",
                           "no gate (deploy.gate = false): promoted to all traffic once the server held it",
                           stable_version=newest, stable_uri=checkpoint.uri, format=checkpoint.format,
                           canary_version=None, canary_share=0.0, candidate_version=None)
+        if self.promotions is not None:
+            self.promotions[newest] = decision
         self._set_routing(decision.routing, decision.at_us)
         if self.deployments is not None:
             await self.deployments.record(decision)

@@ -7,7 +7,7 @@ from pathlib import Path
 
 import pytest
 
-from infra.config import ConfigError, CreditRule, Secret, describe, load_config
+from infra.config import ConfigError, CreditRule, Secret, describe, dump_toml, load_config
 
 
 def test_defaults_are_the_embedded_loopback_stack():
@@ -130,3 +130,19 @@ def test_deploy_reconcile_s_is_validated(tmp_path):
     path.write_text("[deploy]\nreconcile_s = 0\n")
     assert load_config(path, environ={}).deploy.reconcile_s == 0
     assert load_config(environ={}).deploy.reconcile_s == 10.0
+
+
+def test_proxy_upstreams_from_the_file_and_the_environment(tmp_path):
+    path = tmp_path / "agentstream.toml"
+    path.write_text('[proxy]\nupstreams = ["http://a:8000", "http://b:8000"]\neject_after = 5\n')
+    config = load_config(path, environ={})
+    assert config.proxy.upstreams == ("http://a:8000", "http://b:8000") and config.proxy.eject_after == 5
+    assert config.proxy.health_interval_s == 2.0 and config.proxy.health_timeout_s == 2.0
+    env = load_config(path, environ={"AGENTSTREAM_PROXY_UPSTREAMS": "http://c:8000, http://d:8000"})
+    assert env.proxy.upstreams == ("http://c:8000", "http://d:8000")
+    again = tmp_path / "again.toml"
+    again.write_text(dump_toml(config))
+    assert load_config(again, environ={}).proxy == config.proxy
+    path.write_text('[proxy]\nupstreams = ["a:8000"]\n')
+    with pytest.raises(ConfigError, match="upstreams"):
+        load_config(path, environ={})
