@@ -498,17 +498,22 @@ def train_worker_command(ctx: click.Context, model_spec: str | None, max_steps: 
 
     try:
         from trainer.checkpoints import CheckpointError
+        from trainer.distributed import Ranks
         from trainer.policy import PolicyError
-        from trainer.worker_main import run_train_worker
+        from trainer.worker_main import run_train_follower, run_train_worker
     except ImportError as error:
         raise click.ClickException(f"train-worker needs {error.name}: pip install 'agentstream[train]'") from None
     config = _config(ctx)
     if model_spec:
         config = replace(config, trainer=replace(config.trainer, model=model_spec))
+    ranks = Ranks.from_env()  # set by torchrun: data-parallel ranks, rank 0 reads Kafka
+    if ranks is not None and not ranks.leader:
+        run_train_follower(config, ranks)
+        return
     endpoints = Stack(config).endpoints()
     try:
         run_train_worker(config, endpoints.bootstrap_servers, endpoints.clickhouse_url, max_steps=max_steps,
-                         rebase=RejectionStreak)
+                         rebase=RejectionStreak, ranks=ranks)
     except (CheckpointError, PolicyError) as error:
         raise click.ClickException(str(error)) from None
 

@@ -1,0 +1,224 @@
+"""Two gloo ranks on the CPU hold the weights one rank would after the same batches; a dead rank stops the other.
+
+The ranks are two spawned processes (``trainer/distributed.py``'s Group, as ``train-worker``
+runs it under torchrun, without Kafka): rank 0 shards each batch and leads, rank 1 follows.
+The single-rank reference is ``train_step`` on the whole batch in this process.
+
+What data parallelism must get right is the gradient: the ranks' summed gradient is one rank's
+up to float32 rounding (about 1e-8 here, on gradients of about 1e-2). With plain SGD the
+weights then agree within 1e-6, for every loss normalisation and with gradient accumulation.
+AdamW, the trainer's optimizer, divides each element by the root of its second moment plus
+eps = 1e-8, so an element whose gradient is itself about 1e-9 moves by a sizeable fraction of
+lr whatever its exact value: rounding there shows in the weights (measured up to 8e-5 at
+lr 1e-3 with two micro-batches). AdamW's case is checked against the distance the weights
+moved instead.
+"""
+
+from __future__ import annotations
+
+import os
+import signal
+import time
+from dataclasses import replace
+from pathlib import Path
+
+import pytest
+import torch
+import torch.multiprocessing as mp
+
+from infra.config import TrainerConfig
+from infra.processes import free_port
+from trainer.batching import Batch, Counts, Sample, token_weights
+from trainer.distributed import Group, Ranks, Shard, join, leave, shard_batch
+from trainer.policy import Policy, build_policy
+from trainer.step import train_step
+
+BASE = TrainerConfig(model="tiny", device="cpu", threads=1, lr=1e-3, distributed_backend="gloo",
+                     distributed_timeout_s=60)
+CASES = {  # name: settings, optimizer
+    "adamw-token": (BASE, "adamw"),
+    "sgd-token": (BASE, "sgd"),
+    "sgd-transition": (replace(BASE, loss_normalization="transition"), "sgd"),
+    "sgd-rollout-accumulated": (replace(BASE, loss_normalization="rollout", accumulation_steps=2), "sgd"),
+    "sgd-token-micro-batches": (replace(BASE, micro_batch_tokens=48), "sgd"),
+    "sgd-token-per-rank-mean": (BASE, "sgd"),  # the planted mistake: each rank's own token mean, averaged
+}
+ATOL = 1e-6
+
+
+def policy_for(case: str) -> Policy:
+    config, optimizer = CASES[case]
+    policy = build_policy(config)
+    if optimizer == "sgd":
+        policy.optimizer = torch.optim.SGD(policy.trainable(), lr=1.0)
+    return policy
+
+
+def per_rank_mean(samples: list[Sample], normalization: str, world: int) -> list[Shard]:
+    """What DDP does with a per-rank mean loss: each shard normalised alone, the ranks' gradients averaged."""
+    shards = [[s for s, _ in shard] for shard in shard_batch(samples, normalization, world)]
+    return [list(zip(shard, [w / world for w in token_weights(shard, normalization)], strict=True)) if shard else []
+            for shard in shards]
+
+
+def batches() -> list[Batch]:
+    """Three steps of GRPO-like groups (a shared prompt, responses of 1 to 12 tokens) and lone samples, then one sample.
+
+    Lengths differ so that the shards of a step hold different numbers of trained tokens.
+    """
+    generator = torch.Generator().manual_seed(7)
+    steps = []
+    for step in range(3):
+        samples = []
+        for group in range(2 + step):
+            prompt = torch.randint(5, 200, (3 + 4 * group,), generator=generator).tolist()
+            for index in range(3):
+                length = 1 + (5 * index + 3 * group + step) % 12
+                response = torch.randint(5, 200, (length,), generator=generator).tolist()
+                samples.append(Sample(f"s{step}-{group}-{index}", f"r{step}-{group % 2}", 0, prompt, response,
+                                      [-4.0 + 0.1 * index] * length, 1.0, float(index) - 1.0 + 0.3 * group))
+        lone = torch.randint(5, 200, (20,), generator=generator).tolist()
+        samples.append(Sample(f"s{step}-lone", f"r{step}-lone", 0, lone[:6], lone[6:], [-3.0] * 14, 1.0, 0.7))
+        steps.append(Batch(samples, 0, Counts()))
+    steps.append(Batch(steps[0].samples[:1], 0, Counts()))  # one rank's shard is empty
+    return steps
+
+
+def _rank(rank: int, port: int, folder: str, cases: list[str]) -> None:
+    """One rank: for each case a fresh tiny policy, synced from rank 0, trained on the batches; weights saved."""
+    os.environ.update(MASTER_ADDR="127.0.0.1", MASTER_PORT=str(port))
+    torch.set_num_threads(1)
+    ranks = Ranks(rank, 2, rank)
+    join(BASE, ranks)
+    try:
+        for case in cases:
+            config = CASES[case][0]
+            policy = policy_for(case)
+            if rank == 1:  # a different start, which rank 0's sync must overwrite
+                with torch.no_grad():
+                    for parameter in policy.trainable():
+                        parameter.add_(0.01)
+            group = Group(policy, config, ranks, per_rank_mean if case.endswith("per-rank-mean") else shard_batch)
+            if rank == 0:
+                group.sync()
+                losses = [group.step(batch).loss for batch in batches()]
+                group.stop()
+            else:
+                assert group.follow() == len(batches())
+                losses = []
+            torch.save({"weights": [p.detach().clone() for p in policy.trainable()], "losses": losses},
+                       Path(folder) / f"{case}-rank{rank}.pt")
+    finally:
+        leave()
+
+
+def one_rank(case: str) -> tuple[list[torch.Tensor], list[torch.Tensor], list[float]]:
+    """The weights before and after the batches on one rank, and each step's loss."""
+    policy = policy_for(case)
+    start = [p.detach().clone() for p in policy.trainable()]
+    losses = [train_step(policy, batch, CASES[case][0]).loss for batch in batches()]
+    return start, [p.detach().clone() for p in policy.trainable()], losses
+
+
+@pytest.fixture(scope="module")
+def two_ranks(tmp_path_factory) -> Path:
+    """Every case trained by two spawned gloo ranks (one spawn: the imports cost more than the training)."""
+    folder = tmp_path_factory.mktemp("ranks")
+    context = mp.get_context("spawn")
+    port = free_port()
+    processes = [context.Process(target=_rank, args=(rank, port, str(folder), list(CASES))) for rank in (0, 1)]
+    for process in processes:
+        process.start()
+    for process in processes:
+        process.join(timeout=120)
+    for process in processes:
+        if process.is_alive():
+            process.kill()
+    assert [p.exitcode for p in processes] == [0, 0]
+    return folder
+
+
+def max_difference(a: list[torch.Tensor], b: list[torch.Tensor]) -> float:
+    return max(float((x - y).detach().abs().max()) for x, y in zip(a, b, strict=True))
+
+
+@pytest.mark.parametrize("case", [case for case in CASES if case.startswith("sgd") and "per-rank" not in case])
+def test_two_gloo_ranks_hold_the_weights_one_rank_would(two_ranks, case):
+    torch.set_num_threads(1)
+    start, expected, expected_losses = one_rank(case)
+    leader, follower = (torch.load(two_ranks / f"{case}-rank{rank}.pt") for rank in (0, 1))
+    assert max_difference(expected, start) > 1e-3  # the steps moved the weights
+    assert max_difference(leader["weights"], expected) <= ATOL
+    assert max_difference(follower["weights"], leader["weights"]) == 0  # the same summed gradient, the same step
+    assert leader["losses"] == pytest.approx(expected_losses, abs=1e-6)
+
+
+def test_with_adamw_two_ranks_stay_within_a_thousandth_of_the_distance_moved(two_ranks):
+    torch.set_num_threads(1)
+    start, expected, _ = one_rank("adamw-token")
+    leader, follower = (torch.load(two_ranks / f"adamw-token-rank{rank}.pt") for rank in (0, 1))
+    moved = max_difference(expected, start)
+    assert moved > 1e-3
+    assert max_difference(leader["weights"], expected) <= 1e-3 * moved
+    assert max_difference(follower["weights"], leader["weights"]) == 0
+
+
+def test_the_check_fails_on_per_rank_means_averaged(two_ranks):
+    """The shards hold different numbers of tokens, so averaging each rank's own token mean gives other weights."""
+    shards = shard_batch(batches()[0].samples, "token", 2)
+    assert len({sum(s.trained_tokens for s, _ in shard) for shard in shards}) == 2
+    _, expected, _ = one_rank("sgd-token")
+    planted = torch.load(two_ranks / "sgd-token-per-rank-mean-rank0.pt")
+    assert max_difference(planted["weights"], expected) > 100 * ATOL
+
+
+def test_a_shard_carries_the_whole_steps_weights():
+    samples = batches()[1].samples
+    for normalization in ("token", "transition", "rollout"):
+        shards = shard_batch(samples, normalization, 2)
+        assert sorted(s.transition_id for shard in shards for s, _ in shard) == sorted(s.transition_id for s in samples)
+        weights = {s.transition_id: w for s, w in zip(samples, token_weights(samples, normalization), strict=True)}
+        assert all(w == weights[s.transition_id] for shard in shards for s, w in shard)
+        assert all(shards)
+    assert sorted(map(len, shard_batch(samples[:1], "token", 2))) == [0, 1]  # fewer samples than ranks
+
+
+def _doomed(rank: int, port: int, folder: str) -> None:
+    """Rank 0 steps forever; rank 1 follows. The test kills one of them."""
+    os.environ.update(MASTER_ADDR="127.0.0.1", MASTER_PORT=str(port))
+    torch.set_num_threads(1)
+    config = replace(BASE, distributed_timeout_s=20)
+    ranks = Ranks(rank, 2, rank)
+    join(config, ranks)
+    group = Group(build_policy(config), config, ranks)
+    if rank == 0:
+        group.sync()
+        batch = batches()[0]
+        while True:
+            group.step(batch)
+            (Path(folder) / "stepped").touch()
+    else:
+        group.follow()
+
+
+@pytest.mark.parametrize("killed", [0, 1])
+def test_a_killed_rank_makes_the_other_exit_non_zero(tmp_path, killed):
+    context = mp.get_context("spawn")
+    port = free_port()
+    processes = [context.Process(target=_doomed, args=(rank, port, str(tmp_path))) for rank in (0, 1)]
+    for process in processes:
+        process.start()
+    try:
+        deadline = time.monotonic() + 60
+        while not (tmp_path / "stepped").exists():
+            assert time.monotonic() < deadline and all(p.is_alive() for p in processes), "no step was taken"
+            time.sleep(0.05)
+        os.kill(processes[killed].pid, signal.SIGKILL)
+        survivor = processes[1 - killed]
+        survivor.join(timeout=45)
+        assert not survivor.is_alive(), "the surviving rank hangs"
+        assert survivor.exitcode not in (0, None)
+    finally:
+        for process in processes:
+            if process.is_alive():
+                process.kill()
