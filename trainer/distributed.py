@@ -80,12 +80,22 @@ def rank_config(config: TrainerConfig, ranks: Ranks) -> TrainerConfig:
 
 
 def join(config: TrainerConfig, ranks: Ranks) -> str:
-    """Join the process group (``env://``: torchrun's MASTER_ADDR and MASTER_PORT); returns the backend."""
+    """Join the process group (``env://``: torchrun's MASTER_ADDR and MASTER_PORT); returns the backend.
+
+    The keys of each torchrun attempt (``TORCHELASTIC_RESTART_COUNT``) get a prefix of their own:
+    torchrun keeps one store across restarts, and a rank that started before rank 0 of the new
+    attempt read rank 0's address from the attempt before, a dead process (measured: gloo's
+    ``connectFullMesh`` failed with "Connection refused", and the restart with it).
+    """
     backend = backend_for(config)
     if backend == "nccl":
         torch.cuda.set_device(ranks.local_rank)
-    dist.init_process_group(backend, rank=ranks.rank, world_size=ranks.world,
-                            timeout=timedelta(seconds=config.distributed_timeout_s))
+    timeout = timedelta(seconds=config.distributed_timeout_s)
+    store, _, _ = next(dist.rendezvous("env://", ranks.rank, ranks.world, timeout=timeout))
+    store.set_timeout(timeout)
+    attempt = os.environ.get("TORCHELASTIC_RESTART_COUNT", "0")
+    dist.init_process_group(backend, store=dist.PrefixStore(f"agentstream-attempt-{attempt}", store),
+                            rank=ranks.rank, world_size=ranks.world, timeout=timeout)
     return backend
 
 

@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import asyncio
+import os
 import signal
 from collections.abc import Callable
 from dataclasses import replace
@@ -72,6 +73,7 @@ def run_train_follower(config: Config, ranks: Ranks) -> None:
         signal.signal(signum, signal.SIG_IGN)
     settings = rank_config(config.trainer, ranks)
     backend = join(settings, ranks)
+    print(f"trainer: rank {ranks.rank} of {ranks.world} ({backend}), pid {os.getpid()}, follows rank 0", flush=True)
     try:
         steps = Group(build_policy(settings), settings, ranks).follow()
     finally:
