@@ -67,6 +67,7 @@ BENCHES := stack_roundtrip broker_storage publish proxy streams trainer step gen
 # bfloat16 (tiny model, then SmolLM2-135M at 64 x 512) and the first-step ratio check, as JSON lines.
 gpu-check: install
 	AGENTSTREAM_REQUIRE_CUDA=1 $(BIN)/python -m pytest tests/unit/test_devices.py -q
+	AGENTSTREAM_REQUIRE_CUDA=1 $(BIN)/python -m pytest tests/integration/test_distributed_trainer.py -q -s -k nccl
 	$(BIN)/python -m bench.precision --cuda
 	$(BIN)/python -m bench.precision --cuda --model smollm2 --batch 64 --length 512
 

@@ -55,8 +55,10 @@ CASES = {  # name: settings, optimizer
 ATOL = 1e-6
 
 
-def policy_for(case: str) -> Policy:
-    config, optimizer = CASES[case]
+def policy_for(case: str, config: TrainerConfig | None = None) -> Policy:
+    """The case's policy (on ``config``'s device where given), with plain SGD where the case says so."""
+    config = config or CASES[case][0]
+    optimizer = CASES[case][1]
     policy = build_policy(config)
     if optimizer == "sgd":
         policy.optimizer = torch.optim.SGD(policy.trainable(), lr=1.0)
@@ -231,6 +233,67 @@ def test_a_killed_rank_makes_the_other_exit_non_zero(tmp_path, killed):
         for process in processes:
             if process.is_alive():
                 process.kill()
+
+
+def _nccl_rank(rank: int, world: int, port: int, folder: str) -> None:
+    """One NCCL rank on GPU ``rank``: the SGD and AdamW token cases, weights saved (on the CPU)."""
+    os.environ.update(MASTER_ADDR="127.0.0.1", MASTER_PORT=str(port))
+    ranks = Ranks(rank, world, rank)
+    join(nccl(BASE, rank), ranks)
+    try:
+        for case in ("sgd-token", "adamw-token"):
+            config = nccl(CASES[case][0], rank)
+            policy = policy_for(case, config)
+            group = Group(policy, config, ranks)
+            if rank == 0:
+                group.sync()
+                for batch in batches():
+                    group.step(batch)
+                group.stop()
+            else:
+                group.follow()
+            torch.save([p.detach().cpu() for p in policy.trainable()], Path(folder) / f"{case}-nccl-rank{rank}.pt")
+    finally:
+        leave()
+
+
+def nccl(config: TrainerConfig, gpu: int) -> TrainerConfig:
+    return replace(config, device=f"cuda:{gpu}", dtype="float32", distributed_backend="nccl")
+
+
+def test_nccl_ranks_hold_the_weights_one_rank_would(tmp_path):
+    """``make gpu-check``: NCCL ranks on the GPUs there are, at most two, against one rank on GPU 0.
+
+    NCCL will not put two ranks on one GPU, so with one GPU this is a world of one: it checks
+    the NCCL path (object scatter, all-reduce, sync) on CUDA, not the splitting of a step.
+    """
+    if not torch.cuda.is_available():
+        if os.environ.get("AGENTSTREAM_REQUIRE_CUDA"):
+            pytest.fail("AGENTSTREAM_REQUIRE_CUDA is set (make gpu-check) but torch sees no CUDA device")
+        pytest.skip("NCCL needs a CUDA device; this machine has none")
+    world = min(2, torch.cuda.device_count())
+    print(f"NCCL: {world} rank(s) on {torch.cuda.device_count()} GPU(s)")
+    context = mp.get_context("spawn")
+    port = free_port()
+    processes = [context.Process(target=_nccl_rank, args=(rank, world, port, str(tmp_path))) for rank in range(world)]
+    for process in processes:
+        process.start()
+    for process in processes:
+        process.join(timeout=300)
+    assert [p.exitcode for p in processes] == [0] * world
+    for case in ("sgd-token", "adamw-token"):
+        config = nccl(CASES[case][0], 0)
+        policy = policy_for(case, config)
+        start = [p.detach().cpu().clone() for p in policy.trainable()]
+        for batch in batches():
+            train_step(policy, batch, config)
+        expected = [p.detach().cpu() for p in policy.trainable()]
+        ranks = [torch.load(tmp_path / f"{case}-nccl-rank{rank}.pt") for rank in range(world)]
+        moved = max_difference(expected, start)
+        assert moved > 1e-3
+        bound = ATOL if case.startswith("sgd") else 1e-3 * moved
+        assert max_difference(ranks[0], expected) <= bound, case
+        assert all(max_difference(weights, ranks[0]) == 0 for weights in ranks[1:]), case
 
 
 TORCHRUN_CONFIG = """
