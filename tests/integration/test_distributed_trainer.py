@@ -50,6 +50,7 @@ CASES = {  # name: settings, optimizer
     "sgd-transition": (replace(BASE, loss_normalization="transition"), "sgd"),
     "sgd-rollout-accumulated": (replace(BASE, loss_normalization="rollout", accumulation_steps=2), "sgd"),
     "sgd-token-micro-batches": (replace(BASE, micro_batch_tokens=48), "sgd"),
+    "sgd-lora-kl": (replace(BASE, lora=True, lora_r=4, kl_coef=0.1), "sgd"),  # the adapter is what the ranks sum
     "sgd-token-per-rank-mean": (BASE, "sgd"),  # the planted mistake: each rank's own token mean, averaged
 }
 ATOL = 1e-6
