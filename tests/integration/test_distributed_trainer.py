@@ -184,17 +184,6 @@ def test_the_check_fails_on_per_rank_means_averaged(two_ranks):
     assert max_difference(planted["weights"], expected) > 100 * ATOL
 
 
-def test_a_shard_carries_the_whole_steps_weights():
-    samples = batches()[1].samples
-    for normalization in ("token", "transition", "rollout"):
-        shards = shard_batch(samples, normalization, 2)
-        assert sorted(s.transition_id for shard in shards for s, _ in shard) == sorted(s.transition_id for s in samples)
-        weights = {s.transition_id: w for s, w in zip(samples, token_weights(samples, normalization), strict=True)}
-        assert all(w == weights[s.transition_id] for shard in shards for s, w in shard)
-        assert all(shards)
-    assert sorted(map(len, shard_batch(samples[:1], "token", 2))) == [0, 1]  # fewer samples than ranks
-
-
 def _doomed(rank: int, port: int, folder: str) -> None:
     """Rank 0 steps forever; rank 1 follows. The test kills one of them."""
     os.environ.update(MASTER_ADDR="127.0.0.1", MASTER_PORT=str(port))
