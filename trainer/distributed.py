@@ -41,6 +41,7 @@ Shard = list[tuple[Sample, float]]
 
 STOP, STEP, SYNC, NOOP = "stop", "step", "sync", "noop"
 STATS = len(TokenStats.__dataclass_fields__)
+JOIN_TIMEOUT = timedelta(minutes=10)
 
 
 @dataclass(frozen=True)
@@ -86,13 +87,16 @@ def join(config: TrainerConfig, ranks: Ranks) -> str:
     torchrun keeps one store across restarts, and a rank that started before rank 0 of the new
     attempt read rank 0's address from the attempt before, a dead process (measured: gloo's
     ``connectFullMesh`` failed with "Connection refused", and the restart with it).
+    Joining waits up to ``JOIN_TIMEOUT`` (or the collective timeout, if longer) for the other
+    ranks: rank 0 waits for ClickHouse and loads the model before it joins.
     """
     backend = backend_for(config)
     if backend == "nccl":
         torch.cuda.set_device(ranks.local_rank)
     timeout = timedelta(seconds=config.distributed_timeout_s)
-    store, _, _ = next(dist.rendezvous("env://", ranks.rank, ranks.world, timeout=timeout))
-    store.set_timeout(timeout)
+    waiting = max(timeout, JOIN_TIMEOUT)
+    store, _, _ = next(dist.rendezvous("env://", ranks.rank, ranks.world, timeout=waiting))
+    store.set_timeout(waiting)
     attempt = os.environ.get("TORCHELASTIC_RESTART_COUNT", "0")
     dist.init_process_group(backend, store=dist.PrefixStore(f"agentstream-attempt-{attempt}", store),
                             rank=ranks.rank, world_size=ranks.world, timeout=timeout)

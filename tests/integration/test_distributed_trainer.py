@@ -225,6 +225,48 @@ def test_a_killed_rank_makes_the_other_exit_non_zero(tmp_path, killed):
                 process.kill()
 
 
+def _idle(rank: int, port: int, keepalive: bool) -> None:
+    """Rank 0 idles for 2.5 collective timeouts (keeping the group alive or not), then steps once and stops."""
+    os.environ.update(MASTER_ADDR="127.0.0.1", MASTER_PORT=str(port))
+    torch.set_num_threads(1)
+    config = replace(BASE, distributed_timeout_s=2)
+    ranks = Ranks(rank, 2, rank)
+    policy = build_policy(config)  # before joining: the ranks then meet well within the 2 s
+    join(config, ranks)
+    try:
+        group = Group(policy, config, ranks)
+        if rank == 0:
+            group.sync()
+            idle_until = time.monotonic() + 5
+            while time.monotonic() < idle_until:  # as the worker's consume loop does between batches
+                if keepalive and group.idle_s() > group.keepalive_s:
+                    group.keepalive()
+                time.sleep(0.1)
+            group.step(batches()[0])
+            group.stop()
+        else:
+            assert group.follow() == 1
+    finally:
+        leave()
+
+
+@pytest.mark.parametrize("keepalive", [True, False])
+def test_an_idle_group_outlives_the_collective_timeout_only_with_keepalives(keepalive):
+    context = mp.get_context("spawn")
+    port = free_port()
+    processes = [context.Process(target=_idle, args=(rank, port, keepalive)) for rank in (0, 1)]
+    for process in processes:
+        process.start()
+    for process in processes:
+        process.join(timeout=60)
+        if process.is_alive():
+            process.kill()
+    if keepalive:
+        assert [p.exitcode for p in processes] == [0, 0]
+    else:  # the waiting rank gave up after 2 s, and rank 0's step found it gone
+        assert processes[1].exitcode not in (0, None) and processes[0].exitcode not in (0, None)
+
+
 def _nccl_rank(rank: int, world: int, port: int, folder: str) -> None:
     """One NCCL rank on GPU ``rank``: the SGD and AdamW token cases, weights saved (on the CPU)."""
     os.environ.update(MASTER_ADDR="127.0.0.1", MASTER_PORT=str(port))
