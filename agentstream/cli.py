@@ -491,7 +491,11 @@ def serve_model_command(ctx: click.Context, model_spec: str, host: str, port: in
               help="Stop after this many optimizer steps (default: run until SIGTERM).")
 @click.pass_context
 def train_worker_command(ctx: click.Context, model_spec: str | None, max_steps: int | None) -> None:
-    """Train one model from the transitions topic; checkpoints go to the store and the checkpoints topic."""
+    """Train one model from the transitions topic; checkpoints go to the store and the checkpoints topic.
+
+    Under torchrun (`torchrun --nproc-per-node N -m agentstream train-worker`) it runs as N
+    data-parallel ranks: rank 0 reads Kafka and writes checkpoints, the others follow it.
+    """
     from dataclasses import replace
 
     from deploy.rebase import RejectionStreak

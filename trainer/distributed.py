@@ -160,8 +160,8 @@ class Group:
     def sync(self) -> None:
         """Give every rank rank 0's trainable weights and optimizer state (after a load, and once at the start)."""
         state = self.policy.optimizer.state_dict()
-        layout = {"param_groups": state["param_groups"],
-                  "state": {index: {key: (tuple(value.shape), value.dtype, str(value.device))
+        layout = {"param_groups": state["param_groups"],  # a tensor's device: the CPU, or each rank's own
+                  "state": {index: {key: (tuple(value.shape), value.dtype, value.device.type == "cpu")
                                     if isinstance(value, torch.Tensor) else value for key, value in entry.items()}
                             for index, entry in state["state"].items()}}
         self._send([(SYNC, layout)] * self.ranks.world)
@@ -200,8 +200,8 @@ class Group:
                 return steps
 
     def _receive_state(self, layout: dict[str, Any]) -> None:
-        state = {index: {key: torch.empty(value[0], dtype=value[1], device=value[2]) if isinstance(value, tuple)
-                         else value for key, value in entry.items()}
+        state = {index: {key: torch.empty(value[0], dtype=value[1], device="cpu" if value[2] else self.device)
+                         if isinstance(value, tuple) else value for key, value in entry.items()}
                  for index, entry in layout["state"].items()}
         self._broadcast_state({"state": state, "param_groups": layout["param_groups"]})
         self.policy.optimizer.load_state_dict({"state": state, "param_groups": layout["param_groups"]})

@@ -46,6 +46,7 @@ BASE = TrainerConfig(model="tiny", device="cpu", threads=1, lr=1e-3, distributed
                      distributed_timeout_s=60)
 CASES = {  # name: settings, optimizer
     "adamw-token": (BASE, "adamw"),
+    "adamw-resumed": (BASE, "adamw"),  # rank 0 takes the first step alone, as if it had loaded a checkpoint
     "sgd-token": (BASE, "sgd"),
     "sgd-transition": (replace(BASE, loss_normalization="transition"), "sgd"),
     "sgd-rollout-accumulated": (replace(BASE, loss_normalization="rollout", accumulation_steps=2), "sgd"),
@@ -111,12 +112,14 @@ def _rank(rank: int, port: int, folder: str, cases: list[str]) -> None:
                     for parameter in policy.trainable():
                         parameter.add_(0.01)
             group = Group(policy, config, ranks, per_rank_mean if case.endswith("per-rank-mean") else shard_batch)
+            alone = 1 if case == "adamw-resumed" else 0
             if rank == 0:
-                group.sync()
-                losses = [group.step(batch).loss for batch in batches()]
+                losses = [train_step(policy, batch, config).loss for batch in batches()[:alone]]
+                group.sync()  # the weights and AdamW's moments
+                losses += [group.step(batch).loss for batch in batches()[alone:]]
                 group.stop()
             else:
-                assert group.follow() == len(batches())
+                assert group.follow() == len(batches()) - alone
                 losses = []
             torch.save({"weights": [p.detach().clone() for p in policy.trainable()], "losses": losses},
                        Path(folder) / f"{case}-rank{rank}.pt")
@@ -165,10 +168,12 @@ def test_two_gloo_ranks_hold_the_weights_one_rank_would(two_ranks, case):
     assert leader["losses"] == pytest.approx(expected_losses, abs=1e-6)
 
 
-def test_with_adamw_two_ranks_stay_within_a_thousandth_of_the_distance_moved(two_ranks):
+@pytest.mark.parametrize("case", ["adamw-token", "adamw-resumed"])
+def test_with_adamw_two_ranks_stay_within_a_thousandth_of_the_distance_moved(two_ranks, case):
+    """``adamw-resumed``: rank 1 gets AdamW's moments from rank 0's sync, or it would step differently."""
     torch.set_num_threads(1)
-    start, expected, _ = one_rank("adamw-token")
-    leader, follower = (torch.load(two_ranks / f"adamw-token-rank{rank}.pt") for rank in (0, 1))
+    start, expected, _ = one_rank(case)
+    leader, follower = (torch.load(two_ranks / f"{case}-rank{rank}.pt") for rank in (0, 1))
     moved = max_difference(expected, start)
     assert moved > 1e-3
     assert max_difference(leader["weights"], expected) <= 1e-3 * moved
