@@ -61,12 +61,13 @@ lint: install
 
 # Every benchmark prints one JSON line per figure (a few minutes in all; `streams` installs
 # Agent Lightning 0.3.0 into .venv-peer on its first run to compare with it).
-BENCHES := stack_roundtrip broker_storage publish proxy streams trainer step generation precision deploy dashboard otlp clickhouse_reads gate trajectory_prefix tool_drift
+BENCHES := stack_roundtrip broker_storage publish proxy streams trainer step generation precision deploy dashboard otlp clickhouse_reads gate trajectory_prefix tool_drift distributed_trainer
 
 # On a machine with a CUDA GPU: the device tests on CUDA, then trainer and generation tokens/s in float32 and
 # bfloat16 (tiny model, then SmolLM2-135M at 64 x 512) and the first-step ratio check, as JSON lines.
 gpu-check: install
 	AGENTSTREAM_REQUIRE_CUDA=1 $(BIN)/python -m pytest tests/unit/test_devices.py -q
+	AGENTSTREAM_REQUIRE_CUDA=1 $(BIN)/python -m pytest tests/integration/test_distributed_trainer.py -q -s -k nccl
 	$(BIN)/python -m bench.precision --cuda
 	$(BIN)/python -m bench.precision --cuda --model smollm2 --batch 64 --length 512
 

@@ -499,24 +499,33 @@ def serve_model_command(ctx: click.Context, model_spec: str, host: str, port: in
               help="Stop after this many optimizer steps (default: run until SIGTERM).")
 @click.pass_context
 def train_worker_command(ctx: click.Context, model_spec: str | None, max_steps: int | None) -> None:
-    """Train one model from the transitions topic; checkpoints go to the store and the checkpoints topic."""
+    """Train one model from the transitions topic; checkpoints go to the store and the checkpoints topic.
+
+    Under torchrun (`torchrun --nproc-per-node N -m agentstream train-worker`) it runs as N
+    data-parallel ranks: rank 0 reads Kafka and writes checkpoints, the others follow it.
+    """
     from dataclasses import replace
 
     from deploy.rebase import RejectionStreak
 
     try:
         from trainer.checkpoints import CheckpointError
+        from trainer.distributed import Ranks
         from trainer.policy import PolicyError
-        from trainer.worker_main import run_train_worker
+        from trainer.worker_main import run_train_follower, run_train_worker
     except ImportError as error:
         raise click.ClickException(f"train-worker needs {error.name}: pip install 'agentstream[train]'") from None
     config = _config(ctx)
     if model_spec:
         config = replace(config, trainer=replace(config.trainer, model=model_spec))
+    ranks = Ranks.from_env()  # set by torchrun: data-parallel ranks, rank 0 reads Kafka
+    if ranks is not None and not ranks.leader:
+        run_train_follower(config, ranks)
+        return
     endpoints = Stack(config).endpoints()
     try:
         run_train_worker(config, endpoints.bootstrap_servers, endpoints.clickhouse_url, max_steps=max_steps,
-                         rebase=RejectionStreak)
+                         rebase=RejectionStreak, ranks=ranks)
     except (CheckpointError, PolicyError) as error:
         raise click.ClickException(str(error)) from None
 

@@ -255,6 +255,11 @@ class TrainerConfig:
     of the step weighs the same, so long samples weigh more), ``transition`` (each sample's mean,
     then the mean over samples) or ``rollout`` (each rollout's token mean, then the mean over
     rollouts: a rollout of many calls or long tool loops counts as much as a short one).
+    Under ``torchrun`` (``WORLD_SIZE`` set) the trainer runs as data-parallel ranks
+    (``trainer/distributed.py``): ``distributed_backend`` is ``gloo``, ``nccl`` or ``auto`` (NCCL
+    where the trainer's device is CUDA, gloo elsewhere); a collective that waits longer than
+    ``distributed_timeout_s`` fails and the rank exits (rank 0 keeps idle ranks waiting well
+    within it).
     """
 
     model: str = "smollm2"
@@ -298,6 +303,8 @@ class TrainerConfig:
     loss_normalization: str = "token"
     session_timeout_s: float = 4.0  # tansu holds a join about half of it (see infra/members.py)
     shutdown_grace_s: float = 30.0  # time to write a last checkpoint after SIGTERM; then it exits regardless
+    distributed_backend: str = "auto"
+    distributed_timeout_s: float = 600.0
 
     def __post_init__(self) -> None:
         checks = {
@@ -323,6 +330,8 @@ class TrainerConfig:
             "rebase_after_rejections must be >= 0": self.rebase_after_rejections >= 0,
             "loss_normalization must be token, transition or rollout":
                 self.loss_normalization in ("token", "transition", "rollout"),
+            "distributed_backend must be auto, gloo or nccl": self.distributed_backend in ("auto", "gloo", "nccl"),
+            "distributed_timeout_s must be > 0": self.distributed_timeout_s > 0,
         }
         for message, ok in checks.items():
             if not ok:

@@ -365,7 +365,7 @@ class PackedMicroBatch:
 
 def collate(samples: list[Sample], pad_id: int, device: torch.device | str, micro_batches: int = 1,
             row_tokens: int = PACKED_ROW_TOKENS, *, micro_batch_tokens: int = 0,
-            normalization: str = "token") -> list[MicroBatch | PackedMicroBatch]:
+            normalization: str = "token", weights: list[float] | None = None) -> list[MicroBatch | PackedMicroBatch]:
     """Split one step's samples into padded micro-batches; a micro-batch whose samples repeat a prompt is packed.
 
     Samples are sorted by length (to waste little padding), or, when prompts repeat, by prompt so
@@ -374,9 +374,12 @@ def collate(samples: list[Sample], pad_id: int, device: torch.device | str, micr
     padded tokens (samples × the longest of them; a longer sample goes alone). A packed row takes
     responses to its prompt while it stays within ``row_tokens``; the next starts a new row with
     the prompt again. Token weights are computed over all the samples, so the micro-batches' losses
-    sum to the step's loss.
+    sum to the step's loss; ``weights`` (one per sample) replaces them where the step is larger than
+    these samples, as a rank's shard of a step is (``trainer/distributed.py``).
     """
-    weighted = list(zip(samples, token_weights(samples, normalization), strict=True))
+    if weights is None:
+        weights = token_weights(samples, normalization)
+    weighted = list(zip(samples, weights, strict=True))
     shared = len({tuple(s.prompt_ids) for s in samples}) < len(samples)
     ordered = sorted(weighted, key=(lambda p: (len(p[0].prompt_ids), p[0].prompt_ids, len(p[0].response_ids)))
                      if shared else (lambda p: p[0].length))

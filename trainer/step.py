@@ -87,9 +87,19 @@ def train_step(policy: Policy, batch: Batch, config: TrainerConfig) -> StepResul
     """
     started = time.perf_counter()
     policy.model.train()
+    stats, loss = accumulate(policy, collate(batch.samples, policy.pad_id, policy.device, config.accumulation_steps,
+                                             micro_batch_tokens=config.micro_batch_tokens,
+                                             normalization=config.loss_normalization), config)
+    grad_norm, skipped = apply_gradients(policy, config, loss)
+    return StepResult(stats, loss, grad_norm, len(batch.samples), batch.tokens, time.perf_counter() - started,
+                      skipped)
+
+
+def accumulate(policy: Policy, micros: list[MicroBatch | PackedMicroBatch],
+               config: TrainerConfig) -> tuple[TokenStats, float]:
+    """Forward and backward over the micro-batches: their gradients add up in ``.grad``; the summed stats and loss."""
     stats, loss = TokenStats(), 0.0
-    for micro in collate(batch.samples, policy.pad_id, policy.device, config.accumulation_steps,
-                         micro_batch_tokens=config.micro_batch_tokens, normalization=config.loss_normalization):
+    for micro in micros:
         with policy.precision.autocast():  # bf16 compute over fp32 master weights under mixed precision
             logprobs, entropy = token_logprobs(policy.model, micro, config.temperature, config.entropy_coef > 0)
         reference = reference_logprobs(policy, micro, config.temperature) if config.kl_coef > 0 else None
@@ -99,10 +109,14 @@ def train_step(policy: Policy, batch: Batch, config: TrainerConfig) -> StepResul
                           weights=micro.weights, likelihood=micro.likelihood)
         out.loss.backward()
         stats, loss = stats + out.stats, loss + out.loss.item()
+    return stats, loss
+
+
+def apply_gradients(policy: Policy, config: TrainerConfig, loss: float) -> tuple[float, bool]:
+    """Clip, then step unless the loss or the gradient norm is not finite; gradients are cleared either way."""
     grad_norm = float(torch.nn.utils.clip_grad_norm_(policy.trainable(), config.grad_clip))
     skipped = not (math.isfinite(loss) and math.isfinite(grad_norm))
     if not skipped:
         policy.optimizer.step()
     policy.optimizer.zero_grad(set_to_none=True)
-    return StepResult(stats, loss, grad_norm, len(batch.samples), batch.tokens, time.perf_counter() - started,
-                      skipped)
+    return grad_norm, skipped

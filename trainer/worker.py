@@ -15,6 +15,10 @@ optimizer step; counted in the next ``train_steps`` row as ``skipped_nonfinite``
 and weights that are not finite anyway are never written: that checkpoint is refused
 (``NonFiniteWeights``, logged) and training goes on from the newest checkpoint's weights, the
 last good ones; with no checkpoint to go back to, the worker stops with that error.
+
+With a ``group`` (``trainer/distributed.py``) this worker is rank 0 of data-parallel ranks: it
+alone reads Kafka and writes checkpoints, and each step runs on every rank; after each load of
+weights (resume, rebase, back to the last good ones) the other ranks get rank 0's copy.
 """
 
 from __future__ import annotations
@@ -27,7 +31,7 @@ from collections.abc import Callable
 from concurrent.futures import ThreadPoolExecutor
 from dataclasses import dataclass
 from pathlib import Path
-from typing import Any, Protocol
+from typing import TYPE_CHECKING, Any, Protocol
 
 from aiokafka import AIOKafkaConsumer, ConsumerRebalanceListener, TopicPartition
 from aiokafka.errors import KafkaError
@@ -62,7 +66,10 @@ from trainer.policy import (
     restore_last_good,
     save_weights_later,
 )
-from trainer.step import train_step
+from trainer.step import StepResult, train_step
+
+if TYPE_CHECKING:
+    from trainer.distributed import Group
 
 log = logging.getLogger("agentstream.trainer")
 
@@ -146,7 +153,8 @@ class TrainerWorker:
 
     def __init__(self, config: Config, bootstrap_servers: str, *, metrics: MetricsWriter | None = None,
                  progress: Callable[[str], None] = print, policy: Policy | None = None,
-                 store: CheckpointStore | None = None, rebase: Callable[[str, int], Rebase] | None = None) -> None:
+                 store: CheckpointStore | None = None, rebase: Callable[[str, int], Rebase] | None = None,
+                 group: Group | None = None) -> None:
         if rebase is None and config.trainer.rebase_after_rejections > 0:
             raise TrainerConfigError("trainer.rebase_after_rejections needs the deployments topic: pass "
                                      "rebase=deploy.rebase.RejectionStreak")
@@ -156,6 +164,7 @@ class TrainerWorker:
         self.metrics = metrics
         self.progress = progress
         self.policy = policy or build_policy(self.settings)
+        self.group = group
         self.name = self.policy.name
         self.store = store or open_store(self.settings.checkpoint_dir or str(config.stack.home / "checkpoints"),
                                          config.checkpoints, config.stack.home)
@@ -200,6 +209,7 @@ class TrainerWorker:
                     if self.streak is not None and self.streak.limit > 0 else None)
         try:
             await self._resume()
+            await self._sync()
             options = client_options(self.config.kafka, self.bootstrap_servers)
             await evict_dead_members(options, self.ledger)  # a crashed predecessor would hold the partitions a session
             self.consumer = AIOKafkaConsumer(
@@ -214,6 +224,8 @@ class TrainerWorker:
                 if self._steps_since:
                     await self._checkpoint()
                 await self._written()
+                if self.group is not None:
+                    await self._on_model_thread(self.group.stop)
             finally:
                 if self._writing is not None:  # failed on the way: the checkpoint's records are read again
                     self._writing.cancel()
@@ -259,6 +271,11 @@ class TrainerWorker:
         self.progress(f"trainer {self.name}: resumed from version {manifest.version} (step {manifest.step}) at "
                       f"{manifest.uri}")
 
+    async def _sync(self) -> None:
+        """Give the other ranks, if any, this rank's weights and optimizer state."""
+        if self.group is not None:
+            await self._on_model_thread(self.group.sync)
+
     async def _consume(self, stop: asyncio.Event, max_steps: int | None) -> None:
         assert self.consumer is not None and self.log_watch is not None  # run() starts it first
         key = self.name.encode()
@@ -285,6 +302,8 @@ class TrainerWorker:
                 await self._written()  # a failed write is raised here, not a step later
             if not self._steps_since and self._writing is None:  # all trained is announced: commit what was skipped
                 await self._commit(self._committable())
+            if self.group is not None and self.group.idle_s() > self.group.keepalive_s:
+                await self._on_model_thread(self.group.keepalive)
 
     def _start_over(self, tp: TopicPartition) -> None:
         """A log reset: forget ``tp``'s old positions (consumed, committed, checkpointed) so none is committed again.
@@ -319,7 +338,8 @@ class TrainerWorker:
                 log.warning("skipped a transition at %s:%d@%d: %s", *position, error)
 
     async def _train(self, batch: Batch) -> None:
-        result = await self._on_model_thread(train_step, self.policy, batch, self.settings)
+        result: StepResult = await (self._on_model_thread(self.group.step, batch) if self.group is not None
+                                    else self._on_model_thread(train_step, self.policy, batch, self.settings))
         if result.skipped:
             self._skipped_nonfinite += 1
             self.summary.skipped_nonfinite += 1
@@ -354,9 +374,11 @@ class TrainerWorker:
         try:
             folder = await asyncio.to_thread(self.store.get, routing.stable_uri)
             await self._on_model_thread(load_weights, self.policy, folder)
+            await self._sync()
         except (CheckpointError, PolicyError, OSError) as error:
             log.error("could not go back to %s v%d after %d refused candidates: %s", self.name,
                       routing.stable_version, len(refused), error)
+            await self._sync()  # a load that failed halfway may have changed some of this rank's weights
             return
         self._rebased_on = routing.stable_version
         self.summary.rebases += 1
@@ -407,6 +429,7 @@ class TrainerWorker:
                                    "stopping") from None
         folder = await asyncio.to_thread(self.store.get, manifest.uri)
         await self._on_model_thread(restore_last_good, self.policy, folder)
+        await self._sync()
         self.progress(f"trainer {self.name}: v{version} refused (a weight is not finite); training on from "
                       f"v{manifest.version}'s weights (step {manifest.step})")
 
