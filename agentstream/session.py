@@ -77,7 +77,9 @@ class SessionPlan:
     """What to run: the agent, the model it calls and trains, and how many rollouts at once.
 
     ``server_url`` points at a model server that is already running (vLLM, or a dev server);
-    without it the session starts ``agentstream serve-model --model {model}``.
+    without it the session starts ``servers`` of ``agentstream serve-model --model {model}``
+    behind one proxy. Several each get a hot swap of their own with a checkpoint cache of its
+    own, as replicas on separate hosts have.
     """
 
     agent: str
@@ -86,6 +88,7 @@ class SessionPlan:
     concurrency: int = 32
     server_url: str | None = None
     server_threads: int = 1
+    servers: int = 1
 
 
 class TrainingSession:
@@ -94,21 +97,23 @@ class TrainingSession:
     def __init__(self, config: Config, endpoints: Endpoints, workdir: Path, plan: SessionPlan) -> None:
         self.config, self.endpoints, self.workdir, self.plan = config, endpoints, workdir, plan
         self.children: dict[str, Child] = {}
-        self.server_url = plan.server_url or f"http://127.0.0.1:{free_port()}"
+        self.server_urls = ([plan.server_url] if plan.server_url
+                            else [f"http://127.0.0.1:{free_port()}" for _ in range(plan.servers)])
+        self.server_url = self.server_urls[0]  # the replica the gate and the demo's snapshots ask
         self.proxy_url = f"http://127.0.0.1:{free_port()}"
         self.proxy_key = proxy_client_key(config)  # the proxy it starts reads the same [security] proxy_keys
 
-    def _env(self, threads: int) -> dict[str, str]:
+    def _env(self, threads: int, extra: dict[str, str]) -> dict[str, str]:
         env = dict(os.environ)
         # PASSIVE: a torch thread that waits yields its core, since the model server and the trainer share them
         env.update(AGENTSTREAM_CONFIG=str(self.workdir / "agentstream.toml"), OMP_NUM_THREADS=str(threads),
                    OMP_WAIT_POLICY="PASSIVE",
                    KAFKA_BOOTSTRAP_SERVERS=self.endpoints.bootstrap_servers,
-                   CLICKHOUSE_URL=self.endpoints.clickhouse_url, PYTHONUNBUFFERED="1")
+                   CLICKHOUSE_URL=self.endpoints.clickhouse_url, PYTHONUNBUFFERED="1", **extra)
         return env
 
-    def _start(self, name: str, args: list[str], threads: int = 1) -> Child:
-        child = Child(name, args, self._env(threads), self.workdir / f"{name}.log").start()
+    def _start(self, name: str, args: list[str], threads: int = 1, **extra: str) -> Child:
+        child = Child(name, args, self._env(threads, extra), self.workdir / f"{name}.log").start()
         self.children[name] = child
         return child
 
@@ -118,22 +123,37 @@ class TrainingSession:
         config_path = self.workdir / "agentstream.toml"
         config_path.write_text(dump_toml(self.config))
         config_path.chmod(0o600)  # it may hold credentials
-        if self.plan.server_url is None:
-            port = self.server_url.rsplit(":", 1)[1]
-            self._start("model-server", ["serve-model", "--model", self.plan.model, "--port", port,
-                                         "--threads", str(self.plan.server_threads)], self.plan.server_threads)
-            progress(f"model server  {self.plan.model} at {self.server_url} (loading)")
-        self._start("proxy", ["proxy", "--upstream", self.server_url, "--port", self.proxy_url.rsplit(":", 1)[1]])
+        servers = list(zip(self.server_names, self.server_urls, strict=True))
+        for name, url in servers if self.plan.server_url is None else []:
+            self._start(name, ["serve-model", "--model", self.plan.model, "--port", url.rsplit(":", 1)[1],
+                               "--threads", str(self.plan.server_threads)], self.plan.server_threads)
+            progress(f"model server  {self.plan.model} at {url} (loading)")
+        self._start("proxy", ["proxy", "--port", self.proxy_url.rsplit(":", 1)[1],
+                              *[option for url in self.server_urls for option in ("--upstream", url)]])
         self._start("streams", ["streams", "--loglevel", "warning"])
         self._start("trainer", ["train-worker"], self.config.trainer.threads)
         trained = self.config.trainer.model_name or model_display_name(self.plan.model)
-        self._start("hotswap", ["hotswap", "--server", self.server_url, "--model", trained])
+        for number, (name, url) in enumerate(servers):
+            if len(servers) == 1:
+                self._start("hotswap", ["hotswap", "--server", url, "--model", trained])
+            else:  # each downloads into a cache of its own and loads from there, as beside a replica on its host
+                self._start(f"hotswap-{number}", ["hotswap", "--server", url, "--model", trained],
+                            AGENTSTREAM_CHECKPOINT_CACHE=str(self.workdir / name / "checkpoint-cache"))
         if self.config.deploy.gate:
             self._start("gate", ["gate", "--model", trained, "--server", self.server_url, "--proxy", self.proxy_url])
-        self.wait_until_healthy(self.server_url + "/health", "model-server", model_timeout_s)
+        for name, url in servers:
+            self.wait_until_healthy(url + "/health", name, model_timeout_s)
         wait_for_port("127.0.0.1", int(self.proxy_url.rsplit(":", 1)[1]), 30)
         gate = ", gate" if self.config.deploy.gate else ""
-        progress(f"proxy         {self.proxy_url} -> {self.server_url}; streams, trainer{gate} and hot swap started")
+        progress(f"proxy         {self.proxy_url} -> {', '.join(self.server_urls)}; streams, trainer{gate} and hot "
+                 "swap started")
+
+    @property
+    def server_names(self) -> list[str]:
+        """The log and process names of the model servers the session starts."""
+        if len(self.server_urls) == 1:
+            return ["model-server"]
+        return [f"model-server-{number}" for number in range(self.plan.servers)]
 
     def start_runners(self, progress=print) -> None:
         """Start the runner processes that take tasks from the queue."""
@@ -162,8 +182,9 @@ class TrainingSession:
 
     def stop(self, *names: str) -> None:
         """Stop the named processes (all of them, runners first, when none are named)."""
-        order = names or [*(n for n in self.children if n.startswith("runner")), "trainer", "gate", "hotswap",
-                          "streams", "proxy", "model-server"]
+        order = names or [*(n for n in self.children if n.startswith("runner")), "trainer", "gate",
+                          *(n for n in self.children if n.startswith("hotswap")), "streams", "proxy",
+                          *self.server_names]
         for name in order:
             if name in self.children:
                 self.children[name].stop()

@@ -560,7 +560,9 @@ class DemoConfig:
     half an hour of traffic to show "no worse"; with these, ``bench.gate``'s simulation of 50% 0/1
     rewards needs a median 80 rated canary rollouts when the candidate is as good, 39 when it is 10
     points better, about two minutes at two users a second; docs/gate.md), and after how many
-    refused candidates in a row the trainer goes back to the serving version.
+    refused candidates in a row the trainer goes back to the serving version. The online demo runs
+    ``online_model_servers`` model servers behind its proxy, and keeps its checkpoints in the
+    object store (``[checkpoints] s3_endpoint``, else the stack's embedded one) where there is one.
     """
 
     quick: bool = False
@@ -595,6 +597,7 @@ class DemoConfig:
     online_canary_s: float = 30.0
     online_tolerance: float = 0.2
     online_confidence: float = 0.9
+    online_model_servers: int = 2
     online_report_path: str = "online-report.json"
 
     @property
@@ -614,6 +617,8 @@ class DemoConfig:
             raise ConfigError("demo: dtype must be auto, float32 or bfloat16")
         if self.online_tolerance <= 0 or not 0.5 < self.online_confidence < 1:
             raise ConfigError("demo: online_tolerance must be > 0 and online_confidence within (0.5, 1)")
+        if self.online_model_servers < 1:
+            raise ConfigError("demo: online_model_servers must be >= 1")
 
 
 SCHEMA_REGISTRY_IDS = ("fingerprint", "sequential")

@@ -33,7 +33,7 @@ from agentstream.session import SessionPlan, TrainingSession
 from deploy.deployments import DeploymentFollower, split_adapter_name
 from examples import arithmetic
 from infra.clickhouse import connect, migrate
-from infra.config import Config, CreditRule
+from infra.config import CHECKPOINT_BUCKET, Config, CreditRule
 from infra.processes import free_port
 from infra.security import FEEDBACK_TOKEN_HEADER
 from pipeline.feedback import feedback_url
@@ -46,6 +46,18 @@ SERVICE_AGENT = "arithmetic-service"
 DATABASE = "agentstream_online"
 MODEL = "SmolLM2-135M-Instruct"
 ALL_LINEAR = "q_proj,k_proj,v_proj,o_proj,gate_proj,up_proj,down_proj"
+
+
+def checkpoint_location(config: Config, run_id: str, workdir: Path) -> str:
+    """The run's checkpoints in the object store, as on several hosts; a local folder where there is none.
+
+    There is one when ``[checkpoints] s3_endpoint`` names it, or the stack starts its embedded one
+    (its own broker with durable storage).
+    """
+    embedded = not config.kafka.external and config.stack.broker_storage == "durable"
+    if config.checkpoints.s3_endpoint or embedded:
+        return f"s3://{CHECKPOINT_BUCKET}/online-{run_id}"
+    return str(workdir / "checkpoints")
 
 
 def online_config(config: Config, run_id: str, workdir: Path) -> Config:
@@ -69,7 +81,7 @@ def online_config(config: Config, run_id: str, workdir: Path) -> Config:
                         max_policy_lag=demo.online_max_policy_lag,
                         checkpoint_every_steps=demo.online_steps_per_checkpoint, keep_checkpoints=0,
                         rebase_after_rejections=demo.online_rebase_after_rejections,
-                        checkpoint_dir=str(workdir / "checkpoints"), session_timeout_s=6.0),
+                        checkpoint_dir=checkpoint_location(config, run_id, workdir), session_timeout_s=6.0),
         deploy=replace(config.deploy, gate=True, eval_agent="examples.arithmetic:solve", eval_tasks=str(heldout),
                        eval_limit=demo.online_eval_tasks, eval_concurrency=16, tolerance=demo.online_tolerance,
                        confidence=demo.online_confidence, canary_share=demo.online_canary_share,
@@ -249,7 +261,8 @@ def settings(config: Config) -> dict:
             "batch": trainer.batch_transitions, "kl_coef": trainer.kl_coef,
             "rebase_after_rejections": trainer.rebase_after_rejections, "canary_share": config.deploy.canary_share,
             "gate_tolerance": config.deploy.tolerance, "gate_confidence": config.deploy.confidence,
-            "dtype": trainer.dtype}
+            "dtype": trainer.dtype, "model_servers": config.demo.online_model_servers,
+            "checkpoints": trainer.checkpoint_dir}
 
 
 def decisions(client) -> list[dict]:
@@ -367,10 +380,13 @@ def run_online_demo(config: Config, console: Console | None = None) -> OnlineRep
                  f"{config.trainer.dtype})")
     machine = calibrate()
     console.print(f"machine: {machine.describe()} (docs/online.md's figures name theirs)")
+    console.print(f"checkpoints   {config.trainer.checkpoint_dir}, served by {demo.online_model_servers} model "
+                  "server(s) behind the proxy")
     stack = Stack(config)
     endpoints = stack.up(progress=console.print)
     session = TrainingSession(config, endpoints, workdir, SessionPlan(
-        agent="examples.arithmetic:solve", model="smollm2", server_threads=demo.server_threads))
+        agent="examples.arithmetic:solve", model="smollm2", server_threads=demo.server_threads,
+        servers=demo.online_model_servers))
     live_dashboard = start_beside(config, endpoints, console.print)  # up while the demo runs
     try:
         client = connect(config.clickhouse, endpoints.clickhouse_url, database=DATABASE)

@@ -98,6 +98,11 @@ def test_the_online_demo_serves_users_gates_a_candidate_reports_and_stops_everyt
     assert report["feedback_sent"] > 0 and report["per_minute"] and report["per_version"][0]["version"] == 0
     assert 0 < report["latency_ms"]["p50"] <= report["latency_ms"]["p99"]
     assert report["settings"]["rate_per_s"] == 1.0 and report["machine"]["python_loop_s"] > 0
+    # two replicas behind the proxy, each loading the candidate from the object store into its own cache
+    assert report["settings"]["model_servers"] == 2 and report["settings"]["checkpoints"].startswith("s3://agentstream/")
+    caches = [home / "online" / run.name / name / "checkpoint-cache" for run in (home / "online").iterdir()
+              for name in ("model-server-0", "model-server-1")]
+    assert all(any(cache.rglob("checkpoint.json")) for cache in caches), caches
     assert report["cpu_share"]["agentstream serve-model"] > 0 and report["cpu_share"]["agentstream train-worker"] > 0
     assert "machine: " in out and "CPU while users asked" in out
     actions = [row["action"] for row in report["deployments"]]
