@@ -759,6 +759,9 @@ class Config:
     security: SecurityConfig = field(default_factory=SecurityConfig)
 
 
+CONFIG_FILE_VARIABLE = "AGENTSTREAM_CONFIG"
+"""The environment variable that names the TOML file (the one variable besides :data:`ENVIRONMENT`'s)."""
+
 # Environment variable -> (section, field). The one place environment names are defined.
 ENVIRONMENT: dict[str, tuple[str, str]] = {
     "KAFKA_BOOTSTRAP_SERVERS": ("kafka", "bootstrap_servers"),
@@ -846,8 +849,8 @@ def load_config(path: str | Path | None = None, environ: Mapping[str, str] | Non
 
 
 def _default_config_path(environ: Mapping[str, str]) -> Path | None:
-    if environ.get("AGENTSTREAM_CONFIG"):
-        return Path(environ["AGENTSTREAM_CONFIG"])
+    if environ.get(CONFIG_FILE_VARIABLE):
+        return Path(environ[CONFIG_FILE_VARIABLE])
     local = Path("agentstream.toml")
     return local if local.is_file() else None
 
