@@ -28,7 +28,7 @@ from infra.config import CONFIG_FILE_VARIABLE, ENVIRONMENT, Config, load_config
 
 pytestmark = pytest.mark.unit
 
-ROOT = Path(__file__).resolve().parents[2]
+ROOT = Path(__file__).resolve().parents[3]
 KUBERNETES = ROOT / "infra" / "kubernetes"
 COMPOSE = ROOT / "infra" / "compose.yaml"
 DOCKERFILE = ROOT / "infra" / "Dockerfile"
