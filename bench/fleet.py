@@ -23,13 +23,13 @@ from __future__ import annotations
 
 import argparse
 import asyncio
+import contextlib
 import os
 import random
 import re
 import tempfile
 import time
 from collections.abc import Iterator
-from contextlib import contextmanager
 from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
@@ -81,7 +81,7 @@ class Tally:
     load: list[float] = field(default_factory=list)
     cores: int = 1
 
-    @contextmanager
+    @contextlib.contextmanager
     def watching(self, cores: int, label: str) -> Iterator[None]:
         """Add this block's CPU seconds per process (this one named ``label``), the machine's busy time and its load
         average to the tally."""
@@ -250,13 +250,14 @@ def start_worker(env: dict[str, str], home: Path, index: int) -> Child:
 
 
 def counts(client: Any) -> tuple[int, int]:
-    """Spans and transitions rows in ClickHouse now."""
-    spans = client.query("SELECT count() FROM spans").result_rows[0][0]
-    transitions = client.query("SELECT count() FROM transitions").result_rows[0][0]
+    """Spans and transitions in ClickHouse now, each counted once (a rebalance may have a row inserted twice, and
+    a merge then removes the second: a plain count can fall)."""
+    spans = client.query("SELECT uniqExact(span_id) FROM spans").result_rows[0][0]
+    transitions = client.query("SELECT uniqExact(transition_id) FROM transitions").result_rows[0][0]
     return spans, transitions
 
 
-def ingest(publisher: SpanPublisher, workload: Workload, client: Any, rollouts: int, timeout_s: float = 300) -> float:
+def ingest(publisher: SpanPublisher, workload: Workload, client: Any, rollouts: int, timeout_s: float = 120) -> float:
     """Publish ``rollouts`` rollouts at full speed; the seconds until all their spans and transitions are rows."""
     spans, transitions = counts(client)
     want = (spans + rollouts * SPANS_PER_ROLLOUT, transitions + rollouts * (SPANS_PER_ROLLOUT - 1))
@@ -266,7 +267,8 @@ def ingest(publisher: SpanPublisher, workload: Workload, client: Any, rollouts: 
     publisher.flush(120)
     while any(have < wanted for have, wanted in zip(counts(client), want, strict=True)):
         if time.perf_counter() - started > timeout_s:
-            raise RuntimeError(f"ClickHouse has {counts(client)} of {want} spans and transitions after {timeout_s} s")
+            raise RuntimeError(f"ClickHouse has {counts(client)} of {want} spans and transitions after "
+                               f"{timeout_s:.0f} s (--logs DIR keeps the workers' logs)")
         time.sleep(0.1)
     return time.perf_counter() - started
 
@@ -343,9 +345,10 @@ def main() -> None:
     parser.add_argument("--warmup", type=float, default=2.0, help="Proxy: seconds of calls before counting.")
     parser.add_argument("--concurrency", type=int, default=8, help="Proxy: clients calling at once.")
     parser.add_argument("--server-threads", type=int, default=1, help="Proxy: torch threads of each model server.")
-    parser.add_argument("--rollouts", type=int, default=2000, help="Streams: rollouts of 16 spans per side and round.")
+    parser.add_argument("--rollouts", type=int, default=4000, help="Streams: rollouts of 16 spans per side and round.")
     parser.add_argument("--warmup-rollouts", type=int, default=200, help="Streams: rollouts before each side counts.")
     parser.add_argument("--trainer-rounds", type=int, default=5, help="Trainer: steps measured per configuration.")
+    parser.add_argument("--logs", type=Path, help="Keep the processes' logs in this folder (default: removed).")
     args = parser.parse_args()
     if args.quick:
         args.rounds, args.seconds, args.rollouts, args.trainer_rounds = 1, 5.0, 500, 3
@@ -356,7 +359,9 @@ def main() -> None:
          load_avg_1m=round(os.getloadavg()[0], 2))
     if "streams" in parts or "proxy" in parts:
         # streams first: the proxy's spans then wait in the topic with no worker to read them
-        with private_stack() as (config, endpoints), tempfile.TemporaryDirectory(prefix="fleet-") as scratch:
+        logs = contextlib.nullcontext(str(args.logs)) if args.logs else tempfile.TemporaryDirectory(prefix="fleet-")
+        with private_stack() as (config, endpoints), logs as scratch:
+            Path(scratch).mkdir(parents=True, exist_ok=True)
             if "streams" in parts:
                 streams_part(args, config, endpoints, Path(scratch), calibration.cores)
             if "proxy" in parts:
