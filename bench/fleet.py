@@ -338,7 +338,7 @@ PARTS = ("streams", "proxy", "trainer")
 
 def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
-    parser.add_argument("--quick", action="store_true", help="One short round of each (about a minute and a half).")
+    parser.add_argument("--quick", action="store_true", help="One short round of each (about two minutes).")
     parser.add_argument("--only", choices=PARTS, action="append", help="Measure only this part (repeatable).")
     parser.add_argument("--rounds", type=int, default=2, help="Times one and two alternate, for proxy and streams.")
     parser.add_argument("--seconds", type=float, default=15.0, help="Proxy: seconds counted per side and round.")
