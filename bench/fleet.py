@@ -91,8 +91,8 @@ class Tally:
             yield
         self.watched_s += time.monotonic() - began
         self.cores = cores
-        for label, seconds in meter.seconds_by_label().items():
-            self.cpu_seconds[label] = self.cpu_seconds.get(label, 0.0) + seconds
+        for name, seconds in meter.seconds_by_label().items():
+            self.cpu_seconds[name] = self.cpu_seconds.get(name, 0.0) + seconds
         busy_after, total_after = busy_jiffies()
         self.busy += busy_after - busy
         self.jiffies += total_after - total
