@@ -61,7 +61,7 @@ lint: install
 
 # Every benchmark prints one JSON line per figure (a few minutes in all; `streams` installs
 # Agent Lightning 0.3.0 into .venv-peer on its first run to compare with it).
-BENCHES := stack_roundtrip broker_storage publish proxy streams trainer step generation precision deploy dashboard otlp clickhouse_reads gate trajectory_prefix tool_drift distributed_trainer
+BENCHES := stack_roundtrip broker_storage publish proxy streams trainer step generation precision deploy dashboard otlp clickhouse_reads gate trajectory_prefix tool_drift distributed_trainer fleet
 
 # On a machine with a CUDA GPU: the device tests on CUDA, then trainer and generation tokens/s in float32 and
 # bfloat16 (tiny model, then SmolLM2-135M at 64 x 512) and the first-step ratio check, as JSON lines.

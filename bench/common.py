@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import contextlib
 import json
+import os
 import random
 import tempfile
 from collections.abc import Iterator
@@ -33,6 +34,14 @@ def private_environ(home: str, **environ: str) -> dict[str, str]:
     return {"AGENTSTREAM_HOME": home, "AGENTSTREAM_BROKER_PORT": str(free_port()),
             "AGENTSTREAM_CLICKHOUSE_PORT": str(free_port()), "AGENTSTREAM_SCHEMA_REGISTRY_PORT": str(free_port()),
             **environ}
+
+
+def cli_environ(endpoints: Endpoints, home: str, **environ: str) -> dict[str, str]:
+    """This process's environment for an ``agentstream`` command over a private stack: its Kafka and ClickHouse,
+    a home of its own, none of the caller's agentstream settings."""
+    inherited = {k: v for k, v in os.environ.items() if not k.startswith(("KAFKA_", "CLICKHOUSE_", "AGENTSTREAM_"))}
+    return {**inherited, "KAFKA_BOOTSTRAP_SERVERS": endpoints.bootstrap_servers,
+            "CLICKHOUSE_URL": endpoints.clickhouse_url, "AGENTSTREAM_HOME": home, **environ}
 
 
 @contextlib.contextmanager

@@ -21,6 +21,7 @@ import os
 import random
 import statistics
 import time
+from dataclasses import dataclass
 from typing import Any
 
 import torch
@@ -137,7 +138,34 @@ def two_ranks(args: argparse.Namespace) -> dict[str, Any]:
     return results.get()
 
 
-def main() -> None:
+@dataclass(frozen=True)
+class Comparison:
+    """One rank's median step at ``threads`` and at twice that, and what two ranks measured (see ``two_ranks``)."""
+
+    one: float
+    one_doubled: float
+    two: dict[str, Any]
+
+    @property
+    def two_step(self) -> float:
+        return statistics.median(self.two["step"])
+
+
+def measure(args: argparse.Namespace) -> Comparison:
+    """One rank at ``args.threads`` and at twice that, then two ranks at ``args.threads`` each, on the same batch."""
+    one = statistics.median(one_rank(args, args.threads))
+    one_doubled = statistics.median(one_rank(args, 2 * args.threads))
+    return Comparison(one, one_doubled, two_ranks(args))
+
+
+def shape_of(args: argparse.Namespace) -> dict[str, Any]:
+    """The measured step's model and batch, as every figure's JSON line names them."""
+    return {"model": args.model, "transitions": args.groups * args.group_size, "prompt_tokens": args.prompt_tokens,
+            "response_tokens_max": args.response_tokens, "backend": "gloo", "device": "cpu"}
+
+
+def arguments(argv: list[str] | None = None) -> argparse.Namespace:
+    """This bench's options (``argv`` None: the command line's), so other benches measure with the same defaults."""
     parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     parser.add_argument("--model", default="tiny", help="Model spec (tiny, smollm2 or a folder).")
     parser.add_argument("--threads", type=int, default=1, help="Torch threads per rank.")
@@ -146,15 +174,16 @@ def main() -> None:
     parser.add_argument("--group-size", type=int, default=4)
     parser.add_argument("--prompt-tokens", type=int, default=64)
     parser.add_argument("--response-tokens", type=int, default=192)
-    args = parser.parse_args()
+    return parser.parse_args(argv)
+
+
+def main() -> None:
+    args = arguments()
     calibration = calibrate()
     emit(BENCH, "machine_calibration", calibration.python_loop_s, "s", **calibration.as_dict())
-    shape = {"model": args.model, "transitions": args.groups * args.group_size, "prompt_tokens": args.prompt_tokens,
-             "response_tokens_max": args.response_tokens, "backend": "gloo", "device": "cpu"}
-    one = statistics.median(one_rank(args, args.threads))
-    one_doubled = statistics.median(one_rank(args, 2 * args.threads))
-    two = two_ranks(args)
-    two_step = statistics.median(two["step"])
+    shape = shape_of(args)
+    measured = measure(args)
+    one, one_doubled, two, two_step = measured.one, measured.one_doubled, measured.two, measured.two_step
     emit(BENCH, "step_seconds_one_rank", one, "s", threads=args.threads, **shape)
     emit(BENCH, "step_seconds_one_rank", one_doubled, "s", threads=2 * args.threads, **shape)
     emit(BENCH, "step_seconds_two_ranks", two_step, "s", threads_per_rank=args.threads, **shape,

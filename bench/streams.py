@@ -33,7 +33,7 @@ from pathlib import Path
 
 from aiokafka import AIOKafkaConsumer
 
-from bench.common import emit, llm_span, percentile, private_stack
+from bench.common import cli_environ, emit, llm_span, percentile, private_stack
 from infra.clickhouse import connect
 from infra.config import BROKER_STORAGES, LEVELS
 from infra.kafka import client_options, topic_name
@@ -140,9 +140,7 @@ def main() -> None:
     emit(BENCH, "machine_calibration", calibration.python_loop_s, "s", **calibration.as_dict())
     with (private_stack(AGENTSTREAM_BROKER_STORAGE=args.broker_storage) as (config, endpoints),
           tempfile.TemporaryDirectory() as scratch):
-        env = {k: v for k, v in os.environ.items() if not k.startswith(("KAFKA_", "CLICKHOUSE_", "AGENTSTREAM_"))}
-        env.update({"KAFKA_BOOTSTRAP_SERVERS": endpoints.bootstrap_servers, "CLICKHOUSE_URL": endpoints.clickhouse_url,
-                    "AGENTSTREAM_HOME": scratch})
+        env = cli_environ(endpoints, scratch)
         if args.level != "transition":
             (Path(scratch) / "agentstream.toml").write_text(f'[[credit]]\nlevel = "{args.level}"\n')
             env["AGENTSTREAM_CONFIG"] = str(Path(scratch) / "agentstream.toml")
