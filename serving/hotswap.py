@@ -197,8 +197,9 @@ class HotSwapper:
         checkpoint = self.checkpoints[newest]
         if not await self._load_until_done(newest, stop):
             return
-        decision = self.promotions.get(newest) if self.promotions is not None else None
-        if decision is not None:  # another server of this process's fleet held it first and promoted it
+        latest = max(self.promotions, default=0) if self.promotions is not None else 0
+        if self.promotions and latest >= newest:  # another server of this fleet promoted it, or a newer one, first
+            decision = self.promotions[latest]
             self._set_routing(decision.routing, decision.at_us)
             return
         decision = decide(self.routing, newest, Action.PROMOTED, "hotswap",
