@@ -31,16 +31,18 @@ class ChildFailed(AgentstreamError, RuntimeError):
 
 
 class Child:
-    """One ``agentstream`` command in a subprocess, its output appended to a log file."""
+    """One ``agentstream`` command in a subprocess, its output appended to a log file; ``cwd``: its working folder."""
 
-    def __init__(self, name: str, args: list[str], env: dict[str, str], log_path: Path) -> None:
-        self.name, self.args, self.env, self.log_path = name, args, env, log_path
+    def __init__(self, name: str, args: list[str], env: dict[str, str], log_path: Path,
+                 cwd: Path | None = None) -> None:
+        self.name, self.args, self.env, self.log_path, self.cwd = name, args, env, log_path, cwd
         self.process: subprocess.Popen | None = None
 
     def start(self) -> Child:
         with open(self.log_path, "ab") as log:
             self.process = subprocess.Popen([sys.executable, "-m", "agentstream", *self.args], env=self.env,
-                                            stdout=log, stderr=subprocess.STDOUT, start_new_session=True)
+                                            cwd=self.cwd, stdout=log, stderr=subprocess.STDOUT,
+                                            start_new_session=True)
         return self
 
     @property

@@ -199,7 +199,9 @@ class DeploymentLog:
     """Records decisions: the event on the deployments topic (acknowledged by the broker), then the ClickHouse row.
 
     ``warehouse`` is a clickhouse-connect client, or None where the caller has no ClickHouse
-    (the row is then missing; the event is the source of truth).
+    (the row is then missing; the event is the source of truth). Records are taken one at a
+    time: such a client runs one statement at a time (hot swap over a fleet records from one
+    loop per server), and the events then reach the topic in the order the rows are written.
     """
 
     def __init__(self, config: Config, bootstrap_servers: str, warehouse: Any = None) -> None:
@@ -208,6 +210,7 @@ class DeploymentLog:
         self.codec = AvroCodec()
         self.warehouse = warehouse
         self._producer = AIOKafkaProducer(**client_options(config.kafka, bootstrap_servers), acks="all")
+        self._recording = asyncio.Lock()
 
     async def start(self) -> None:
         await self._producer.start()
@@ -216,11 +219,12 @@ class DeploymentLog:
         await self._producer.stop()
 
     async def record(self, decision: Decision) -> None:
-        await self._producer.send_and_wait(self.topic, key=decision.model.encode(),
-                                           value=self.codec.encode(DEPLOYMENT, decision.record()))
-        if self.warehouse is not None:
-            await asyncio.to_thread(self.warehouse.insert, self.table, [decision.row()],
-                                    column_names=list(DEPLOYMENT_COLUMNS))
+        async with self._recording:
+            await self._producer.send_and_wait(self.topic, key=decision.model.encode(),
+                                               value=self.codec.encode(DEPLOYMENT, decision.record()))
+            if self.warehouse is not None:
+                await asyncio.to_thread(self.warehouse.insert, self.table, [decision.row()],
+                                        column_names=list(DEPLOYMENT_COLUMNS))
         log.info("%s v%d %s by %s: %s -> serving %s", decision.model, decision.version, decision.action,
                  decision.decided_by, decision.reason, decision.routing.describe())
 

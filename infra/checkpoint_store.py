@@ -434,7 +434,8 @@ class CheckpointCache:
     leaves nothing. One lock file per version (``flock``) makes concurrent fetches of one
     version, in threads or in processes, wait for a single download. After a fetch, whole
     versions are evicted, least recently fetched first, until the cache is within its bounds;
-    the version just fetched and any version another fetch holds are never evicted.
+    the version just fetched and any version another fetch holds are never evicted. Evictions
+    take turns (one more lock file): each removes folders the others would list and measure.
     """
 
     def __init__(self, root: Path, max_bytes: int = 0, max_versions: int = 0) -> None:
@@ -473,6 +474,10 @@ class CheckpointCache:
         return sorted(found, key=lambda path: path.stat().st_mtime_ns)
 
     def _evict(self, keep: Path) -> None:
+        with self._locked(".evicting"):
+            self._evict_in_turn(keep)
+
+    def _evict_in_turn(self, keep: Path) -> None:
         entries = self.entries()
         sizes = {path: _size(path) for path in entries}
         total = sum(sizes.values())

@@ -34,9 +34,11 @@ the client span that made the call; ``baggage`` entries ``agentstream.rollout_id
 from __future__ import annotations
 
 import asyncio
+import contextlib
 import json
 import logging
 import re
+import time
 from collections.abc import Sequence
 from dataclasses import dataclass, field
 from typing import Any
@@ -58,7 +60,7 @@ from pipeline.access import (
     upstream_headers,
 )
 from pipeline.sdk import Rollout, SpanSink, build_span, new_id, now_us
-from pipeline.upstreams import HealthSettings, Replica, UpstreamPool
+from pipeline.upstreams import RELIST_GAP_S, HealthSettings, Replica, UpstreamPool
 from schemas.contracts import (
     AGENT_HEADER,
     ATTEMPT_HEADER,
@@ -322,6 +324,9 @@ PREFIXES = ("", "/rollouts/{rollout_id}", "/rollouts/{rollout_id}/attempts/{atte
             "/rollouts/{rollout_id}/attempts/{attempt_id}/agents/{agent_name}", *AGL_PREFIXES)
 AGL_EVENTS = "/api/rollouts/{rollout_id}/attempt/{attempt_id}/events"
 AUTO_MODEL = "auto"  # Agent Lightning 1.0 agents ask for model "auto": the upstream's first model
+HOLDER_WAIT_S = 5.0
+"""How long a call for a deployed version that no model server holds waits for hot swap to load it into one (the
+version was just promoted on another server, or its only holder died) before the 503; pinned versions do not wait."""
 
 
 class UpstreamError(AgentstreamError):
@@ -552,14 +557,14 @@ class LLMProxy:
     async def _relay_on_fleet(self, request: web.Request, path: str, headers: dict[str, str],
                               capture: CallCapture) -> web.StreamResponse:
         """Relay on the replica the pool picks; one that fails before the first byte reaches the client, once more."""
-        model, version = _wanted(capture)
         # a model the deployments know goes only where its version is; any other is the model server's to answer
         strict = capture.route is not None and capture.route.reason != "unrouted" and self.deployments is not None \
             and self.deployments.routing(capture.route.model) is not None
         tried: list[Replica] = []
         failure: web.StreamResponse | None = None
+        waits = capture.route is not None and capture.route.reason != "pinned"
         while len(tried) < 2:
-            replica = await self._choose(model, version, strict, tried)
+            replica = await self._choose(request, capture, strict, tried, waits)
             if replica is None:
                 break
             if tried:
@@ -578,18 +583,35 @@ class LLMProxy:
             failure = response
         if failure is not None:
             return failure
-        return self._none_holds(capture, model)
+        return self._none_holds(capture, _wanted(capture)[0])
 
-    async def _choose(self, model: str | None, version: int | None, strict: bool,
-                      tried: list[Replica]) -> Replica | None:
-        """A replica for the request: one holding its model; for a routed request, no other."""
-        replica = self.pool.pick(model, version, exclude=tried)
-        if replica is None and strict and not tried and self.session is not None:
-            await self.pool.relist_all(self.session)  # hot swap may have loaded it since the last listing
-            replica = self.pool.pick(model, version)
+    async def _choose(self, request: web.Request, capture: CallCapture, strict: bool, tried: list[Replica],
+                      waits: bool) -> Replica | None:
+        """A replica for the request: one holding its model; for a routed request, no other (``waits``: for up to
+        :data:`HOLDER_WAIT_S` until one holds it)."""
+        replica = self.pool.pick(*_wanted(capture), exclude=tried)
+        if replica is None and strict and self.session is not None:
+            replica = await self._holder(request, capture, tried, HOLDER_WAIT_S if waits else 0.0)
         if replica is None and not strict:
             replica = self.pool.pick(None, exclude=tried)  # the model server answers for names it does not know
         return replica
+
+    async def _holder(self, request: web.Request, capture: CallCapture, tried: list[Replica],
+                      wait_s: float) -> Replica | None:
+        """A replica not yet tried that holds the routed version, relisting the fleet (hot swap may have loaded it
+        since the last listing) until one does or ``wait_s`` has passed. A call that waits is routed again each
+        round: hot swap loads the newest version, so one promoted meanwhile may be the only one any server gets."""
+        assert self.session is not None
+        deadline = time.monotonic() + wait_s
+        while True:
+            await self.pool.relist_all(self.session)
+            replica = self.pool.pick(*_wanted(capture), exclude=tried)
+            if replica is not None or time.monotonic() >= deadline:
+                return replica
+            await asyncio.sleep(RELIST_GAP_S)
+            with contextlib.suppress(RouteError):  # the deployments changed under it: keep the route it had
+                capture.route = resolve_route(self.deployments, capture.request.get("model"),
+                                              request.headers.get(VERSION_HEADER), capture.owner.rollout_id)
 
     def _none_holds(self, capture: CallCapture, model: str | None) -> web.Response:
         """No model server holds the routed version: a pin is the client's error; a deployment on its way is not."""

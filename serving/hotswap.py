@@ -130,9 +130,11 @@ class HotSwapper:
         self._session: aiohttp.ClientSession | None = None
 
     async def run(self, stop: asyncio.Event) -> None:
+        """Follow and reconcile until ``stop``; an error is raised once the followers have stopped."""
         await announce(self.config, self.bootstrap_servers, self.model, "hotswap", gated=self.gated, stop=stop)
         follower = DeploymentFollower(self.config, self.bootstrap_servers, on_decision=self._follow)
-        following = asyncio.create_task(follower.run(stop))
+        done = asyncio.Event()  # set on the way out, whatever the way: a follower left on ``stop`` would outlive it
+        following = asyncio.create_task(follower.run(done))
         await self.checkpoint_follower.start()
         try:
             self.version = await self._server_version(stop)
@@ -142,6 +144,7 @@ class HotSwapper:
                 if follower.ready.is_set():
                     await self._reconcile(stop)
         finally:
+            done.set()
             await self.checkpoint_follower.stop()
             await following
             await self.close()
@@ -194,8 +197,9 @@ class HotSwapper:
         checkpoint = self.checkpoints[newest]
         if not await self._load_until_done(newest, stop):
             return
-        decision = self.promotions.get(newest) if self.promotions is not None else None
-        if decision is not None:  # another server of this process's fleet held it first and promoted it
+        latest = max(self.promotions, default=0) if self.promotions is not None else 0
+        if self.promotions and latest >= newest:  # another server of this fleet promoted it, or a newer one, first
+            decision = self.promotions[latest]
             self._set_routing(decision.routing, decision.at_us)
             return
         decision = decide(self.routing, newest, Action.PROMOTED, "hotswap",

@@ -23,7 +23,7 @@ import openai
 import pytest
 
 from bench.scenario import Users, lora_checkpoint, publish, serve_app, wait_until
-from deploy.deployments import Action, DeploymentFollower, DeploymentLog, adapter_name
+from deploy.deployments import Action, DeploymentFollower, DeploymentLog, Routing, adapter_name, decide
 from infra.config import TrainerConfig
 from infra.kafka import create_topics, topic_name
 from infra.processes import free_port
@@ -319,6 +319,26 @@ def test_deployments_promote_and_rollback_from_the_command_line(lora_setup, stac
     rows = clickhouse.query("SELECT version, action, decided_by, stable_version FROM deployments FINAL "
                             "WHERE model = {m:String} ORDER BY decided_at", parameters={"m": name}).result_rows
     assert rows == [(2, "PROMOTED", "manual", 2), (2, "ROLLED_BACK", "manual", 0)]
+
+
+def test_decisions_recorded_at_once_through_one_log_are_all_kept(topics_config, stack, clickhouse):
+    """Hot swap over a fleet records from one loop per server through one log and one ClickHouse client."""
+    asyncio.run(create_topics(topics_config, stack.bootstrap_servers))
+    name = f"tiny-{uuid.uuid4().hex[:8]}"
+
+    async def record_together() -> None:
+        log = DeploymentLog(topics_config, stack.bootstrap_servers, clickhouse)
+        await log.start()
+        try:
+            await asyncio.gather(*(log.record(decide(Routing(name), version, Action.PROMOTED, "hotswap", "at once",
+                                                     stable_version=version)) for version in range(1, 9)))
+        finally:
+            await log.stop()
+
+    asyncio.run(record_together())
+    rows = clickhouse.query("SELECT version FROM deployments FINAL WHERE model = {m:String} ORDER BY version",
+                            parameters={"m": name}).result_rows
+    assert rows == [(version,) for version in range(1, 9)]
 
 
 def test_a_gate_and_a_hot_swap_that_promotes_by_itself_refuse_to_run_side_by_side(lora_setup, stack, clickhouse):

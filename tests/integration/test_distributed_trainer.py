@@ -20,8 +20,6 @@ import asyncio
 import os
 import re
 import signal
-import subprocess
-import sys
 import time
 import uuid
 from dataclasses import replace
@@ -36,6 +34,7 @@ from infra.kafka import create_topics, topic_name
 from infra.processes import free_port
 from tests.integration.test_trainer_worker import produce, transition
 from tests.support.streams_harness import worker_env
+from tests.support.torchrun import Torchrun
 from trainer.batching import Batch, Counts, Sample, token_weights
 from trainer.checkpoints import manifests, open_store
 from trainer.distributed import Group, Ranks, Shard, join, leave, shard_batch
@@ -366,37 +365,20 @@ def test_under_torchrun_a_killed_rank_restarts_the_group_and_no_transition_is_lo
     asyncio.run(create_topics(topics_config, stack.bootstrap_servers))
     topic = topic_name(topics_config.topics, "transitions")
     records = [transition(f"t{i:02d}", model, advantage=(-1.0) ** i) for i in range(40)]
-    log_path = tmp_path / "torchrun.log"
-    with open(log_path, "ab") as log:
-        group = subprocess.Popen([sys.executable, "-m", "torch.distributed.run", "--standalone", "--nproc-per-node",
-                                  "2", "--max-restarts", "1", "-m", "agentstream", "train-worker"], env=env,
-                                 stdout=log, stderr=subprocess.STDOUT, start_new_session=True)
-
-    def wait_for(pattern: str, timeout_s: float = 90) -> re.Match:
-        deadline = time.monotonic() + timeout_s
-        while not (found := re.search(pattern, log_path.read_text(errors="replace"))):
-            assert group.poll() is None, log_path.read_text(errors="replace")[-4000:]
-            assert time.monotonic() < deadline, f"no {pattern!r} in:\n{log_path.read_text(errors='replace')[-4000:]}"
-            time.sleep(0.1)
-        return found
-
+    group = Torchrun(["--nproc-per-node", "2", "--max-restarts", "1"], ["train-worker"], env,
+                     tmp_path / "torchrun.log").start()
     try:
         asyncio.run(produce(kafka_options, topic, records[:20]))
-        follower = int(wait_for(r"rank 1 of 2 \(gloo\), pid (\d+)").group(1))
-        wait_for(r"checkpoint v2 ")
+        follower = int(group.wait_for(r"rank 1 of 2 \(gloo\), pid (\d+)").group(1))
+        group.wait_for(r"checkpoint v2 ")
         os.kill(follower, signal.SIGKILL)
-        wait_for(r"resumed from version \d+ \(step \d+\)")
+        group.wait_for(r"resumed from version \d+ \(step \d+\)")
         # the rest, plus replays of transitions already trained (t00, t03) and maybe lost with the group (t16)
         asyncio.run(produce(kafka_options, topic, [*records[20:], records[0], records[3], records[16]]))
-        wait_for(r"step +10 ")
+        group.wait_for(r"step +10 ")
     finally:
-        group.send_signal(signal.SIGTERM)  # rank 0 writes a last checkpoint, then stops rank 1
-        try:
-            group.wait(60)
-        except subprocess.TimeoutExpired:
-            os.killpg(group.pid, signal.SIGKILL)
-            group.wait()
-    log_text = log_path.read_text(errors="replace")
+        group.stop()  # SIGTERM: rank 0 writes a last checkpoint, then stops rank 1
+    log_text = group.log()
     lineage = manifests(open_store(str(checkpoints)), model)
     trained = [transition_id for m in lineage for transition_id in m.trained_ids]
     assert len(trained) == len(set(trained)) == 40, log_text[-4000:]  # every transition once in the lineage

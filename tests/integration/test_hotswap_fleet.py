@@ -13,14 +13,18 @@ import os
 import subprocess
 import sys
 import time
+from dataclasses import replace
 
 import aiohttp
+import pytest
+from clickhouse_connect.driver.exceptions import DatabaseError
 
 from bench.scenario import publish
 from deploy.deployments import Action, DeploymentFollower, DeploymentLog
 from infra.processes import free_port
 from pipeline.proxy import LLMProxy, serve_proxy
 from pipeline.upstreams import HealthSettings, holdings_rows, survey
+from serving.hotswap import HotSwapper
 from serving.hotswap_main import fleet_swappers, run_fleet
 from serving.protocol import Contract
 from tests.integration.test_hotswap_reconcile import (  # noqa: F401 (reconcile_setup is a fixture)
@@ -128,6 +132,32 @@ def test_every_server_gets_the_version_and_a_restarted_one_gets_it_back_before_i
     rows = clickhouse.query("SELECT version, action, decided_by FROM deployments FINAL WHERE model = {m:String}",
                             parameters={"m": name}).result_rows
     assert rows == [(1, str(Action.PROMOTED), "hotswap")], "one promotion for the fleet, not one per server"
+
+
+def test_a_hot_swap_that_fails_stops_the_fleet_and_its_error_comes_out(reconcile_setup, stack, clickhouse):  # noqa: F811
+    """One server's hot swap cannot record its promotion (no such database); it and the other, waiting for a server
+    that never answers, stop, and its error comes out: the process does not run on with one server unattended."""
+    config, name, store, home = reconcile_setup
+    server = ModelServerProcess(name, Contract.DEV, home)
+    elsewhere = replace(config, clickhouse=replace(config.clickhouse, database="no_such_database"))
+
+    async def scenario() -> None:
+        nowhere = DeploymentLog(elsewhere, stack.bootstrap_servers, clickhouse)
+        await nowhere.start()
+        try:
+            async with aiohttp.ClientSession() as session:
+                server.start()
+                await server.ready(session)
+            await publish(config, stack.bootstrap_servers, trained_policy(config.trainer), 1, store)
+            swappers = [HotSwapper(config, stack.bootstrap_servers, f"http://127.0.0.1:{free_port()}", name),
+                        HotSwapper(config, stack.bootstrap_servers, server.url, name, deployments=nowhere)]
+            await asyncio.wait_for(run_fleet(swappers, asyncio.Event()), 60)
+        finally:
+            await nowhere.stop()
+            server.kill()
+
+    with pytest.raises(DatabaseError, match="no_such_database"):
+        asyncio.run(scenario())
 
 
 async def _routed(follower: DeploymentFollower, name: str):

@@ -134,6 +134,36 @@ def test_a_version_goes_only_to_the_replicas_that_hold_it(fleet):
         proxy.stop()
 
 
+def test_a_call_for_a_deployed_version_no_replica_holds_yet_waits_for_hot_swap_to_load_it(fleet):
+    """A version just promoted on a replica that then died: the call is served once another loads it, not refused.
+
+    Hot swap loads the newest version, so the call is routed again while it waits: here v6 is promoted meanwhile
+    and only v6 is ever loaded."""
+    holder = fleet.servers[1]
+    table = Table(Routing("tiny", stable_version=5))
+    proxy = Proxy([s.url for s in fleet.servers], deployments=table)
+    try:
+        async def go():
+            call = asyncio.create_task(chat(proxy.client()))
+            await asyncio.sleep(1.0)
+            assert not call.done(), "it waits for a replica holding v5"
+            table.routes["tiny"] = Routing("tiny", stable_version=6)
+            async with aiohttp.ClientSession() as session:
+                assert await admin(session, holder.url, "/v1/load_lora_adapter",
+                                   {"lora_name": "tiny@v6", "lora_path": fleet.adapter, "version": 6}) == 200
+                try:
+                    return await call
+                finally:
+                    await admin(session, holder.url, "/v1/unload_lora_adapter", {"lora_name": "tiny@v6"})
+
+        response = asyncio.run(go())
+        assert response.choices[0].message.content is not None
+        assert proxy.served_by() == [holder.url]
+        assert [span["policy_version"] for span in proxy.sink.of("LLM")] == [6]
+    finally:
+        proxy.stop()
+
+
 def test_load_spreads_survives_a_sigkill_and_the_replica_returns(fleet):
     first, second = fleet.servers
     proxy = Proxy([first.url, second.url])

@@ -23,8 +23,8 @@ CODEC = AvroCodec()
 class CliProcess(Child):
     """An `agentstream` command in a subprocess (the product's Child), with the waits and kills tests need."""
 
-    def __init__(self, args: list[str], env: dict, log_path: Path) -> None:
-        super().__init__(args[0], args, env, log_path)
+    def __init__(self, args: list[str], env: dict, log_path: Path, cwd: Path | None = None) -> None:
+        super().__init__(args[0], args, env, log_path, cwd)
 
     def log(self) -> str:
         return self.log_path.read_text(errors="replace")
@@ -44,8 +44,8 @@ class CliProcess(Child):
 class Worker(CliProcess):
     """One streams worker process with its own log file; ``start`` returns once it is ready."""
 
-    def __init__(self, env: dict, log_path: Path) -> None:
-        super().__init__(["streams"], env, log_path)
+    def __init__(self, env: dict, log_path: Path, cwd: Path | None = None) -> None:
+        super().__init__(["streams"], env, log_path, cwd)
 
     def start(self, timeout_s: float = 60.0) -> Worker:
         offset = self.log_path.stat().st_size if self.log_path.exists() else 0

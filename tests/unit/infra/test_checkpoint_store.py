@@ -147,6 +147,30 @@ def test_the_cache_is_whole_versions_only(tmp_path: Path):
     assert folder.name.startswith("m-v00000001-") and (folder / "model.safetensors").read_bytes() == b"whole"
 
 
+def test_fetches_of_different_versions_at_once_keep_the_bound_without_tripping_over_each_others_evictions(
+        tmp_path: Path):
+    """Hot swap over a fleet fetches one version per server at once: each eviction removes what the others list."""
+    cache = CheckpointCache(tmp_path / "cache", max_versions=1)
+    errors: list[BaseException] = []
+
+    def fetch_many(thread: int) -> None:
+        try:
+            for version in range(40):
+                uri = f"s3://b/p/m/v{thread:02d}{version:06d}"
+                folder = cache.fetch(uri, lambda f: (f / "model.safetensors").write_bytes(b"w" * 1000))
+                assert folder.name.startswith(f"m-v{thread:02d}{version:06d}-")
+        except BaseException as error:  # the test asserts there were none
+            errors.append(error)
+
+    threads = [threading.Thread(target=fetch_many, args=(thread,)) for thread in range(4)]
+    for thread in threads:
+        thread.start()
+    for thread in threads:
+        thread.join()
+    assert errors == []
+    assert len(cache.entries()) <= 4  # each thread's last version may be kept while it is handed out
+
+
 def test_the_checkpoints_section_is_typed_and_its_secret_masked(tmp_path: Path):
     path = tmp_path / "agentstream.toml"
     path.write_text('[trainer]\ncheckpoint_dir = "s3://agentstream/checkpoints"\n[checkpoints]\n'

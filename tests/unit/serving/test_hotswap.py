@@ -8,6 +8,7 @@ from pathlib import Path
 
 import pytest
 
+from deploy.deployments import Action, Routing, decide
 from infra.checkpoint_store import S3Store, open_store
 from infra.config import CHECKPOINT_BUCKET, CheckpointsConfig, Config, Secret, TrainerConfig
 from infra.files import sha256_file
@@ -58,3 +59,34 @@ def test_an_s3_checkpoint_reaches_the_server_as_a_checked_local_folder(tmp_path:
         server_thread.stop()
         store_thread.stop()
         objects.close()
+
+
+def test_a_server_that_loaded_an_older_version_than_its_fleet_promoted_does_not_promote_it(tmp_path: Path):
+    """Hot swap over a fleet: one server's loop saw v8 last while another's had loaded and promoted v9 (its
+    checkpoint follower was ahead); v8 must not be promoted after v9, or the deployment goes back a version."""
+    name = "tiny-fleet"
+    server = create_app(load_model("tiny", threads=None), served_model_name=name)
+    server_thread = ServerThread(server)
+    try:
+        config = Config(trainer=TrainerConfig(model="tiny", model_name=name, device="cpu"))
+        store = open_store(str(tmp_path / "checkpoints"))
+        staging = store.staging()
+        older = write_checkpoint(store, staging, save_weights(build_policy(config.trainer), staging), model=name,
+                                 version=8, step=8, format="full", offsets={}, trained_ids=[], metrics={})
+        newer = decide(Routing(name), 9, Action.PROMOTED, "hotswap", "held first by another server",
+                       stable_version=9, format="full")
+        promotions = {9: newer}  # what the other server's loop decided, in the same process
+        swapper = HotSwapper(config, "127.0.0.1:1", server_thread.url, name, promotions=promotions)
+        swapper.checkpoints[8] = older.checkpoint()
+
+        async def promote() -> None:
+            try:
+                await swapper._promote_newest(asyncio.Event())
+            finally:
+                await swapper.close()
+
+        asyncio.run(promote())
+        assert server[SERVER].version == 8  # loaded: reconciling brings it to v9 next
+        assert swapper.routing.stable_version == 9 and list(promotions) == [9]
+    finally:
+        server_thread.stop()
