@@ -35,6 +35,7 @@ from infra.processes import free_port
 from tests.integration.test_trainer_worker import produce, transition
 from tests.support.streams_harness import worker_env
 from tests.support.torchrun import Torchrun
+from tests.support.trainer_configs import tiny_trainer_toml
 from trainer.batching import Batch, Counts, Sample, token_weights
 from trainer.checkpoints import manifests, open_store
 from trainer.distributed import Group, Ranks, Shard, join, leave, shard_batch
@@ -332,23 +333,6 @@ def test_nccl_ranks_hold_the_weights_one_rank_would(tmp_path):
         assert all(max_difference(weights, ranks[0]) == 0 for weights in ranks[1:]), case
 
 
-TORCHRUN_CONFIG = """
-[trainer]
-model = "tiny"
-model_name = "{model}"
-device = "cpu"
-threads = 1
-lr = 0.001
-batch_transitions = 4
-batch_tokens = 0
-batch_wait_s = 60
-max_policy_lag = 1000
-checkpoint_every_steps = 2
-checkpoint_dir = "{checkpoints}"
-session_timeout_s = 3
-distributed_timeout_s = 60
-"""
-
 
 def test_under_torchrun_a_killed_rank_restarts_the_group_and_no_transition_is_lost_or_trained_twice(
         topics_config, stack, kafka_options, tmp_path, clickhouse):
@@ -361,7 +345,7 @@ def test_under_torchrun_a_killed_rank_restarts_the_group_and_no_transition_is_lo
     database = f"trainer_{uuid.uuid4().hex[:8]}"
     checkpoints = tmp_path / "checkpoints"
     env = worker_env(tmp_path, stack, topics_config.topics.prefix, database,
-                     TORCHRUN_CONFIG.format(model=model, checkpoints=checkpoints))
+                     tiny_trainer_toml(model, checkpoints, distributed_timeout_s=60))
     asyncio.run(create_topics(topics_config, stack.bootstrap_servers))
     topic = topic_name(topics_config.topics, "transitions")
     records = [transition(f"t{i:02d}", model, advantage=(-1.0) ** i) for i in range(40)]

@@ -25,6 +25,7 @@ from tests.integration.test_trainer_worker import produce as produce_transitions
 from tests.integration.test_trainer_worker import transition
 from tests.support.broker import MemoryBroker
 from tests.support.streams_harness import CliProcess, Worker, produce, rollout_records, wait_for, worker_env
+from tests.support.trainer_configs import tiny_trainer_toml
 from trainer.checkpoints import manifests, open_store
 
 CONFIG = """
@@ -176,28 +177,12 @@ async def _until(check, timeout_s: float) -> None:
         await asyncio.sleep(0.1)
 
 
-TRAINER_CONFIG = """
-[trainer]
-model = "tiny"
-model_name = "{model}"
-device = "cpu"
-threads = 1
-lr = 0.001
-batch_transitions = 4
-batch_tokens = 0
-batch_wait_s = 60
-max_policy_lag = 1000
-checkpoint_every_steps = 1
-checkpoint_dir = "{checkpoints}"
-session_timeout_s = 3
-"""
-
 
 def test_the_trainer_reads_a_restarted_brokers_new_log_and_trains_no_transition_twice(tmp_path, stack, broker):
     model = f"tiny-reset-{uuid.uuid4().hex[:6]}"
     checkpoints = tmp_path / "checkpoints"
     env = worker_env(tmp_path, stack, f"r{uuid.uuid4().hex[:8]}.", f"reset_{uuid.uuid4().hex[:8]}",
-                     TRAINER_CONFIG.format(model=model, checkpoints=checkpoints))
+                     tiny_trainer_toml(model, checkpoints, checkpoint_every_steps=1))
     env["KAFKA_BOOTSTRAP_SERVERS"] = broker.bootstrap_servers
     config = load_config(environ=env)
     options = {"bootstrap_servers": broker.bootstrap_servers}

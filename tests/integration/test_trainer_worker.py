@@ -18,6 +18,7 @@ from infra.kafka import create_topics, topic_name
 from models.weights import ADAPTER_WEIGHTS_FILE
 from schemas import CHECKPOINT, TRANSITION, TRANSITION_BATCH, AvroCodec
 from tests.support.streams_harness import CliProcess, worker_env
+from tests.support.trainer_configs import tiny_trainer_toml
 from trainer.checkpoints import manifests, open_store
 from trainer.errors import TrainerConfigError
 from trainer.metrics import MetricsWriter
@@ -163,22 +164,6 @@ def test_trains_from_kafka_drops_duplicates_and_stale_commits_after_checkpoints_
     assert asyncio.run(committed()) >= 4 + 6 + 15
 
 
-CRASH_CONFIG = """
-[trainer]
-model = "tiny"
-model_name = "{model}"
-device = "cpu"
-threads = 1
-lr = 0.001
-batch_transitions = 4
-batch_tokens = 0
-batch_wait_s = 60
-max_policy_lag = 1000
-checkpoint_every_steps = 2
-checkpoint_dir = "{checkpoints}"
-session_timeout_s = 3
-"""
-
 
 def test_a_killed_trainer_resumes_from_its_checkpoint_and_trains_no_transition_twice(
         topics_config, stack, kafka_options, tmp_path, clickhouse, stack_config):
@@ -186,7 +171,7 @@ def test_a_killed_trainer_resumes_from_its_checkpoint_and_trains_no_transition_t
     database = f"trainer_{uuid.uuid4().hex[:8]}"
     checkpoints = tmp_path / "checkpoints"
     env = worker_env(tmp_path, stack, topics_config.topics.prefix, database,
-                  CRASH_CONFIG.format(model=model, checkpoints=checkpoints))
+                  tiny_trainer_toml(model, checkpoints))
     asyncio.run(create_topics(topics_config, stack.bootstrap_servers))
     topic = topic_name(topics_config.topics, "transitions")
     records = [transition(f"t{i:02d}", model, advantage=(-1.0) ** i) for i in range(40)]
