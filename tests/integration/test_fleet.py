@@ -2,16 +2,18 @@
 
 Each role is the operator's command (`agentstream serve-model` twice, `proxy` over both,
 `streams` twice in one consumer group, `torchrun --nproc-per-node 2 -m agentstream train-worker`
-on gloo, `hotswap --server A --server B`, `run` twice through the proxy), started in a folder of
-its own that is its working directory and its AGENTSTREAM_HOME, with its own configuration file.
-The broker and ClickHouse are shared by URL; checkpoints go from the trainer to the object store
-(the stack's kind, on a port of its own, checking signatures) and from there into hot swap's
-cache, the only two roles given its endpoint and keys. Hot swap hands the servers the folders of
-its cache: it runs on their machine, as it must for vLLM.
+on gloo, `run` twice through the proxy, and beside each server a `hotswap --server` of its own),
+started in a folder of its own that is its working directory and its AGENTSTREAM_HOME, with its
+own configuration file. The broker and ClickHouse are shared by URL; checkpoints go from the
+trainer to the object store (the stack's kind, on a port of its own, checking signatures) and
+from there into each hot swap's cache, the only roles given its endpoint and keys. A server and
+its hot swap are a host (``host-N``): hot swap hands its server folders of its cache, as it must
+for vLLM, and the two hosts have no file in common.
 
-Under load one model server is SIGKILLed and started again on its port from an empty folder:
-no user request fails, the trainer keeps publishing, hot swap brings the server back to the
-deployed version on its own, and the proxy sends it calls again.
+Under load one host is lost (its model server and hot swap SIGKILLed, its folders emptied) and
+started again, the server on its port: no user request fails, the trainer keeps publishing, the
+new hot swap brings the server to the deployed version from the object store alone, and the
+proxy sends it calls again.
 """
 
 from __future__ import annotations
@@ -89,7 +91,7 @@ class Role:
 
 
 def role(folder: Path, stack, tag: str, config: str) -> Role:
-    folder.mkdir()
+    folder.mkdir(parents=True)
     env = worker_env(folder, stack, f"fleet{tag}.", f"fleet_{tag}", config)
     env.update(PYTHONPATH=os.pathsep.join([str(ROOT), *filter(None, [os.environ.get("PYTHONPATH")])]),
                OMP_NUM_THREADS="1", AGENTSTREAM_ADMIN_TOKEN=TOKEN, PYTHONUNBUFFERED="1")
@@ -111,10 +113,13 @@ def test_a_fleet_loses_a_model_server_under_load_and_no_request_fails(tmp_path, 
     logs.mkdir()
     shared = CONFIG.format(tag=tag, location=location)
     with_store = shared + OBJECT_STORE.format(endpoint=objects.url, key_id=KEY_ID, secret=SECRET)
-    roles = {name: role(tmp_path / name, stack, tag, with_store if name in ("trainer", "hotswap") else shared)
-             for name in ("proxy", "streams-0", "streams-1", "trainer", "hotswap", "runner-0", "runner-1")}
+    folders = {name: tmp_path / name for name in ("proxy", "streams-0", "streams-1", "trainer", "runner-0",
+                                                   "runner-1")} | {f"hotswap-{i}": tmp_path / f"host-{i}" / "hotswap"
+                                                                   for i in range(2)}
+    roles = {name: role(folder, stack, tag, with_store if name == "trainer" or name.startswith("hotswap") else shared)
+             for name, folder in folders.items()}
     create_topics(roles["proxy"].env)
-    servers = [ModelServerProcess(MODEL, Contract.DEV, tmp_path / f"server-{i}" / "home") for i in range(2)]
+    servers = [ModelServerProcess(MODEL, Contract.DEV, tmp_path / f"host-{i}" / "server") for i in range(2)]
     for server in servers:
         server.home.mkdir(parents=True)
     urls = [server.url for server in servers]
@@ -124,14 +129,14 @@ def test_a_fleet_loses_a_model_server_under_load_and_no_request_fails(tmp_path, 
         return CliProcess(list(args), roles[name].env, logs / f"{name}.log", cwd=roles[name].home)
 
     proxy = cli("proxy", "proxy", *(arg for url in urls for arg in ("--upstream", url)), "--port", str(proxy_port))
-    hotswap = cli("hotswap", "hotswap", *(arg for url in urls for arg in ("--server", url)), "--model", MODEL)
+    hotswaps = [cli(f"hotswap-{i}", "hotswap", "--server", url, "--model", MODEL) for i, url in enumerate(urls)]
     runners = [cli(f"runner-{i}", "run", "tests.integration.test_trainer_loop:letters_agent", "--proxy", proxy_url,
                    "--concurrency", "4", "--group", f"fleet-runners-{tag}") for i in range(2)]
     streams = [Worker(roles[f"streams-{i}"].env, logs / f"streams-{i}.log", cwd=roles[f"streams-{i}"].home)
                for i in range(2)]
     trainer = Torchrun(["--nproc-per-node", "2"], ["train-worker"], roles["trainer"].env, logs / "trainer.log",
                        cwd=roles["trainer"].home)
-    processes = [proxy, hotswap, *runners]
+    processes = [proxy, *hotswaps, *runners]
     config = load_config(environ=roles["proxy"].env)
     store = S3Reader(objects, location)
     try:
@@ -155,13 +160,16 @@ def test_a_fleet_loses_a_model_server_under_load_and_no_request_fails(tmp_path, 
         wait_for(lambda: deployed() >= 2, 120, what="v2 deployed")
         wait_for(lambda: asyncio.run(proxy_health(proxy_url))[urls[1]] > 0, 30, 0.02,
                  what="a call in flight on the second server")
-        killed = servers[1]
+        killed, its_hotswap = servers[1], hotswaps[1]
         killed.kill()  # SIGKILL, with calls in flight
+        its_hotswap.kill()
         killed_at, published_at_kill = time.time(), store.newest()
-        shutil.rmtree(killed.home)
-        killed.home.mkdir()  # an empty folder: no cache, nothing of the first run
+        for home in (killed.home, roles["hotswap-1"].home):  # a new host: no cache, nothing of the first run
+            shutil.rmtree(home)
+            home.mkdir()
         wait_for(lambda: store.newest() >= published_at_kill + 2, 60, what="two more checkpoints after the kill")
         killed.start()
+        its_hotswap.start()
         asyncio.run(ready([killed]))
         restarted_at = time.time()
 
@@ -234,14 +242,15 @@ class S3Reader:
 
 def assert_no_files_in_common(roles: dict[str, Role], servers: list[ModelServerProcess], store: S3Reader,
                               tmp_path: Path) -> None:
-    """Checkpoint files are in the object store and hot swap's cache only, each as the manifest says."""
+    """Checkpoint files are in the object store and each hot swap's cache only, each as the manifest says."""
     homes = {name: r.home for name, r in roles.items()} | {f"server-{i}": s.home for i, s in enumerate(servers)}
     holding = {name for name, home in homes.items() if any(p.name in CHECKPOINT_FILES for p in files_under(home))}
-    assert holding == {"hotswap"}, holding  # the trainer's staging folders are gone once uploaded
+    assert holding == {"hotswap-0", "hotswap-1"}, holding  # the trainer's staging folders are gone once uploaded
     manifests = store.manifests()
-    cached = [folder for folder in homes["hotswap"].rglob("*") if folder.is_dir() and (folder / MANIFEST).is_file()]
-    assert cached
-    for folder in cached:
+    cached = {name: [folder for folder in homes[name].rglob("*") if folder.is_dir() and (folder / MANIFEST).is_file()]
+              for name in holding}
+    assert all(cached.values()), cached
+    for folder in (folder for folders in cached.values() for folder in folders):
         manifest = json.loads((folder / MANIFEST).read_text())
         assert manifest == manifests[manifest["version"]]
         assert {name: sha256_file(folder / name) for name in manifest["files"]} == manifest["files"]
@@ -249,7 +258,10 @@ def assert_no_files_in_common(roles: dict[str, Role], servers: list[ModelServerP
     for server in servers:  # a model server writes nothing: its folder holds only the log the test gave it
         assert all(path.name.startswith("model-server-") for path in files_under(server.home)), \
             files_under(server.home)
-    assert {path.name for path in tmp_path.iterdir()} == {*roles, "server-0", "server-1", "objects", "logs"}
+    top = {name for name in roles if not name.startswith("hotswap")}
+    assert {path.name for path in tmp_path.iterdir()} == {*top, "host-0", "host-1", "objects", "logs"}
+    assert all({path.name for path in (tmp_path / host).iterdir()} == {"hotswap", "server"}
+               for host in ("host-0", "host-1"))
 
 
 def finished(log: str) -> dict[str, int]:
