@@ -268,7 +268,7 @@ class Gate:
             references = [(stable_version, stable)]
             best = best_served(self.scores, self.served)
             if best is not None and best != stable_version and self.scores[best].mean > stable.mean:
-                references.append((best, await self._score(best)))
+                references.append((best, await self._reference(best)))
         except EvaluationError as error:
             if self.routing.candidate_version == version:
                 await self._record(decide(
@@ -298,6 +298,19 @@ class Gate:
         self.scores[version] = score
         log.info("%s v%d scores %.3f on %d evaluation tasks", self.model, version, score.mean, score.tasks)
         return score
+
+    async def _reference(self, version: int) -> Score:
+        """A version that served before, scored afresh where a server still holds it, else by its last score.
+
+        Hot swap unloads what no routing names, so a version that served two promotions ago is
+        often gone; its last score still keeps candidates from sliding below it.
+        """
+        try:
+            return await self._score(version)
+        except EvaluationError as error:
+            log.info("%s v%d is compared by its last score (%.3f): %s", self.model, version,
+                     self.scores[version].mean, error)
+            return self.scores[version]
 
     async def _wait_until_loaded(self, version: int, stop: asyncio.Event) -> bool:
         name = adapter_name(self.model, version)

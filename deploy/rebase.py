@@ -48,18 +48,23 @@ class RejectionStreak:
         elif decision.action in ACCEPTED:
             self.refused.clear()
 
-    def due(self) -> Routing | None:
+    def due(self, version: int | None = None, max_lag: int | None = None) -> Routing | None:
         """The routing whose stable version the trainer should go back to, once ``limit`` were refused in a row.
 
-        The base model (version 0) is no checkpoint to load, so a streak while it serves waits
-        until a trained version does.
+        Sooner where the trainer is stranded: a candidate was refused, none is pending (no
+        candidate, no canary) and the trainer at ``version`` is more than ``max_lag`` ahead of the
+        stable version, so every transition served is too stale to train and no new candidate
+        could ever come. The base model (version 0) is no checkpoint to load, so a streak while it
+        serves waits until a trained version does.
         """
         routing = self.routing
-        if self.limit <= 0 or len(self.refused) < self.limit or routing is None:
+        if self.limit <= 0 or not self.refused or routing is None:
             return None
         if routing.stable_version == 0 or not routing.stable_uri:
             return None
-        return routing
+        stranded = (version is not None and max_lag is not None and version - routing.stable_version > max_lag
+                    and routing.candidate_version is None and routing.canary_version is None)
+        return routing if len(self.refused) >= self.limit or stranded else None
 
     def clear(self) -> list[int]:
         """Start a new streak (after a rebase); returns the refused versions that caused it."""

@@ -95,7 +95,7 @@ class Rebase(Protocol):
 
     async def follow(self, config: Config, bootstrap_servers: str, stop: asyncio.Event) -> None: ...
 
-    def due(self) -> ServingVersion | None: ...
+    def due(self, version: int | None = None, max_lag: int | None = None) -> ServingVersion | None: ...
 
     def clear(self) -> list[int]: ...
 
@@ -289,7 +289,8 @@ class TrainerWorker:
                     self._consumed[tp] = record.offset + 1
                     if record.key == key:
                         self._offer(record, tp, now)
-            if self.streak is not None and (routing := self.streak.due()) is not None:
+            if self.streak is not None and (
+                    routing := self.streak.due(self.version, self.settings.max_policy_lag)) is not None:
                 await self._rebase(routing, self.streak.clear())
             while (self.batcher.ready(time.monotonic()) and not stop.is_set()
                    and (max_steps is None or self.summary.steps < max_steps)):
@@ -383,8 +384,8 @@ class TrainerWorker:
         self._rebased_on = routing.stable_version
         self.summary.rebases += 1
         self.progress(f"trainer {self.name}: back to v{routing.stable_version}, the version serving, after the gate "
-                      f"refused {len(refused)} candidates in a row ({', '.join(f'v{v}' for v in refused)}); "
-                      f"training on from its weights as v{self.version + 1}")
+                      f"refused {len(refused)} candidates in a row ({', '.join(f'v{v}' for v in refused)}) at "
+                      f"v{self.version}; training on from its weights as v{self.version + 1}")
 
     async def _checkpoint(self) -> None:
         """Copy the weights as the next version, then write, announce and commit it while the next step runs.

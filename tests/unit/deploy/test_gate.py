@@ -2,10 +2,13 @@
 
 from __future__ import annotations
 
+import asyncio
+
 import pytest
 
-from deploy.gate import LiveRewards, Score, best_served, evaluation_verdict, judge_canary
+from deploy.gate import EvaluationError, Gate, LiveRewards, Score, best_served, evaluation_verdict, judge_canary
 from deploy.sequential import Verdict
+from infra.config import load_config
 
 
 def bernoulli(successes: int, rollouts: int) -> LiveRewards:
@@ -97,3 +100,16 @@ def test_best_served_is_the_highest_scoring_served_version_and_ignores_unscored_
     assert best_served(scores, {0, 3, 5, 7, 9}) == 5  # the newest of equals; v9 was never scored here
     assert best_served(scores, {0, 7}) == 0
     assert best_served(scores, set()) is None
+
+
+def test_a_served_version_no_server_holds_any_more_is_compared_by_its_last_score():
+    async def evaluate(version: int) -> Score:
+        if version == 1:  # hot swap unloaded it when v2 was promoted
+            raise EvaluationError("version 1 of model `m` is not loaded on the model server")
+        return Score((1.0, 0.0, 1.0, 1.0))
+
+    gate = Gate(load_config(environ={}), "127.0.0.1:9", "m", evaluate=evaluate, warehouse=None, deployments=None,
+                server_url="http://127.0.0.1:9")
+    gate.scores[1] = Score((1.0, 1.0, 1.0, 0.0))
+    assert asyncio.run(gate._reference(1)) == Score((1.0, 1.0, 1.0, 0.0))
+    assert asyncio.run(gate._reference(2)) == Score((1.0, 0.0, 1.0, 1.0)) == gate.scores[2]  # afresh where held

@@ -37,3 +37,21 @@ def test_no_rebase_while_the_base_model_serves_or_when_turned_off():
         for version in (1, 2, 3):
             streak.seen(decide(routing, version, Action.REJECTED, "gate", "worse"))
         assert streak.due() is None
+
+
+def test_a_trainer_too_far_ahead_of_the_serving_version_goes_back_after_one_refusal_when_none_is_pending():
+    """Every transition served is staler than the lag bound and no candidate is pending: it would wait forever."""
+    served = decide(Routing("m"), 2, Action.PROMOTED, "gate", "canary passed", stable_version=2,
+                    stable_uri="s3://b/m/v00000002")
+    streak = RejectionStreak("m", limit=3, live=True)
+    streak.seen(served)
+    assert streak.due(version=30, max_lag=20) is None  # nothing refused yet: the gate has its say first
+    for version, action, candidate in [(14, Action.CANDIDATE, 14), (14, Action.REJECTED, None),
+                                       (23, Action.CANDIDATE, 23)]:
+        streak.seen(decide(streak.routing, version, action, "gate", "...", candidate_version=candidate))
+    assert streak.due(version=23, max_lag=20) is None  # v23 is still pending
+    refused = decide(streak.routing, 23, Action.REJECTED, "gate", "worse", candidate_version=None)
+    streak.seen(refused)
+    assert streak.due(version=22, max_lag=20) is None  # v2's transitions still train v22
+    assert streak.due(version=23, max_lag=20) == refused.routing == served.routing
+    assert streak.due() is None  # without the trainer's version, only the streak of 3 counts
