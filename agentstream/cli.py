@@ -18,7 +18,7 @@ import click
 from agentstream.command_config import command_config as _config
 from agentstream.schema_registry import schema_registry_command
 from infra.clickhouse import ClickHouseError, connect, server_message
-from infra.config import AglConfig, Config, ConfigError, describe
+from infra.config import AglConfig, Config, ConfigError, describe, server_urls_problem
 from infra.kafka import KafkaSetupError
 from infra.processes import ServiceError
 from infra.schema_registry.errors import RegistryError, RegistryUnavailable
@@ -221,8 +221,15 @@ def dashboard_command(ctx: click.Context, host: str, port: int, database: str | 
         pass
 
 
+def _server_urls(ctx: click.Context, param: click.Parameter, urls: tuple[str, ...]) -> tuple[str, ...]:
+    """A repeated model server option: http(s) URLs, none twice."""
+    if problem := server_urls_problem(urls):
+        raise click.BadParameter(problem)
+    return urls
+
+
 @main.command("proxy")
-@click.option("--upstream", "upstreams", multiple=True,
+@click.option("--upstream", "upstreams", multiple=True, callback=_server_urls,
               help="Base URL of an OpenAI-compatible model server (vLLM or serve-model); repeat it for a fleet. "
                    "Default: [proxy] upstreams.")
 @click.option("--host", default="127.0.0.1", show_default=True)
@@ -531,7 +538,7 @@ def train_worker_command(ctx: click.Context, model_spec: str | None, max_steps: 
 
 
 @main.command("hotswap")
-@click.option("--server", "server_urls", required=True, multiple=True,
+@click.option("--server", "server_urls", required=True, multiple=True, callback=_server_urls,
               help="Base URL of the model server (serve-model or vLLM); repeat it for each server of a fleet.")
 @click.option("--model", "model_name", required=True, help="The trained model whose checkpoints to load.")
 @click.option("--no-verify", is_flag=True, help="Do not check the weights' sha256 before loading.")
@@ -586,7 +593,7 @@ def gate_command(ctx: click.Context, model_name: str, server_url: str, proxy_url
 @main.command("deployments")
 @click.option("--model", "model_name", default=None, help="Only this model.")
 @click.option("--history", default=10, show_default=True, help="Recent decisions to list (0: none).")
-@click.option("--server", "server_urls", multiple=True,
+@click.option("--server", "server_urls", multiple=True, callback=_server_urls,
               help="A model server to ask what it holds; repeat it for a fleet (default: [proxy] upstreams).")
 @click.pass_context
 def deployments_command(ctx: click.Context, model_name: str | None, history: int, server_urls: tuple[str, ...]) -> None:

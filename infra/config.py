@@ -11,7 +11,7 @@ from __future__ import annotations
 import dataclasses
 import os
 import tomllib
-from collections.abc import Mapping
+from collections.abc import Mapping, Sequence
 from dataclasses import dataclass, field, fields, replace
 from pathlib import Path
 from typing import Any, get_type_hints
@@ -413,6 +413,16 @@ class ServerConfig:
             raise ConfigError("server.contract must be dev or vllm")
 
 
+def server_urls_problem(urls: Sequence[str]) -> str | None:
+    """What is wrong with a list of model server URLs (one not http:// or https://, one named twice), or None."""
+    if wrong := [url for url in urls if not url.startswith(("http://", "https://"))]:
+        return f"not an http:// or https:// URL: {', '.join(wrong)}"
+    bases = [url.rstrip("/").removesuffix("/v1") for url in urls]
+    if twice := sorted({base for base in bases if bases.count(base) > 1}):
+        return f"a model server named twice: {', '.join(twice)}"
+    return None
+
+
 @dataclass(frozen=True)
 class ProxyConfig:
     """The LLM proxy: ``max_tokens`` is added to a generation request that names none (0: leave it to the server).
@@ -432,8 +442,8 @@ class ProxyConfig:
     def __post_init__(self) -> None:
         if self.max_tokens < 0:
             raise ConfigError("proxy.max_tokens must be >= 0 (0: no default limit)")
-        if any(not url.startswith(("http://", "https://")) for url in self.upstreams):
-            raise ConfigError(f"proxy.upstreams must be http:// or https:// URLs, got {list(self.upstreams)}")
+        if problem := server_urls_problem(self.upstreams):
+            raise ConfigError(f"proxy.upstreams: {problem}")
         if self.health_interval_s <= 0 or self.health_timeout_s <= 0:
             raise ConfigError("proxy.health_interval_s and proxy.health_timeout_s must be > 0")
         if self.eject_after < 1:

@@ -146,3 +146,7 @@ def test_proxy_upstreams_from_the_file_and_the_environment(tmp_path):
     path.write_text('[proxy]\nupstreams = ["a:8000"]\n')
     with pytest.raises(ConfigError, match="upstreams"):
         load_config(path, environ={})
+    path.write_text('[proxy]\nupstreams = ["http://a:8000", "http://a:8000/v1"]\n')
+    with pytest.raises(ConfigError, match="a model server named twice: http://a:8000"):
+        load_config(path, environ={})
+
