@@ -157,7 +157,9 @@ def open_store(location: str, settings: CheckpointsConfig | None = None, home: P
         settings = settings or CheckpointsConfig()
         home = home or Path(".agentstream")
         return S3Store(location, settings, home, cache_for(settings, home))
-    raise UnsupportedStore(f"checkpoint store {location!r}: only folders, file:// and s3:// URIs are supported")
+    hint = (" (Google Cloud Storage: s3://bucket/prefix with [checkpoints] s3_endpoint = "
+            "\"https://storage.googleapis.com\" and HMAC keys)" if location.startswith("gs://") else "")
+    raise UnsupportedStore(f"checkpoint store {location!r}: only folders, file:// and s3:// URIs are supported{hint}")
 
 
 def cache_for(settings: CheckpointsConfig, home: Path) -> CheckpointCache:

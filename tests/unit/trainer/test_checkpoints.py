@@ -37,5 +37,5 @@ def test_store_lists_prunes_and_remembers_trained_ids(tmp_path):
     assert [m.version for m in manifests(store, "m")] == [4]
     kept = sorted(p.name for p in (store.root / "m" / "v00000004").iterdir())
     assert kept == ["checkpoint.json", "model.safetensors"]
-    with pytest.raises(UnsupportedStore):
+    with pytest.raises(UnsupportedStore, match=r"storage\.googleapis\.com"):  # the way to GCS is named
         open_store("gs://bucket/checkpoints")
