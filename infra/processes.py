@@ -8,6 +8,7 @@ from __future__ import annotations
 
 import json
 import os
+import random
 import signal
 import socket
 import subprocess
@@ -93,11 +94,35 @@ def wait_until_port_is_free(host: str, port: int, within_s: float = PORT_RELEASE
     return True
 
 
+LOWEST_FREE_PORT = 20000
+"""Where :func:`free_port` starts looking; it stops below the kernel's ephemeral range."""
+
+
 def free_port(host: str = "127.0.0.1") -> int:
-    """A TCP port that is free right now on ``host`` (for tests and ephemeral stacks)."""
+    """A TCP port that is free right now on ``host`` (for tests and ephemeral stacks), below the ephemeral range.
+
+    A port of the ephemeral range can be taken by any outgoing connection, or by a client that keeps
+    dialing a stopped server there (a TCP socket then connects to itself), so a server restarted on
+    it could find it held: a killed broker's port was, once, in `make test`.
+    """
+    below = _ephemeral_ports()[0]
+    if below - LOWEST_FREE_PORT >= 1000:
+        for _ in range(200):
+            port = random.randrange(LOWEST_FREE_PORT, below)
+            if port_is_free(host, port):
+                return port
     with socket.socket(socket.AF_INET, socket.SOCK_STREAM) as sock:
         sock.bind((host, 0))
         return sock.getsockname()[1]
+
+
+def _ephemeral_ports() -> tuple[int, int]:
+    """The kernel's range for outgoing connections' local ports (Linux's default where it cannot be read)."""
+    try:
+        low, high = Path("/proc/sys/net/ipv4/ip_local_port_range").read_text().split()
+        return int(low), int(high)
+    except (OSError, ValueError):
+        return 32768, 60999
 
 
 def wait_for_port(host: str, port: int, timeout_s: float, process: subprocess.Popen | None = None,

@@ -5,8 +5,9 @@ from __future__ import annotations
 import socket
 import threading
 import time
+from pathlib import Path
 
-from infra.processes import free_port, wait_until_port_is_free
+from infra.processes import LOWEST_FREE_PORT, free_port, port_is_free, wait_until_port_is_free
 
 
 def bound_socket(port: int) -> socket.socket:
@@ -40,3 +41,11 @@ def test_a_port_with_a_listener_is_taken_at_once():
         started = time.monotonic()
         assert not wait_until_port_is_free("127.0.0.1", port, within_s=5.0)
         assert time.monotonic() - started < 1.0
+
+
+def test_free_ports_lie_below_the_ephemeral_range_where_no_client_connection_takes_them():
+    low = int(Path("/proc/sys/net/ipv4/ip_local_port_range").read_text().split()[0])
+    ports = {free_port() for _ in range(50)}
+    assert all(LOWEST_FREE_PORT <= port < low for port in ports) and len(ports) > 40
+    with bound_socket(port := free_port()):
+        assert port_is_free("127.0.0.1", port) is False
