@@ -36,10 +36,40 @@ class SchemaNotFound(RegistryError):
     status, error_code = 404, 40403
 
 
+class SubjectSoftDeleted(RegistryError):
+    """A soft delete of a subject already soft-deleted (``permanent=true`` removes it)."""
+
+    status, error_code = 404, 40404
+
+
+class SubjectNotSoftDeleted(RegistryError):
+    """A permanent delete of a subject that was not soft-deleted first."""
+
+    status, error_code = 404, 40405
+
+
+class VersionSoftDeleted(RegistryError):
+    """A soft delete of a version already soft-deleted (``permanent=true`` removes it)."""
+
+    status, error_code = 404, 40406
+
+
+class VersionNotSoftDeleted(RegistryError):
+    """A permanent delete of a version that was not soft-deleted first."""
+
+    status, error_code = 404, 40407
+
+
 class SubjectLevelConfigNotFound(RegistryError):
     """``GET /config/{subject}`` for a subject without its own level (and no ``defaultToGlobal``)."""
 
     status, error_code = 404, 40408
+
+
+class SubjectLevelModeNotFound(RegistryError):
+    """``GET /mode/{subject}`` for a subject without its own mode (and no ``defaultToGlobal``)."""
+
+    status, error_code = 404, 40409
 
 
 class IncompatibleSchemaVersion(RegistryError):
@@ -60,6 +90,23 @@ class InvalidVersion(RegistryError):
 
 class InvalidCompatibilityLevel(RegistryError):
     status, error_code = 422, 42203
+
+
+class InvalidMode(RegistryError):
+    status, error_code = 422, 42204
+
+
+class OperationNotPermitted(RegistryError):
+    """A write the subject's mode forbids (READONLY), an import outside IMPORT mode, or a config this registry
+    does not keep."""
+
+    status, error_code = 422, 42205
+
+
+class NotServed(RegistryError):
+    """An endpoint of Confluent's API this registry deliberately does not serve (associations)."""
+
+    status, error_code = 501, 50101
 
 
 class BadRequest(RegistryError):
@@ -97,9 +144,10 @@ class RegistryUnavailable(AgentstreamError, RuntimeError):
 
 BY_CODE: dict[int, type[RegistryError]] = {
     cls.error_code: cls
-    for cls in (SubjectNotFound, VersionNotFound, SchemaNotFound, SubjectLevelConfigNotFound,
+    for cls in (SubjectNotFound, VersionNotFound, SchemaNotFound, SubjectSoftDeleted, SubjectNotSoftDeleted,
+                VersionSoftDeleted, VersionNotSoftDeleted, SubjectLevelConfigNotFound, SubjectLevelModeNotFound,
                 IncompatibleSchemaVersion, InvalidSchemaError, InvalidVersion, InvalidCompatibilityLevel,
-                BadRequest, Unauthorized, StoreError, StoreTimeout)
+                InvalidMode, OperationNotPermitted, NotServed, BadRequest, Unauthorized, StoreError, StoreTimeout)
 }
 
 
