@@ -25,8 +25,9 @@ from typing import Any
 
 import pytest
 from confluent_kafka import OFFSET_BEGINNING, Consumer, Producer, TopicPartition
-from confluent_kafka.schema_registry import SchemaRegistryClient
+from confluent_kafka.schema_registry import Schema, SchemaRegistryClient
 from confluent_kafka.schema_registry.avro import AvroDeserializer
+from confluent_kafka.schema_registry.common.schema_registry_client import SchemaVersion
 from confluent_kafka.serialization import MessageField, SerializationContext
 
 from infra.config import Config
@@ -168,18 +169,27 @@ def test_the_registry_comes_back_from_its_topic(stack, tmp_path: Path) -> None:
     first = RegistryProcess(stack.bootstrap_servers, topic, tmp_path / "registry.log").start()
     try:
         client = SchemaRegistryClient({"url": first.url})
-        from confluent_kafka.schema_registry import Schema
-
-        mine = Schema(json.dumps({"type": "record", "name": "Mine", "fields": [{"name": "x", "type": "int"}]}), "AVRO")
+        mine = Schema('{"type": "record", "name": "Mine",  "fields": [{"name": "x", "type": "int"}]}', "AVRO")
         mine_id = client.register_schema("mine-value", mine)
         client.set_compatibility("mine-value", "FULL")
+        client.update_mode("mine-value", "READONLY")
+        gone = Schema(json.dumps({"type": "record", "name": "Gone", "fields": [{"name": "y", "type": "int"}]}))
+        gone_id = client.register_schema("gone-value", gone)
+        client.register_schema("soft-value", gone)
+        assert client.delete_subject("gone-value") == [1] and client.delete_subject("soft-value") == [1]
+        assert client.delete_subject("gone-value", permanent=True) == [1]
     finally:
         first.stop()
     second = RegistryProcess(stack.bootstrap_servers, topic, tmp_path / "registry.log", port=first.port).start()
     try:
         client = SchemaRegistryClient({"url": second.url})
         assert client.get_latest_version("mine-value").schema_id == mine_id
-        assert client.get_compatibility("mine-value") == "FULL"
+        assert client.get_schema(mine_id).schema_str == mine.schema_str  # as submitted
+        assert client.get_compatibility("mine-value") == "FULL" and client.get_mode("mine-value") == "READONLY"
+        subjects = set(client.get_subjects(deleted=True))
+        assert "soft-value" in subjects and "gone-value" not in subjects
+        assert "soft-value" not in client.get_subjects() and client.get_versions("soft-value", deleted=True) == [1]
+        assert client.get_schema_versions(gone_id, deleted=True) == [SchemaVersion("soft-value", 1)]
         for name, schema in current_schemas().items():  # seeding again added no version
             retired = (name.endswith(("RolloutResult", "Transition", "TransitionBatch")))  # one in schemas/avro/history
             assert client.get_versions(name) == ([1, 2] if retired else [1])

@@ -7,9 +7,25 @@ import json
 import struct
 import urllib.error
 import urllib.request
+import uuid
+from typing import Any
 
 import pytest
-from confluent_kafka.schema_registry import Schema, SchemaRegistryClient
+from confluent_kafka.schema_registry import (
+    AssociationCreateOrUpdateRequest,
+    AsyncSchemaRegistryClient,
+    ConfigCompatibilityLevel,
+    Metadata,
+    MetadataProperties,
+    Rule,
+    RuleKind,
+    RuleMode,
+    RuleSet,
+    Schema,
+    SchemaRegistryClient,
+    ServerConfig,
+)
+from confluent_kafka.schema_registry.common.schema_registry_client import SchemaVersion
 from confluent_kafka.schema_registry.error import SchemaRegistryError
 
 from infra.config import load_config
@@ -25,6 +41,7 @@ from infra.security import KeySet
 from schemas import TASK, AvroCodec, current_schemas, schema_id
 from stack.schema_registry import MemoryLog, RegistryService, RegistryState, create_app
 from stack.schema_registry.service import registry_client
+from tests.support.avro_samples import ROOT
 from tests.support.http_thread import ServerThread
 
 TASK_VALUE = {"task_id": "t1", "rollout_id": "r1", "group_id": None, "agent_name": None, "input": "{}",
@@ -186,10 +203,21 @@ def test_writes_need_a_key_and_reads_stay_open(keyed_registry) -> None:
     for method, path, body in (("POST", "/subjects/x-value/versions", {"schema": X_SCHEMA.schema_str}),
                                ("POST", f"/subjects/{TASK}", {"schema": schema_json(current_schemas()[TASK])}),
                                ("PUT", "/config", {"compatibility": "NONE"}),
+                               ("DELETE", "/config", None),
+                               ("DELETE", f"/config/{TASK}", None),
+                               ("PUT", "/mode", {"mode": "READONLY"}),
+                               ("PUT", f"/mode/{TASK}", {"mode": "READONLY"}),
+                               ("DELETE", f"/mode/{TASK}", None),
+                               ("DELETE", f"/subjects/{TASK}/versions/1", None),
+                               ("DELETE", f"/subjects/{TASK}", None),
                                ("DELETE", "/subjects/x-value", None)):
         status, answer = raw(url + path, method, body)
         assert status == 401 and answer["error_code"] == 40101, (method, path, answer)
     assert anonymous.get_compatibility() == "BACKWARD" and "x-value" not in anonymous.get_subjects()
+    assert anonymous.get_global_mode() == "READWRITE" and anonymous.get_versions(TASK) == [1]
+    for call, args in ((anonymous.delete_subject, (TASK,)), (anonymous.delete_version, (TASK, 1)),
+                       (anonymous.update_global_mode, ("READONLY",)), (anonymous.delete_config, ())):
+        assert answer_of(call, *args) == (401, 40101), call
 
     keyed = SchemaRegistryClient({"url": url, "basic.auth.user.info": "anyone:second-key"})
     first = keyed.register_schema("x-value", X_SCHEMA)
@@ -207,3 +235,163 @@ def test_agentstreams_own_client_sends_the_key(keyed_registry) -> None:
     with pytest.raises(Unauthorized, match="registry_keys"):
         RegistryClient(keyed_registry.url).register("y-value", X_SCHEMA.schema_str)
     assert registry_client(load_config(environ={"AGENTSTREAM_SCHEMA_REGISTRY_PORT": port})).subjects()
+
+
+# What each public method of confluent-kafka's SchemaRegistryClient gets from this registry: the test below drives
+# every one; docs/schema-registry.md has the same table.
+SERVED_METHODS = {
+    "close", "config", "clear_caches", "clear_latest_caches", "new_client",
+    "register_schema", "register_schema_full_response", "lookup_schema", "get_schema", "get_schema_by_guid",
+    "get_schema_types", "get_subjects_by_schema_id", "get_schema_versions", "get_subjects", "get_versions",
+    "get_version", "get_latest_version", "get_latest_with_metadata", "get_referenced_by", "delete_subject",
+    "delete_version", "test_compatibility", "test_compatibility_all_versions", "get_compatibility",
+    "set_compatibility", "get_config", "set_config", "delete_config", "get_mode", "update_mode", "delete_mode",
+    "get_global_mode", "update_global_mode", "get_contexts",
+}
+REFUSED_METHODS = {"get_associations_by_resource_name", "create_association", "delete_associations"}
+
+
+def answer_of(call: Any, *args: Any, **kwargs: Any) -> tuple[int, int]:
+    """The (HTTP status, error_code) the registry refused a client call with."""
+    with pytest.raises(SchemaRegistryError) as refused:
+        call(*args, **kwargs)
+    return refused.value.http_status_code, refused.value.error_code
+
+
+@pytest.fixture
+def empty_registry():
+    registry = Registry("fingerprint", seed=False)
+    yield registry
+    registry.stop()
+
+
+def test_the_table_names_every_public_method_of_the_client() -> None:
+    """A client release that adds a method fails here until the registry and docs/schema-registry.md say what
+    it gets."""
+    public = {name for name in dir(SchemaRegistryClient) if not name.startswith("_")}
+    assert public == SERVED_METHODS | REFUSED_METHODS
+    assert public <= {name for name in dir(AsyncSchemaRegistryClient) if not name.startswith("_")} | {"close"}
+    table = (ROOT / "docs" / "schema-registry.md").read_text()
+    assert all(f"`{name}`" in table for name in public)
+
+
+def test_every_client_method_as_confluent_answers(empty_registry) -> None:
+    url = empty_registry.url
+    with SchemaRegistryClient({"url": url}) as client:
+        assert client.config()["url"] == url
+        assert isinstance(SchemaRegistryClient.new_client({"url": url}), SchemaRegistryClient)
+        assert client.get_schema_types() == ["AVRO"]
+        assert client.get_contexts() == ["."] and client.get_contexts(offset=1) == []
+        assert client.get_global_mode() == "READWRITE"
+
+        # Registered as submitted (spacing and all), with metadata and rules; the plain schema is another schema.
+        text = '{"type": "record",  "name": "A", "fields": [{"name": "a", "type": "int"}]}'
+        owner_a = Metadata(tags=None, properties=MetadataProperties({"owner": "team-a"}), sensitive=None)
+        rules = RuleSet(migration_rules=None, domain_rules=[Rule(
+            name="positive", doc=None, kind=RuleKind.CONDITION, mode=RuleMode.WRITE, type="CEL", tags=None,
+            params=None, expr="message.a > 0", on_success=None, on_failure=None, disabled=None)])
+        first = client.register_schema_full_response("a-value", Schema(text, "AVRO", metadata=owner_a,
+                                                                       rule_set=rules))
+        assert (first.subject, first.version) == ("a-value", 1) and uuid.UUID(first.guid)
+        client.clear_caches()
+        served = client.get_schema(first.schema_id)
+        assert served.schema_str == text and served.metadata.properties.properties == {"owner": "team-a"}
+        assert served.rule_set.domain_rules[0].expr == "message.a > 0"
+        assert client.get_schema_by_guid(first.guid).schema_str == text
+        assert answer_of(client.get_schema_by_guid, str(uuid.uuid4())) == (404, 40403)
+        widened = json.dumps({"type": "record", "name": "A", "fields": [
+            {"name": "a", "type": "int"}, {"name": "b", "type": "string", "default": ""}]})
+        owner_b = Metadata(tags=None, properties=MetadataProperties({"owner": "team-b"}), sensitive=None)
+        second_id = client.register_schema("a-value", Schema(widened, "AVRO", metadata=owner_b))
+        plain_id = client.register_schema("b-value", Schema(text, "AVRO"))
+        assert len({first.schema_id, second_id, plain_id}) == 3
+
+        # Reads, filters and pages.
+        assert client.get_subjects() == ["a-value", "b-value"]
+        assert client.get_subjects(subject_prefix="b") == ["b-value"]
+        assert client.get_subjects(offset=1, limit=1) == ["b-value"]
+        assert client.get_versions("a-value") == [1, 2] and client.get_versions("a-value", offset=1) == [2]
+        assert client.get_latest_version("a-value").schema_id == second_id
+        assert client.get_version("a-value", 1).schema_id == first.schema_id
+        assert client.get_latest_with_metadata("a-value", {"owner": "team-a"}).version == 1
+        assert client.get_latest_with_metadata("a-value", {"owner": "team-b"}).schema_id == second_id
+        assert answer_of(client.get_latest_with_metadata, "a-value", {"owner": "nobody"}) == (404, 40403)
+        assert client.lookup_schema("a-value", Schema(text, "AVRO", metadata=owner_a, rule_set=rules)).version == 1
+        assert client.lookup_schema("b-value", Schema(text, "AVRO")).schema_id == plain_id
+        assert client.get_subjects_by_schema_id(plain_id) == ["b-value"]
+        assert client.get_schema_versions(plain_id) == [SchemaVersion("b-value", 1)]
+        assert client.get_referenced_by("a-value", 1) == []
+        assert answer_of(client.get_referenced_by, "a-value", 9) == (404, 40402)
+        breaking = Schema(json.dumps({"type": "record", "name": "A", "fields": [{"name": "c", "type": "int"}]}))
+        assert client.test_compatibility("a-value", breaking) is False
+        assert client.test_compatibility_all_versions("a-value", breaking) is False
+
+        # Config: levels only (what the client's ServerConfig adds beyond a level is refused).
+        assert client.set_compatibility("a-value", "FULL") == {"compatibility": "FULL"}
+        assert client.get_compatibility("a-value") == "FULL"
+        assert client.set_config("b-value", ServerConfig(compatibility=ConfigCompatibilityLevel.NONE)) == {
+            "compatibility": "NONE"}
+        assert client.get_config("b-value").compatibility_level == ConfigCompatibilityLevel.NONE
+        assert client.delete_config("b-value").compatibility_level == ConfigCompatibilityLevel.NONE
+        assert answer_of(client.get_config, "b-value") == (404, 40408)
+        assert answer_of(client.delete_config, "b-value") == (404, 40401)
+        assert answer_of(client.set_config, None, ServerConfig(compatibility_group="app")) == (422, 42205)
+        client.set_config(config=ServerConfig(compatibility=ConfigCompatibilityLevel.FULL_TRANSITIVE))
+        assert client.delete_config().compatibility_level == ConfigCompatibilityLevel.FULL_TRANSITIVE
+        assert client.get_config().compatibility_level == ConfigCompatibilityLevel.BACKWARD
+
+        # Modes: READONLY refuses writes; IMPORT only where nothing is registered, unless forced.
+        assert answer_of(client.get_mode, "a-value") == (404, 40409)
+        assert client.update_mode("a-value", "READONLY") == "READONLY" and client.get_mode("a-value") == "READONLY"
+        assert answer_of(client.register_schema, "a-value", breaking) == (422, 42205)
+        assert answer_of(client.delete_subject, "a-value") == (422, 42205)
+        assert answer_of(client.update_mode, "a-value", "SIDEWAYS") == (422, 42204)
+        assert client.delete_mode("a-value") == "READONLY"
+        assert answer_of(client.get_mode, "a-value") == (404, 40409)
+        assert answer_of(client.delete_mode, "a-value") == (404, 40401)
+        assert answer_of(client.update_global_mode, "IMPORT") == (422, 42205)
+        assert client.update_global_mode("IMPORT", force=True) == "IMPORT"
+        assert answer_of(client.register_schema, "c-value", Schema(text)) == (422, 42205)  # an import needs ids
+        assert client.update_global_mode("READWRITE") == "READWRITE"
+        assert client.update_mode("fresh-value", "IMPORT") == "IMPORT"  # nothing registered there: no force needed
+
+        # Deletes: soft first (hidden unless asked for), then permanent.
+        assert client.delete_version("a-value", 1) == 1
+        assert client.get_versions("a-value") == [2] and client.get_versions("a-value", deleted=True) == [1, 2]
+        assert client.get_versions("a-value", deleted_only=True) == [1]
+        assert answer_of(client.get_version, "a-value", 1) == (404, 40402)
+        assert client.get_version("a-value", 1, deleted=True).schema_id == first.schema_id
+        client.clear_caches()
+        assert client.get_schema(first.schema_id).schema_str == text  # its id still decodes
+        assert client.lookup_schema("a-value", Schema(text, "AVRO", metadata=owner_a, rule_set=rules),
+                                    deleted=True).version == 1
+        assert answer_of(client.delete_version, "a-value", 1) == (404, 40406)
+        assert answer_of(client.delete_version, "a-value", 2, permanent=True) == (404, 40407)
+        assert client.delete_version("a-value", 1, permanent=True) == 1
+        assert client.get_versions("a-value", deleted=True) == [2]
+        assert answer_of(client.delete_subject, "b-value", permanent=True) == (404, 40405)
+        assert client.delete_subject("b-value") == [1]
+        assert client.get_subjects() == ["a-value"] and client.get_subjects(deleted=True) == ["a-value", "b-value"]
+        assert client.get_subjects(deleted_only=True) == ["b-value"]
+        assert answer_of(client.delete_subject, "b-value") == (404, 40404)
+        client.clear_latest_caches()
+        assert answer_of(client.get_latest_version, "b-value") == (404, 40401)
+        assert client.get_schema_versions(plain_id) == []
+        assert client.get_schema_versions(plain_id, deleted=True) == [SchemaVersion("b-value", 1)]
+        assert client.register_schema("b-value", Schema(text, "AVRO")) == plain_id  # re-registered: a new version
+        assert client.get_versions("b-value", deleted=True) == [1, 2]
+        assert client.delete_subject("b-value") == [2] and client.delete_subject("b-value", permanent=True) == [1, 2]
+        assert client.get_subjects(deleted=True) == ["a-value"]
+        client.clear_caches()
+        assert answer_of(client.get_schema, plain_id) == (404, 40403)  # no version holds it any more
+        assert client.register_schema_full_response("b-value", Schema(text, "AVRO")).version == 1
+        assert answer_of(client.delete_subject, "nope") == (404, 40401)
+
+        # Associations (a newer Confluent API): refused, clearly.
+        for call, args in ((client.get_associations_by_resource_name, ("orders", "-")),
+                           (client.create_association, (AssociationCreateOrUpdateRequest(
+                               resource_name="orders", resource_namespace="lkc-1", resource_id="t1",
+                               resource_type="topic", associations=[]),)),
+                           (client.delete_associations, ("t1",))):
+            assert answer_of(call, *args) == (501, 50101)
+    client.close()  # a second close is harmless
