@@ -643,10 +643,11 @@ class SchemaRegistryConfig:
     Without ``url``, ``agentstream up`` serves one on ``host:port`` (the stack's host), kept in
     the compacted topic ``topic`` (default ``<topics.prefix>_schemas``), whose ids are the
     content-addressed ids agentstream's records carry (``ids = "fingerprint"``; ``sequential``
-    numbers them 1, 2, 3 like Confluent). With ``url`` (Confluent, Karapace, Apicurio's
-    Confluent API), agentstream registers its schemas there, one subject per record full name,
-    checks ``compatibility`` against the latest version before using a new one, and writes
-    that registry's ids; ``username``/``password`` are HTTP basic auth (an API key and secret).
+    numbers them 1, 2, 3 like Confluent). With ``url`` (a registry serving the Confluent REST
+    API; tested only against the stack's own server), agentstream registers its schemas there,
+    one subject per record full name, checks ``compatibility`` against the latest version
+    before using a new one, and writes that registry's ids; ``username``/``password`` are HTTP
+    basic auth (an API key and secret).
     """
 
     url: str | None = None

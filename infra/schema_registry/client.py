@@ -1,12 +1,12 @@
 """A client of any Confluent-compatible Schema Registry, and the codec's registry backed by one.
 
 :class:`RemoteRegistry` is what agentstream's codec uses when ``[schema_registry] url`` names
-the user's own registry (Confluent, Karapace, Apicurio's Confluent API): a record schema is
-registered under its full name the first time a process writes it, after agentstream has
-checked it against the subject's latest version (BACKWARD by default, whatever level the
-registry itself enforces), and records carry the id that registry assigned. Ids read from
-records are resolved through the registry; ids it does not know fall back to the bundled,
-content-addressed ones (records written before the registry was configured).
+the user's own registry (one serving the Confluent REST API; tested against the stack's own
+server only): a record schema is registered under its full name the first time a process writes
+it, after agentstream has checked it against the subject's latest version (BACKWARD by default,
+whatever level the registry itself enforces), and records carry the id that registry assigned.
+Ids read from records are resolved through the registry; ids it does not know fall back to the
+bundled, content-addressed ones (records written before the registry was configured).
 """
 
 from __future__ import annotations

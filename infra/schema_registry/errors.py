@@ -66,6 +66,12 @@ class SubjectLevelConfigNotFound(RegistryError):
     status, error_code = 404, 40408
 
 
+class AssociationNotFound(RegistryError):
+    """A delete of associations a resource does not have (none exist in agentstream's registry)."""
+
+    status, error_code = 404, 40410
+
+
 class SubjectLevelModeNotFound(RegistryError):
     """``GET /mode/{subject}`` for a subject without its own mode (and no ``defaultToGlobal``)."""
 
@@ -73,9 +79,11 @@ class SubjectLevelModeNotFound(RegistryError):
 
 
 class IncompatibleSchemaVersion(RegistryError):
-    """A new schema version breaks the subject's compatibility level (or agentstream's BACKWARD check)."""
+    """A new schema version breaks the subject's compatibility level (or agentstream's BACKWARD check).
 
-    status, error_code = 409, 409
+    Confluent answers ``error_code`` 40901 since its associations release, 409 before; both map here."""
+
+    status, error_code = 409, 40901
 
 
 class InvalidSchemaError(RegistryError):
@@ -104,7 +112,7 @@ class OperationNotPermitted(RegistryError):
 
 
 class NotServed(RegistryError):
-    """An endpoint of Confluent's API this registry deliberately does not serve (associations)."""
+    """A request of Confluent's API this registry deliberately does not serve (creating associations)."""
 
     status, error_code = 501, 50101
 
@@ -146,9 +154,10 @@ BY_CODE: dict[int, type[RegistryError]] = {
     cls.error_code: cls
     for cls in (SubjectNotFound, VersionNotFound, SchemaNotFound, SubjectSoftDeleted, SubjectNotSoftDeleted,
                 VersionSoftDeleted, VersionNotSoftDeleted, SubjectLevelConfigNotFound, SubjectLevelModeNotFound,
-                IncompatibleSchemaVersion, InvalidSchemaError, InvalidVersion, InvalidCompatibilityLevel,
-                InvalidMode, OperationNotPermitted, NotServed, BadRequest, Unauthorized, StoreError, StoreTimeout)
-}
+                AssociationNotFound, IncompatibleSchemaVersion, InvalidSchemaError, InvalidVersion,
+                InvalidCompatibilityLevel, InvalidMode, OperationNotPermitted, NotServed, BadRequest, Unauthorized,
+                StoreError, StoreTimeout)
+} | {409: IncompatibleSchemaVersion}  # what registries before Confluent's 40901 answer
 
 
 def error_for(status: int, error_code: int | None, message: str) -> RegistryError:

@@ -1,14 +1,13 @@
 """The Confluent Schema Registry REST API over a :class:`~stack.schema_registry.store.SchemaLog`.
 
-The subset that serializers, deserializers and ClickHouse use: ``GET /schemas/ids/{id}``
-(also ``/schema``, ``/versions``, ``/subjects``), ``GET /schemas/types``, ``GET /subjects``,
-``GET /subjects/{s}/versions``, ``GET /subjects/{s}/versions/{v|latest}`` (and ``/schema``),
-``POST /subjects/{s}/versions`` (register), ``POST /subjects/{s}`` (lookup),
-``POST /compatibility/subjects/{s}/versions[/{v}]``, ``GET|PUT /config[/{s}]``, ``GET /mode``.
-Errors are Confluent's ``{"error_code", "message"}`` with its HTTP statuses. Schemas are AVRO
-and self-contained (no references). With keys (``[security] registry_keys``), every POST, PUT and
-DELETE needs one (HTTP basic auth with the key as password, as ``basic.auth.user.info = name:key``
-sends it, or ``Authorization: Bearer``), else 401 with ``error_code`` 40101; reads stay open.
+Every request confluent-kafka's ``SchemaRegistryClient`` makes but creating associations (501):
+schemas by id and guid, subjects and versions with Confluent's filters, register and lookup, soft
+and permanent deletes, compatibility tests, levels (``/config``), modes (``/mode``) and
+``/contexts``; docs/schema-registry.md has the table. Errors are Confluent's ``{"error_code",
+"message"}`` with its HTTP statuses. Schemas are AVRO and self-contained (no references). With keys
+(``[security] registry_keys``), every POST, PUT and DELETE needs one (HTTP basic auth with the key
+as password, as ``basic.auth.user.info = name:key`` sends it, or ``Authorization: Bearer``), else
+401 with ``error_code`` 40101; reads stay open.
 
 Run it with ``agentstream schema-registry`` or ``python -m stack.schema_registry``.
 """
@@ -25,6 +24,7 @@ from typing import Any
 from aiohttp import web
 
 from infra.schema_registry.errors import (
+    AssociationNotFound,
     BadRequest,
     NotServed,
     OperationNotPermitted,
@@ -80,18 +80,12 @@ class RegistryService:
             return self.state.version(subject, planned.version)
 
     async def delete_subject(self, subject: str, permanent: bool) -> list[int]:
-        """Soft-delete every live version of ``subject`` (and its own level and mode), or, once soft-deleted,
-        remove it for good; the versions touched."""
+        """Soft-delete every live version of ``subject``, or, once soft-deleted, remove it for good; the versions
+        touched."""
         async with self._writing:
             versions = self.state.plan_delete_subject(subject, permanent)
-            for version in versions:
+            for version in reversed(versions):
                 await self._delete(version, permanent)
-            if not permanent:
-                has_level, has_mode = self.state.subject_settings(subject)
-                if has_level:
-                    await self.log.append(config_key(subject), None)
-                if has_mode:
-                    await self.log.append(mode_key(subject), None)
             return [version.version for version in versions]
 
     async def delete_version(self, subject: str, version: str, permanent: bool) -> int:
@@ -101,8 +95,15 @@ class RegistryService:
             return target.version
 
     async def _delete(self, version: SchemaVersion, permanent: bool) -> None:
+        """Mark one version deleted, or remove it; a subject left with no version loses its own level and mode."""
         key = schema_key(version.subject, version.version)
         await self.log.append(key, None if permanent else replace(version, deleted=True).log_value())
+        if permanent and self.state.is_empty(version.subject):
+            has_level, has_mode = self.state.subject_settings(version.subject)
+            if has_level:
+                await self.log.append(config_key(version.subject), None)
+            if has_mode:
+                await self.log.append(mode_key(version.subject), None)
 
     async def set_level(self, subject: str | None, level: str | None) -> None:
         """Set the level (``None``: back to the global one, or to the default for the global level)."""
@@ -255,9 +256,10 @@ class _Routes:
         return _json({"mode": self.state.mode(subject, fallback=_flag(request, "defaultToGlobal"))})
 
     async def put_mode(self, request: web.Request) -> web.Response:
-        mode = check_mode((await _body(request)).get("mode"))
-        await self.service.set_mode(request.match_info.get("subject"), mode, _flag(request, "force"))
-        return _json({"mode": mode})
+        body = await _body(request)
+        await self.service.set_mode(request.match_info.get("subject"), check_mode(body.get("mode")),
+                                    _flag(request, "force"))
+        return _json({"mode": body["mode"]})  # Confluent answers the request
 
     async def delete_mode(self, request: web.Request) -> web.Response:
         """The subject's own mode, deleted (40401 when it has none): the subject follows the global mode again."""
@@ -268,9 +270,16 @@ class _Routes:
         await self.service.set_mode(subject, None)
         return _json({"mode": old})
 
-    async def not_served(self, request: web.Request) -> web.Response:
-        raise NotServed("associations (links from subjects to resources such as topics, a newer Confluent API) are "
-                        "not served by agentstream's registry: subjects follow record names here")
+    async def associations(self, request: web.Request) -> web.Response:
+        """None exist here, so a serializer's default subject strategy falls back to its naming strategy."""
+        return _json(_page(request, []))
+
+    async def delete_associations(self, request: web.Request) -> web.Response:
+        raise AssociationNotFound(f"No association found for resource {request.match_info['resource']}")
+
+    async def create_association(self, request: web.Request) -> web.Response:
+        raise NotServed("creating associations (links from subjects to resources such as topics, a newer Confluent "
+                        "API) is not served by agentstream's registry: its subjects follow record names")
 
 
 def create_app(service: RegistryService, keys: KeySet | None = None) -> web.Application:
@@ -311,9 +320,9 @@ def create_app(service: RegistryService, keys: KeySet | None = None) -> web.Appl
         web.get("/mode/{subject}", routes.get_mode),
         web.put("/mode/{subject}", routes.put_mode),
         web.delete("/mode/{subject}", routes.delete_mode),
-        web.post("/associations", routes.not_served),
-        web.get("/associations/resources/{namespace}/{name}", routes.not_served),
-        web.delete("/associations/resources/{resource}", routes.not_served),
+        web.post("/associations", routes.create_association),
+        web.get("/associations/resources/{namespace}/{name}", routes.associations),
+        web.delete("/associations/resources/{resource}", routes.delete_associations),
     ])
     return app
 

@@ -344,8 +344,8 @@ class RegistryState:
                              ) -> SchemaVersion:
         """The subject's latest version whose metadata properties hold every key and value of ``properties``."""
         for stored in reversed(self.versions(subject, deleted)):
-            held = (stored.stored.metadata or {}).get("properties") or {}
-            if all(held.get(key) == value for key, value in properties.items()):
+            held = (stored.stored.metadata or {}).get("properties")
+            if isinstance(held, dict) and all(held.get(key) == value for key, value in properties.items()):
                 return stored
         raise SchemaNotFound(f"Schema with metadata {dict(properties)} not found under subject '{subject}'")
 
@@ -391,7 +391,8 @@ class RegistryState:
         """
         mode = "READWRITE" if product else self._writable(subject)
         if imported is None and mode == "IMPORT":
-            raise OperationNotPermitted(f"Subject {subject} is in import mode: a registration needs the schema's id")
+            raise OperationNotPermitted(f"Subject {subject} is not in read-write mode: in IMPORT mode a "
+                                        f"registration names the schema's id")
         if imported is not None:
             if mode != "IMPORT":
                 raise OperationNotPermitted(f"Subject {subject} is not in import mode")
@@ -444,22 +445,19 @@ class RegistryState:
 
     def plan_delete_subject(self, subject: str, permanent: bool) -> list[SchemaVersion]:
         """The versions a delete of ``subject`` touches: every live one (soft), or every one (permanent, after a soft
-        delete), with Confluent's errors otherwise."""
-        self._writable(subject)
+        delete), with Confluent's errors (and in its order) otherwise."""
         every = self.versions(subject, deleted=True)
         live = [v for v in every if not v.deleted]
-        if permanent:
-            if live:
-                raise SubjectNotSoftDeleted(f"Subject '{subject}' was not deleted first before being permanently "
-                                            f"deleted")
-            return every
-        if not live:
+        if not permanent and not live:
             raise SubjectSoftDeleted(f"Subject '{subject}' was soft deleted.Set permanent=true to delete permanently")
-        return live
+        self._writable(subject)
+        if permanent and live:
+            raise SubjectNotSoftDeleted(f"Subject '{subject}' was not deleted first before being permanently deleted")
+        return every if permanent else live
 
     def plan_delete_version(self, subject: str, version: str, permanent: bool) -> SchemaVersion:
-        """The version a delete names (``latest``: the latest live one), with Confluent's errors."""
-        self._writable(subject)
+        """The version a delete names (``latest``: the latest live one), with Confluent's errors (and in its
+        order)."""
         number = version_number(version)
         every = self.versions(subject, deleted=True)
         if number is None:
@@ -469,12 +467,13 @@ class RegistryState:
             if not found:
                 raise VersionNotFound(f"Version {number} not found.")
             target = found[0]
-        if permanent and not target.deleted:
-            raise VersionNotSoftDeleted(f"Subject '{subject}' Version {target.version} was not deleted first before "
-                                        f"being permanently deleted")
         if not permanent and target.deleted:
             raise VersionSoftDeleted(f"Subject '{subject}' Version {target.version} was soft deleted.Set "
                                      f"permanent=true to delete permanently")
+        self._writable(subject)
+        if permanent and not target.deleted:
+            raise VersionNotSoftDeleted(f"Subject '{subject}' Version {target.version} was not deleted first before "
+                                        f"being permanently deleted")
         return target
 
     def subject_settings(self, subject: str) -> tuple[bool, bool]:

@@ -35,7 +35,7 @@ from infra.schema_registry import (
     RemoteRegistry,
     register_product_schemas,
 )
-from infra.schema_registry.errors import Unauthorized
+from infra.schema_registry.errors import Unauthorized, error_for
 from infra.schema_registry.product import product_schemas, schema_json
 from infra.security import KeySet
 from schemas import TASK, AvroCodec, current_schemas, schema_id
@@ -157,6 +157,12 @@ def test_errors_have_confluents_codes(stack_registry) -> None:
     assert raw(f"{url}/no/such/path")[0] == 404
 
 
+def test_an_incompatible_answer_is_known_by_either_code() -> None:
+    """Confluent answers an incompatible schema with error_code 40901 since its associations release, 409 before."""
+    assert isinstance(error_for(409, 40901, "incompatible"), IncompatibleSchemaVersion)
+    assert isinstance(error_for(409, 409, "incompatible"), IncompatibleSchemaVersion)
+
+
 def test_the_codec_writes_the_users_registry_ids(users_registry) -> None:
     registry = RemoteRegistry(RegistryClient(users_registry.url))
     ids = register_product_schemas(registry)
@@ -246,9 +252,10 @@ SERVED_METHODS = {
     "get_version", "get_latest_version", "get_latest_with_metadata", "get_referenced_by", "delete_subject",
     "delete_version", "test_compatibility", "test_compatibility_all_versions", "get_compatibility",
     "set_compatibility", "get_config", "set_config", "delete_config", "get_mode", "update_mode", "delete_mode",
-    "get_global_mode", "update_global_mode", "get_contexts",
+    "get_global_mode", "update_global_mode", "get_contexts", "get_associations_by_resource_name",
+    "delete_associations",
 }
-REFUSED_METHODS = {"get_associations_by_resource_name", "create_association", "delete_associations"}
+REFUSED_METHODS = {"create_association"}
 
 
 def answer_of(call: Any, *args: Any, **kwargs: Any) -> tuple[int, int]:
@@ -321,10 +328,13 @@ def test_every_client_method_as_confluent_answers(empty_registry) -> None:
         assert client.get_subjects_by_schema_id(plain_id) == ["b-value"]
         assert client.get_schema_versions(plain_id) == [SchemaVersion("b-value", 1)]
         assert client.get_referenced_by("a-value", 1) == []
+        status, latest = raw(f"{url}/schemas?subjectPrefix=a&latestOnly=true")  # no client method asks for this
+        assert status == 200 and [(v["subject"], v["version"], v["id"]) for v in latest] == [("a-value", 2, second_id)]
         assert answer_of(client.get_referenced_by, "a-value", 9) == (404, 40402)
         breaking = Schema(json.dumps({"type": "record", "name": "A", "fields": [{"name": "c", "type": "int"}]}))
         assert client.test_compatibility("a-value", breaking) is False
         assert client.test_compatibility_all_versions("a-value", breaking) is False
+        assert answer_of(client.register_schema, "a-value", breaking) == (409, 40901)
 
         # Config: levels only (what the client's ServerConfig adds beyond a level is refused).
         assert client.set_compatibility("a-value", "FULL") == {"compatibility": "FULL"}
@@ -380,18 +390,20 @@ def test_every_client_method_as_confluent_answers(empty_registry) -> None:
         assert client.get_schema_versions(plain_id, deleted=True) == [SchemaVersion("b-value", 1)]
         assert client.register_schema("b-value", Schema(text, "AVRO")) == plain_id  # re-registered: a new version
         assert client.get_versions("b-value", deleted=True) == [1, 2]
-        assert client.delete_subject("b-value") == [2] and client.delete_subject("b-value", permanent=True) == [1, 2]
+        client.set_compatibility("b-value", "NONE")
+        assert client.delete_subject("b-value") == [2] and client.get_compatibility("b-value") == "NONE"
+        assert client.delete_subject("b-value", permanent=True) == [1, 2]
         assert client.get_subjects(deleted=True) == ["a-value"]
+        assert answer_of(client.get_config, "b-value") == (404, 40408)  # gone with its last version
         client.clear_caches()
         assert answer_of(client.get_schema, plain_id) == (404, 40403)  # no version holds it any more
         assert client.register_schema_full_response("b-value", Schema(text, "AVRO")).version == 1
         assert answer_of(client.delete_subject, "nope") == (404, 40401)
 
-        # Associations (a newer Confluent API): refused, clearly.
-        for call, args in ((client.get_associations_by_resource_name, ("orders", "-")),
-                           (client.create_association, (AssociationCreateOrUpdateRequest(
-                               resource_name="orders", resource_namespace="lkc-1", resource_id="t1",
-                               resource_type="topic", associations=[]),)),
-                           (client.delete_associations, ("t1",))):
-            assert answer_of(call, *args) == (501, 50101)
+        # Associations (a newer Confluent API, which serializers ask about by default): none exist, none are made.
+        assert client.get_associations_by_resource_name("orders", "-", "topic", ["value"]) == []
+        assert answer_of(client.delete_associations, "t1") == (404, 40410)
+        assert answer_of(client.create_association, AssociationCreateOrUpdateRequest(
+            resource_name="orders", resource_namespace="lkc-1", resource_id="t1", resource_type="topic",
+            associations=[])) == (501, 50101)
     client.close()  # a second close is harmless
