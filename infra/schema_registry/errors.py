@@ -150,14 +150,16 @@ class RegistryUnavailable(AgentstreamError, RuntimeError):
     retriable = True
 
 
+_CLASSES: tuple[type[RegistryError], ...] = (
+    SubjectNotFound, VersionNotFound, SchemaNotFound, SubjectSoftDeleted, SubjectNotSoftDeleted, VersionSoftDeleted,
+    VersionNotSoftDeleted, SubjectLevelConfigNotFound, SubjectLevelModeNotFound, AssociationNotFound,
+    IncompatibleSchemaVersion, InvalidSchemaError, InvalidVersion, InvalidCompatibilityLevel, InvalidMode,
+    OperationNotPermitted, NotServed, BadRequest, Unauthorized, StoreError, StoreTimeout,
+)
 BY_CODE: dict[int, type[RegistryError]] = {
-    cls.error_code: cls
-    for cls in (SubjectNotFound, VersionNotFound, SchemaNotFound, SubjectSoftDeleted, SubjectNotSoftDeleted,
-                VersionSoftDeleted, VersionNotSoftDeleted, SubjectLevelConfigNotFound, SubjectLevelModeNotFound,
-                AssociationNotFound, IncompatibleSchemaVersion, InvalidSchemaError, InvalidVersion,
-                InvalidCompatibilityLevel, InvalidMode, OperationNotPermitted, NotServed, BadRequest, Unauthorized,
-                StoreError, StoreTimeout)
-} | {409: IncompatibleSchemaVersion}  # what registries before Confluent's 40901 answer
+    **{cls.error_code: cls for cls in _CLASSES},
+    409: IncompatibleSchemaVersion,  # what registries before Confluent's 40901 answer
+}
 
 
 def error_for(status: int, error_code: int | None, message: str) -> RegistryError:
