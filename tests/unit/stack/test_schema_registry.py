@@ -364,6 +364,15 @@ def test_every_client_method_as_confluent_answers(empty_registry) -> None:
         assert answer_of(client.register_schema, "c-value", Schema(text)) == (422, 42205)  # an import needs ids
         assert client.update_global_mode("READWRITE") == "READWRITE"
         assert client.update_mode("fresh-value", "IMPORT") == "IMPORT"  # nothing registered there: no force needed
+        imported = json.dumps({"type": "record", "name": "Imported", "fields": [{"name": "i", "type": "int"}]})
+        status, body = raw(f"{url}/subjects/fresh-value/versions", "POST",
+                           {"schema": imported, "id": 777, "version": 3})
+        assert status == 200 and (body["id"], body["version"]) == (777, 3)  # a migration keeps ids and versions
+        assert client.get_schema(777).schema_str == imported
+        status, body = raw(f"{url}/subjects/a-value/versions", "POST", {"schema": imported, "id": 778})
+        assert (status, body["error_code"]) == (422, 42205) and "not in import mode" in body["message"]
+        assert client.delete_subject("fresh-value") == [3] and client.delete_subject("fresh-value", True) == [3]
+        assert answer_of(client.get_mode, "fresh-value") == (404, 40409)  # gone with its last version
 
         # Deletes: soft first (hidden unless asked for), then permanent.
         assert client.delete_version("a-value", 1) == 1
