@@ -31,9 +31,10 @@ from typing import IO, Any
 
 import pyarrow.parquet as pq
 from clickhouse_connect.driver.client import Client
+from clickhouse_connect.driver.exceptions import OperationalError
 
 from agentstream.report import parse_duration
-from infra.clickhouse import ROLLOUT_POLICY_VERSION, ClickHouseError, server_message
+from infra.clickhouse import ROLLOUT_POLICY_VERSION, ClickHouseError, ClickHouseUnreachable, server_message
 from schemas.dataset import (
     ARROW_SCHEMA,
     Call,
@@ -168,7 +169,8 @@ def screen_where(client: Client, clause: str) -> str:
     try:
         result = client.query(f"EXPLAIN AST SELECT 1 FROM rollouts WHERE (\n{text}\n)")
     except Exception as error:  # clickhouse-connect raises several types; the server's text says why
-        raise WhereClauseError(f"--where {clause!r}: ClickHouse refused the clause: {server_message(error)}") from None
+        raise WhereClauseError(f"--where {clause!r}: ClickHouse refused the clause: "
+                               f"{_short(server_message(error))}") from None
     lines = [str(row[0]).strip() for row in result.result_rows]
     functions = sorted({following.split()[1] for line, following in itertools.pairwise(lines)
                         if line.startswith("TableExpression") and following.startswith("Function ")})
@@ -235,10 +237,13 @@ class DatasetWriter:
         self.partial = path.with_name(path.name + ".partial")
         self._text: IO[str] | None = None
         self._parquet: pq.ParquetWriter | None = None
-        if format == "parquet":
-            self._parquet = pq.ParquetWriter(self.partial, ARROW_SCHEMA, compression="zstd")
-        else:
-            self._text = _text_file(self.partial, compressed=path.name.lower().endswith(".gz"))
+        try:
+            if format == "parquet":
+                self._parquet = pq.ParquetWriter(self.partial, ARROW_SCHEMA, compression="zstd")
+            else:
+                self._text = _text_file(self.partial, compressed=path.name.lower().endswith(".gz"))
+        except OSError as error:
+            raise DatasetError(f"cannot write {self.partial}: {error.strerror or error}") from None
 
     def write(self, rows: Sequence[DatasetRow]) -> None:
         """One page: a Parquet row group, or one JSON line per row."""
@@ -287,11 +292,10 @@ def export(client: Client, out: Path, filters: ExportFilters, *, format: str | N
         try:
             result = client.query(sql, parameters={**parameters, "after": after, "page": size})
         except Exception as error:  # clickhouse-connect raises several types; the server's text says why
-            message = server_message(error)
-            if filters.where.strip():
+            if filters.where.strip() and not isinstance(error, OperationalError):  # ClickHouse answered: it refused
                 raise WhereClauseError(f"--where {filters.where!r}: ClickHouse refused the selection: "
-                                       f"{message}") from None
-            raise ClickHouseError(message) from None
+                                       f"{_short(server_message(error))}") from None
+            raise _clickhouse_error(error) from None
         return [RolloutHead(tuple(row)) for row in result.result_rows]
 
     result = ExportResult(out, kind)
@@ -349,7 +353,19 @@ def _rows(client: Client, sql: str, ids: list[str]) -> list[tuple[Any, ...]]:
     try:
         return [tuple(row) for row in client.query(sql, parameters={"ids": ids}).result_rows]
     except Exception as error:  # clickhouse-connect raises several types; the server's text says why
-        raise ClickHouseError(server_message(error)) from None
+        raise _clickhouse_error(error) from None
+
+
+def _clickhouse_error(error: Exception) -> ClickHouseError:
+    """A failed query as our error: retriable when ClickHouse could not be reached or the connection broke."""
+    if isinstance(error, OperationalError):
+        return ClickHouseUnreachable(f"ClickHouse stopped answering during the export: {server_message(error)}")
+    return ClickHouseError(server_message(error))
+
+
+def _short(message: str) -> str:
+    """ClickHouse's message without the whole query it quotes after "In scope" (the clause is named already)."""
+    return message.split(" In scope ")[0]
 
 
 def conversation(input_messages: str, output_messages: str) -> list[Message]:

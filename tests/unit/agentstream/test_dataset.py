@@ -1,4 +1,4 @@
-"""The exporter's pure parts: the pager's memory bound, the WHERE screen, messages in the fixed struct, times."""
+"""The exporter's parts without ClickHouse: the pager's memory bound, the WHERE check, messages, times, the writer."""
 
 from __future__ import annotations
 
@@ -8,8 +8,17 @@ from datetime import UTC, datetime, timedelta, timezone
 
 import pytest
 
-from agentstream.dataset import RolloutHead, WhereClauseError, check_where, iso_utc, message, pages, parse_time
-from schemas.dataset import check_row
+from agentstream.dataset import (
+    DatasetWriter,
+    RolloutHead,
+    WhereClauseError,
+    check_where,
+    iso_utc,
+    message,
+    pages,
+    parse_time,
+)
+from schemas.dataset import DatasetError, check_row, read_rows
 
 
 class Selection:
@@ -78,9 +87,7 @@ def test_messages_fit_the_fixed_struct():
     assert message("plain")["content"] == "plain" and message({"role": "tool", "content": {"v": 1}})["content"] == (
         '{"v": 1}')
     row_messages = [message(item) for item in ({"role": "user", "content": "x"}, 5, None)]
-    check_row({"rollout_id": "r", "agent_name": "a", "task_id": "", "group_id": "", "model": "", "status": "",
-               "start_time": "", "end_time": "", "reward": None, "total_reward": 0.0, "policy_versions": [],
-               "messages": row_messages, "calls": [], "samples": []})
+    check_row({**ROW, "messages": row_messages})
 
 
 def test_times_are_iso_utc_both_ways():
@@ -92,3 +99,25 @@ def test_times_are_iso_utc_both_ways():
         parse_time("yesterday")
     assert iso_utc(datetime(2026, 1, 2, 3, 4, 5, 6)) == "2026-01-02T03:04:05.000006Z"
     assert iso_utc(datetime(2026, 1, 2, 5, 4, 5, tzinfo=timezone(timedelta(hours=2)))) == "2026-01-02T03:04:05.000000Z"
+
+
+@pytest.mark.parametrize("name, kind", [("d.jsonl", "jsonl"), ("d.jsonl.gz", "jsonl"), ("d.parquet", "parquet")])
+def test_the_file_gets_its_name_only_when_complete(tmp_path, name, kind):
+    out = tmp_path / name
+    rows = [check_row(ROW)]
+    writer = DatasetWriter(out, kind)
+    writer.write(rows)
+    assert writer.partial.exists() and not out.exists()
+    writer.commit()
+    assert not writer.partial.exists() and list(read_rows(out)) == rows
+    failed = DatasetWriter(tmp_path / f"failed-{name}", kind)
+    failed.write(rows)
+    failed.discard()
+    assert sorted(path.name for path in tmp_path.iterdir()) == [name]
+    with pytest.raises(DatasetError, match=r"cannot write .*missing"):
+        DatasetWriter(tmp_path / "missing" / name, kind)
+
+
+ROW = {"rollout_id": "r", "agent_name": "a", "task_id": "", "group_id": "", "model": "", "status": "",
+       "start_time": "", "end_time": "", "reward": None, "total_reward": 0.0, "policy_versions": [],
+       "messages": [], "calls": [], "samples": []}
