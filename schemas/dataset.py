@@ -246,12 +246,13 @@ def check_row(value: Any, path: str = "<row>", row: int = 1) -> DatasetRow:
     """``value`` as a :class:`DatasetRow` (only its known fields), or :class:`MalformedDatasetRow` naming the field."""
     try:
         return cast(DatasetRow, _check(value, _ROW, "row"))
-    except _Wrong as wrong:
-        raise MalformedDatasetRow(path, row, str(wrong)) from None
+    except MalformedDatasetRow as wrong:  # the checkers name the field; the file and row are known only here
+        raise MalformedDatasetRow(path, row, wrong.reason) from None
 
 
-class _Wrong(Exception):
-    """A field that does not have its type: control flow inside this module, raised out as MalformedDatasetRow."""
+def _wrong(reason: str) -> MalformedDatasetRow:
+    """A field's error before its file and row are known (:func:`check_row` adds them)."""
+    return MalformedDatasetRow("<row>", 0, reason)
 
 
 Checker = Callable[[Any, str], Any]
@@ -259,38 +260,38 @@ Checker = Callable[[Any, str], Any]
 
 def _text(value: Any, where: str) -> str:
     if not isinstance(value, str):
-        raise _Wrong(f"{where} is {_shown(value)}, expected a string")
+        raise _wrong(f"{where} is {_shown(value)}, expected a string")
     return value
 
 
 def _integer(value: Any, where: str) -> int:
     if type(value) is not int:
-        raise _Wrong(f"{where} is {_shown(value)}, expected an integer")
+        raise _wrong(f"{where} is {_shown(value)}, expected an integer")
     return value
 
 
 def _token_id(value: Any, where: str) -> int:
     if type(value) is not int or value < 0:
-        raise _Wrong(f"{where} is {_shown(value)}, expected a token id (an integer >= 0)")
+        raise _wrong(f"{where} is {_shown(value)}, expected a token id (an integer >= 0)")
     return value
 
 
 def _number(value: Any, where: str) -> float:
     if type(value) not in (int, float):
-        raise _Wrong(f"{where} is {_shown(value)}, expected a number")
+        raise _wrong(f"{where} is {_shown(value)}, expected a number")
     return float(value)
 
 
 def _finite(value: Any, where: str) -> float:
     number = _number(value, where)
     if not math.isfinite(number):
-        raise _Wrong(f"{where} is {number}, expected a finite number")
+        raise _wrong(f"{where} is {number}, expected a finite number")
     return number
 
 
 def _flag(value: Any, where: str) -> bool:
     if type(value) is not bool:
-        raise _Wrong(f"{where} is {_shown(value)}, expected true or false")
+        raise _wrong(f"{where} is {_shown(value)}, expected true or false")
     return value
 
 
@@ -301,7 +302,7 @@ def _optional(check: Checker) -> Checker:
 def _list(check: Checker) -> Checker:
     def checked(value: Any, where: str) -> list[Any]:
         if not isinstance(value, list):
-            raise _Wrong(f"{where} is {_shown(value)}, expected a list")
+            raise _wrong(f"{where} is {_shown(value)}, expected a list")
         return [check(item, f"{where}[{index}]") for index, item in enumerate(value)]
     return checked
 
@@ -312,11 +313,11 @@ def _record(fields: Mapping[str, Checker]) -> Checker:
 
 def _check(value: Any, fields: Mapping[str, Checker], where: str) -> dict[str, Any]:
     if not isinstance(value, dict):
-        raise _Wrong(f"{where} is {_shown(value)}, expected an object")
+        raise _wrong(f"{where} is {_shown(value)}, expected an object")
     checked = {}
     for name, check in fields.items():
         if name not in value:
-            raise _Wrong(f"{where} has no field {name!r}")
+            raise _wrong(f"{where} has no field {name!r}")
         checked[name] = check(value[name], name if where == "row" else f"{where}.{name}")
     return checked
 
