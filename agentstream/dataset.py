@@ -283,8 +283,8 @@ def export(client: Client, out: Path, filters: ExportFilters, *, format: str | N
            batch_rollouts: int = DEFAULT_BATCH_ROLLOUTS,
            progress: Callable[[ExportResult], None] | None = None) -> ExportResult:
     """Write the rollouts ``filters`` select to ``out`` (a client connected with ``readonly=1``); see the module doc."""
-    where = screen_where(client, filters.where) if filters.where.strip() else "1"
     kind = format_of(out, format)
+    where = screen_where(client, filters.where) if filters.where.strip() else "1"
     sql = PAGE_SQL.format(columns=", ".join(ROLLOUT_COLUMNS), filters=SELECTION_FILTERS, where=where)
     parameters = filters.parameters()
 
