@@ -197,6 +197,64 @@ def report_command(ctx: click.Context, output_format: str, agent: str | None, mo
         analytics.print_tables(sections)
 
 
+@main.group("dataset")
+def dataset_group() -> None:
+    """Datasets from the traces in ClickHouse, for Hugging Face datasets and offline training."""
+
+
+@dataset_group.command("export")
+@click.argument("out", type=click.Path(dir_okay=False, path_type=Path))
+@click.option("--format", "file_format", type=click.Choice(["jsonl", "parquet"]), default=None,
+              help="File format (default: from OUT's suffix: .jsonl, .jsonl.gz, .parquet).")
+@click.option("--where", default=None, help="A SQL expression over the rollouts table's columns, run read-only.")
+@click.option("--agent", "agents", multiple=True, help="Only this agent's rollouts (repeat for several).")
+@click.option("--min-reward", type=float, default=None, help="Only rollouts whose final reward is at least R.")
+@click.option("--max-reward", type=float, default=None, help="Only rollouts whose final reward is at most R.")
+@click.option("--since", default=None, help="Only rollouts started at or after TIME (ISO 8601, or a duration: 2h).")
+@click.option("--until", default=None, help="Only rollouts started before TIME (ISO 8601, or a duration ago).")
+@click.option("--version", type=int, default=None, help="Only rollouts of policy version N (their newest version).")
+@click.option("--min-version", type=int, default=None, help="Only rollouts of policy version N or later.")
+@click.option("--max-version", type=int, default=None, help="Only rollouts of policy version N or earlier.")
+@click.option("--limit", type=click.IntRange(min=0), default=None, help="At most N rollouts (by rollout id).")
+@click.option("--batch-rollouts", type=click.IntRange(min=1), default=500, show_default=True,
+              help="Rollouts per page: one Parquet row group, and what memory holds at a time.")
+@click.pass_context
+def dataset_export(ctx: click.Context, out: Path, file_format: str | None, where: str | None, agents: tuple[str, ...],
+                   min_reward: float | None, max_reward: float | None, since: str | None, until: str | None,
+                   version: int | None, min_version: int | None, max_version: int | None, limit: int | None,
+                   batch_rollouts: int) -> None:
+    """Write the selected rollouts, one row each (conversation, LLM calls' token ids, training samples), to OUT as
+    JSON Lines or Parquet that Hugging Face datasets loads; streamed page by page, renamed into place at the end."""
+    from agentstream import dataset
+    from schemas.dataset import DatasetError
+
+    if version is not None and (min_version is not None or max_version is not None):
+        raise click.UsageError("give --version or --min-version/--max-version, not both")
+    times = {}
+    for name, text in (("--since", since), ("--until", until)):
+        try:
+            times[name] = dataset.parse_time(text) if text else None
+        except ValueError as error:
+            raise click.BadParameter(str(error), param_hint=name) from None
+    filters = dataset.ExportFilters(
+        where=where or "", agents=agents, min_reward=min_reward, max_reward=max_reward, since=times["--since"],
+        until=times["--until"], min_version=version if version is not None else min_version,
+        max_version=version if version is not None else max_version, limit=limit)
+    logging.getLogger("urllib3").setLevel(logging.ERROR)  # its retry warning; our error line says what failed
+    config = _config(ctx)
+    client = connect(config.clickhouse, Stack(config).endpoints().clickhouse_url,
+                     database=config.clickhouse.database, readonly=True)
+    try:
+        result = dataset.export(client, out, filters, format=file_format, batch_rollouts=batch_rollouts,
+                                progress=lambda done: click.echo(dataset.progress_line(done), err=True))
+    except DatasetError as error:
+        click.secho(f"error: {error}", fg="red", err=True)
+        sys.exit(1)
+    finally:
+        client.close()
+    click.echo(dataset.summary_line(result), err=True)
+
+
 @main.command("dashboard")
 @click.option("--host", default="127.0.0.1", show_default=True,
               help="Address to listen on (loopback: only this machine).")
