@@ -26,7 +26,7 @@ from agentstream.demo.training import AGENTS, DATABASE, demo_config, evaluate, s
 from agentstream.session import SessionPlan, TrainingSession
 from bench.common import emit, private_stack
 from bench.learning import wilson_interval
-from infra.clickhouse import connect, migrate
+from infra.clickhouse import connect
 from infra.config import Config
 from pipeline.publisher import SpanPublisher
 from pipeline.sdk import set_sink
@@ -120,12 +120,10 @@ def main() -> None:
     signal.signal(signal.SIGTERM, signal.default_int_handler)  # stop like Ctrl-C: the stack goes down with it
     calibration = calibrate()
     emit(BENCH, "machine_calibration", calibration.python_loop_s, "s", **calibration.as_dict())
-    with private_stack() as (config, endpoints):
+    with private_stack(CLICKHOUSE_DATABASE=DATABASE) as (config, endpoints):  # a fresh stack: an empty database
         workdir = config.stack.home.resolve() / "rejection-sampling"
         config = bench_config(config, workdir, args)
         client = connect(config.clickhouse, endpoints.clickhouse_url, database=DATABASE)
-        client.command(f"DROP DATABASE IF EXISTS {DATABASE}")
-        migrate(client, DATABASE)
         session = TrainingSession(config, endpoints, workdir, SessionPlan(
             agent=AGENT.entry, model="smollm2", concurrency=min(64, args.prompts * args.samples),
             server_threads=config.demo.server_threads))
