@@ -4,7 +4,7 @@ VENV   := .venv
 BIN    := $(VENV)/bin
 STAMP  := $(VENV)/.installed
 
-.PHONY: install chromium demo demo-online test test-unit test-agl lint gpu-check bench bench-learning bench-multistep soak chaos clean
+.PHONY: install chromium demo demo-online test test-unit test-agl lint gpu-check bench bench-learning bench-multistep bench-sft soak chaos clean
 
 install: $(STAMP) chromium
 
@@ -94,6 +94,11 @@ bench-learning: install
 # +30 points, tokens trained per second, calls per rollout, prefix break rate, after a machine calibration line.
 bench-multistep: install
 	$(BIN)/python -m bench.multistep
+
+# Rejection sampling on the demo's task through the pipeline (about 5-10 minutes): held-out greedy accuracy of the
+# base model, its own good rollouts trained by the supervised trainer mode, held-out accuracy after, 95% intervals.
+bench-sft: install
+	$(BIN)/python -m bench.rejection_sampling
 
 clean:
 	rm -rf $(VENV) $(AGL_VENV) .agentstream .pytest_cache *.egg-info demo-output demo-report.json online-report.json bench-output

@@ -595,6 +595,48 @@ def train_worker_command(ctx: click.Context, model_spec: str | None, max_steps: 
         raise click.ClickException(str(error)) from None
 
 
+@main.command("sft")
+@click.option("--dataset", "dataset", required=True, type=click.Path(exists=True, dir_okay=False),
+              help="A file of `agentstream dataset export` (.jsonl, .jsonl.gz or .parquet).")
+@click.option("--min-reward", default=None, type=float,
+              help="Train only rollouts whose reward is at least this (default: trainer.supervised_min_reward).")
+@click.option("--epochs", default=1, type=click.IntRange(min=1), help="Passes over the file.")
+@click.option("--model", "model_spec", default=None, help="Model spec to train (overrides trainer.model).")
+@click.pass_context
+def sft_command(ctx: click.Context, dataset: str, min_reward: float | None, epochs: int,
+                model_spec: str | None) -> None:
+    """Supervised steps on a dataset's good rollouts (rejection sampling); the result is the model's next checkpoint.
+
+    It starts from the model's latest checkpoint and announces the new one on the checkpoints
+    topic: hot swap loads it and `train-worker` resumes from it (a warm start before RL).
+    """
+    from dataclasses import replace
+    from pathlib import Path
+
+    from infra.config import ConfigError
+    from schemas.dataset import DatasetError
+
+    try:
+        from trainer.checkpoints import CheckpointError
+        from trainer.policy import PolicyError
+        from trainer.sft_main import NothingToTrain, run_sft
+    except ImportError as error:
+        raise click.ClickException(f"sft needs {error.name}: pip install 'agentstream[train]'") from None
+    config = _config(ctx)
+    try:
+        config = replace(config, trainer=replace(
+            config.trainer, model=model_spec or config.trainer.model,
+            supervised_min_reward=config.trainer.supervised_min_reward if min_reward is None else min_reward))
+    except ConfigError as error:
+        raise click.BadParameter(str(error)) from None
+    endpoints = Stack(config).endpoints()
+    try:
+        run_sft(config, endpoints.bootstrap_servers, Path(dataset), epochs=epochs,
+                progress=click.echo)
+    except (CheckpointError, PolicyError, DatasetError, NothingToTrain) as error:
+        raise click.ClickException(str(error)) from None
+
+
 @main.command("hotswap")
 @click.option("--server", "server_urls", required=True, multiple=True, callback=_server_urls,
               help="Base URL of the model server (serve-model or vLLM); repeat it for each server of a fleet.")

@@ -9,6 +9,7 @@ status print.
 from __future__ import annotations
 
 import dataclasses
+import math
 import os
 import tomllib
 from collections.abc import Mapping, Sequence
@@ -260,6 +261,10 @@ class TrainerConfig:
     where the trainer's device is CUDA, gloo elsewhere); a collective that waits longer than
     ``distributed_timeout_s`` fails and the rank exits (rank 0 keeps idle ranks waiting well
     within it).
+    ``objective`` is what a step optimises: ``policy_gradient`` (the loss in ``trainer/loss.py``,
+    from advantages) or ``supervised`` (rejection-sampling fine-tuning: only samples whose rollout
+    reward is at least ``supervised_min_reward`` are trained, by the negative log-likelihood of
+    their trained tokens, advantages ignored; the others are counted, see ``trainer/batching.py``).
     """
 
     model: str = "smollm2"
@@ -305,6 +310,8 @@ class TrainerConfig:
     shutdown_grace_s: float = 30.0  # time to write a last checkpoint after SIGTERM; then it exits regardless
     distributed_backend: str = "auto"
     distributed_timeout_s: float = 600.0
+    objective: str = "policy_gradient"
+    supervised_min_reward: float = 1.0
 
     def __post_init__(self) -> None:
         checks = {
@@ -332,6 +339,8 @@ class TrainerConfig:
                 self.loss_normalization in ("token", "transition", "rollout"),
             "distributed_backend must be auto, gloo or nccl": self.distributed_backend in ("auto", "gloo", "nccl"),
             "distributed_timeout_s must be > 0": self.distributed_timeout_s > 0,
+            "objective must be policy_gradient or supervised": self.objective in ("policy_gradient", "supervised"),
+            "supervised_min_reward must be a finite number": math.isfinite(self.supervised_min_reward),
         }
         for message, ok in checks.items():
             if not ok:

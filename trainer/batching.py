@@ -21,7 +21,7 @@ import math
 import statistics
 from collections import OrderedDict, deque
 from collections.abc import Iterable, Mapping
-from dataclasses import dataclass, field
+from dataclasses import dataclass, field, replace
 from typing import Any
 
 import torch
@@ -62,6 +62,7 @@ class Sample:
     loss_mask: tuple[bool, ...] = ()
     merged_calls: int = 1
     split_at_break: bool = False
+    return_value: float | None = None  # None: the reward (a sample made in memory)
 
     @classmethod
     def from_record(cls, record: Mapping[str, Any], position: tuple[str, int, int] | None = None) -> Sample:
@@ -83,9 +84,10 @@ class Sample:
             raise TransitionError(f"transition {tid} has {len(logprobs)} logprobs for {len(response)} response "
                                   f"tokens")
         reward, advantage = float(record["reward"]), float(record["advantage"])
-        if not (math.isfinite(reward) and math.isfinite(advantage)):
-            raise NonFiniteTransition(f"transition {tid} has reward {reward!r} and advantage {advantage!r}: both "
-                                      f"must be finite")
+        returned = float(record.get("return_value", reward))
+        if not (math.isfinite(reward) and math.isfinite(advantage) and math.isfinite(returned)):
+            raise NonFiniteTransition(f"transition {tid} has reward {reward!r}, return {returned!r} and advantage "
+                                      f"{advantage!r}: all must be finite")
         if not logprobs and advantage <= 0:
             raise TransitionError(f"transition {tid} is a demonstration (no behaviour logprobs) with advantage "
                                   f"{advantage!r}: only a positive one can train by likelihood")
@@ -95,7 +97,7 @@ class Sample:
                                       f"({next(v for v in trained if not math.isfinite(v))!r})")
         return cls(tid, record["rollout_id"], int(record["policy_version"]), list(prompt), list(response),
                    list(logprobs), reward, advantage, position, mask, int(record.get("merged_calls", 1)),
-                   bool(record.get("split_at_break", False)))
+                   bool(record.get("split_at_break", False)), returned)
 
     @property
     def length(self) -> int:
@@ -105,6 +107,18 @@ class Sample:
     def demonstration(self) -> bool:
         """No behaviour policy: a span written with token ids but no logprobs (a scripted trajectory, say)."""
         return not self.behaviour_logprobs
+
+    @property
+    def rollout_reward(self) -> float:
+        """What the rollout earned from this sample's call on: its return, the reward where none was recorded.
+
+        The return, not the reward: with ``final``, ``running_baseline`` and ``group`` credit
+        (``streams/credit.py``) both are the rollout's final reward on every call, but with
+        ``discounted`` credit the reward is only what arrived right after the call (0 for the
+        early calls of a tool loop that succeeded) and the return is everything earned from that
+        call on, the outcome the call led to.
+        """
+        return self.reward if self.return_value is None else self.return_value
 
     @property
     def trained(self) -> list[bool]:
@@ -145,7 +159,8 @@ class Counts:
     stale: int = 0
     uninformative: int = 0
     invalid: int = 0
-    uninformative_rewards: list[float] = field(default_factory=list)
+    below_threshold: int = 0  # supervised: the rollout's reward was below ``supervised_min_reward``
+    skipped_rewards: list[float] = field(default_factory=list)  # of the uninformative and below-threshold ones
 
 
 @dataclass(frozen=True)
@@ -175,19 +190,38 @@ class Batch:
         return [self.current_version - s.policy_version for s in self.samples if not s.demonstration]
 
     def rewards(self) -> list[float]:
-        """Rewards of every fresh transition behind this step, the uninformative ones skipped for training included."""
-        return [s.reward for s in self.samples] + self.counts.uninformative_rewards
+        """Rewards of every fresh transition behind this step, those skipped for training (no signal, below the
+        supervised threshold) included."""
+        return [s.reward for s in self.samples] + self.counts.skipped_rewards
 
     def advantage_stats(self) -> tuple[float, float]:
         values = [s.advantage for s in self.samples]
         return statistics.fmean(values), statistics.pstdev(values)
 
 
+def supervised(sample: Sample) -> Sample:
+    """The sample to train by likelihood alone: a demonstration (no behaviour logprobs) with advantage 1.
+
+    The loss's likelihood term −A·logp_t is then the negative log-likelihood of its trained
+    tokens, under the same loss mask and token weights as a policy-gradient sample, whatever
+    advantage credit gave it (a group where every rollout succeeded has advantage 0, and is
+    exactly what supervised training wants); as a demonstration it never goes stale either.
+    """
+    return replace(sample, behaviour_logprobs=[], advantage=1.0)
+
+
 class Batcher:
-    """Accepts transitions one by one and hands out batches; remembers which ids it has already handed out."""
+    """Accepts transitions one by one and hands out batches; remembers which ids it has already handed out.
+
+    With ``min_reward`` (``trainer.objective = "supervised"``) it takes only samples whose rollout
+    reward (``Sample.rollout_reward``) is at least that, as ``supervised`` samples, and counts the
+    others (``Counts.below_threshold``); otherwise samples keep their advantages (policy gradient).
+    """
 
     def __init__(self, *, batch_tokens: int, batch_transitions: int, batch_wait_s: float, max_policy_lag: int,
-                 skip_zero_advantage: bool, seen: SeenIds, count_skipped: bool = False) -> None:
+                 skip_zero_advantage: bool, seen: SeenIds, count_skipped: bool = False,
+                 min_reward: float | None = None) -> None:
+        self.min_reward = min_reward
         self.batch_tokens = batch_tokens
         self.batch_transitions = batch_transitions
         self.batch_wait_s = batch_wait_s
@@ -204,17 +238,25 @@ class Batcher:
         return len(self._queue)
 
     def offer(self, sample: Sample, current_version: int, now: float) -> bool:
-        """Queue a sample for training; False (and counted) when it is a duplicate, stale or carries no signal."""
+        """Queue a sample for training; False (and counted) when it is a duplicate, below the supervised threshold,
+        stale or carries no signal."""
         if sample.transition_id in self.seen or sample.transition_id in self._queued:
             self.counts.duplicate += 1
             return False
+        if self.min_reward is not None:
+            if sample.rollout_reward < self.min_reward:
+                self.seen.add(sample.transition_id)
+                self.counts.below_threshold += 1
+                self.counts.skipped_rewards.append(sample.reward)
+                return False
+            sample = supervised(sample)
         if self._stale(sample, current_version):
             self.counts.stale += 1
             return False
         if self.skip_zero_advantage and sample.advantage == 0.0:
             self.seen.add(sample.transition_id)
             self.counts.uninformative += 1
-            self.counts.uninformative_rewards.append(sample.reward)
+            self.counts.skipped_rewards.append(sample.reward)
             self._skipped += 1
             if not self._queue and self._skipped >= self.batch_transitions:
                 self._skipped = 0  # a batch's worth with no signal at all: nothing to step on, start the next one

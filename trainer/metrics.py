@@ -52,6 +52,8 @@ class StepReport:
     """The mean number of LLM calls merged into each sample (1 at transition level)."""
     prefix_breaks: int = 0
     """Samples of this step that start where their rollout's token prefix broke (trajectory level)."""
+    below_threshold: int = 0
+    """Supervised objective: transitions behind this step not trained, their rollout's reward below the threshold."""
 
     @classmethod
     def of(cls, model: str, step: int, batch: Batch, result: StepResult, skipped_nonfinite: int = 0) -> StepReport:
@@ -69,6 +71,7 @@ class StepReport:
             duplicates=batch.counts.duplicate, uninformative=batch.counts.uninformative, invalid=batch.counts.invalid,
             truncated_fraction=stats.mean("truncated"), grad_norm=result.grad_norm, skipped_nonfinite=skipped_nonfinite,
             calls_per_sample=batch.calls_per_sample, prefix_breaks=batch.prefix_breaks,
+            below_threshold=batch.counts.below_threshold,
         )
 
     def row(self) -> tuple:
@@ -81,6 +84,7 @@ class StepReport:
                 f"lag {self.staleness_mean:.1f}/{self.staleness_max}  dropped stale {self.dropped_stale} "
                 f"dup {self.duplicates} flat {self.uninformative} bad {self.invalid} "
                 f"{f'nonfinite {self.skipped_nonfinite} ' if self.skipped_nonfinite else ''} "
+                f"{f'below threshold {self.below_threshold} ' if self.below_threshold else ''}"
                 f"{self._trajectory()}{self.transitions} tr {self.tokens} tok {self.tokens_per_s:,.0f} tok/s "
                 f"{self.step_time_s:.2f}s")
 

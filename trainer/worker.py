@@ -113,6 +113,7 @@ class RunSummary:
     train_seconds: float = 0.0
     rebases: int = 0
     skipped_nonfinite: int = 0  # batches whose loss or gradient norm was not finite: no optimizer step
+    below_threshold: int = 0  # supervised: transitions not trained, their rollout's reward below the threshold
     refused_checkpoints: int = 0  # checkpoints not written because a weight was not finite
     first_record_at: float | None = None
     last_step_at: float | None = None
@@ -198,7 +199,8 @@ class TrainerWorker:
         return Batcher(batch_tokens=s.batch_tokens, batch_transitions=s.batch_transitions, batch_wait_s=s.batch_wait_s,
                        max_policy_lag=s.max_policy_lag, skip_zero_advantage=s.skip_zero_advantage,
                        count_skipped=s.batch_counts_skipped,
-                       seen=SeenIds(s.dedupe_window, trained_ids))
+                       seen=SeenIds(s.dedupe_window, trained_ids),
+                       min_reward=s.supervised_min_reward if s.objective == "supervised" else None)
 
     async def run(self, stop: asyncio.Event | None = None, max_steps: int | None = None) -> RunSummary:
         """Resume from the latest checkpoint, train until ``stop`` is set, write a last checkpoint on the way out."""
@@ -357,6 +359,7 @@ class TrainerWorker:
         self._skipped_nonfinite = 0
         self.summary.steps += 1
         self.summary.transitions += result.transitions
+        self.summary.below_threshold += batch.counts.below_threshold
         self.summary.tokens += result.tokens
         self.summary.train_seconds += result.seconds
         self.summary.last_step_at = time.monotonic()

@@ -51,7 +51,9 @@ def run_train_worker(config: Config, bootstrap_servers: str, clickhouse_url: str
         summary = await worker.run(stop, max_steps)
         watcher.cancel()
         deadline.disarm()
-        print(f"trained {summary.steps} steps on {summary.transitions} transitions ({summary.tokens} tokens), "
+        kept = (f" (supervised: {summary.below_threshold} below reward {config.trainer.supervised_min_reward:g} "
+                "not trained)" if config.trainer.objective == "supervised" else "")
+        print(f"trained {summary.steps} steps on {summary.transitions} transitions ({summary.tokens} tokens){kept}, "
               f"{summary.checkpoints} checkpoints; now at version {worker.version}", flush=True)
 
     try:

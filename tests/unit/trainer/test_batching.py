@@ -258,3 +258,39 @@ def test_micro_batch_tokens_cut_micro_batches_to_a_padded_token_budget_a_longer_
     assert len(collate(samples, 0, "cpu")) == 1  # 0: off, as before
     with pytest.raises(ConfigError, match="micro_batch_tokens"):
         TrainerConfig(micro_batch_tokens=-1)
+
+
+def test_supervised_selection_keeps_good_rollouts_whatever_their_advantage_and_counts_the_others():
+    b = batcher(min_reward=1.0, batch_transitions=8)
+    flat_success = Sample.from_record(record(transition_id="flat", advantage=0.0))  # a group where every one succeeded
+    early_call = Sample.from_record(record(transition_id="early", reward=0.0, return_value=1.0, advantage=0.0))
+    failed = Sample.from_record(record(transition_id="failed", reward=0.0, return_value=0.0, advantage=-1.0))
+    old = replace(sample("old", version=0, advantage=-0.5), reward=2.0)  # from memory: the reward is its return
+    assert [b.offer(s, current_version=9, now=0) for s in (flat_success, early_call, failed, old)] == [
+        True, True, False, True]
+    assert not b.offer(failed, current_version=9, now=0)  # remembered: a replay is a duplicate, not counted twice
+    batch = b.take(current_version=9)
+    assert [s.transition_id for s in batch.samples] == ["flat", "early", "old"]  # none stale: no ratio to bound
+    assert all(s.demonstration and s.advantage == 1.0 for s in batch.samples)
+    assert [s.loss_mask for s in batch.samples[:2]] == [MASK, MASK]  # the RL loss mask, unchanged
+    assert batch.counts.below_threshold == 1 and batch.counts.duplicate == 1
+    assert sorted(batch.rewards()) == [0.0, 0.0, 1.0, 2.0]  # the reward mean covers the rejected one too
+    report = StepReport.of("m", 1, batch, StepResult(TokenStats(tokens=3), 0.5, 1.0, 3, 30, 0.1))
+    assert report.below_threshold == 1 and "below threshold 1 " in report.line()
+
+
+def test_without_a_threshold_samples_keep_their_advantages_and_a_nan_return_is_refused():
+    b = batcher()
+    assert not b.offer(Sample.from_record(record(transition_id="flat", advantage=0.0)), current_version=0, now=0)
+    assert b.offer(Sample.from_record(record(transition_id="low", return_value=0.0)), current_version=0, now=0)
+    assert b.take(current_version=0).samples[0].advantage == 0.5
+    with pytest.raises(NonFiniteTransition, match="return nan"):
+        Sample.from_record(record(return_value=math.nan))
+
+
+def test_the_objective_and_its_threshold_are_validated():
+    assert TrainerConfig(objective="supervised", supervised_min_reward=0.5).supervised_min_reward == 0.5
+    with pytest.raises(ConfigError, match="objective must be policy_gradient or supervised"):
+        TrainerConfig(objective="sft")
+    with pytest.raises(ConfigError, match="supervised_min_reward must be a finite number"):
+        TrainerConfig(supervised_min_reward=math.inf)

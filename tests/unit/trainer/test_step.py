@@ -14,9 +14,11 @@ from models import teacher_forced_logprobs
 from tests.support.samples import CALL_1, CALL_2, MASK, PROMPT, TOOL, generated, record
 from trainer.batching import (
     Batch,
+    Batcher,
     Counts,
     PackedMicroBatch,
     Sample,
+    SeenIds,
     collate,
 )
 from trainer.policy import build_policy
@@ -203,3 +205,24 @@ def test_a_packed_group_of_trajectories_and_a_demonstration_trains_as_each_sampl
     alone, _ = step_delta(replace(config, accumulation_steps=len(group)), group)  # one padded micro-batch each
     assert result.stats.tokens == 28
     assert torch.allclose(together, alone, atol=1e-6) and together.abs().max() > 0
+
+
+def test_a_supervised_step_is_the_mean_nll_of_trained_tokens_and_a_rejected_rollout_never_moves_weights(tiny_config):
+    policy = build_policy(tiny_config)
+    good = Sample.from_record(record(transition_id="good", advantage=-0.3))  # below its group's mean, still a success
+    bad = Sample.from_record(record(transition_id="bad", reward=0.0, return_value=0.0, response_token_ids=[
+        t + 20 for t in CALL_1 + TOOL + CALL_2]))
+    logprobs = teacher_forced_logprobs(policy.model, PROMPT, CALL_1 + TOOL + CALL_2, 1.0)
+    nll = -sum(lp for lp, kept in zip(logprobs, MASK, strict=True) if kept) / sum(MASK)  # tool tokens not counted
+
+    def supervised_batch(*offered: Sample) -> Batch:
+        b = Batcher(batch_tokens=0, batch_transitions=8, batch_wait_s=0, max_policy_lag=0, skip_zero_advantage=True,
+                    seen=SeenIds(10), min_reward=1.0)
+        for s in offered:
+            b.offer(s, current_version=5, now=0)
+        return b.take(current_version=5)
+
+    both, result = step_delta(tiny_config, supervised_batch(good, bad).samples)
+    assert result.loss == pytest.approx(nll, rel=1e-5) and result.stats.tokens == sum(MASK)
+    assert torch.equal(both, step_delta(tiny_config, supervised_batch(good).samples)[0]) and both.abs().max() > 0
+    assert supervised_batch(bad) is None  # alone it makes no step at all

@@ -1,0 +1,166 @@
+"""The `agentstream sft` process: supervised steps on the good rollouts of an exported dataset, then one checkpoint.
+
+Rejection-sampling fine-tuning from a file of ``agentstream dataset export`` (``schemas/dataset.py``,
+read row by row, so the file is never held in memory): a rollout whose final ``reward`` is at
+least the threshold gives its ``samples`` (the trained transitions, with their loss masks), or,
+where it has none (it was not trained on), one sample per LLM call; every other rollout is
+counted and skipped. The samples train by the negative log-likelihood of their trained tokens
+with the trainer's own batching and step (the ``supervised`` objective of ``trainer/batching.py``).
+Training starts from the model's latest checkpoint, if any, and ends with the next version in the
+same store, announced on the checkpoints topic like any other: hot swap loads it, and an RL
+trainer started afterwards resumes from it (a warm start), at the Kafka positions the previous
+checkpoint carried.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import logging
+import time
+from collections.abc import Callable, Iterator
+from dataclasses import dataclass, replace
+from pathlib import Path
+
+from infra.config import Config, TrainerConfig
+from schemas.dataset import DatasetRow, read_rows
+from schemas.errors import AgentstreamError
+from trainer.batching import Batch, Batcher, Sample, SeenIds, TransitionError
+from trainer.checkpoints import CheckpointAnnouncer, Manifest, latest_manifest, open_store, write_checkpoint
+from trainer.metrics import StepReport
+from trainer.policy import Policy, build_policy, load_weights, save_weights_later
+from trainer.step import train_step
+
+log = logging.getLogger("agentstream.trainer")
+
+
+class NothingToTrain(AgentstreamError, ValueError):
+    """A dataset with no sample to train: no rollout reached the reward threshold (or none had a usable sample)."""
+
+    retriable = False
+
+
+@dataclass
+class SftSummary:
+    """What a run of ``run_sft`` did: per pass over the file, the rollouts and samples read; in all, the steps."""
+
+    rollouts: int = 0
+    unrewarded: int = 0  # rollouts without a final reward: never kept
+    invalid: int = 0  # rollouts whose token ids or loss masks do not fit together (logged)
+    samples: int = 0
+    below_threshold: int = 0  # samples of rollouts whose reward is below the threshold
+    trained: int = 0  # samples trained, over all passes
+    steps: int = 0
+    tokens: int = 0
+    seconds: float = 0.0
+    manifest: Manifest | None = None
+
+
+def row_samples(row: DatasetRow) -> list[Sample]:
+    """A rollout's samples as the trainer takes them: its ``samples``, else one per call; rewarded with its reward.
+
+    They carry no behaviour logprobs and advantage 1, as ``trainer.batching.supervised`` makes
+    them: a likelihood step ignores both.
+    """
+    reward = row["reward"]
+    records = [dict(sample, behaviour_logprobs=[]) for sample in row["samples"]] or [
+        {"transition_id": f"{row['rollout_id']}/{call['span_id']}", "policy_version": call["policy_version"] or 0,
+         "prompt_token_ids": call["prompt_token_ids"], "response_token_ids": call["response_token_ids"],
+         "behaviour_logprobs": [], "loss_mask": []} for call in row["calls"]]
+    return [Sample.from_record({**record, "rollout_id": row["rollout_id"], "reward": reward, "advantage": 1.0})
+            for record in records]
+
+
+def dataset_samples(path: Path, summary: SftSummary) -> Iterator[Sample]:
+    """The samples of every rewarded rollout of the file, in file order (selection by reward is the batcher's)."""
+    for row in read_rows(path):
+        summary.rollouts += 1
+        if row["reward"] is None:
+            summary.unrewarded += 1
+            continue
+        try:
+            samples = row_samples(row)
+        except TransitionError as error:
+            summary.invalid += 1
+            log.warning("skipped rollout %s of %s: %s", row["rollout_id"], path, error)
+            continue
+        yield from samples
+
+
+def run_sft(config: Config, bootstrap_servers: str, dataset: Path, *, epochs: int = 1,
+            progress: Callable[[str], None] = print, policy: Policy | None = None) -> SftSummary:
+    """Train ``config.trainer.model`` on the dataset's good rollouts for ``epochs`` passes; write and announce it.
+
+    The threshold is ``trainer.supervised_min_reward``; batches close as the stream trainer's do
+    (``batch_transitions``, ``batch_tokens``).
+    """
+    settings = replace(config.trainer, objective="supervised")
+    policy = policy or build_policy(settings)
+    store = open_store(settings.checkpoint_dir or str(config.stack.home / "checkpoints"), config.checkpoints,
+                       config.stack.home)
+    start = latest_manifest(store, policy.name)
+    if start is not None:
+        load_weights(policy, store.get(start.uri))
+        progress(f"sft {policy.name}: from version {start.version} (step {start.step}) at {start.uri}")
+    else:
+        progress(f"sft {policy.name}: no checkpoint yet, from {settings.model} at version 0")
+    version, step = (start.version, start.step) if start is not None else (0, 0)
+    summary = SftSummary()
+    started = time.monotonic()
+    for epoch in range(1, epochs + 1):
+        summary.rollouts = summary.unrewarded = summary.invalid = summary.samples = summary.below_threshold = 0
+        batcher = Batcher(batch_tokens=settings.batch_tokens, batch_transitions=settings.batch_transitions,
+                          batch_wait_s=0, max_policy_lag=settings.max_policy_lag, skip_zero_advantage=False,
+                          seen=SeenIds(settings.dedupe_window), min_reward=settings.supervised_min_reward)
+        for sample in dataset_samples(dataset, summary):
+            summary.samples += 1
+            batcher.offer(sample, version, 0.0)
+            while batcher.ready(0.0):
+                step = _step(policy, batcher.take(version), settings, step, summary, progress)
+        while len(batcher):
+            step = _step(policy, batcher.take(version), settings, step, summary, progress)
+        summary.below_threshold += batcher.counts.below_threshold  # those after the last step
+        progress(f"sft epoch {epoch}/{epochs}: {summary.rollouts} rollouts ({summary.unrewarded} without a reward, "
+                 f"{summary.invalid} invalid), {summary.samples} samples, {summary.below_threshold} below reward "
+                 f"{settings.supervised_min_reward:g}; {summary.steps} steps so far")
+    summary.seconds = time.monotonic() - started
+    if not summary.steps:
+        raise NothingToTrain(f"{dataset}: no sample of a rollout with reward >= {settings.supervised_min_reward:g} "
+                             f"({summary.rollouts} rollouts, {summary.below_threshold} samples below it): "
+                             "no checkpoint written")
+    staging = store.staging()
+    weights, sha256 = save_weights_later(policy, staging, settings.optimizer_state_every > 0)()
+    # the transitions trained here may still be trained by the RL trainer (another objective), so none are listed
+    summary.manifest = write_checkpoint(store, staging, weights, model=policy.name, version=version + 1, step=step,
+                                        format=policy.format, offsets=dict(start.offsets) if start else {},
+                                        trained_ids=[], metrics={"supervised_steps": float(summary.steps)},
+                                        sha256=sha256)
+    asyncio.run(_announce(config, bootstrap_servers, summary.manifest))
+    progress(f"checkpoint v{summary.manifest.version} (step {step}) sha256 {summary.manifest.sha256[:12]} -> "
+             f"{summary.manifest.uri}")
+    return summary
+
+
+def _step(policy: Policy, batch: Batch | None, settings: TrainerConfig, step: int, summary: SftSummary,
+          progress: Callable[[str], None]) -> int:
+    """One supervised step on ``batch`` (none: nothing fresh was queued); returns the step count after it."""
+    if batch is None:
+        return step
+    summary.below_threshold += batch.counts.below_threshold
+    result = train_step(policy, batch, settings)
+    if result.skipped:
+        progress(f"step skipped: loss {result.loss} |g| {result.grad_norm} not finite")
+        return step
+    summary.steps += 1
+    summary.tokens += result.tokens
+    summary.trained += result.transitions
+    progress(StepReport.of(policy.name, step + 1, batch, result).line())
+    return step + 1
+
+
+async def _announce(config: Config, bootstrap_servers: str, manifest: Manifest) -> None:
+    announcer = CheckpointAnnouncer(config, bootstrap_servers)
+    await announcer.start()
+    try:
+        await announcer.announce(manifest)
+    finally:
+        await announcer.stop()
