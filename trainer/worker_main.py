@@ -53,6 +53,8 @@ def run_train_worker(config: Config, bootstrap_servers: str, clickhouse_url: str
         deadline.disarm()
         print(f"trained {summary.steps} steps on {summary.transitions} transitions ({summary.tokens} tokens), "
               f"{summary.checkpoints} checkpoints; now at version {worker.version}", flush=True)
+        if tracking := worker.tracker.summary():
+            print(tracking, flush=True)
 
     try:
         uvloop.run(serve())
