@@ -36,6 +36,7 @@ from trainer.checkpoints import Manifest
 from trainer.metrics import StepReport
 
 log = logging.getLogger("agentstream.trainer.tracking")
+_SET_BY_US: set[str] = set()  # the MLflow environment variables this process set (the others are the user's)
 
 STEP_METRICS = tuple(f.name for f in dataclasses.fields(StepReport) if f.name not in ("model", "step", "created_at"))
 """The StepReport numbers logged at every optimizer step."""
@@ -96,11 +97,14 @@ def prepare_mlflow(uri: str, timeout_s: float) -> None:
     MLflow 3 keeps its file store in maintenance mode and refuses it unless asked: a ``file:``
     URI in ``[tracking]`` is that request.
     """
+    settings = {"MLFLOW_HTTP_REQUEST_MAX_RETRIES": "1", "MLFLOW_HTTP_REQUEST_BACKOFF_FACTOR": "1",
+                "MLFLOW_HTTP_REQUEST_TIMEOUT": str(max(1, round(timeout_s)))}
     if uri_scheme(uri) in ("", "file"):
-        os.environ.setdefault("MLFLOW_ALLOW_FILE_STORE", "true")
-    os.environ.setdefault("MLFLOW_HTTP_REQUEST_MAX_RETRIES", "1")
-    os.environ.setdefault("MLFLOW_HTTP_REQUEST_BACKOFF_FACTOR", "0.1")
-    os.environ.setdefault("MLFLOW_HTTP_REQUEST_TIMEOUT", str(max(1, round(timeout_s))))
+        settings["MLFLOW_ALLOW_FILE_STORE"] = "true"
+    for name, value in settings.items():
+        if name not in os.environ or name in _SET_BY_US:
+            os.environ[name] = value
+            _SET_BY_US.add(name)
 
 
 class MlflowBackend:
@@ -198,19 +202,25 @@ class Channel:
         self.backend = backend
         self.failures = 0
         self.dropped = 0
+        self._warned = False
         self._queue: queue.Queue[Callable[[], None] | None] = queue.Queue(size)
         self._thread = threading.Thread(target=self._drain, name="tracking", daemon=True)
         self._thread.start()
 
     def put(self, call: Callable[[], None]) -> None:
-        """Enqueue ``call`` without waiting; a full queue drops it (counted, the first logged)."""
+        """Enqueue ``call`` without waiting; a full queue drops it (counted)."""
         try:
             self._queue.put_nowait(call)
         except queue.Full:
             self.dropped += 1
-            if self.dropped == 1:
-                log.warning("tracking: %s is behind; calls are dropped while its queue is full (counted)",
-                            self.backend.where)
+            self._warn("is too slow: calls are dropped while its queue is full")
+
+    def _warn(self, problem: str) -> None:
+        """Log the first problem only: a tracker that is down would otherwise write a line per step."""
+        if not self._warned:
+            self._warned = True
+            log.warning("tracking: %s %s; training goes on, and what fails or is dropped from now on is only counted "
+                        "(in the trainer's last line)", self.backend.where, problem)
 
     def _drain(self) -> None:
         while (call := self._queue.get()) is not None:
@@ -218,12 +228,10 @@ class Channel:
                 call()
             except Exception as error:  # a tracker fails in many ways (HTTP, files, its own errors); none stops us
                 self.failures += 1
-                if self.failures == 1:
-                    log.warning("tracking: %s failed: %s; training goes on and further failures are only counted",
-                                self.backend.where, error)
+                self._warn(f"failed: {error}")
 
-    def close(self, timeout_s: float) -> bool:
-        """Finish the run after what is queued, waiting at most ``timeout_s``; False (and counted as dropped) if not."""
+    def close(self, timeout_s: float) -> None:
+        """Finish the run after what is queued, waiting at most ``timeout_s``; what is left then counts as dropped."""
         deadline = time.monotonic() + timeout_s
         self.put(self.backend.finish)
         try:
@@ -233,8 +241,7 @@ class Channel:
         self._thread.join(max(0.0, deadline - time.monotonic()))
         if self._thread.is_alive():
             self.dropped += self._queue.qsize()
-            return False
-        return True
+            self._warn(f"did not finish within {timeout_s:.0f} s: what was still queued is dropped")
 
 
 def backends(settings: TrackingConfig) -> list[Backend]:
@@ -313,9 +320,7 @@ class Tracker:
         """Finish every run, waiting at most ``finish_timeout_s`` in all; what is still queued then is dropped."""
         deadline = time.monotonic() + self.settings.finish_timeout_s
         for channel in self.channels:
-            if not channel.close(max(0.0, deadline - time.monotonic())):
-                log.warning("tracking: %s did not finish within %.0f s; its queued calls were dropped",
-                            channel.backend.where, self.settings.finish_timeout_s)
+            channel.close(max(0.0, deadline - time.monotonic()))
 
     def summary(self) -> str:
         """One line for the trainer's last words: where the runs went, and what failed or was dropped."""
