@@ -27,8 +27,9 @@ import time
 import uuid
 from collections.abc import Callable, Mapping
 from dataclasses import dataclass
+from functools import partial
 from pathlib import Path
-from typing import Any, Protocol
+from typing import Any, Literal, Protocol
 
 from infra.config import Secret, TrackingConfig, TrainerConfig, uri_scheme
 from schemas.errors import AgentstreamError
@@ -174,8 +175,9 @@ class WandbBackend:
         import wandb
 
         self.folder.mkdir(parents=True, exist_ok=True)
+        mode: Literal["offline", "online"] = "offline" if self.settings.wandb_mode == "offline" else "online"
         self.run = wandb.init(
-            mode=self.settings.wandb_mode, project=self.settings.wandb_project, dir=str(self.folder), name=run.name,
+            mode=mode, project=self.settings.wandb_project, dir=str(self.folder), name=run.name,
             config={**run.params, **run.tags}, reinit="create_new",
             settings=wandb.Settings(silent=True, console="off", init_timeout=self.settings.timeout_s))
         self.run.define_metric(REWARD_BY_VERSION, step_metric="policy_version")
@@ -297,7 +299,7 @@ class Tracker:
                              "agentstream.first_version": str(first_version), CHECKPOINT_DIR_TAG: checkpoint_dir},
                        params=run_params(trainer, model))
         for channel in self.channels:
-            channel.put(lambda backend=channel.backend: backend.start(run))
+            channel.put(partial(channel.backend.start, run))
         return f"tracking: run {run.name!r} in {', '.join(channel.backend.where for channel in self.channels)}"
 
     def step(self, report: StepReport) -> None:
@@ -306,15 +308,14 @@ class Tracker:
         metrics = {name: float(getattr(report, name)) for name in STEP_METRICS}
         timestamp_ms = int(report.created_at.timestamp() * 1000)
         for channel in self.channels:
-            channel.put(lambda backend=channel.backend: backend.step(metrics, report.step, report.policy_version,
-                                                                     timestamp_ms))
+            channel.put(partial(channel.backend.step, metrics, report.step, report.policy_version, timestamp_ms))
 
     def checkpoint(self, manifest: Manifest) -> None:
         if not self.channels:
             return
         document = manifest_document(manifest)
         for channel in self.channels:
-            channel.put(lambda backend=channel.backend: backend.checkpoint(document, manifest.version, manifest.step))
+            channel.put(partial(channel.backend.checkpoint, document, manifest.version, manifest.step))
 
     def finish(self) -> None:
         """Finish every run, waiting at most ``finish_timeout_s`` in all; what is still queued then is dropped."""
