@@ -136,11 +136,10 @@ class MlflowBackend:
         client = self._client = self._client or MlflowClient(tracking_uri=self.uri)
         experiment = client.get_experiment_by_name(self.experiment)
         experiment_id = experiment.experiment_id if experiment else client.create_experiment(self.experiment)
-        run = client.create_run(experiment_id, run_name=self._start.name, tags=self._start.tags)
+        self.run_id = client.create_run(experiment_id, run_name=self._start.name, tags=self._start.tags).info.run_id
         params = [Param(key, value[:6000]) for key, value in self._start.params.items()]
         for first in range(0, len(params), 100):  # MLflow takes at most 100 parameters a request
-            client.log_batch(run.info.run_id, params=params[first:first + 100])
-        self.run_id = run.info.run_id
+            client.log_batch(self.run_id, params=params[first:first + 100])
         return self.run_id
 
     def step(self, metrics: Mapping[str, float], step: int, version: int, timestamp_ms: int) -> None:
