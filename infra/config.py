@@ -11,6 +11,7 @@ from __future__ import annotations
 import dataclasses
 import math
 import os
+import re
 import tomllib
 from collections.abc import Mapping, Sequence
 from dataclasses import dataclass, field, fields, replace
@@ -722,6 +723,61 @@ class OtlpConfig:
             raise ConfigError("otlp.max_body_mb must be >= 1")
 
 
+MLFLOW_SCHEMES = ("file", "http", "https", "databricks", "sqlite", "postgresql", "mysql", "mssql")
+"""The tracking URI schemes MLflow's client takes (a bare path is a file store; the SQL ones need full ``mlflow``)."""
+WANDB_MODES = ("", "offline", "online")
+
+
+def uri_scheme(uri: str) -> str:
+    """The scheme of a URI, lowercased (``file:./mlruns`` -> ``file``); empty for a bare path."""
+    match = re.match(r"([A-Za-z][A-Za-z0-9+.-]*):", uri)
+    return match.group(1).lower() if match else ""
+
+
+@dataclass(frozen=True)
+class TrackingConfig:
+    """Where the trainer logs its runs for experiment trackers: MLflow, Weights & Biases, both or neither (the default).
+
+    ``mlflow_uri`` is an MLflow tracking URI (``file:./mlruns`` or a folder for a local file store,
+    ``http://host:5000`` for a tracking server; empty: off), its runs in ``mlflow_experiment``.
+    ``wandb_mode`` is ``offline`` (a run directory under ``wandb_dir``, uploaded later with
+    ``wandb sync``) or ``online`` (empty: off), in ``wandb_project``. Every call to a tracker is made
+    on a thread of its own behind a queue of ``queue_size`` items: a tracker that is down or slow
+    never stops or slows training (its failures and the items dropped are counted and logged). An
+    HTTP request to MLflow gives up after ``timeout_s`` (and one retry); when the trainer stops, it
+    waits at most ``finish_timeout_s`` for the queue to drain. See docs/tracking.md.
+    """
+
+    mlflow_uri: str = ""
+    mlflow_experiment: str = "agentstream"
+    wandb_mode: str = ""
+    wandb_project: str = "agentstream"
+    wandb_dir: str = ""
+    queue_size: int = 1000
+    timeout_s: float = 10.0
+    finish_timeout_s: float = 15.0
+
+    def __post_init__(self) -> None:
+        scheme = uri_scheme(self.mlflow_uri)
+        if scheme.split("+", 1)[0] not in ("", *MLFLOW_SCHEMES):  # postgresql+psycopg2: the driver follows a +
+            raise ConfigError(f"tracking.mlflow_uri: MLflow cannot take the scheme {scheme!r} of "
+                              f"{self.mlflow_uri!r}; use a folder, file:, http(s)://, databricks or a database URI")
+        if self.mlflow_uri and not self.mlflow_experiment:
+            raise ConfigError("tracking.mlflow_experiment must name an experiment")
+        if self.wandb_mode not in WANDB_MODES:
+            raise ConfigError(f"tracking.wandb_mode must be offline, online or empty (off), got {self.wandb_mode!r}")
+        if self.wandb_mode and not self.wandb_project:
+            raise ConfigError("tracking.wandb_project must name a project")
+        if self.queue_size < 1:
+            raise ConfigError(f"tracking.queue_size must be >= 1, got {self.queue_size}")
+        if self.timeout_s <= 0 or self.finish_timeout_s < 0:
+            raise ConfigError("tracking.timeout_s must be > 0 and tracking.finish_timeout_s >= 0")
+
+    @property
+    def enabled(self) -> bool:
+        return bool(self.mlflow_uri or self.wandb_mode)
+
+
 @dataclass(frozen=True)
 class SecurityConfig:
     """Who may call what: API keys for the servers that face users, feedback tokens, and where servers may bind.
@@ -777,6 +833,7 @@ class Config:
     schema_registry: SchemaRegistryConfig = field(default_factory=SchemaRegistryConfig)
     otlp: OtlpConfig = field(default_factory=OtlpConfig)
     security: SecurityConfig = field(default_factory=SecurityConfig)
+    tracking: TrackingConfig = field(default_factory=TrackingConfig)
 
 
 CONFIG_FILE_VARIABLE = "AGENTSTREAM_CONFIG"
@@ -826,6 +883,11 @@ ENVIRONMENT: dict[str, tuple[str, str]] = {
     "AGENTSTREAM_CHECKPOINT_CACHE": ("checkpoints", "cache_dir"),
     "DEMO_QUICK": ("demo", "quick"),
     "DEMO_SECONDS": ("demo", "seconds"),
+    "AGENTSTREAM_MLFLOW_URI": ("tracking", "mlflow_uri"),
+    "AGENTSTREAM_MLFLOW_EXPERIMENT": ("tracking", "mlflow_experiment"),
+    "AGENTSTREAM_WANDB_MODE": ("tracking", "wandb_mode"),
+    "AGENTSTREAM_WANDB_PROJECT": ("tracking", "wandb_project"),
+    "AGENTSTREAM_WANDB_DIR": ("tracking", "wandb_dir"),
 }
 
 SECTIONS: dict[str, type] = {
@@ -845,6 +907,7 @@ SECTIONS: dict[str, type] = {
     "schema_registry": SchemaRegistryConfig,
     "otlp": OtlpConfig,
     "security": SecurityConfig,
+    "tracking": TrackingConfig,
 }
 RULE_LISTS: dict[str, type] = {"credit": CreditRule}
 

@@ -67,6 +67,7 @@ from trainer.policy import (
     save_weights_later,
 )
 from trainer.step import StepResult, train_step
+from trainer.tracking import Tracker
 
 if TYPE_CHECKING:
     from trainer.distributed import Group
@@ -117,6 +118,8 @@ class RunSummary:
     refused_checkpoints: int = 0  # checkpoints not written because a weight was not finite
     first_record_at: float | None = None
     last_step_at: float | None = None
+    tracking_failures: int = 0  # experiment tracker calls that failed (trainer/tracking.py)
+    tracking_dropped: int = 0  # and those dropped because its queue was full or it did not finish in time
 
 
 class _ResumePositions(ConsumerRebalanceListener):
@@ -167,8 +170,9 @@ class TrainerWorker:
         self.policy = policy or build_policy(self.settings)
         self.group = group
         self.name = self.policy.name
-        self.store = store or open_store(self.settings.checkpoint_dir or str(config.stack.home / "checkpoints"),
-                                         config.checkpoints, config.stack.home)
+        self.checkpoint_dir = self.settings.checkpoint_dir or str(config.stack.home / "checkpoints")
+        self.store = store or open_store(self.checkpoint_dir, config.checkpoints, config.stack.home)
+        self.tracker = Tracker(config.tracking)
         self.codec = AvroCodec()
         self.announcer = CheckpointAnnouncer(config, bootstrap_servers)
         self.consumer: AIOKafkaConsumer | None = None
@@ -211,6 +215,8 @@ class TrainerWorker:
                     if self.streak is not None and self.streak.limit > 0 else None)
         try:
             await self._resume()
+            if tracking := self.tracker.start(self.settings, self.name, self.version, self.checkpoint_dir):
+                self.progress(tracking)
             await self._sync()
             options = client_options(self.config.kafka, self.bootstrap_servers)
             await evict_dead_members(options, self.ledger)  # a crashed predecessor would hold the partitions a session
@@ -240,6 +246,8 @@ class TrainerWorker:
                 await follower
             await self.announcer.stop()
             self._model_thread.shutdown()
+            await asyncio.to_thread(self.tracker.finish)
+            self.summary.tracking_failures, self.summary.tracking_dropped = self.tracker.failures, self.tracker.dropped
         return self.summary
 
     def unfinished(self) -> str:
@@ -364,6 +372,7 @@ class TrainerWorker:
         self.summary.train_seconds += result.seconds
         self.summary.last_step_at = time.monotonic()
         self.progress(report.line())
+        self.tracker.step(report)
         self._reports.append(report)
         if time.monotonic() - self._flushed_at >= METRICS_FLUSH_S:
             self._flush_metrics()
@@ -445,6 +454,7 @@ class TrainerWorker:
             write_checkpoint, self.store, staging, weights, model=self.name, version=version, step=step,
             format=self.policy.format, offsets=offsets, trained_ids=trained_ids, metrics=metrics, sha256=sha256)
         await self._announce(manifest)
+        self.tracker.checkpoint(manifest)
         self.resume_offsets = offsets
         self.summary.checkpoints += 1
         await self._commit(positions)

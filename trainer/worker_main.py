@@ -55,6 +55,8 @@ def run_train_worker(config: Config, bootstrap_servers: str, clickhouse_url: str
                 "not trained)" if config.trainer.objective == "supervised" else "")
         print(f"trained {summary.steps} steps on {summary.transitions} transitions ({summary.tokens} tokens){kept}, "
               f"{summary.checkpoints} checkpoints; now at version {worker.version}", flush=True)
+        if tracking := worker.tracker.summary():
+            print(tracking, flush=True)
 
     try:
         uvloop.run(serve())

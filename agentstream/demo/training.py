@@ -10,7 +10,9 @@ after, through the same proxy under a separate agent name (captured, never train
 that evaluates afterwards (``make bench-learning``) asks for snapshots instead of the evaluations
 during training: the weights the server held every ``eval_every_s``, kept as hard links, so the
 evaluation takes no CPU from the run and can use more tasks.
-Writes ``demo-report.json``, a plot and a Markdown report, then stops what it started.
+Writes ``demo-report.json``, a plot and a Markdown report, then stops what it started. With
+``[tracking] mlflow_uri`` the held-out accuracies also go into the trainer's MLflow run
+(``heldout_accuracy`` at step = policy version).
 """
 
 from __future__ import annotations
@@ -48,6 +50,7 @@ from stack.control import Stack
 from stack.machine import calibrate
 from trainer.checkpoints import find_version, keep_only_newest, open_store
 from trainer.policy import OPTIMIZER_STATE
+from trainer.tracking import record_evaluations
 
 DATABASE = "agentstream_demo"
 RATE_WINDOW_S = 30.0
@@ -542,6 +545,9 @@ def run_demo(config: Config, console: Console | None = None, snapshots: Path | N
             snapshots.mkdir(parents=True, exist_ok=True)
         evaluations, taken, training_seconds, warm_seconds = asyncio.run(
             train_and_watch(session, config, endpoints, client, console, started, snapshots, agent))
+        if config.tracking.mlflow_uri:  # into the trainer's run, beside its per-step metrics
+            console.print(record_evaluations(config.tracking, config.trainer.checkpoint_dir,
+                                             [(e.policy_version, e.accuracy) for e in evaluations]), soft_wrap=True)
         dashboard = Dashboard(client, console, demo.training_seconds, agent)
         numbers = dashboard.snapshot()
         reached = [e.seconds for e in evaluations if e.seconds >= 0 and e.accuracy >= demo.target]

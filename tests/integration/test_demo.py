@@ -8,8 +8,10 @@ import sys
 from pathlib import Path
 
 import pytest
+from mlflow.tracking import MlflowClient
 
 from tests.conftest import stack_environment
+from tests.support.wandb_offline import read_offline_run
 
 
 def processes_mentioning(text: str) -> list[int]:
@@ -25,10 +27,11 @@ def processes_mentioning(text: str) -> list[int]:
 
 
 @pytest.mark.timeout(600)
-def test_the_demo_trains_evaluates_reports_and_stops_everything(tmp_path):
+def test_the_demo_trains_evaluates_reports_and_stops_everything(tmp_path, monkeypatch):
     home = tmp_path / "home"
     env = stack_environment(home)
-    (tmp_path / "agentstream.toml").write_text("[demo]\neval_every_s = 25\n")
+    (tmp_path / "agentstream.toml").write_text('[demo]\neval_every_s = 25\n[tracking]\nmlflow_uri = "file:./mlruns"\n'
+                                               'wandb_mode = "offline"\nwandb_dir = "wandb-runs"\n')
     result = subprocess.run([sys.executable, "-m", "agentstream", "demo", "--seconds", "45"], env=env, cwd=tmp_path,
                             capture_output=True, text=True, timeout=540)
     assert result.returncode == 0, result.stdout[-4000:] + result.stderr[-4000:]
@@ -53,6 +56,25 @@ def test_the_demo_trains_evaluates_reports_and_stops_everything(tmp_path):
     assert "held-out greedy accuracy" in markdown and "python_loop_s" in markdown
     assert "stopped (pid" in out and not list((home / "run").glob("*.json"))
     assert processes_mentioning(str(home)) == [], "processes the demo started are still running"
+    tracked_in_mlflow_and_wandb(tmp_path, report, out, monkeypatch)
+
+
+def tracked_in_mlflow_and_wandb(folder: Path, report: dict, out: str, monkeypatch) -> None:
+    """The demo's run as MLflow's client reads it from ``folder/mlruns``, and its W&B offline run."""
+    monkeypatch.setenv("MLFLOW_ALLOW_FILE_STORE", "true")  # MLflow 3 reads its file store only when asked
+    client = MlflowClient(tracking_uri=(folder / "mlruns").as_uri())
+    (run,) = client.search_runs([client.get_experiment_by_name("agentstream").experiment_id])
+    assert run.info.run_name == "SmolLM2-135M-Instruct v0→" and run.data.params["trainer.model"] == "smollm2"
+    assert f"heldout_accuracy logged into MLflow run {run.info.run_id}" in out
+    steps = client.get_metric_history(run.info.run_id, "loss")
+    assert [m.step for m in steps] == list(range(1, report["train_steps"] + 1))
+    versions = report["policy_versions"]
+    assert len(client.list_artifacts(run.info.run_id, "checkpoints")) == versions  # every version's manifest
+    assert [(m.step, m.value) for m in client.get_metric_history(run.info.run_id, "heldout_accuracy")] == [
+        (e["policy_version"], e["accuracy"]) for e in report["evaluations"]]
+    (offline,) = (folder / "wandb-runs" / "wandb").glob("offline-run-*")
+    history = [row for row in read_offline_run(offline).history if "loss" in row]
+    assert [row["loss"] for row in history] == pytest.approx([m.value for m in steps])
 
 
 @pytest.mark.timeout(600)

@@ -150,3 +150,36 @@ def test_proxy_upstreams_from_the_file_and_the_environment(tmp_path):
     with pytest.raises(ConfigError, match="a model server named twice: http://a:8000"):
         load_config(path, environ={})
 
+
+
+def test_tracking_is_off_unless_configured_and_reaches_child_processes(tmp_path):
+    assert not load_config(environ={}).tracking.enabled
+    their_own = {"MLFLOW_TRACKING_URI": "http://mlflow:5000", "WANDB_MODE": "offline"}  # the trackers' variables
+    assert not load_config(environ=their_own).tracking.enabled
+    config = load_config(environ={"AGENTSTREAM_MLFLOW_URI": "file:./mlruns", "AGENTSTREAM_WANDB_MODE": "offline",
+                                  "AGENTSTREAM_WANDB_DIR": "runs"})
+    assert (config.tracking.mlflow_uri, config.tracking.wandb_mode, config.tracking.wandb_dir) == (
+        "file:./mlruns", "offline", "runs")
+    path = tmp_path / "child.toml"
+    path.write_text(dump_toml(config))  # what a session hands its trainer
+    assert load_config(path, environ={}).tracking == config.tracking
+
+
+@pytest.mark.parametrize(("key", "value", "message"), [
+    ("wandb_mode", "disabled", "wandb_mode must be offline, online or empty"),
+    ("mlflow_uri", "s3://bucket/runs", "MLflow cannot take the scheme 's3'"),
+    ("mlflow_uri", "ftp://host/x", "MLflow cannot take the scheme 'ftp'"),
+    ("queue_size", 0, "queue_size must be >= 1"),
+    ("timeout_s", 0, "timeout_s must be > 0"),
+])
+def test_tracking_settings_are_validated(tmp_path, key, value, message):
+    path = tmp_path / "agentstream.toml"
+    path.write_text(f"[tracking]\n{key} = {value!r}\n".replace("'", '"'))
+    with pytest.raises(ConfigError, match=message):
+        load_config(path, environ={})
+
+
+@pytest.mark.parametrize("uri", ["file:./mlruns", "./mlruns", "/srv/mlruns", "file:///srv/mlruns", "http://h:5000",
+                                 "https://h", "databricks", "sqlite:///mlflow.db", "postgresql+psycopg2://u@h/db"])
+def test_tracking_takes_what_mlflow_takes(uri):
+    assert load_config(environ={"AGENTSTREAM_MLFLOW_URI": uri}).tracking.mlflow_uri == uri
