@@ -608,18 +608,21 @@ def sft_command(ctx: click.Context, dataset: str, min_reward: float | None, epoc
     """Supervised steps on a dataset's good rollouts (rejection sampling); the result is the model's next checkpoint.
 
     It starts from the model's latest checkpoint and announces the new one on the checkpoints
-    topic: hot swap loads it and `train-worker` resumes from it (a warm start before RL).
+    topic: hot swap loads it and `train-worker` resumes from it (a warm start before RL). Its
+    steps and checkpoint are train_steps and checkpoints rows, and a run where [tracking] says.
     """
     from dataclasses import replace
     from pathlib import Path
 
+    from infra.clickhouse import ClickHouseError
     from infra.config import ConfigError
     from schemas.dataset import DatasetError
 
     try:
         from trainer.checkpoints import CheckpointError
         from trainer.policy import PolicyError
-        from trainer.sft_main import NothingToTrain, run_sft
+        from trainer.sft_main import NothingToTrain, run_supervised
+        from trainer.tracking import TrackerMissing
     except ImportError as error:
         raise click.ClickException(f"sft needs {error.name}: pip install 'agentstream[train]'") from None
     config = _config(ctx)
@@ -631,9 +634,9 @@ def sft_command(ctx: click.Context, dataset: str, min_reward: float | None, epoc
         raise click.BadParameter(str(error)) from None
     endpoints = Stack(config).endpoints()
     try:
-        run_sft(config, endpoints.bootstrap_servers, Path(dataset), epochs=epochs,
-                progress=click.echo)
-    except (CheckpointError, PolicyError, DatasetError, NothingToTrain) as error:
+        run_supervised(config, endpoints.bootstrap_servers, endpoints.clickhouse_url, Path(dataset), epochs=epochs,
+                       progress=click.echo)
+    except (CheckpointError, PolicyError, DatasetError, NothingToTrain, TrackerMissing, ClickHouseError) as error:
         raise click.ClickException(str(error)) from None
 
 

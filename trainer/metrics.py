@@ -3,13 +3,19 @@
 from __future__ import annotations
 
 import datetime
+import logging
 import statistics
+from collections.abc import Callable
 from dataclasses import dataclass
+from typing import TypeVar
 
 from schemas.checkpoint import CHECKPOINT_COLUMNS
 from trainer.batching import Batch
 from trainer.checkpoints import Manifest
 from trainer.step import StepResult
+
+log = logging.getLogger("agentstream.trainer")
+Rows = TypeVar("Rows")
 
 TRAIN_STEP_COLUMNS = (
     "model", "step", "policy_version", "loss", "reward_mean", "advantage_mean", "advantage_std", "kl", "entropy",
@@ -115,3 +121,11 @@ class MetricsWriter:
     def checkpoint(self, manifest: Manifest) -> None:
         self.client.insert(f"{self.database}.checkpoints", [manifest.checkpoint().row()],
                            column_names=list(CHECKPOINT_COLUMNS))
+
+
+def write_logged(write: Callable[[Rows], None], rows: Rows) -> None:
+    """Write ``rows`` with one of MetricsWriter's methods; a failure is logged, not raised: metrics never stop training."""
+    try:
+        write(rows)
+    except Exception as error:  # clickhouse-connect raises several types for "unreachable" or "refused"
+        log.error("could not write trainer metrics to ClickHouse: %s", error)

@@ -9,7 +9,9 @@ with the trainer's own batching and step (the ``supervised`` objective of ``trai
 Training starts from the model's latest checkpoint, if any, and ends with the next version in the
 same store, announced on the checkpoints topic like any other: hot swap loads it, and an RL
 trainer started afterwards resumes from it (a warm start), at the Kafka positions the previous
-checkpoint carried.
+checkpoint carried. It reports as the stream trainer does: a ``train_steps`` row per step and the
+checkpoint's ``checkpoints`` row (``MetricsWriter``), and a run in the ``[tracking]`` trackers.
+A file whose format or first row is wrong fails before the model is loaded.
 """
 
 from __future__ import annotations
@@ -21,14 +23,16 @@ from collections.abc import Callable, Iterator
 from dataclasses import dataclass, replace
 from pathlib import Path
 
+from infra.clickhouse import migrate, wait_for_clickhouse
 from infra.config import Config, TrainerConfig
 from schemas.dataset import DatasetRow, read_rows
 from schemas.errors import AgentstreamError
 from trainer.batching import Batch, Batcher, Sample, SeenIds, TransitionError
 from trainer.checkpoints import CheckpointAnnouncer, Manifest, latest_manifest, open_store, write_checkpoint
-from trainer.metrics import StepReport
+from trainer.metrics import MetricsWriter, StepReport, write_logged
 from trainer.policy import Policy, build_policy, load_weights, save_weights_later
 from trainer.step import train_step
+from trainer.tracking import Tracker
 
 log = logging.getLogger("agentstream.trainer")
 
@@ -86,75 +90,125 @@ def dataset_samples(path: Path, summary: SftSummary) -> Iterator[Sample]:
         yield from samples
 
 
+def first_row(dataset: Path) -> DatasetRow:
+    """The file's first row, checked: a wrong format or row fails here, before a model is loaded for it."""
+    for row in read_rows(dataset):
+        return row
+    raise NothingToTrain(f"{dataset}: no rollouts: no checkpoint written")
+
+
+class SupervisedSteps:
+    """Takes the steps of one run and reports each as the stream trainer does: progress line, row, tracker."""
+
+    def __init__(self, policy: Policy, settings: TrainerConfig, step: int, summary: SftSummary,
+                 metrics: MetricsWriter | None, tracker: Tracker, progress: Callable[[str], None]) -> None:
+        self.policy, self.settings, self.step, self.summary = policy, settings, step, summary
+        self.metrics, self.tracker, self.progress = metrics, tracker, progress
+        self.last: StepReport | None = None
+
+    def take(self, batch: Batch | None) -> None:
+        """One supervised step on ``batch`` (none: nothing fresh was queued)."""
+        if batch is None:
+            return
+        self.summary.below_threshold += batch.counts.below_threshold
+        result = train_step(self.policy, batch, self.settings)
+        if result.skipped:
+            self.progress(f"step skipped: loss {result.loss} |g| {result.grad_norm} not finite")
+            return
+        self.step += 1
+        self.summary.steps += 1
+        self.summary.tokens += result.tokens
+        self.summary.trained += result.transitions
+        report = self.last = StepReport.of(self.policy.name, self.step, batch, result)
+        self.progress(report.line())
+        if self.metrics is not None:  # one insert per step: a step takes seconds, the insert milliseconds
+            write_logged(self.metrics.steps, [report])
+        self.tracker.step(report)
+
+
 def run_sft(config: Config, bootstrap_servers: str, dataset: Path, *, epochs: int = 1,
-            progress: Callable[[str], None] = print, policy: Policy | None = None) -> SftSummary:
+            progress: Callable[[str], None] = print, policy: Policy | None = None,
+            metrics: MetricsWriter | None = None) -> SftSummary:
     """Train ``config.trainer.model`` on the dataset's good rollouts for ``epochs`` passes; write and announce it.
 
     The threshold is ``trainer.supervised_min_reward``; batches close as the stream trainer's do
-    (``batch_transitions``, ``batch_tokens``).
+    (``batch_transitions``, ``batch_tokens``). With ``metrics``, each step and the checkpoint are
+    ClickHouse rows; ``[tracking]`` gets the run.
     """
     settings = replace(config.trainer, objective="supervised")
+    first_row(dataset)
+    tracker = Tracker(config.tracking)  # a tracker configured but not installed fails here, before the model
     policy = policy or build_policy(settings)
-    store = open_store(settings.checkpoint_dir or str(config.stack.home / "checkpoints"), config.checkpoints,
-                       config.stack.home)
+    checkpoint_dir = settings.checkpoint_dir or str(config.stack.home / "checkpoints")
+    store = open_store(checkpoint_dir, config.checkpoints, config.stack.home)
     start = latest_manifest(store, policy.name)
     if start is not None:
         load_weights(policy, store.get(start.uri))
         progress(f"sft {policy.name}: from version {start.version} (step {start.step}) at {start.uri}")
     else:
         progress(f"sft {policy.name}: no checkpoint yet, from {settings.model} at version 0")
-    version, step = (start.version, start.step) if start is not None else (0, 0)
+    version = start.version if start is not None else 0
     summary = SftSummary()
+    steps = SupervisedSteps(policy, settings, start.step if start is not None else 0, summary, metrics, tracker,
+                            progress)
+    if tracking := tracker.start(settings, policy.name, version, checkpoint_dir):
+        progress(tracking)
     started = time.monotonic()
-    for epoch in range(1, epochs + 1):
-        summary.rollouts = summary.unrewarded = summary.invalid = summary.samples = summary.below_threshold = 0
-        batcher = Batcher(batch_tokens=settings.batch_tokens, batch_transitions=settings.batch_transitions,
-                          batch_wait_s=0, max_policy_lag=settings.max_policy_lag, skip_zero_advantage=False,
-                          seen=SeenIds(settings.dedupe_window), min_reward=settings.supervised_min_reward)
-        for sample in dataset_samples(dataset, summary):
-            summary.samples += 1
-            batcher.offer(sample, version, 0.0)
-            while batcher.ready(0.0):
-                step = _step(policy, batcher.take(version), settings, step, summary, progress)
-        while len(batcher):
-            step = _step(policy, batcher.take(version), settings, step, summary, progress)
-        summary.below_threshold += batcher.counts.below_threshold  # those after the last step
-        progress(f"sft epoch {epoch}/{epochs}: {summary.rollouts} rollouts ({summary.unrewarded} without a reward, "
-                 f"{summary.invalid} invalid), {summary.samples} samples, {summary.below_threshold} below reward "
-                 f"{settings.supervised_min_reward:g}; {summary.steps} steps so far")
-    summary.seconds = time.monotonic() - started
-    if not summary.steps:
-        raise NothingToTrain(f"{dataset}: no sample of a rollout with reward >= {settings.supervised_min_reward:g} "
-                             f"({summary.rollouts} rollouts, {summary.below_threshold} samples below it): "
-                             "no checkpoint written")
-    staging = store.staging()
-    weights, sha256 = save_weights_later(policy, staging, settings.optimizer_state_every > 0)()
-    # the transitions trained here may still be trained by the RL trainer (another objective), so none are listed
-    summary.manifest = write_checkpoint(store, staging, weights, model=policy.name, version=version + 1, step=step,
-                                        format=policy.format, offsets=dict(start.offsets) if start else {},
-                                        trained_ids=[], metrics={"supervised_steps": float(summary.steps)},
-                                        sha256=sha256)
-    asyncio.run(_announce(config, bootstrap_servers, summary.manifest))
-    progress(f"checkpoint v{summary.manifest.version} (step {step}) sha256 {summary.manifest.sha256[:12]} -> "
-             f"{summary.manifest.uri}")
+    try:
+        for epoch in range(1, epochs + 1):
+            summary.rollouts = summary.unrewarded = summary.invalid = summary.samples = summary.below_threshold = 0
+            batcher = Batcher(batch_tokens=settings.batch_tokens, batch_transitions=settings.batch_transitions,
+                              batch_wait_s=0, max_policy_lag=settings.max_policy_lag, skip_zero_advantage=False,
+                              seen=SeenIds(settings.dedupe_window), min_reward=settings.supervised_min_reward)
+            for sample in dataset_samples(dataset, summary):
+                summary.samples += 1
+                batcher.offer(sample, version, 0.0)
+                while batcher.ready(0.0):
+                    steps.take(batcher.take(version))
+            while len(batcher):
+                steps.take(batcher.take(version))
+            summary.below_threshold += batcher.counts.below_threshold  # those after the last step
+            progress(f"sft epoch {epoch}/{epochs}: {summary.rollouts} rollouts ({summary.unrewarded} without a "
+                     f"reward, {summary.invalid} invalid), {summary.samples} samples, {summary.below_threshold} "
+                     f"below reward {settings.supervised_min_reward:g}; {summary.steps} steps so far")
+        summary.seconds = time.monotonic() - started
+        if steps.last is None:
+            raise NothingToTrain(f"{dataset}: no sample of a rollout with reward >= "
+                                 f"{settings.supervised_min_reward:g} ({summary.rollouts} rollouts, "
+                                 f"{summary.below_threshold} samples below it): no checkpoint written")
+        staging = store.staging()
+        weights, sha256 = save_weights_later(policy, staging, settings.optimizer_state_every > 0)()
+        # the transitions trained here may still be trained by the RL trainer (another objective), so none are listed
+        summary.manifest = write_checkpoint(
+            store, staging, weights, model=policy.name, version=version + 1, step=steps.step, format=policy.format,
+            offsets=dict(start.offsets) if start else {}, trained_ids=[],
+            metrics={**steps.last.checkpoint_metrics(), "supervised_steps": float(summary.steps)}, sha256=sha256)
+        asyncio.run(_announce(config, bootstrap_servers, summary.manifest))
+        if metrics is not None:
+            write_logged(metrics.checkpoint, summary.manifest)
+        tracker.checkpoint(summary.manifest)
+        progress(f"checkpoint v{summary.manifest.version} (step {steps.step}) sha256 "
+                 f"{summary.manifest.sha256[:12]} -> {summary.manifest.uri}")
+    finally:
+        tracker.finish()
+        if tracking := tracker.summary():
+            progress(tracking)
     return summary
 
 
-def _step(policy: Policy, batch: Batch | None, settings: TrainerConfig, step: int, summary: SftSummary,
-          progress: Callable[[str], None]) -> int:
-    """One supervised step on ``batch`` (none: nothing fresh was queued); returns the step count after it."""
-    if batch is None:
-        return step
-    summary.below_threshold += batch.counts.below_threshold
-    result = train_step(policy, batch, settings)
-    if result.skipped:
-        progress(f"step skipped: loss {result.loss} |g| {result.grad_norm} not finite")
-        return step
-    summary.steps += 1
-    summary.tokens += result.tokens
-    summary.trained += result.transitions
-    progress(StepReport.of(policy.name, step + 1, batch, result).line())
-    return step + 1
+def run_supervised(config: Config, bootstrap_servers: str, clickhouse_url: str, dataset: Path, *, epochs: int = 1,
+                   progress: Callable[[str], None] = print) -> SftSummary:
+    """``agentstream sft``: ``run_sft`` with its rows written to ClickHouse (the dashboard, ``report`` and the gate
+    read them); the file's first row is checked before ClickHouse is waited for."""
+    first_row(dataset)
+    database = config.clickhouse.database
+    client = wait_for_clickhouse(config.clickhouse, clickhouse_url, timeout_s=30)
+    try:
+        migrate(client, database)
+        return run_sft(config, bootstrap_servers, dataset, epochs=epochs, progress=progress,
+                       metrics=MetricsWriter(client, database))
+    finally:
+        client.close()
 
 
 async def _announce(config: Config, bootstrap_servers: str, manifest: Manifest) -> None:

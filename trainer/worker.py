@@ -55,7 +55,7 @@ from trainer.checkpoints import (
     write_checkpoint,
 )
 from trainer.errors import TrainerConfigError
-from trainer.metrics import MetricsWriter, StepReport
+from trainer.metrics import MetricsWriter, StepReport, write_logged
 from trainer.policy import (
     OPTIMIZER_STATE,
     Policy,
@@ -488,10 +488,7 @@ class TrainerWorker:
         if write is None:
             return
         async with self._metrics_lock:
-            try:
-                await asyncio.to_thread(write, rows)
-            except Exception as error:  # clickhouse-connect raises several types for "unreachable" or "refused"
-                log.error("could not write trainer metrics to ClickHouse: %s", error)
+            await asyncio.to_thread(write_logged, write, rows)
 
     def _committable(self) -> dict[TopicPartition, int]:
         """Per partition: the oldest offset still queued for training, else the next offset to read."""

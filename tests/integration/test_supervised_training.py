@@ -10,14 +10,16 @@ from dataclasses import replace
 from pathlib import Path
 
 import pytest
+from mlflow.tracking import MlflowClient
 
-from infra.config import TrainerConfig
+from infra.config import TrackingConfig, TrainerConfig
 from infra.kafka import create_topics, topic_name
 from models import teacher_forced_logprobs
-from schemas.dataset import DatasetRow, json_line
+from schemas.dataset import DatasetRow, MalformedDatasetRow, json_line
 from tests.integration.test_trainer_worker import checkpoint_events, produce, transition
 from tests.support.samples import CALL_1, CALL_2, MASK, PROMPT, TOOL
 from trainer.checkpoints import latest_manifest, open_store
+from trainer.metrics import MetricsWriter
 from trainer.policy import build_policy, load_weights
 from trainer.sft_main import NothingToTrain, run_sft
 from trainer.worker import TrainerWorker
@@ -60,8 +62,9 @@ def supervised_setup(topics_config, tmp_path, stack):
 
 
 def test_supervised_steps_from_the_stream_then_from_a_dataset_announce_checkpoints_the_rl_trainer_resumes_from(
-        supervised_setup, stack, kafka_options, tmp_path):
+        supervised_setup, stack, kafka_options, tmp_path, clickhouse, stack_config):
     config, model = supervised_setup
+    database = stack_config.clickhouse.database
     store = open_store(config.trainer.checkpoint_dir)
     failed = [transition(f"bad{i}", model, reward=0.0, advantage=-1.0) for i in range(2)]
     good = [transition(f"good{i}", model, reward=1.0, advantage=0.0) for i in range(4)]  # a flat, all-success group
@@ -84,7 +87,10 @@ def test_supervised_steps_from_the_stream_then_from_a_dataset_announce_checkpoin
     rows = [rollout_row("merged", 1.0, samples=True), rollout_row("calls", 1.0, samples=False),
             rollout_row("failed", 0.0, samples=True), rollout_row("unfinished", None, samples=False)]
     dataset.write_text("".join(map(json_line, rows)))
-    summary = run_sft(config, stack.bootstrap_servers, dataset, epochs=2, progress=lines.append)
+    tracked = replace(config, tracking=TrackingConfig(mlflow_uri=(tmp_path / "mlruns").as_uri(),
+                                                      mlflow_experiment="sft-test"))
+    summary = run_sft(tracked, stack.bootstrap_servers, dataset, epochs=2, progress=lines.append,
+                      metrics=MetricsWriter(clickhouse, database))
     # per pass: the merged sample and the two calls kept, the failed rollout's sample below the threshold
     assert (summary.rollouts, summary.unrewarded, summary.samples, summary.below_threshold) == (4, 1, 4, 1)
     assert summary.steps == 2 and summary.trained == 6 and summary.manifest.version == 2
@@ -92,6 +98,19 @@ def test_supervised_steps_from_the_stream_then_from_a_dataset_announce_checkpoin
     trained = [(PROMPT, CALL_1), (PROMPT + CALL_1 + TOOL, CALL_2)]  # the merged sample's tool tokens are inputs only
     assert likelihood(config.trainer, store.get(summary.manifest.uri), trained) > likelihood(
         config.trainer, store.get(first.uri), trained)
+    # reported as the stream trainer reports: train_steps rows, the checkpoints row, the tracker's run
+    parameters = {"m": model}
+    assert clickhouse.query(f"SELECT step, policy_version, transitions FROM {database}.train_steps FINAL WHERE "
+                            "model = {m:String} ORDER BY step", parameters=parameters).result_rows == [
+        (2, 1, 3), (3, 1, 3)]
+    assert clickhouse.query(f"SELECT version, step, metrics['supervised_steps'] FROM {database}.checkpoints FINAL "
+                            "WHERE model = {m:String}", parameters=parameters).result_rows == [(2, 3, 2.0)]
+    tracker = MlflowClient(tracking_uri=(tmp_path / "mlruns").as_uri())
+    (run,) = tracker.search_runs([tracker.get_experiment_by_name("sft-test").experiment_id],
+                                 f"tags.`agentstream.model` = '{model}'")
+    assert (run.info.run_name, run.info.status) == (f"{model} v1→", "FINISHED")
+    assert [m.step for m in tracker.get_metric_history(run.info.run_id, "loss")] == [2, 3]
+    assert [a.path for a in tracker.list_artifacts(run.info.run_id, "checkpoints")] == ["checkpoints/v00000002.json"]
     events = asyncio.run(checkpoint_events(kafka_options, config))
     assert [(key, event["version"]) for key, event in events] == [(model, 1), (model, 2)]
 
@@ -106,3 +125,8 @@ def test_supervised_steps_from_the_stream_then_from_a_dataset_announce_checkpoin
     dataset.write_text(json_line(rollout_row("failed", 0.0, samples=True)))
     with pytest.raises(NothingToTrain, match="no sample of a rollout with reward >= 1"):
         run_sft(config, stack.bootstrap_servers, dataset, progress=lines.append)
+    # a malformed first row fails before the model is loaded: this model does not exist
+    dataset.write_text('{"rollout_id": "r"}\n')
+    missing = replace(config, trainer=replace(config.trainer, model=str(tmp_path / "no-such-model")))
+    with pytest.raises(MalformedDatasetRow, match="row 1"):
+        run_sft(missing, stack.bootstrap_servers, dataset, progress=lines.append)
