@@ -124,7 +124,7 @@ class MetricsWriter:
 
 
 def write_logged(write: Callable[[Rows], None], rows: Rows) -> None:
-    """Write ``rows`` with one of MetricsWriter's methods; a failure is logged, not raised: metrics never stop training."""
+    """Write ``rows`` with a MetricsWriter method; a failure is logged, not raised: metrics never stop training."""
     try:
         write(rows)
     except Exception as error:  # clickhouse-connect raises several types for "unreachable" or "refused"
