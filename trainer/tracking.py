@@ -330,6 +330,24 @@ class Tracker:
         return f"tracking: {where}; {self.failures} failed calls, {self.dropped} dropped"
 
 
+def short_error(error: BaseException, limit: int = 120) -> str:
+    """The error's class and, from the innermost error behind it, the class and first line of text (cut at ``limit``).
+
+    A tracker's client wraps the cause in pages of context (MLflow's connection error is one line of
+    over 500 characters); a line for people wants what failed, e.g. ``MlflowException
+    (ConnectionRefusedError: [Errno 111] Connection refused)``.
+    """
+    root, seen = error, {id(error)}
+    while (cause := root.__cause__ or root.__context__) is not None and id(cause) not in seen:
+        root = cause
+        seen.add(id(cause))
+    text = next(iter(str(root).strip().splitlines()), "")
+    if len(text) > limit:
+        text = text[:limit - 1] + "…"
+    detail = f"{type(root).__name__}: {text}" if text else type(root).__name__
+    return detail if root is error else f"{type(error).__name__} ({detail})"
+
+
 def record_evaluations(settings: TrackingConfig, checkpoint_dir: str, points: list[tuple[int, float]],
                        metric: str = HELDOUT_ACCURACY) -> str:
     """Log ``(policy version, value)`` points into the trainer's MLflow run of ``checkpoint_dir``; returns one line.
@@ -362,8 +380,10 @@ def record_evaluations(settings: TrackingConfig, checkpoint_dir: str, points: li
         try:
             log_points()
         except Exception as error:  # as in Channel: whatever the tracker raises, the caller goes on
-            outcome.append(f"tracking: MLflow at {_local_uri(settings.mlflow_uri)} could not be reached ({error}); "
-                           f"{metric} not logged, and the trainer's log counts its own failed calls")
+            log.debug("tracking: %s not logged into MLflow at %s", metric, _local_uri(settings.mlflow_uri),
+                      exc_info=error)
+            outcome.append(f"tracking: MLflow at {_local_uri(settings.mlflow_uri)} could not be reached "
+                           f"({short_error(error)}); {metric} not logged (the trainer's log counts its failed calls)")
 
     if not settings.mlflow_uri:
         return ""

@@ -12,7 +12,17 @@ from typing import Any
 import pytest
 
 from infra.config import TrackingConfig, TrainerConfig
-from trainer.tracking import Channel, RunStart, Tracker, TrackerMissing, backends, run_params
+from infra.processes import free_port
+from trainer.tracking import (
+    Channel,
+    RunStart,
+    Tracker,
+    TrackerMissing,
+    backends,
+    record_evaluations,
+    run_params,
+    short_error,
+)
 
 
 class Recording:
@@ -92,3 +102,28 @@ def test_params_are_the_trainer_settings_without_secrets():
     assert params["trainer.lr"] == "0.002" and params["model"] == "tiny-model" and params["agentstream_version"]
     assert "trainer.reference_model" not in params  # unset
     assert not any("Secret" in value for value in params.values())
+
+
+def test_short_error_names_the_class_and_the_innermost_cause_in_one_line():
+    try:
+        try:
+            raise ConnectionRefusedError(111, "Connection refused")
+        except OSError as cause:
+            raise RuntimeError("API request to http://x/api failed with exception " + "context " * 80) from cause
+    except RuntimeError as error:
+        assert short_error(error) == "RuntimeError (ConnectionRefusedError: [Errno 111] Connection refused)"
+    assert short_error(ValueError("first line\nsecond line")) == "ValueError: first line"
+    long = short_error(ValueError("x" * 500), limit=20)
+    assert long == "ValueError: " + "x" * 19 + "…"
+    assert short_error(KeyError()) == "KeyError"
+
+
+def test_an_unreachable_mlflow_is_one_short_line_with_its_address(caplog):
+    pytest.importorskip("mlflow")
+    uri = f"http://127.0.0.1:{free_port()}"  # nothing listens
+    with caplog.at_level(logging.DEBUG, logger="agentstream.trainer.tracking"):
+        line = record_evaluations(TrackingConfig(mlflow_uri=uri, timeout_s=1, finish_timeout_s=30), "/ckpt",
+                                  [(0, 0.5)])
+    assert line.startswith(f"tracking: MLflow at {uri} could not be reached (MlflowException (") and len(line) < 250
+    assert "heldout_accuracy not logged" in line and "\n" not in line
+    assert any("Max retries exceeded" in str(record.exc_info[1]) for record in caplog.records if record.exc_info)
