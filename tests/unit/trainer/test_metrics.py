@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import logging
 from dataclasses import replace
 
 import pytest
@@ -9,7 +10,7 @@ import pytest
 from tests.support.samples import record
 from trainer.batching import Batch, Counts, Sample
 from trainer.loss import TokenStats
-from trainer.metrics import TRAIN_STEP_COLUMNS, StepReport
+from trainer.metrics import TRAIN_STEP_COLUMNS, StepReport, write_logged
 from trainer.step import StepResult
 
 
@@ -24,3 +25,16 @@ def test_the_train_steps_row_counts_calls_per_sample_and_prefix_breaks():
     assert "calls/sample 2.00 breaks 1" in report.line()
     plain = StepReport.of("m", 2, Batch([samples[2]], 0, Counts()), result)
     assert (plain.calls_per_sample, plain.prefix_breaks) == (1.0, 0) and "calls/sample" not in plain.line()
+
+
+def test_a_metrics_write_that_fails_is_logged_not_raised(caplog):
+    written: list[list[int]] = []
+    write_logged(written.append, [1])
+
+    def refused(rows: list[int]) -> None:
+        raise ConnectionRefusedError(111, "Connection refused")
+
+    with caplog.at_level(logging.ERROR, logger="agentstream.trainer"):
+        write_logged(refused, [2])
+    assert written == [[1]]
+    assert "could not write trainer metrics to ClickHouse: [Errno 111] Connection refused" in caplog.text
