@@ -81,7 +81,8 @@ class SessionPlan:
     ``server_url`` points at a model server that is already running (vLLM, or a dev server);
     without it the session starts ``servers`` of ``agentstream serve-model --model {model}``
     behind one proxy. Several each get a hot swap of their own with a checkpoint cache of its
-    own, as replicas on separate hosts have.
+    own, as replicas on separate hosts have. Without ``trainer`` no ``train-worker`` runs: the
+    checkpoints come from elsewhere (``agentstream sft``, see ``run_command``).
     """
 
     agent: str
@@ -91,6 +92,7 @@ class SessionPlan:
     server_url: str | None = None
     server_threads: int = 1
     servers: int = 1
+    trainer: bool = True
 
 
 class TrainingSession:
@@ -133,7 +135,8 @@ class TrainingSession:
         self._start("proxy", ["proxy", "--port", self.proxy_url.rsplit(":", 1)[1],
                               *[option for url in self.server_urls for option in ("--upstream", url)]])
         self._start("streams", ["streams", "--loglevel", "warning"])
-        self._start("trainer", ["train-worker"], self.config.trainer.threads)
+        if self.plan.trainer:
+            self._start("trainer", ["train-worker"], self.config.trainer.threads)
         trained = self.config.trainer.model_name or model_display_name(self.plan.model)
         for number, (name, url) in enumerate(servers):
             if len(servers) == 1:
@@ -146,9 +149,9 @@ class TrainingSession:
         for name, url in servers:
             self.wait_until_healthy(url + "/health", name, model_timeout_s)
         wait_for_port("127.0.0.1", int(self.proxy_url.rsplit(":", 1)[1]), 30)
-        gate = ", gate" if self.config.deploy.gate else ""
-        progress(f"proxy         {self.proxy_url} -> {', '.join(self.server_urls)}; streams, trainer{gate} and hot "
-                 "swap started")
+        started = ", ".join(["streams", *(["trainer"] if self.plan.trainer else []),
+                             *(["gate"] if self.config.deploy.gate else [])])
+        progress(f"proxy         {self.proxy_url} -> {', '.join(self.server_urls)}; {started} and hot swap started")
 
     @property
     def server_names(self) -> list[str]:
@@ -163,6 +166,21 @@ class TrainingSession:
             self._start(f"runner-{number}", ["run", self.plan.agent, "--proxy", self.proxy_url,
                                              "--concurrency", str(self.plan.concurrency)])
         progress(f"runners       {self.plan.runners} x {self.plan.concurrency} rollouts at once of {self.plan.agent}")
+
+    def run_command(self, name: str, args: list[str], threads: int = 1, timeout_s: float = 600.0) -> str:
+        """Run one ``agentstream`` command to its end beside the session's processes (same configuration and stack,
+        its output in ``<name>.log``); returns that output. ChildFailed if it fails or runs past ``timeout_s``."""
+        child = Child(name, args, self._env(threads, {}), self.workdir / f"{name}.log").start()
+        assert child.process is not None  # start() made it
+        try:
+            code = child.process.wait(timeout_s)
+        except subprocess.TimeoutExpired:
+            child.stop()
+            raise ChildFailed(f"{name} did not finish within {timeout_s:.0f} s; its log ({child.log_path}) ends "
+                              f"with:\n{child.log_tail()}") from None
+        if code:
+            child.check()  # raises, naming the exit code and the log's end
+        return child.log_path.read_text(errors="replace")
 
     def wait_until_healthy(self, url: str, name: str, timeout_s: float) -> None:
         deadline = time.monotonic() + timeout_s
