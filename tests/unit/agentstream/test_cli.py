@@ -14,3 +14,14 @@ def test_the_model_server_options_refuse_what_the_config_refuses():
                           (["deployments", "--server", "ftp://a"], "not an http:// or https:// URL: ftp://a")]:
         result = CliRunner().invoke(main, args)
         assert result.exit_code == 2 and problem in result.output, result.output
+
+
+def test_sft_refuses_a_malformed_or_empty_dataset_before_loading_the_model_or_reaching_clickhouse(tmp_path):
+    bad, empty = tmp_path / "bad.jsonl", tmp_path / "empty.jsonl"
+    bad.write_text('{"rollout_id": "r"}\n')
+    empty.write_text("")
+    model = ["--model", str(tmp_path / "no-such-model")]  # loading it, or waiting for ClickHouse, would fail otherwise
+    result = CliRunner().invoke(main, ["sft", "--dataset", str(bad), *model])
+    assert result.exit_code == 1 and f"{bad}: row 1: " in result.output, result.output
+    result = CliRunner().invoke(main, ["sft", "--dataset", str(empty), *model])
+    assert result.exit_code == 1 and "no rollouts: no checkpoint written" in result.output, result.output
