@@ -105,12 +105,13 @@ class SupervisedSteps:
         self.policy, self.settings, self.step, self.summary = policy, settings, step, summary
         self.metrics, self.tracker, self.progress = metrics, tracker, progress
         self.last: StepReport | None = None
+        self.below_threshold = 0  # samples below the threshold behind the steps taken, over all passes
 
     def take(self, batch: Batch | None) -> None:
         """One supervised step on ``batch`` (none: nothing fresh was queued)."""
         if batch is None:
             return
-        self.summary.below_threshold += batch.counts.below_threshold
+        self.below_threshold += batch.counts.below_threshold
         result = train_step(self.policy, batch, self.settings)
         if result.skipped:
             self.progress(f"step skipped: loss {result.loss} |g| {result.grad_norm} not finite")
@@ -155,22 +156,26 @@ def run_sft(config: Config, bootstrap_servers: str, dataset: Path, *, epochs: in
         progress(tracking)
     started = time.monotonic()
     try:
+        # one batcher for every pass, so a pass's last samples open the next pass's first step instead of a step
+        # of their own; a later pass's copy of a sample gets an id of its own, or the batcher would drop it as seen
+        batcher = Batcher(batch_tokens=settings.batch_tokens, batch_transitions=settings.batch_transitions,
+                          batch_wait_s=0, max_policy_lag=settings.max_policy_lag, skip_zero_advantage=False,
+                          seen=SeenIds(settings.dedupe_window), min_reward=settings.supervised_min_reward)
         for epoch in range(1, epochs + 1):
-            summary.rollouts = summary.unrewarded = summary.invalid = summary.samples = summary.below_threshold = 0
-            batcher = Batcher(batch_tokens=settings.batch_tokens, batch_transitions=settings.batch_transitions,
-                              batch_wait_s=0, max_policy_lag=settings.max_policy_lag, skip_zero_advantage=False,
-                              seen=SeenIds(settings.dedupe_window), min_reward=settings.supervised_min_reward)
+            summary.rollouts = summary.unrewarded = summary.invalid = summary.samples = 0
+            below_before = steps.below_threshold + batcher.counts.below_threshold
             for sample in dataset_samples(dataset, summary):
                 summary.samples += 1
-                batcher.offer(sample, version, 0.0)
+                copy = sample if epoch == 1 else replace(sample, transition_id=f"{sample.transition_id}#{epoch}")
+                batcher.offer(copy, version, 0.0)
                 while batcher.ready(0.0):
                     steps.take(batcher.take(version))
-            while len(batcher):
-                steps.take(batcher.take(version))
-            summary.below_threshold += batcher.counts.below_threshold  # those after the last step
+            summary.below_threshold = steps.below_threshold + batcher.counts.below_threshold - below_before
             progress(f"sft epoch {epoch}/{epochs}: {summary.rollouts} rollouts ({summary.unrewarded} without a "
                      f"reward, {summary.invalid} invalid), {summary.samples} samples, {summary.below_threshold} "
                      f"below reward {settings.supervised_min_reward:g}; {summary.steps} steps so far")
+        while len(batcher):
+            steps.take(batcher.take(version))
         summary.seconds = time.monotonic() - started
         if steps.last is None:
             raise NothingToTrain(f"{dataset}: no sample of a rollout with reward >= "

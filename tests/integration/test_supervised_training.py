@@ -93,6 +93,7 @@ def test_supervised_steps_from_the_stream_then_from_a_dataset_announce_checkpoin
                       metrics=MetricsWriter(clickhouse, database))
     # per pass: the merged sample and the two calls kept, the failed rollout's sample below the threshold
     assert (summary.rollouts, summary.unrewarded, summary.samples, summary.below_threshold) == (4, 1, 4, 1)
+    # one batcher for both passes: the second pass's first sample fills the first step (3 + 1), no step of a remainder
     assert summary.steps == 2 and summary.trained == 6 and summary.manifest.version == 2
     assert summary.manifest.offsets == first.offsets  # the RL trainer goes on reading where it stood
     trained = [(PROMPT, CALL_1), (PROMPT + CALL_1 + TOOL, CALL_2)]  # the merged sample's tool tokens are inputs only
@@ -102,7 +103,7 @@ def test_supervised_steps_from_the_stream_then_from_a_dataset_announce_checkpoin
     parameters = {"m": model}
     assert clickhouse.query(f"SELECT step, policy_version, transitions FROM {database}.train_steps FINAL WHERE "
                             "model = {m:String} ORDER BY step", parameters=parameters).result_rows == [
-        (2, 1, 3), (3, 1, 3)]
+        (2, 1, 4), (3, 1, 2)]
     assert clickhouse.query(f"SELECT version, step, metrics['supervised_steps'] FROM {database}.checkpoints FINAL "
                             "WHERE model = {m:String}", parameters=parameters).result_rows == [(2, 3, 2.0)]
     tracker = MlflowClient(tracking_uri=(tmp_path / "mlruns").as_uri())
