@@ -2,9 +2,10 @@
 
 :class:`RemoteRegistry` is what agentstream's codec uses when ``[schema_registry] url`` names
 the user's own registry (one serving the Confluent REST API; tested against the stack's own
-server only): a record schema is registered under its full name the first time a process writes
-it, after agentstream has checked it against the subject's latest version (BACKWARD by default,
-whatever level the registry itself enforces), and records carry the id that registry assigned.
+server and Karapace, docs/schema-registry.md): a record schema is registered under its full name
+the first time a process writes it, after agentstream has checked it against the subject's latest
+version (BACKWARD by default, whatever level the registry itself enforces), and records carry the id
+that registry assigned.
 Ids read from records are resolved through the registry; ids it does not know fall back to the
 bundled, content-addressed ones (records written before the registry was configured).
 """
