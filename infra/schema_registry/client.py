@@ -2,9 +2,10 @@
 
 :class:`RemoteRegistry` is what agentstream's codec uses when ``[schema_registry] url`` names
 the user's own registry (one serving the Confluent REST API; tested against the stack's own
-server only): a record schema is registered under its full name the first time a process writes
-it, after agentstream has checked it against the subject's latest version (BACKWARD by default,
-whatever level the registry itself enforces), and records carry the id that registry assigned.
+server and Karapace, docs/schema-registry.md): a record schema is registered under its full name
+the first time a process writes it, after agentstream has checked it against the subject's latest
+version (BACKWARD by default, whatever level the registry itself enforces), and records carry the id
+that registry assigned.
 Ids read from records are resolved through the registry; ids it does not know fall back to the
 bundled, content-addressed ones (records written before the registry was configured).
 """
@@ -22,9 +23,11 @@ from typing import Any
 from infra.config import Config, SchemaRegistryConfig
 from infra.schema_registry.errors import (
     IncompatibleSchemaVersion,
+    RegistryError,
     RegistryUnavailable,
     SchemaNotFound,
     SubjectNotFound,
+    Unauthorized,
     VersionNotFound,
     error_for,
 )
@@ -35,15 +38,18 @@ from schemas.errors import UnknownSchemaId
 from schemas.registry import BundledRegistry, schema_id, use_registry
 
 CONTENT_TYPE = "application/vnd.schemaregistry.v1+json"
+CREDENTIALS_FROM = "[schema_registry] username and password (SCHEMA_REGISTRY_USERNAME, SCHEMA_REGISTRY_PASSWORD)"
 
 
 class RegistryClient:
     """Synchronous calls to a Schema Registry's REST API; errors come back as the registry's named errors."""
 
     def __init__(self, url: str, username: str | None = None, password: str | None = None,
-                 timeout_s: float = 10.0) -> None:
+                 timeout_s: float = 10.0, credentials_from: str | None = None) -> None:
+        """``credentials_from`` says where the user sets the credentials, for the error a refusal of them raises."""
         self.url = url.rstrip("/")
         self.timeout_s = timeout_s
+        self.username, self.credentials_from = username, credentials_from
         self._headers = {"Accept": CONTENT_TYPE}
         if username is not None:
             token = base64.b64encode(f"{username}:{password or ''}".encode()).decode()
@@ -56,7 +62,7 @@ class RegistryClient:
         if target is None:
             raise ValueError("no schema registry url")
         password = config.password.reveal() if config.password is not None else None
-        return cls(target, config.username, password, config.timeout_s)
+        return cls(target, config.username, password, config.timeout_s, CREDENTIALS_FROM)
 
     def call(self, method: str, path: str, body: Any = None, **query: str) -> Any:
         """One request; the decoded JSON answer, a RegistryError for an error answer, RegistryUnavailable else."""
@@ -76,10 +82,20 @@ class RegistryClient:
                 code, message = None, raw.decode("utf-8", "replace")[:500]
             if error.code >= 500 and code is None:
                 raise RegistryUnavailable(f"schema registry {self.url} answered {error.code}: {message}") from None
+            if error.code in (401, 403):
+                raise self._refused(method, path, error.code, code, message) from None
             raise error_for(error.code, code, message) from None
         except (urllib.error.URLError, OSError, ValueError) as error:
             reason = getattr(error, "reason", error)
             raise RegistryUnavailable(f"schema registry {self.url} is unreachable: {reason}") from None
+
+    def _refused(self, method: str, path: str, status: int, code: int | None, message: str) -> RegistryError:
+        """A 401 (always Unauthorized, whatever its ``error_code``) or 403 that names the registry, the request and
+        the credentials sent: Confluent's and Karapace's own messages say only "Unauthorized" or "Forbidden"."""
+        sent = f"as user {self.username!r}" if self.username is not None else "without credentials"
+        where = f"; set them in {self.credentials_from}" if self.credentials_from else ""
+        text = f"the schema registry at {self.url} refused {method} {path} {sent} ({status}: {message}){where}"
+        return Unauthorized(text) if status == 401 else error_for(status, code, text)
 
     def schema(self, schema_id: int) -> str:
         """The schema text with this id."""

@@ -124,7 +124,8 @@ class BadRequest(RegistryError):
 
 
 class Unauthorized(RegistryError):
-    """A write (POST, PUT, DELETE) without one of ``[security] registry_keys``."""
+    """A write (POST, PUT, DELETE) without one of ``[security] registry_keys``; to the client, any 401 (a user's
+    registry that refused the credentials sent, or wanted some)."""
 
     status, error_code = 401, 40101
 

@@ -33,7 +33,7 @@ from confluent_kafka.serialization import MessageField, SerializationContext
 from infra.config import Config
 from infra.kafka import create_topics, topic_name
 from infra.processes import free_port
-from infra.schema_registry import RegistryClient, use_configured_registry
+from infra.schema_registry import RegistryClient, RemoteRegistry, use_configured_registry
 from infra.schema_registry.product import schema_json
 from pipeline.publisher import SpanPublisher
 from schemas import (
@@ -53,7 +53,7 @@ from schemas import (
     use_registry,
 )
 from tests.support.avro_samples import ROOT, SAMPLES, llm_span
-from tests.support.schema_registry import RegistryProcess
+from tests.support.schema_registry import RegistryProcess, register_users_subjects
 
 # Which records each product topic carries.
 TOPIC_RECORDS = {
@@ -203,10 +203,7 @@ def users_registry(stack, tmp_path: Path):
     """The user's own registry: sequential ids, no agentstream schemas, three subjects of theirs already."""
     registry = RegistryProcess(stack.bootstrap_servers, f"_schemas.user.{free_port()}", tmp_path / "user.log",
                                ids="sequential", seed=False).start()
-    client = RegistryClient(registry.url)
-    for index in range(3):
-        client.register(f"orders-{index}-value", json.dumps(
-            {"type": "record", "name": f"Order{index}", "fields": [{"name": "id", "type": "long"}]}))
+    register_users_subjects(registry.url)
     yield registry
     registry.stop()
 
@@ -242,6 +239,9 @@ def test_with_the_users_registry_its_ids_are_on_the_wire(users_registry: Registr
     decoded = AvroDeserializer(SchemaRegistryClient({"url": users_registry.url}))(
         value, SerializationContext(spans_topic, MessageField.VALUE))
     assert [span["span_id"] for span in decoded["spans"]] == ["u1"]
+    # A consumer of agentstream's (a streams worker, the sink) resolves that id through the registry too.
+    fresh = AvroCodec(RemoteRegistry(RegistryClient(users_registry.url)))
+    assert [span["span_id"] for span in fresh.decode(value)[1]["spans"]] == ["u1"]
 
 
 def test_an_incompatible_schema_in_the_users_registry_is_refused_clearly(users_registry: RegistryProcess,

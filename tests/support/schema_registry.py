@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import json
 import os
 import signal
 import subprocess
@@ -9,6 +10,7 @@ import sys
 from pathlib import Path
 
 from infra.processes import free_port, wait_for_port
+from infra.schema_registry import RegistryClient
 
 
 class RegistryProcess:
@@ -43,3 +45,11 @@ class RegistryProcess:
                 self.process.kill()
                 self.process.wait()
         self.process = None
+
+
+def register_users_subjects(url: str) -> None:
+    """Three subjects of a user's own (ids 1 to 3 in a registry numbering from 1), before agentstream comes."""
+    client = RegistryClient(url)
+    for index in range(3):
+        client.register(f"orders-{index}-value", json.dumps(
+            {"type": "record", "name": f"Order{index}", "fields": [{"name": "id", "type": "long"}]}))

@@ -243,6 +243,23 @@ def test_agentstreams_own_client_sends_the_key(keyed_registry) -> None:
     assert registry_client(load_config(environ={"AGENTSTREAM_SCHEMA_REGISTRY_PORT": port})).subjects()
 
 
+
+def test_refused_credentials_name_the_registry_the_user_and_where_to_set_them(keyed_registry) -> None:
+    """A user's registry (Confluent's, Karapace) says only "Unauthorized": agentstream's error says the rest."""
+    config = load_config(environ={"SCHEMA_REGISTRY_URL": keyed_registry.url, "SCHEMA_REGISTRY_USERNAME": "me",
+                                  "SCHEMA_REGISTRY_PASSWORD": "not-a-key"})
+    with pytest.raises(Unauthorized) as refused:
+        RegistryClient.from_config(config.schema_registry).register("y-value", X_SCHEMA.schema_str)
+    message = str(refused.value)
+    assert message.startswith(f"the schema registry at {keyed_registry.url} refused POST /subjects/y-value/versions "
+                              "as user 'me' (401: this registry takes writes only with a key"), message
+    assert message.endswith("; set them in [schema_registry] username and password "
+                            "(SCHEMA_REGISTRY_USERNAME, SCHEMA_REGISTRY_PASSWORD)")
+    assert "not-a-key" not in message
+    with pytest.raises(Unauthorized, match=r"/subjects/y-value/versions without credentials \(401: "):
+        RegistryClient(keyed_registry.url).register("y-value", X_SCHEMA.schema_str)
+
+
 # What each public method of confluent-kafka's SchemaRegistryClient gets from this registry: the test below drives
 # every one; docs/schema-registry.md has the same table.
 SERVED_METHODS = {
