@@ -57,7 +57,7 @@ test-agl: $(AGL_VENV)/.installed
 
 # agentstream against an independent Schema Registry, Karapace (~30 s): no package registry serves it, so install
 # it from its source and name the command that starts it, e.g. AGENTSTREAM_KARAPACE="/opt/karapace/.venv/bin/python
-# -m karapace" (docs/schema-registry.md, "Your own registry"). Without it the tests skip and say so.
+# -m karapace" (docs/schema-registry.md, "Your own registry"). Without it the tests fail and say so.
 test-registries: install
 	AGENTSTREAM_TEST_REGISTRIES=1 $(BIN)/python -m pytest tests/integration/test_own_registry.py
 

@@ -18,22 +18,28 @@ from pipeline.sdk import set_sink
 from stack.control import Endpoints, Stack
 from tests.support.streams_harness import stop_worker_stacks
 
+SIDE_MARKERS = {"agl": "AGENTSTREAM_TEST_AGL", "registries": "AGENTSTREAM_TEST_REGISTRIES"}
+"""Markers of tests `make test` leaves out, and the variable that lets them run."""
+
 
 def pytest_collection_modifyitems(config: pytest.Config, items: list[pytest.Item]) -> None:
     """Mark each test by its folder: tests/unit needs nothing running, tests/integration a stack or processes.
 
-    Tests marked ``agl`` need the side environment with the real Agent Lightning: only `make test-agl` runs them.
+    Tests with a side marker need what `make test` does not install, and run only where their variable is 1:
+    ``agl`` the side environment with the real Agent Lightning (`make test-agl`), ``registries`` an independent
+    Schema Registry built from its source (`make test-registries`).
     """
     tests = Path(__file__).parent
     for item in items:
         kind = item.path.relative_to(tests).parts[0] if item.path.is_relative_to(tests) else ""
         if kind in ("unit", "integration"):
             item.add_marker(kind)
-    if os.environ.get("AGENTSTREAM_TEST_AGL") != "1":
-        side = [item for item in items if item.get_closest_marker("agl")]
-        if side:
-            config.hook.pytest_deselected(items=side)
-            items[:] = [item for item in items if not item.get_closest_marker("agl")]
+    for marker, variable in SIDE_MARKERS.items():
+        if os.environ.get(variable) != "1":
+            side = [item for item in items if item.get_closest_marker(marker)]
+            if side:
+                config.hook.pytest_deselected(items=side)
+                items[:] = [item for item in items if not item.get_closest_marker(marker)]
 
 
 def stack_environment(home: Path) -> dict[str, str]:
