@@ -66,6 +66,10 @@ FORMAT_CLAUSE = re.compile(r"\bFORMAT\s+([A-Za-z0-9_]+)\s*;?\s*$", re.IGNORECASE
 
 # The readonly levels the pools run at: the writer's own, the writer's read-only requests, a reader's.
 WRITABLE, READ_ONLY, READER = 0, 2, 1
+# Functions that read the machine's files: chdb runs as clickhouse-local, where ``file()`` reads any path (a server
+# confines it to user_files_path), and ``readonly = 1`` refuses the table function but not the scalar one.
+LOCAL_FILE_CALL = re.compile(r"\b(?:file|filecluster)\s*\(", re.IGNORECASE)
+STRING_LITERAL = re.compile(r"'(?:[^'\\]|\\.)*'")
 SESSIONS_PER_POOL = 4
 
 # ClickHouse answers some error codes with a specific HTTP status; the rest get 500.
@@ -107,6 +111,7 @@ class _Session:
 
     def __init__(self, data_dir: Path, readonly: int) -> None:
         self.conn = chdb.connect(str(data_dir))
+        self.readonly = readonly
         if readonly:
             self.conn.query(f"SET readonly = {readonly}")
         self.database = "default"
@@ -182,6 +187,8 @@ class Engine:
                     applied.append(name)
                 if data is not None:
                     return self._insert(conn, statement, data)
+                if session.readonly == READER:
+                    self._check_reader_query(conn, statement.decode("utf-8"))
                 return self._query(conn, statement.decode("utf-8"), output_format, params)
             finally:  # the session serves other callers next: what this request set goes back
                 for name in applied:
@@ -191,6 +198,21 @@ class Engine:
             raise
         except Exception as error:  # chdb raises ChdbError/RuntimeError with ClickHouse's text
             raise _as_request_error(error) from None
+
+    @staticmethod
+    def _check_reader_query(conn, sql: str) -> None:
+        """Refuse a reader's statement that is several statements (chdb would run them all) or that calls a function
+        reading the machine's files (a config file holding keys, say).
+
+        ClickHouse's own parser (``formatQuery``) refuses several statements and writes the one back
+        in a normal form: every quoting of a function name undone, comments dropped, strings as
+        '...' literals, which are cut out before the function names are looked for.
+        """
+        normal = conn.query(f"SELECT formatQuerySingleLine({_quoted(sql)})", "TabSeparatedRaw").bytes().decode()
+        code = STRING_LITERAL.sub("''", normal)
+        if LOCAL_FILE_CALL.search(code):
+            raise RequestError("Code: 497. DB::Exception: a reader may not call file(): it reads the machine's files, "
+                               "not tables. (ACCESS_DENIED)", 497, 403)
 
     @staticmethod
     def _query(conn, sql: str, output_format: str, params: dict[str, str]) -> Outcome:
@@ -236,6 +258,10 @@ def _identifier(name: str) -> str:
 def _literal(value: str) -> str:
     if re.fullmatch(r"-?\d+(\.\d+)?", value):
         return value
+    return _quoted(value)
+
+
+def _quoted(value: str) -> str:
     return "'" + value.replace("\\", "\\\\").replace("'", "\\'") + "'"
 
 

@@ -127,8 +127,8 @@ def test_a_reader_reads_and_cannot_write_whatever_it_asks(front):
                                            username=READER, password=READER_PASSWORD)
     assert reader.query("SELECT a, s FROM default.facts ORDER BY a").result_rows == [(1, "one"), (2, "two")]
     assert reader.query("SELECT {n:UInt8} + 1", parameters={"n": 41}).result_rows == [(42,)]
-    for statement in WRITES:
-        with pytest.raises(DatabaseError, match=r"(?i)readonly"):
+    for statement in WRITES:  # the two through file() are refused before they run, as a reader's file() is
+        with pytest.raises(DatabaseError, match=r"(?i)readonly|ACCESS_DENIED"):
             reader.command(statement)
     with pytest.raises(DatabaseError, match=r"(?i)readonly"):
         reader.insert("default.facts", [[3, "three"]], column_names=["a", "s"])
@@ -137,7 +137,7 @@ def test_a_reader_reads_and_cannot_write_whatever_it_asks(front):
     credentials = basic(READER, READER_PASSWORD)
     for statement in WRITES:  # asking for a writable session changes nothing
         status, headers, body = http(front, statement, headers=credentials, readonly="0")
-        assert status == 403 and headers["X-ClickHouse-Exception-Code"] == "164", (statement, body)
+        assert status == 403 and headers["X-ClickHouse-Exception-Code"] in ("164", "497"), (statement, body)
     for statement in ("SET readonly = 0", "SELECT 1 SETTINGS readonly = 0", "SET readonly = 2"):
         status, _, body = http(front, statement, headers=credentials)
         assert status == 403 and b"Cannot modify 'readonly'" in body, (statement, body)
@@ -147,6 +147,36 @@ def test_a_reader_reads_and_cannot_write_whatever_it_asks(front):
     status, _, body = http(front, "SELECT getSetting('readonly')", headers=credentials)
     assert body == b"1\n", "a reader's session is still read-only after every attempt"
     assert facts(front) == [(1, "one"), (2, "two")]
+
+
+READS_OF_FILES = [
+    "SELECT file('{path}')",
+    "SELECT length(FiLe('{path}')) AS n",
+    "SELECT `file`('{path}')",
+    'SELECT "file"(\'{path}\')',
+    "SELECT file /* a comment */ ($${path}$$)",
+    "WITH file('{path}') AS f SELECT f",
+    "SELECT 1 WHERE 'x' IN (SELECT file('{path}'))",
+    "SELECT 1; SELECT file('{path}')",
+    "SELECT fileCluster('default', '{path}')",
+    "SELECT file('{path}') FORMAT Hash",
+]
+
+
+def test_a_reader_cannot_read_the_machines_files_however_it_spells_file(front, tmp_path):
+    """chdb is clickhouse-local, whose scalar file() reads any path even at readonly = 1: readers are refused it."""
+    secret = tmp_path / "secret.toml"
+    secret.write_text("password = 'do-not-show'\n")
+    credentials = basic(READER, READER_PASSWORD)
+    for template in READS_OF_FILES:
+        statement = template.format(path=secret)
+        status, headers, body = http(front, statement, headers=credentials)
+        assert status in (400, 403) and b"do-not-show" not in body, (statement, status, body)
+        assert headers["X-ClickHouse-Exception-Code"] in ("497", "62"), (statement, body)  # refused, or 2 statements
+    status, _, body = http(front, "SELECT 'file(' || s FROM default.facts WHERE a = 1", headers=credentials)
+    assert (status, body) == (200, b"file(one\n"), "a string that spells file( is still a string"
+    status, _, body = http(front, f"SELECT file('{secret}')", headers=basic(WRITER, WRITER_PASSWORD))
+    assert status == 200 and b"do-not-show" in body, "the writer, who may do anything on this machine, still may"
 
 
 @pytest.mark.parametrize("browser", [
