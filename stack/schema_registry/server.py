@@ -42,6 +42,7 @@ from stack.schema_registry.state import (
     SchemaVersion,
     candidate,
     check_mode,
+    check_subject,
     config_key,
     mode_key,
     schema_key,
@@ -72,6 +73,8 @@ class RegistryService:
                        product: bool = False) -> SchemaVersion:
         """Register ``schema`` under ``subject`` (or find it there) and return its version; ``imported`` is the
         (id, version) an IMPORT-mode registration keeps; ``product``: one of agentstream's own (no checks)."""
+        if not product:
+            check_subject(subject)
         async with self._writing:
             planned, new = self.state.plan_register(subject, schema, imported=imported, product=product)
             if not new:
@@ -107,12 +110,16 @@ class RegistryService:
 
     async def set_level(self, subject: str | None, level: str | None) -> None:
         """Set the level (``None``: back to the global one, or to the default for the global level)."""
+        if subject is not None:
+            check_subject(subject)
         async with self._writing:
             await self.log.append(config_key(subject), None if level is None else {"compatibilityLevel": level})
 
     async def set_mode(self, subject: str | None, mode: str | None, force: bool = False) -> None:
         """Set the mode (``None``: the subject follows the global mode); IMPORT only where nothing is registered,
         unless ``force``."""
+        if subject is not None:
+            check_subject(subject)
         async with self._writing:
             if mode == "IMPORT" and not force and not self.state.is_empty(subject):
                 raise OperationNotPermitted("Cannot import since found existing subjects")

@@ -34,6 +34,7 @@ from infra.schema_registry.errors import (
     InvalidCompatibilityLevel,
     InvalidMode,
     InvalidSchemaError,
+    InvalidSubject,
     InvalidVersion,
     OperationNotPermitted,
     SchemaNotFound,
@@ -195,6 +196,14 @@ def version_number(version: str | int) -> int | None:
         raise InvalidVersion(f"The specified version '{version}' is not a valid version id. Allowed values are "
                              f"between [1, {MAX_VERSION}] and the string \"latest\"")
     return number
+
+
+def check_subject(subject: str) -> str:
+    """``subject`` when it may be written; InvalidSubject when it holds a control character (as Java's
+    ``isISOControl``, Confluent's test): a newline or NUL would forge lines in logs and keys in the backing topic."""
+    if any(ord(char) < 0x20 or 0x7F <= ord(char) <= 0x9F for char in subject):
+        raise InvalidSubject(f"The specified subject {subject!r} is not valid: it holds a control character")
+    return subject
 
 
 def check_mode(mode: Any) -> str:

@@ -416,3 +416,18 @@ def test_every_client_method_as_confluent_answers(empty_registry) -> None:
             resource_name="orders", resource_namespace="lkc-1", resource_id="t1", resource_type="topic",
             associations=[])) == (501, 50101)
     client.close()  # a second close is harmless
+
+
+def test_a_subject_with_control_characters_is_refused_as_confluent_does(empty_registry) -> None:
+    """A newline or NUL in a subject would forge lines in logs and keys in the backing topic: 422, 42208, and
+    nothing is written; any other name (slashes, dots, unicode) is a plain subject name."""
+    client = SchemaRegistryClient({"url": empty_registry.url})
+    for subject in ("a\nb-value", "nul\x00-value", "tab\t-value", "del\x7f-value"):
+        assert answer_of(client.register_schema, subject, X_SCHEMA) == (422, 42208), subject
+        assert answer_of(client.update_mode, subject, "READONLY") == (422, 42208), subject
+        assert answer_of(client.set_compatibility, subject, "NONE") == (422, 42208), subject
+    assert client.get_subjects(deleted=True) == []
+    for subject in ("../config", "a/b", "ünïcødé-☃", " "):
+        assert client.register_schema(subject, X_SCHEMA) > 0
+        assert client.get_latest_version(subject).subject == subject
+    assert sorted(client.get_subjects()) == sorted(["../config", "a/b", "ünïcødé-☃", " "])
