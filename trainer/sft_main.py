@@ -70,8 +70,26 @@ def row_samples(row: DatasetRow) -> list[Sample]:
             for record in records]
 
 
-def dataset_samples(path: Path, summary: SftSummary) -> Iterator[Sample]:
-    """The samples of every rewarded rollout of the file, in file order (selection by reward is the batcher's)."""
+def check_vocabulary(samples: list[Sample], vocabulary: int) -> None:
+    """TransitionError where a sample holds a token id the model has no embedding for (another tokenizer's
+    dataset, a corrupted file): torch would stop the whole run on it with an IndexError."""
+    for sample in samples:
+        outside = next((i for i in (*sample.prompt_ids, *sample.response_ids) if i >= vocabulary), None)
+        if outside is not None:
+            raise TransitionError(f"transition {sample.transition_id} has token id {outside}, outside the model's "
+                                  f"vocabulary of {vocabulary}")
+
+
+def vocabulary_size(policy: Policy) -> int | None:
+    """How many token ids the model's input embedding has rows for (None where the model does not say)."""
+    embeddings = policy.model.get_input_embeddings() if hasattr(policy.model, "get_input_embeddings") else None
+    size = getattr(embeddings, "num_embeddings", None)
+    return size if isinstance(size, int) else None
+
+
+def dataset_samples(path: Path, summary: SftSummary, vocabulary: int | None = None) -> Iterator[Sample]:
+    """The samples of every rewarded rollout of the file, in file order (selection by reward is the batcher's);
+    a rollout with a token id outside ``vocabulary`` (when given) is invalid, counted and skipped."""
     for row in read_rows(path):
         summary.rollouts += 1
         if row["reward"] is None:
@@ -79,6 +97,8 @@ def dataset_samples(path: Path, summary: SftSummary) -> Iterator[Sample]:
             continue
         try:
             samples = row_samples(row)
+            if vocabulary is not None:
+                check_vocabulary(samples, vocabulary)
         except TransitionError as error:
             summary.invalid += 1
             log.warning("skipped rollout %s of %s: %s", row["rollout_id"], path, error)
@@ -111,7 +131,7 @@ def run_sft(config: Config, bootstrap_servers: str, dataset: Path, *, epochs: in
         batcher = Batcher(batch_tokens=settings.batch_tokens, batch_transitions=settings.batch_transitions,
                           batch_wait_s=0, max_policy_lag=settings.max_policy_lag, skip_zero_advantage=False,
                           seen=SeenIds(settings.dedupe_window), min_reward=settings.supervised_min_reward)
-        for sample in dataset_samples(dataset, summary):
+        for sample in dataset_samples(dataset, summary, vocabulary_size(policy)):
             summary.samples += 1
             batcher.offer(sample, version, 0.0)
             while batcher.ready(0.0):
