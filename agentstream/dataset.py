@@ -437,9 +437,14 @@ def parse_time(text: str, now: datetime | None = None) -> datetime:
     """A time as ISO 8601 (no zone means UTC) or as a duration before ``now`` (``30m``, ``2d``), else ValueError."""
     cleaned = text.strip()
     try:
-        return (now or datetime.now(UTC)) - timedelta(seconds=parse_duration(cleaned))
+        seconds = parse_duration(cleaned)
     except ValueError:
         pass
+    else:
+        try:
+            return (now or datetime.now(UTC)) - timedelta(seconds=seconds)
+        except OverflowError:
+            raise ValueError(f"{text!r} reaches before year 1: give a shorter duration or a time") from None
     try:
         parsed = datetime.fromisoformat(cleaned.replace("Z", "+00:00") if cleaned.endswith("Z") else cleaned)
     except ValueError:

@@ -121,3 +121,8 @@ def test_the_file_gets_its_name_only_when_complete(tmp_path, name, kind):
 ROW = {"rollout_id": "r", "agent_name": "a", "task_id": "", "group_id": "", "model": "", "status": "",
        "start_time": "", "end_time": "", "reward": None, "total_reward": 0.0, "policy_versions": [],
        "messages": [], "calls": [], "samples": []}
+
+
+def test_a_duration_beyond_the_calendar_is_a_value_error():
+    with pytest.raises(ValueError, match="'99999999d' reaches before year 1"):
+        parse_time("99999999d", datetime(2026, 11, 27, 18, tzinfo=UTC))
