@@ -728,6 +728,17 @@ MLFLOW_SCHEMES = ("file", "http", "https", "databricks", "sqlite", "postgresql",
 WANDB_MODES = ("", "offline", "online")
 
 
+_URI_PASSWORD = re.compile(r"(\b[A-Za-z][A-Za-z0-9+.-]*://[^/\s:@]*:)[^/\s@]*@")
+
+
+def masked_uris(text: str) -> str:
+    """``text`` with the password of every ``scheme://user:password@host`` in it shown as ``***``.
+
+    For printing a URI (a database URI for MLflow holds its password) or an error that quotes one.
+    """
+    return _URI_PASSWORD.sub(r"\1***@", text)
+
+
 def uri_scheme(uri: str) -> str:
     """The scheme of a URI, lowercased (``file:./mlruns`` -> ``file``); empty for a bare path."""
     match = re.match(r"([A-Za-z][A-Za-z0-9+.-]*):", uri)
@@ -1032,7 +1043,7 @@ def _normalise(config: Config) -> Config:
 def describe(config: Config) -> dict[str, Any]:
     """A printable view of the configuration with every secret masked."""
     view: dict[str, Any] = {
-        name: {key: ("***" if isinstance(value, Secret) else value)
+        name: {key: ("***" if isinstance(value, Secret) else masked_uris(value) if isinstance(value, str) else value)
                for key, value in dataclasses.asdict(getattr(config, name)).items()}
         for name in SECTIONS
     }
