@@ -769,6 +769,13 @@ class TrackingConfig:
     finish_timeout_s: float = 15.0
 
     def __post_init__(self) -> None:
+        if self.mlflow_uri != self.mlflow_uri.strip():
+            raise ConfigError(f"tracking.mlflow_uri {self.mlflow_uri!r} has spaces around it (a blank one would turn "
+                              f"tracking on into a folder of that name); leave it empty for off")
+        typo = re.match(r"(https?)/", self.mlflow_uri, re.IGNORECASE)
+        if typo:  # a folder path to MLflow: the runs would go to ./http/host:port
+            raise ConfigError(f"tracking.mlflow_uri {self.mlflow_uri!r} lacks the colon of "
+                              f"{typo.group(1).lower()}://")
         scheme = uri_scheme(self.mlflow_uri)
         if scheme.split("+", 1)[0] not in ("", *MLFLOW_SCHEMES):  # postgresql+psycopg2: the driver follows a +
             raise ConfigError(f"tracking.mlflow_uri: MLflow cannot take the scheme {scheme!r} of "
