@@ -21,7 +21,10 @@ from collections.abc import Callable, Iterator
 from dataclasses import dataclass, replace
 from pathlib import Path
 
+from aiokafka.errors import KafkaError
+
 from infra.config import Config, TrainerConfig
+from infra.kafka import KafkaUnreachable
 from schemas.dataset import DatasetRow, read_rows
 from schemas.errors import AgentstreamError
 from trainer.batching import Batch, Batcher, Sample, SeenIds, TransitionError
@@ -114,6 +117,7 @@ def run_sft(config: Config, bootstrap_servers: str, dataset: Path, *, epochs: in
     (``batch_transitions``, ``batch_tokens``).
     """
     settings = replace(config.trainer, objective="supervised")
+    _reach(config, bootstrap_servers, "nothing was trained")
     policy = policy or build_policy(settings)
     store = open_store(settings.checkpoint_dir or str(config.stack.home / "checkpoints"), config.checkpoints,
                        config.stack.home)
@@ -154,7 +158,9 @@ def run_sft(config: Config, bootstrap_servers: str, dataset: Path, *, epochs: in
                                         format=policy.format, offsets=dict(start.offsets) if start else {},
                                         trained_ids=[], metrics={"supervised_steps": float(summary.steps)},
                                         sha256=sha256)
-    asyncio.run(_announce(config, bootstrap_servers, summary.manifest))
+    _reach(config, bootstrap_servers, f"checkpoint v{summary.manifest.version} is written at "
+           f"{summary.manifest.uri} but not announced: hot swap and train-worker will not see it until a later "
+           f"checkpoint is announced", summary.manifest)
     progress(f"checkpoint v{summary.manifest.version} (step {step}) sha256 {summary.manifest.sha256[:12]} -> "
              f"{summary.manifest.uri}")
     return summary
@@ -177,10 +183,21 @@ def _step(policy: Policy, batch: Batch | None, settings: TrainerConfig, step: in
     return step + 1
 
 
-async def _announce(config: Config, bootstrap_servers: str, manifest: Manifest) -> None:
-    announcer = CheckpointAnnouncer(config, bootstrap_servers)
-    await announcer.start()
+def _reach(config: Config, bootstrap_servers: str, consequence: str, manifest: Manifest | None = None) -> None:
+    """Announce ``manifest`` on the checkpoints topic (None: only connect, to fail before training, not after);
+    KafkaUnreachable, retriable, saying ``consequence``, when the broker cannot take it."""
     try:
-        await announcer.announce(manifest)
+        asyncio.run(_announce(config, bootstrap_servers, manifest))
+    except KafkaError as error:
+        raise KafkaUnreachable(f"the Kafka broker at {bootstrap_servers} cannot be reached ({error}): "
+                               f"{consequence}") from None
+
+
+async def _announce(config: Config, bootstrap_servers: str, manifest: Manifest | None) -> None:
+    announcer = CheckpointAnnouncer(config, bootstrap_servers)
+    try:
+        await announcer.start()
+        if manifest is not None:
+            await announcer.announce(manifest)
     finally:
         await announcer.stop()

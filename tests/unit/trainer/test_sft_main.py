@@ -2,9 +2,16 @@
 
 from __future__ import annotations
 
+from dataclasses import replace
+
+import pytest
+
+from infra.config import load_config
+from infra.kafka import KafkaUnreachable
+from infra.processes import free_port
 from schemas.dataset import DatasetRow, json_line
 from tests.support.samples import CALL_1, MASK, PROMPT, TOOL
-from trainer.sft_main import SftSummary, dataset_samples
+from trainer.sft_main import SftSummary, dataset_samples, run_sft
 
 
 def row(rollout_id: str, response: list[int]) -> DatasetRow:
@@ -30,3 +37,19 @@ def test_token_ids_outside_the_vocabulary_skip_their_rollout_and_are_counted(tmp
     assert (summary.rollouts, summary.invalid) == (5, 3)
     assert "token id 1000000000" in caplog.text and "vocabulary of 300" in caplog.text
     assert [s.rollout_id for s in dataset_samples(path, SftSummary())] == ["r1", "r2", "r3", "r4", "r5"]
+
+
+def test_a_broker_that_cannot_be_reached_stops_the_run_before_any_step(tmp_path):
+    """The new checkpoint must be announced on the checkpoints topic (hot swap and the RL trainer follow it): with
+    no broker, the run says so at once, a retriable KafkaUnreachable, and neither trains nor writes anything."""
+    path = tmp_path / "d.jsonl"
+    path.write_text(json_line(row("r1", CALL_1 + TOOL)))
+    config = replace(load_config(environ={}), stack=replace(load_config(environ={}).stack, home=tmp_path))
+    config = replace(config, trainer=replace(config.trainer, model="tiny", device="cpu", threads=1,
+                                             checkpoint_dir=str(tmp_path / "ckpt")))
+    lines: list[str] = []
+    with pytest.raises(KafkaUnreachable, match=r"127\.0\.0\.1:\d+.*nothing was trained") as refused:
+        run_sft(config, f"127.0.0.1:{free_port()}", path, progress=lines.append)
+    assert refused.value.retriable
+    assert not any(line.startswith("step") for line in lines)
+    assert not (tmp_path / "ckpt").exists() or not any((tmp_path / "ckpt").rglob("*.safetensors"))
