@@ -85,8 +85,8 @@ def check_vocabulary(samples: list[Sample], vocabulary: int) -> None:
 
 def vocabulary_size(policy: Policy) -> int | None:
     """How many token ids the model's input embedding has rows for (None where the model does not say)."""
-    embeddings = policy.model.get_input_embeddings() if hasattr(policy.model, "get_input_embeddings") else None
-    size = getattr(embeddings, "num_embeddings", None)
+    getter = getattr(policy.model, "get_input_embeddings", None)
+    size = getattr(getter() if callable(getter) else None, "num_embeddings", None)
     return size if isinstance(size, int) else None
 
 
