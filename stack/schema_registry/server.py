@@ -37,6 +37,7 @@ from infra.schema_registry.product import product_schemas, schema_json
 from infra.security import KeySet
 from schemas.catalog import Schema
 from stack.schema_registry.state import (
+    MAX_VERSION,
     Candidate,
     RegistryState,
     SchemaVersion,
@@ -364,9 +365,11 @@ def _schema_id(request: web.Request) -> int:
 
 
 def _integer(body: dict[str, Any], name: str) -> int:
+    """An IMPORT registration's ``id`` or ``version``: Java ints in Confluent's registry (an id is 4 bytes on the
+    wire), so at most :data:`MAX_VERSION`; checked before anything is written."""
     value = body[name]
-    if not isinstance(value, int) or isinstance(value, bool) or value < 1:
-        raise BadRequest(f"'{name}' must be a positive integer")
+    if not isinstance(value, int) or isinstance(value, bool) or not 1 <= value <= MAX_VERSION:
+        raise BadRequest(f"'{name}' must be an integer in [1, {MAX_VERSION}]")
     return value
 
 

@@ -431,3 +431,18 @@ def test_a_subject_with_control_characters_is_refused_as_confluent_does(empty_re
         assert client.register_schema(subject, X_SCHEMA) > 0
         assert client.get_latest_version(subject).subject == subject
     assert sorted(client.get_subjects()) == sorted(["../config", "a/b", "ünïcødé-☃", " "])
+
+
+def test_an_import_beyond_confluents_32_bit_ids_and_versions_is_refused_before_anything_is_written(empty_registry):
+    """Ids and versions are Java ints in Confluent's registry and 4 bytes on the wire: 2^31 is refused (400), and a
+    refused registration leaves no version behind."""
+    url, key = empty_registry.url, {"Authorization": "Bearer any"}
+    assert raw(url + "/mode/imp-value", "PUT", {"mode": "IMPORT"})[0] == 200
+    text = json.dumps({"type": "fixed", "name": "F", "size": 1})
+    for body in ({"id": 2**31, "version": 1}, {"id": 5, "version": 2**31}, {"id": 2**40}):
+        status, answer = raw(url + "/subjects/imp-value/versions", "POST", {"schema": text, **body}, key)
+        assert (status, answer["error_code"]) == (400, 400) and "2147483647" in answer["message"], (body, answer)
+    assert raw(url + "/subjects/imp-value/versions?deleted=true")[0] == 404
+    status, answer = raw(url + "/subjects/imp-value/versions", "POST", {"schema": text, "id": 2**31 - 1,
+                                                                        "version": 2**31 - 1}, key)
+    assert status == 200 and (answer["id"], answer["version"]) == (2**31 - 1, 2**31 - 1)
