@@ -446,3 +446,30 @@ def test_an_import_beyond_confluents_32_bit_ids_and_versions_is_refused_before_a
     status, answer = raw(url + "/subjects/imp-value/versions", "POST", {"schema": text, "id": 2**31 - 1,
                                                                         "version": 2**31 - 1}, key)
     assert status == 200 and (answer["id"], answer["version"]) == (2**31 - 1, 2**31 - 1)
+
+
+@pytest.mark.parametrize("extra, problem", [
+    ({"metadata": {"properties": "x"}}, "metadata.properties"),
+    ({"metadata": {"properties": {"owner": {"nested": 1}}}}, "metadata.properties"),
+    ({"metadata": {"tags": {"f": "PII"}}}, "metadata.tags"),
+    ({"metadata": {"sensitive": "s"}}, "metadata.sensitive"),
+    ({"ruleSet": {"domainRules": "x"}}, "ruleSet.domainRules"),
+    ({"ruleSet": {"migrationRules": [1]}}, "ruleSet.migrationRules"),
+    ({"ruleSet": {"domainRules": [{"name": "r", "kind": "SHOUT"}]}}, "kind"),
+    ({"ruleSet": {"domainRules": [{"name": "r", "mode": "SOMETIMES"}]}}, "mode"),
+    ({"ruleSet": {"domainRules": [{"name": "r", "params": "x"}]}}, "params"),
+])
+def test_metadata_and_rules_that_the_client_cannot_read_back_are_refused(empty_registry, extra, problem):
+    """A stored shape confluent-kafka's client cannot parse would break every read of the version (an
+    AttributeError in from_dict) for every reader: 422 (42201), and nothing is registered."""
+    url = empty_registry.url
+    status, answer = raw(url + "/subjects/m-value/versions", "POST", {"schema": X_SCHEMA.schema_str, **extra})
+    assert (status, answer["error_code"]) == (422, 42201) and problem in answer["message"], answer
+    assert raw(url + "/subjects/m-value/versions?deleted=true")[0] == 404
+    client = SchemaRegistryClient({"url": url})
+    well_formed = {"metadata": {"tags": {"a": ["PII"]}, "properties": {"owner": "team-a"}, "sensitive": ["s"]},
+                   "ruleSet": {"domainRules": [{"name": "r", "kind": "CONDITION", "mode": "WRITE", "type": "CEL",
+                                                "expr": "message.a > 0", "params": {"k": "v"}}]}}
+    assert raw(url + "/subjects/m-value/versions", "POST", {"schema": X_SCHEMA.schema_str, **well_formed})[0] == 200
+    served = client.get_latest_version("m-value").schema
+    assert served.metadata.tags.tags == {"a": ["PII"]} and served.rule_set.domain_rules[0].params.params == {"k": "v"}
