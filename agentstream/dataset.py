@@ -125,6 +125,10 @@ WHERE rollout_id IN {ids:Array(String)}
 ORDER BY rollout_id, step_index, transition_id
 """
 
+# Scalar functions that read the server's files: ClickHouse runs them even at readonly=1 (the embedded engine
+# reads any path with `file`), so the table-function check alone would let a clause read, say, /etc/passwd.
+FILE_READERS = frozenset({"file"})
+
 _WHERE_TOKENS = re.compile(r"""'(?:[^'\\]|\\.|'')*'|"(?:[^"\\]|\\.|"")*"|`(?:[^`\\]|\\.|``)*`|--[^\n]*|#[^\n]*"""
                            r"""|/\*(?:.*?\*/|.*)|[();]|[^'"`()#;/-]+|.""", re.DOTALL)
 
@@ -163,7 +167,8 @@ def screen_where(client: Client, clause: str) -> str:
 
     The parse must succeed (a syntax error names the clause) and call no table function: a
     ``TableExpression`` node whose table is a ``Function`` (``url``, ``file``, ``s3``...) reads
-    outside the product's tables, so it is refused.
+    outside the product's tables, so it is refused, and so is the scalar ``file(path)``
+    (:data:`FILE_READERS`).
     """
     text = check_where(clause)
     try:
@@ -177,6 +182,11 @@ def screen_where(client: Client, clause: str) -> str:
     if functions:
         raise WhereClauseError(f"--where {clause!r}: table functions ({', '.join(functions)}) are refused: the "
                                f"clause may read the product's tables only")
+    readers = sorted({line.split()[1].lower() for line in lines
+                      if line.startswith("Function ") and line.split()[1].lower() in FILE_READERS})
+    if readers:
+        raise WhereClauseError(f"--where {clause!r}: functions that read files ({', '.join(readers)}) are refused: "
+                               f"the clause may read the product's tables only")
     return text
 
 

@@ -183,6 +183,8 @@ def test_filters_select_what_they_say(traces, args, expected):
     ("1; DROP TABLE rollouts", "';' is refused"),
     ("rollout_id IN (INSERT INTO rollouts SELECT * FROM rollouts)", "ClickHouse refused the clause: Code: 62"),
     ("1 IN (SELECT 1 FROM url('http://127.0.0.1:9/x', 'CSV', 'a Int32'))", "table functions (url) are refused"),
+    ("length(file('/etc/passwd')) > 0", "functions that read files (file) are refused"),  # a scalar, any readonly
+    ("substring(FILE('/etc/hostname'), 1, 1) = 'v'", "functions that read files (file) are refused"),
     ("status = ", "ClickHouse refused the clause: Code: 62"),
     ("no_such_column = 1", "ClickHouse refused the selection"),
 ])
