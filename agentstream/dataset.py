@@ -4,8 +4,8 @@ The selection is a WHERE over ``rollouts FINAL`` (the command's filters as query
 an optional user clause). It is read in pages of rollout ids (keyset pagination on
 ``rollout_id``), and for each page the rollouts' LLM spans and training samples are fetched and
 written: one Parquet row group or a run of JSON lines per page, so memory holds one page, never
-the selection. The file is written as ``OUT.partial`` and renamed at the end, so an export that
-dies leaves no file that looks complete.
+the selection. The file is written as ``OUT.<random>.partial`` and renamed at the end, so an export
+that dies leaves no file that looks complete.
 
 The user's WHERE clause is SQL, run read-only: the client connects with ``readonly=1`` (no
 writes, no DDL, no setting changes); the clause must be one expression (its parentheses balance
@@ -22,6 +22,7 @@ import itertools
 import json
 import os
 import re
+import secrets
 import time
 from collections.abc import Callable, Iterator, Sequence
 from dataclasses import dataclass
@@ -240,11 +241,15 @@ class ExportResult:
 
 
 class DatasetWriter:
-    """A dataset file written as ``OUT.partial`` page by page, renamed to ``OUT`` by :meth:`commit` only."""
+    """A dataset file written as ``OUT.<random>.partial`` page by page, renamed to ``OUT`` by :meth:`commit` only.
+
+    The random part keeps two exports to one ``OUT`` (a retry while the first still runs) from
+    writing into one file: each renames its own, whole, and the last rename wins.
+    """
 
     def __init__(self, path: Path, format: str) -> None:
         self.path, self.format = path, format
-        self.partial = path.with_name(path.name + ".partial")
+        self.partial = path.with_name(f"{path.name}.{secrets.token_hex(4)}.partial")
         self._text: IO[str] | None = None
         self._parquet: pq.ParquetWriter | None = None
         try:
