@@ -9,6 +9,7 @@ from __future__ import annotations
 import asyncio
 import json
 import logging
+import math
 import signal
 import sys
 from pathlib import Path
@@ -197,6 +198,13 @@ def report_command(ctx: click.Context, output_format: str, agent: str | None, mo
         analytics.print_tables(sections)
 
 
+def _finite(ctx: click.Context, param: click.Parameter, value: float | None) -> float | None:
+    """A number option that must be finite (NaN would select nothing, silently)."""
+    if value is not None and not math.isfinite(value):
+        raise click.BadParameter(f"{value} must be a finite number")
+    return value
+
+
 @main.group("dataset")
 def dataset_group() -> None:
     """Datasets from the traces in ClickHouse, for Hugging Face datasets and offline training."""
@@ -208,8 +216,10 @@ def dataset_group() -> None:
               help="File format (default: from OUT's suffix: .jsonl, .jsonl.gz, .parquet).")
 @click.option("--where", default=None, help="A SQL expression over the rollouts table's columns, run read-only.")
 @click.option("--agent", "agents", multiple=True, help="Only this agent's rollouts (repeat for several).")
-@click.option("--min-reward", type=float, default=None, help="Only rollouts whose final reward is at least R.")
-@click.option("--max-reward", type=float, default=None, help="Only rollouts whose final reward is at most R.")
+@click.option("--min-reward", type=float, default=None, callback=_finite,
+              help="Only rollouts whose final reward is at least R.")
+@click.option("--max-reward", type=float, default=None, callback=_finite,
+              help="Only rollouts whose final reward is at most R.")
 @click.option("--since", default=None, help="Only rollouts started at or after TIME (ISO 8601, or a duration: 2h).")
 @click.option("--until", default=None, help="Only rollouts started before TIME (ISO 8601, or a duration ago).")
 @click.option("--version", type=int, default=None, help="Only rollouts of policy version N (their newest version).")

@@ -4,8 +4,8 @@ The selection is a WHERE over ``rollouts FINAL`` (the command's filters as query
 an optional user clause). It is read in pages of rollout ids (keyset pagination on
 ``rollout_id``), and for each page the rollouts' LLM spans and training samples are fetched and
 written: one Parquet row group or a run of JSON lines per page, so memory holds one page, never
-the selection. The file is written as ``OUT.partial`` and renamed at the end, so an export that
-dies leaves no file that looks complete.
+the selection. The file is written as ``OUT.<random>.partial`` and renamed at the end, so an export
+that dies leaves no file that looks complete.
 
 The user's WHERE clause is SQL, run read-only: the client connects with ``readonly=1`` (no
 writes, no DDL, no setting changes); the clause must be one expression (its parentheses balance
@@ -22,6 +22,7 @@ import itertools
 import json
 import os
 import re
+import secrets
 import time
 from collections.abc import Callable, Iterator, Sequence
 from dataclasses import dataclass
@@ -125,6 +126,10 @@ WHERE rollout_id IN {ids:Array(String)}
 ORDER BY rollout_id, step_index, transition_id
 """
 
+# Scalar functions that read the server's files: ClickHouse runs them even at readonly=1 (the embedded engine
+# reads any path with `file`), so the table-function check alone would let a clause read, say, /etc/passwd.
+FILE_READERS = frozenset({"file"})
+
 _WHERE_TOKENS = re.compile(r"""'(?:[^'\\]|\\.|'')*'|"(?:[^"\\]|\\.|"")*"|`(?:[^`\\]|\\.|``)*`|--[^\n]*|#[^\n]*"""
                            r"""|/\*(?:.*?\*/|.*)|[();]|[^'"`()#;/-]+|.""", re.DOTALL)
 
@@ -163,7 +168,8 @@ def screen_where(client: Client, clause: str) -> str:
 
     The parse must succeed (a syntax error names the clause) and call no table function: a
     ``TableExpression`` node whose table is a ``Function`` (``url``, ``file``, ``s3``...) reads
-    outside the product's tables, so it is refused.
+    outside the product's tables, so it is refused, and so is the scalar ``file(path)``
+    (:data:`FILE_READERS`).
     """
     text = check_where(clause)
     try:
@@ -177,6 +183,11 @@ def screen_where(client: Client, clause: str) -> str:
     if functions:
         raise WhereClauseError(f"--where {clause!r}: table functions ({', '.join(functions)}) are refused: the "
                                f"clause may read the product's tables only")
+    readers = sorted({line.split()[1].lower() for line in lines
+                      if line.startswith("Function ") and line.split()[1].lower() in FILE_READERS})
+    if readers:
+        raise WhereClauseError(f"--where {clause!r}: functions that read files ({', '.join(readers)}) are refused: "
+                               f"the clause may read the product's tables only")
     return text
 
 
@@ -230,11 +241,15 @@ class ExportResult:
 
 
 class DatasetWriter:
-    """A dataset file written as ``OUT.partial`` page by page, renamed to ``OUT`` by :meth:`commit` only."""
+    """A dataset file written as ``OUT.<random>.partial`` page by page, renamed to ``OUT`` by :meth:`commit` only.
+
+    The random part keeps two exports to one ``OUT`` (a retry while the first still runs) from
+    writing into one file: each renames its own, whole, and the last rename wins.
+    """
 
     def __init__(self, path: Path, format: str) -> None:
         self.path, self.format = path, format
-        self.partial = path.with_name(path.name + ".partial")
+        self.partial = path.with_name(f"{path.name}.{secrets.token_hex(4)}.partial")
         self._text: IO[str] | None = None
         self._parquet: pq.ParquetWriter | None = None
         try:
@@ -437,9 +452,14 @@ def parse_time(text: str, now: datetime | None = None) -> datetime:
     """A time as ISO 8601 (no zone means UTC) or as a duration before ``now`` (``30m``, ``2d``), else ValueError."""
     cleaned = text.strip()
     try:
-        return (now or datetime.now(UTC)) - timedelta(seconds=parse_duration(cleaned))
+        seconds = parse_duration(cleaned)
     except ValueError:
         pass
+    else:
+        try:
+            return (now or datetime.now(UTC)) - timedelta(seconds=seconds)
+        except OverflowError:
+            raise ValueError(f"{text!r} reaches before year 1: give a shorter duration or a time") from None
     try:
         parsed = datetime.fromisoformat(cleaned.replace("Z", "+00:00") if cleaned.endswith("Z") else cleaned)
     except ValueError:

@@ -728,6 +728,17 @@ MLFLOW_SCHEMES = ("file", "http", "https", "databricks", "sqlite", "postgresql",
 WANDB_MODES = ("", "offline", "online")
 
 
+_URI_PASSWORD = re.compile(r"(\b[A-Za-z][A-Za-z0-9+.-]*://[^/\s:@]*:)[^/\s@]*@")
+
+
+def masked_uris(text: str) -> str:
+    """``text`` with the password of every ``scheme://user:password@host`` in it shown as ``***``.
+
+    For printing a URI (a database URI for MLflow holds its password) or an error that quotes one.
+    """
+    return _URI_PASSWORD.sub(r"\1***@", text)
+
+
 def uri_scheme(uri: str) -> str:
     """The scheme of a URI, lowercased (``file:./mlruns`` -> ``file``); empty for a bare path."""
     match = re.match(r"([A-Za-z][A-Za-z0-9+.-]*):", uri)
@@ -758,6 +769,13 @@ class TrackingConfig:
     finish_timeout_s: float = 15.0
 
     def __post_init__(self) -> None:
+        if self.mlflow_uri != self.mlflow_uri.strip():
+            raise ConfigError(f"tracking.mlflow_uri {self.mlflow_uri!r} has spaces around it (a blank one would turn "
+                              f"tracking on into a folder of that name); leave it empty for off")
+        typo = re.match(r"(https?)/", self.mlflow_uri, re.IGNORECASE)
+        if typo:  # a folder path to MLflow: the runs would go to ./http/host:port
+            raise ConfigError(f"tracking.mlflow_uri {self.mlflow_uri!r} lacks the colon of "
+                              f"{typo.group(1).lower()}://")
         scheme = uri_scheme(self.mlflow_uri)
         if scheme.split("+", 1)[0] not in ("", *MLFLOW_SCHEMES):  # postgresql+psycopg2: the driver follows a +
             raise ConfigError(f"tracking.mlflow_uri: MLflow cannot take the scheme {scheme!r} of "
@@ -1032,7 +1050,7 @@ def _normalise(config: Config) -> Config:
 def describe(config: Config) -> dict[str, Any]:
     """A printable view of the configuration with every secret masked."""
     view: dict[str, Any] = {
-        name: {key: ("***" if isinstance(value, Secret) else value)
+        name: {key: ("***" if isinstance(value, Secret) else masked_uris(value) if isinstance(value, str) else value)
                for key, value in dataclasses.asdict(getattr(config, name)).items()}
         for name in SECTIONS
     }

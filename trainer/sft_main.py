@@ -23,8 +23,11 @@ from collections.abc import Callable, Iterator
 from dataclasses import dataclass, replace
 from pathlib import Path
 
+from aiokafka.errors import KafkaError
+
 from infra.clickhouse import migrate, wait_for_clickhouse
 from infra.config import Config, TrainerConfig
+from infra.kafka import KafkaUnreachable
 from schemas.dataset import DatasetRow, read_rows
 from schemas.errors import AgentstreamError
 from trainer.batching import Batch, Batcher, Sample, SeenIds, TransitionError
@@ -74,8 +77,26 @@ def row_samples(row: DatasetRow) -> list[Sample]:
             for record in records]
 
 
-def dataset_samples(path: Path, summary: SftSummary) -> Iterator[Sample]:
-    """The samples of every rewarded rollout of the file, in file order (selection by reward is the batcher's)."""
+def check_vocabulary(samples: list[Sample], vocabulary: int) -> None:
+    """TransitionError where a sample holds a token id the model has no embedding for (another tokenizer's
+    dataset, a corrupted file): torch would stop the whole run on it with an IndexError."""
+    for sample in samples:
+        outside = next((i for i in (*sample.prompt_ids, *sample.response_ids) if i >= vocabulary), None)
+        if outside is not None:
+            raise TransitionError(f"transition {sample.transition_id} has token id {outside}, outside the model's "
+                                  f"vocabulary of {vocabulary}")
+
+
+def vocabulary_size(policy: Policy) -> int | None:
+    """How many token ids the model's input embedding has rows for (None where the model does not say)."""
+    getter = getattr(policy.model, "get_input_embeddings", None)
+    size = getattr(getter() if callable(getter) else None, "num_embeddings", None)
+    return size if isinstance(size, int) else None
+
+
+def dataset_samples(path: Path, summary: SftSummary, vocabulary: int | None = None) -> Iterator[Sample]:
+    """The samples of every rewarded rollout of the file, in file order (selection by reward is the batcher's);
+    a rollout with a token id outside ``vocabulary`` (when given) is invalid, counted and skipped."""
     for row in read_rows(path):
         summary.rollouts += 1
         if row["reward"] is None:
@@ -83,6 +104,8 @@ def dataset_samples(path: Path, summary: SftSummary) -> Iterator[Sample]:
             continue
         try:
             samples = row_samples(row)
+            if vocabulary is not None:
+                check_vocabulary(samples, vocabulary)
         except TransitionError as error:
             summary.invalid += 1
             log.warning("skipped rollout %s of %s: %s", row["rollout_id"], path, error)
@@ -139,6 +162,7 @@ def run_sft(config: Config, bootstrap_servers: str, dataset: Path, *, epochs: in
     settings = replace(config.trainer, objective="supervised")
     first_row(dataset)
     tracker = Tracker(config.tracking)  # a tracker configured but not installed fails here, before the model
+    _reach(config, bootstrap_servers, "nothing was trained")
     policy = policy or build_policy(settings)
     checkpoint_dir = settings.checkpoint_dir or str(config.stack.home / "checkpoints")
     store = open_store(checkpoint_dir, config.checkpoints, config.stack.home)
@@ -164,7 +188,7 @@ def run_sft(config: Config, bootstrap_servers: str, dataset: Path, *, epochs: in
         for epoch in range(1, epochs + 1):
             summary.rollouts = summary.unrewarded = summary.invalid = summary.samples = 0
             below_before = steps.below_threshold + batcher.counts.below_threshold
-            for sample in dataset_samples(dataset, summary):
+            for sample in dataset_samples(dataset, summary, vocabulary_size(policy)):
                 summary.samples += 1
                 copy = sample if epoch == 1 else replace(sample, transition_id=f"{sample.transition_id}#{epoch}")
                 batcher.offer(copy, version, 0.0)
@@ -188,7 +212,9 @@ def run_sft(config: Config, bootstrap_servers: str, dataset: Path, *, epochs: in
             store, staging, weights, model=policy.name, version=version + 1, step=steps.step, format=policy.format,
             offsets=dict(start.offsets) if start else {}, trained_ids=[],
             metrics={**steps.last.checkpoint_metrics(), "supervised_steps": float(summary.steps)}, sha256=sha256)
-        asyncio.run(_announce(config, bootstrap_servers, summary.manifest))
+        _reach(config, bootstrap_servers, f"checkpoint v{summary.manifest.version} is written at "
+               f"{summary.manifest.uri} but not announced: hot swap and train-worker will not see it until a later "
+               f"checkpoint is announced", summary.manifest)
         if metrics is not None:
             write_logged(metrics.checkpoint, summary.manifest)
         tracker.checkpoint(summary.manifest)
@@ -216,10 +242,21 @@ def run_supervised(config: Config, bootstrap_servers: str, clickhouse_url: str, 
         client.close()
 
 
-async def _announce(config: Config, bootstrap_servers: str, manifest: Manifest) -> None:
-    announcer = CheckpointAnnouncer(config, bootstrap_servers)
-    await announcer.start()
+def _reach(config: Config, bootstrap_servers: str, consequence: str, manifest: Manifest | None = None) -> None:
+    """Announce ``manifest`` on the checkpoints topic (None: only connect, to fail before training, not after);
+    KafkaUnreachable, retriable, saying ``consequence``, when the broker cannot take it."""
     try:
-        await announcer.announce(manifest)
+        asyncio.run(_announce(config, bootstrap_servers, manifest))
+    except KafkaError as error:
+        raise KafkaUnreachable(f"the Kafka broker at {bootstrap_servers} cannot be reached ({error}): "
+                               f"{consequence}") from None
+
+
+async def _announce(config: Config, bootstrap_servers: str, manifest: Manifest | None) -> None:
+    announcer = CheckpointAnnouncer(config, bootstrap_servers)
+    try:
+        await announcer.start()
+        if manifest is not None:
+            await announcer.announce(manifest)
     finally:
         await announcer.stop()

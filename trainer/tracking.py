@@ -31,7 +31,7 @@ from functools import partial
 from pathlib import Path
 from typing import Any, Literal, Protocol
 
-from infra.config import Secret, TrackingConfig, TrainerConfig, uri_scheme
+from infra.config import Secret, TrackingConfig, TrainerConfig, masked_uris, uri_scheme
 from schemas.errors import AgentstreamError
 from trainer.checkpoints import Manifest
 from trainer.metrics import StepReport
@@ -115,7 +115,7 @@ class MlflowBackend:
         _require("mlflow", "mlflow")
         self.uri = _local_uri(settings.mlflow_uri)
         self.experiment = settings.mlflow_experiment
-        self.where = f"MLflow at {self.uri}"
+        self.where = f"MLflow at {masked_uris(self.uri)}"
         self.run_id: str | None = None
         self._start: RunStart | None = None
         self._client: Any = None
@@ -221,7 +221,7 @@ class Channel:
         if not self._warned:
             self._warned = True
             log.warning("tracking: %s %s; training goes on, and what fails or is dropped from now on is only counted "
-                        "(in the trainer's last line)", self.backend.where, problem)
+                        "(in the trainer's last line)", self.backend.where, masked_uris(problem))
 
     def _drain(self) -> None:
         while (call := self._queue.get()) is not None:
@@ -354,7 +354,7 @@ def record_evaluations(settings: TrackingConfig, checkpoint_dir: str, points: li
 
     The run is the one tagged with that checkpoint folder (the trainer's, in this session). The
     calls run on a thread of their own for at most ``settings.finish_timeout_s``; any failure is
-    reported in the returned line, never raised.
+    reported in the returned line (a password in the URI masked), never raised.
     """
     outcome: list[str] = []
 
@@ -392,5 +392,6 @@ def record_evaluations(settings: TrackingConfig, checkpoint_dir: str, points: li
     thread = threading.Thread(target=attempt, name="tracking", daemon=True)
     thread.start()
     thread.join(settings.finish_timeout_s)
-    return outcome[0] if outcome else (f"tracking: MLflow at {_local_uri(settings.mlflow_uri)} did not answer within "
-                                       f"{settings.finish_timeout_s:.0f} s; {metric} not logged")
+    return masked_uris(outcome[0] if outcome else (f"tracking: MLflow at {_local_uri(settings.mlflow_uri)} did not "
+                                                   f"answer within {settings.finish_timeout_s:.0f} s; {metric} not "
+                                                   f"logged"))

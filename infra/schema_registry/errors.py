@@ -111,6 +111,12 @@ class OperationNotPermitted(RegistryError):
     status, error_code = 422, 42205
 
 
+class InvalidSubject(RegistryError):
+    """A subject name with a control character (U+0000-U+001F, U+007F-U+009F), which Confluent refuses too."""
+
+    status, error_code = 422, 42208
+
+
 class NotServed(RegistryError):
     """A request of Confluent's API this registry deliberately does not serve (creating associations)."""
 
@@ -155,7 +161,7 @@ _CLASSES: tuple[type[RegistryError], ...] = (
     SubjectNotFound, VersionNotFound, SchemaNotFound, SubjectSoftDeleted, SubjectNotSoftDeleted, VersionSoftDeleted,
     VersionNotSoftDeleted, SubjectLevelConfigNotFound, SubjectLevelModeNotFound, AssociationNotFound,
     IncompatibleSchemaVersion, InvalidSchemaError, InvalidVersion, InvalidCompatibilityLevel, InvalidMode,
-    OperationNotPermitted, NotServed, BadRequest, Unauthorized, StoreError, StoreTimeout,
+    OperationNotPermitted, InvalidSubject, NotServed, BadRequest, Unauthorized, StoreError, StoreTimeout,
 )
 BY_CODE: dict[int, type[RegistryError]] = {
     **{cls.error_code: cls for cls in _CLASSES},

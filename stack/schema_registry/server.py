@@ -37,11 +37,13 @@ from infra.schema_registry.product import product_schemas, schema_json
 from infra.security import KeySet
 from schemas.catalog import Schema
 from stack.schema_registry.state import (
+    MAX_VERSION,
     Candidate,
     RegistryState,
     SchemaVersion,
     candidate,
     check_mode,
+    check_subject,
     config_key,
     mode_key,
     schema_key,
@@ -72,6 +74,8 @@ class RegistryService:
                        product: bool = False) -> SchemaVersion:
         """Register ``schema`` under ``subject`` (or find it there) and return its version; ``imported`` is the
         (id, version) an IMPORT-mode registration keeps; ``product``: one of agentstream's own (no checks)."""
+        if not product:
+            check_subject(subject)
         async with self._writing:
             planned, new = self.state.plan_register(subject, schema, imported=imported, product=product)
             if not new:
@@ -107,12 +111,16 @@ class RegistryService:
 
     async def set_level(self, subject: str | None, level: str | None) -> None:
         """Set the level (``None``: back to the global one, or to the default for the global level)."""
+        if subject is not None:
+            check_subject(subject)
         async with self._writing:
             await self.log.append(config_key(subject), None if level is None else {"compatibilityLevel": level})
 
     async def set_mode(self, subject: str | None, mode: str | None, force: bool = False) -> None:
         """Set the mode (``None``: the subject follows the global mode); IMPORT only where nothing is registered,
         unless ``force``."""
+        if subject is not None:
+            check_subject(subject)
         async with self._writing:
             if mode == "IMPORT" and not force and not self.state.is_empty(subject):
                 raise OperationNotPermitted("Cannot import since found existing subjects")
@@ -357,9 +365,11 @@ def _schema_id(request: web.Request) -> int:
 
 
 def _integer(body: dict[str, Any], name: str) -> int:
+    """An IMPORT registration's ``id`` or ``version``: Java ints in Confluent's registry (an id is 4 bytes on the
+    wire), so at most :data:`MAX_VERSION`; checked before anything is written."""
     value = body[name]
-    if not isinstance(value, int) or isinstance(value, bool) or value < 1:
-        raise BadRequest(f"'{name}' must be a positive integer")
+    if not isinstance(value, int) or isinstance(value, bool) or not 1 <= value <= MAX_VERSION:
+        raise BadRequest(f"'{name}' must be an integer in [1, {MAX_VERSION}]")
     return value
 
 

@@ -23,7 +23,7 @@ from __future__ import annotations
 
 import json
 import uuid
-from collections.abc import Mapping
+from collections.abc import Callable, Mapping
 from dataclasses import dataclass
 from typing import Any
 
@@ -34,6 +34,7 @@ from infra.schema_registry.errors import (
     InvalidCompatibilityLevel,
     InvalidMode,
     InvalidSchemaError,
+    InvalidSubject,
     InvalidVersion,
     OperationNotPermitted,
     SchemaNotFound,
@@ -172,6 +173,10 @@ def candidate(schema: Any, schema_type: str | None = None, references: Any = Non
     for name, extra in (("metadata", metadata), ("ruleSet", rule_set)):
         if extra is not None and not isinstance(extra, dict):
             raise InvalidSchemaError(f"'{name}' must be a JSON object")
+    if metadata:
+        check_metadata(metadata)
+    if rule_set:
+        check_rule_set(rule_set)
     try:
         parsed = parse_avro(schema)
         canonical = to_parsing_canonical_form(json.loads(schema))
@@ -180,6 +185,54 @@ def candidate(schema: Any, schema_type: str | None = None, references: Any = Non
     except Exception as error:  # fastavro's canonical form rejects a few things parse accepts
         raise InvalidSchemaError(f"Invalid schema: {error}") from None
     return Candidate(schema, canonical, parsed, metadata or None, rule_set or None)
+
+
+RULE_KINDS = ("CONDITION", "TRANSFORM")
+RULE_MODES = ("UPGRADE", "DOWNGRADE", "UPDOWN", "READ", "WRITE", "WRITEREAD")
+RULE_LISTS = ("migrationRules", "domainRules", "encodingRules")
+
+
+def _strings(value: Any) -> bool:
+    return isinstance(value, list) and all(isinstance(item, str) for item in value)
+
+
+def _string_map(value: Any) -> bool:
+    return isinstance(value, dict) and all(isinstance(item, str) for item in value.values())
+
+
+_METADATA_SHAPES: dict[str, tuple[Callable[[Any], bool], str]] = {
+    "tags": (lambda value: isinstance(value, dict) and all(map(_strings, value.values())),
+             "an object of lists of strings"),
+    "properties": (_string_map, "an object of strings"),
+    "sensitive": (_strings, "a list of strings"),
+}
+
+
+def check_metadata(metadata: Mapping[str, Any]) -> None:
+    """InvalidSchemaError unless ``metadata`` has Confluent's shape (tags: name -> [tag], properties: name -> text,
+    sensitive: [name]): a stored shape the official client cannot parse would break every read of the version."""
+    for name, (fits, shape) in _METADATA_SHAPES.items():
+        if metadata.get(name) is not None and not fits(metadata[name]):
+            raise InvalidSchemaError(f"metadata.{name} must be {shape}, got {json.dumps(metadata[name]):.80}")
+
+
+def check_rule_set(rule_set: Mapping[str, Any]) -> None:
+    """InvalidSchemaError unless each of ``rule_set``'s lists holds rules the official client can parse: objects
+    whose ``kind`` and ``mode`` (when given) are Confluent's and whose ``params`` is an object of strings."""
+    for name in RULE_LISTS:
+        rules = rule_set.get(name)
+        if rules is None:
+            continue
+        if not isinstance(rules, list) or not all(isinstance(rule, dict) for rule in rules):
+            raise InvalidSchemaError(f"ruleSet.{name} must be a list of rule objects")
+        for rule in rules:
+            for field, allowed in (("kind", RULE_KINDS), ("mode", RULE_MODES)):
+                if rule.get(field) is not None and rule[field] not in allowed:
+                    raise InvalidSchemaError(f"ruleSet.{name}: rule {rule.get('name')!r} has {field} "
+                                             f"{rule[field]!r}, expected one of {', '.join(allowed)}")
+            if rule.get("params") is not None and not _string_map(rule["params"]):
+                raise InvalidSchemaError(f"ruleSet.{name}: rule {rule.get('name')!r} has params that are not an "
+                                         f"object of strings")
 
 
 def version_number(version: str | int) -> int | None:
@@ -195,6 +248,14 @@ def version_number(version: str | int) -> int | None:
         raise InvalidVersion(f"The specified version '{version}' is not a valid version id. Allowed values are "
                              f"between [1, {MAX_VERSION}] and the string \"latest\"")
     return number
+
+
+def check_subject(subject: str) -> str:
+    """``subject`` when it may be written; InvalidSubject when it holds a control character (as Java's
+    ``isISOControl``, Confluent's test): a newline or NUL would forge lines in logs and keys in the backing topic."""
+    if any(ord(char) < 0x20 or 0x7F <= ord(char) <= 0x9F for char in subject):
+        raise InvalidSubject(f"The specified subject {subject!r} is not valid: it holds a control character")
+    return subject
 
 
 def check_mode(mode: Any) -> str:

@@ -122,7 +122,7 @@ def test_export_loads_in_datasets_with_the_token_ids_of_spans_and_transitions(tr
         result = export(env, out, *args)
         assert result.returncode == 0, result.stderr
         assert f"wrote 5 rollouts (12 LLM calls, 10 samples) to {out}" in result.stderr
-        assert not out.with_name(out.name + ".partial").exists()
+        assert not list(out.parent.glob(f"{out.name}.*.partial"))
     assert paged.read_bytes() == jsonl.read_bytes()  # pages of 2 write what one page writes
     assert pq.ParquetFile(parquet).metadata.num_row_groups == 3  # one row group per page: 2 + 2 + 1
     assert list(read_rows(parquet)) == list(read_rows(jsonl))
@@ -183,6 +183,8 @@ def test_filters_select_what_they_say(traces, args, expected):
     ("1; DROP TABLE rollouts", "';' is refused"),
     ("rollout_id IN (INSERT INTO rollouts SELECT * FROM rollouts)", "ClickHouse refused the clause: Code: 62"),
     ("1 IN (SELECT 1 FROM url('http://127.0.0.1:9/x', 'CSV', 'a Int32'))", "table functions (url) are refused"),
+    ("length(file('/etc/passwd')) > 0", "functions that read files (file) are refused"),  # a scalar, any readonly
+    ("substring(FILE('/etc/hostname'), 1, 1) = 'v'", "functions that read files (file) are refused"),
     ("status = ", "ClickHouse refused the clause: Code: 62"),
     ("no_such_column = 1", "ClickHouse refused the selection"),
 ])
@@ -193,7 +195,7 @@ def test_a_hostile_or_malformed_where_is_refused_and_changes_nothing(traces, whe
     result = export(env, out, "--where", where)
     assert result.returncode == 1 and refusal in result.stderr and repr(where) in result.stderr
     assert "Traceback" not in result.stderr
-    assert not out.exists() and not out.with_name(out.name + ".partial").exists()
+    assert not out.exists() and not list(out.parent.glob(f"{out.name}.*.partial"))
     assert table_counts(client) == before
 
 

@@ -25,3 +25,12 @@ def test_sft_refuses_a_malformed_or_empty_dataset_before_loading_the_model_or_re
     assert result.exit_code == 1 and f"{bad}: row 1: " in result.output, result.output
     result = CliRunner().invoke(main, ["sft", "--dataset", str(empty), *model])
     assert result.exit_code == 1 and "no rollouts: no checkpoint written" in result.output, result.output
+
+
+def test_dataset_export_refuses_a_reward_bound_that_is_not_finite(tmp_path):
+    for value in ("nan", "inf", "-inf"):
+        result = CliRunner().invoke(main, ["dataset", "export", str(tmp_path / "d.jsonl"), "--min-reward", value])
+        assert result.exit_code == 2 and "must be a finite number" in result.output, result.output
+    result = CliRunner().invoke(main, ["dataset", "export", str(tmp_path / "d.jsonl"), "--since", "99999999d"])
+    assert result.exit_code == 2 and "reaches before year 1" in result.output, result.output
+    assert not any(tmp_path.iterdir())

@@ -121,3 +121,23 @@ def test_the_file_gets_its_name_only_when_complete(tmp_path, name, kind):
 ROW = {"rollout_id": "r", "agent_name": "a", "task_id": "", "group_id": "", "model": "", "status": "",
        "start_time": "", "end_time": "", "reward": None, "total_reward": 0.0, "policy_versions": [],
        "messages": [], "calls": [], "samples": []}
+
+
+def test_a_duration_beyond_the_calendar_is_a_value_error():
+    with pytest.raises(ValueError, match="'99999999d' reaches before year 1"):
+        parse_time("99999999d", datetime(2026, 11, 27, 18, tzinfo=UTC))
+
+
+@pytest.mark.parametrize("name, kind", [("d.jsonl", "jsonl"), ("d.parquet", "parquet")])
+def test_two_exports_to_one_file_each_write_their_own_partial(tmp_path, name, kind):
+    """Two exports started on the same OUT (a retry while the first still runs) must not write into one partial
+    file, nor fail at the rename: each finishes whole and the last rename wins."""
+    out = tmp_path / name
+    first, second = DatasetWriter(out, kind), DatasetWriter(out, kind)
+    assert first.partial != second.partial
+    first.write([check_row({**ROW, "rollout_id": "a"})])
+    second.write([check_row({**ROW, "rollout_id": "b"}), check_row({**ROW, "rollout_id": "c"})])
+    first.commit()
+    second.commit()
+    assert [row["rollout_id"] for row in read_rows(out)] == ["b", "c"]
+    assert sorted(path.name for path in tmp_path.iterdir()) == [name]

@@ -169,6 +169,10 @@ def test_tracking_is_off_unless_configured_and_reaches_child_processes(tmp_path)
     ("wandb_mode", "disabled", "wandb_mode must be offline, online or empty"),
     ("mlflow_uri", "s3://bucket/runs", "MLflow cannot take the scheme 's3'"),
     ("mlflow_uri", "ftp://host/x", "MLflow cannot take the scheme 'ftp'"),
+    ("mlflow_uri", "http//mlflow:5000", "lacks the colon of http://"),  # else a folder ./http/mlflow:5000
+    ("mlflow_uri", "HTTPS//mlflow", "lacks the colon of https://"),
+    ("mlflow_uri", " ", "spaces around it"),  # else tracking on, into a folder named ' '
+    ("mlflow_uri", "file:./mlruns\n", "spaces around it"),
     ("queue_size", 0, "queue_size must be >= 1"),
     ("timeout_s", 0, "timeout_s must be > 0"),
 ])

@@ -433,3 +433,60 @@ def test_every_client_method_as_confluent_answers(empty_registry) -> None:
             resource_name="orders", resource_namespace="lkc-1", resource_id="t1", resource_type="topic",
             associations=[])) == (501, 50101)
     client.close()  # a second close is harmless
+
+
+def test_a_subject_with_control_characters_is_refused_as_confluent_does(empty_registry) -> None:
+    """A newline or NUL in a subject would forge lines in logs and keys in the backing topic: 422, 42208, and
+    nothing is written; any other name (slashes, dots, unicode) is a plain subject name."""
+    client = SchemaRegistryClient({"url": empty_registry.url})
+    for subject in ("a\nb-value", "nul\x00-value", "tab\t-value", "del\x7f-value"):
+        assert answer_of(client.register_schema, subject, X_SCHEMA) == (422, 42208), subject
+        assert answer_of(client.update_mode, subject, "READONLY") == (422, 42208), subject
+        assert answer_of(client.set_compatibility, subject, "NONE") == (422, 42208), subject
+    assert client.get_subjects(deleted=True) == []
+    for subject in ("../config", "a/b", "ünïcødé-☃", " "):
+        assert client.register_schema(subject, X_SCHEMA) > 0
+        assert client.get_latest_version(subject).subject == subject
+    assert sorted(client.get_subjects()) == sorted(["../config", "a/b", "ünïcødé-☃", " "])
+
+
+def test_an_import_beyond_confluents_32_bit_ids_and_versions_is_refused_before_anything_is_written(empty_registry):
+    """Ids and versions are Java ints in Confluent's registry and 4 bytes on the wire: 2^31 is refused (400), and a
+    refused registration leaves no version behind."""
+    url, key = empty_registry.url, {"Authorization": "Bearer any"}
+    assert raw(url + "/mode/imp-value", "PUT", {"mode": "IMPORT"})[0] == 200
+    text = json.dumps({"type": "fixed", "name": "F", "size": 1})
+    for body in ({"id": 2**31, "version": 1}, {"id": 5, "version": 2**31}, {"id": 2**40}):
+        status, answer = raw(url + "/subjects/imp-value/versions", "POST", {"schema": text, **body}, key)
+        assert (status, answer["error_code"]) == (400, 400) and "2147483647" in answer["message"], (body, answer)
+    assert raw(url + "/subjects/imp-value/versions?deleted=true")[0] == 404
+    status, answer = raw(url + "/subjects/imp-value/versions", "POST", {"schema": text, "id": 2**31 - 1,
+                                                                        "version": 2**31 - 1}, key)
+    assert status == 200 and (answer["id"], answer["version"]) == (2**31 - 1, 2**31 - 1)
+
+
+@pytest.mark.parametrize("extra, problem", [
+    ({"metadata": {"properties": "x"}}, "metadata.properties"),
+    ({"metadata": {"properties": {"owner": {"nested": 1}}}}, "metadata.properties"),
+    ({"metadata": {"tags": {"f": "PII"}}}, "metadata.tags"),
+    ({"metadata": {"sensitive": "s"}}, "metadata.sensitive"),
+    ({"ruleSet": {"domainRules": "x"}}, "ruleSet.domainRules"),
+    ({"ruleSet": {"migrationRules": [1]}}, "ruleSet.migrationRules"),
+    ({"ruleSet": {"domainRules": [{"name": "r", "kind": "SHOUT"}]}}, "kind"),
+    ({"ruleSet": {"domainRules": [{"name": "r", "mode": "SOMETIMES"}]}}, "mode"),
+    ({"ruleSet": {"domainRules": [{"name": "r", "params": "x"}]}}, "params"),
+])
+def test_metadata_and_rules_that_the_client_cannot_read_back_are_refused(empty_registry, extra, problem):
+    """A stored shape confluent-kafka's client cannot parse would break every read of the version (an
+    AttributeError in from_dict) for every reader: 422 (42201), and nothing is registered."""
+    url = empty_registry.url
+    status, answer = raw(url + "/subjects/m-value/versions", "POST", {"schema": X_SCHEMA.schema_str, **extra})
+    assert (status, answer["error_code"]) == (422, 42201) and problem in answer["message"], answer
+    assert raw(url + "/subjects/m-value/versions?deleted=true")[0] == 404
+    client = SchemaRegistryClient({"url": url})
+    well_formed = {"metadata": {"tags": {"a": ["PII"]}, "properties": {"owner": "team-a"}, "sensitive": ["s"]},
+                   "ruleSet": {"domainRules": [{"name": "r", "kind": "CONDITION", "mode": "WRITE", "type": "CEL",
+                                                "expr": "message.a > 0", "params": {"k": "v"}}]}}
+    assert raw(url + "/subjects/m-value/versions", "POST", {"schema": X_SCHEMA.schema_str, **well_formed})[0] == 200
+    served = client.get_latest_version("m-value").schema
+    assert served.metadata.tags.tags == {"a": ["PII"]} and served.rule_set.domain_rules[0].params.params == {"k": "v"}

@@ -11,7 +11,7 @@ from typing import Any
 
 import pytest
 
-from infra.config import TrackingConfig, TrainerConfig
+from infra.config import TrackingConfig, TrainerConfig, describe, load_config
 from infra.processes import free_port
 from trainer.tracking import (
     Channel,
@@ -127,3 +127,23 @@ def test_an_unreachable_mlflow_is_one_short_line_with_its_address(caplog):
     assert line.startswith(f"tracking: MLflow at {uri} could not be reached (MlflowException (") and len(line) < 250
     assert "heldout_accuracy not logged" in line and "\n" not in line
     assert any("Max retries exceeded" in str(record.exc_info[1]) for record in caplog.records if record.exc_info)
+
+
+@pytest.mark.parametrize("uri, shown", [
+    ("http://alice:s3cret@127.0.0.1:1", "http://alice:***@127.0.0.1:1"),
+    ("postgresql://mlflow:s3cret@127.0.0.1:1/mlflow", "postgresql://mlflow:***@127.0.0.1:1/mlflow"),
+])
+def test_a_password_in_the_mlflow_uri_is_never_printed(uri, shown, caplog, monkeypatch):
+    """A database URI holds its password (MLflow has no other way to get it): the trainer's warning and last line,
+    and `agentstream config`, show the URI with the password masked."""
+    for name, value in (("MAX_RETRIES", "0"), ("BACKOFF_FACTOR", "0"), ("TIMEOUT", "1")):
+        monkeypatch.setenv(f"MLFLOW_HTTP_REQUEST_{name}", value)  # a refused connection fails at once
+    tracker = Tracker(TrackingConfig(mlflow_uri=uri, finish_timeout_s=20))
+    with caplog.at_level(logging.WARNING, logger="agentstream.trainer.tracking"):
+        line = tracker.start(TrainerConfig(model="tiny"), "tiny-model", 0, "/checkpoints")
+        tracker.finish()
+    assert tracker.failures >= 1 and caplog.records
+    printed = "\n".join([line, tracker.summary(), caplog.text])
+    assert shown in printed and "s3cret" not in printed
+    view = describe(load_config(environ={"AGENTSTREAM_MLFLOW_URI": uri}))
+    assert view["tracking"]["mlflow_uri"] == shown
