@@ -21,6 +21,8 @@ from clickhouse_connect.driver.client import Client
 from infra.config import ClickHouseConfig
 from schemas.errors import AgentstreamError
 
+log = logging.getLogger("agentstream.clickhouse")
+
 MINIMUM_VERSION = (24, 3)
 PRODUCT_TABLES = ("spans", "rollouts", "transitions", "checkpoints", "train_steps", "deployments")
 ROLLOUT_POLICY_VERSION = "if(empty(policy_versions), NULL, arrayMax(policy_versions))"
@@ -124,8 +126,18 @@ def load_migrations() -> list[Migration]:
     return sorted(found, key=lambda m: m.version)
 
 
+MIGRATE_ATTEMPTS = 5
+
+
 def migrate(client: Client, database: str) -> list[Migration]:
-    """Apply the migrations ``database`` has not seen yet; returns those applied now."""
+    """Apply the migrations ``database`` has not seen yet; returns those applied now.
+
+    Processes that start together (a stream worker and a trainer) migrate a fresh database at
+    once: one may drop in a later migration what the other's earlier one is still building on. A
+    failed statement is therefore retried a few times from what ``schema_migrations`` then says is
+    applied (the other process has usually finished by then); only a statement that keeps failing
+    is an error.
+    """
     if not re.fullmatch(r"[A-Za-z_][A-Za-z0-9_]*", database):
         raise ClickHouseError(f"database name {database!r} must be a plain identifier")
     client.command(f"CREATE DATABASE IF NOT EXISTS {database}")
@@ -134,8 +146,21 @@ def migrate(client: Client, database: str) -> list[Migration]:
         "(version UInt32, name String, checksum String, applied_at DateTime64(3, 'UTC') DEFAULT now64(3)) "
         "ENGINE = ReplacingMergeTree ORDER BY version"
     )
+    done: list[Migration] = []
+    for attempt in range(1, MIGRATE_ATTEMPTS):
+        try:
+            _apply_missing(client, database, done)
+            return done
+        except ClickHouseError as error:
+            log.info("%s; retrying from the migrations applied by then (another process may be migrating)", error)
+            time.sleep(0.2 * attempt)
+    _apply_missing(client, database, done)  # the last attempt: its error is the caller's
+    return done
+
+
+def _apply_missing(client: Client, database: str, done: list[Migration]) -> None:
+    """Apply, in order, each migration ``schema_migrations`` does not list, appending it to ``done``."""
     applied = {row[0] for row in client.query(f"SELECT version FROM {database}.schema_migrations FINAL").result_rows}
-    done = []
     for migration in load_migrations():
         if migration.version in applied:
             continue
@@ -148,7 +173,6 @@ def migrate(client: Client, database: str) -> list[Migration]:
         client.insert(f"{database}.schema_migrations", [[migration.version, migration.name, migration.checksum]],
                       column_names=["version", "name", "checksum"])
         done.append(migration)
-    return done
 
 
 def table_counts(client: Client, database: str) -> dict[str, int]:

@@ -7,6 +7,7 @@ import json
 import urllib.error
 import urllib.parse
 import urllib.request
+from concurrent.futures import ThreadPoolExecutor
 
 import pytest
 
@@ -50,6 +51,31 @@ def test_migrate_into_a_fresh_database_creates_every_table(clickhouse):
     for table in PRODUCT_TABLES:
         assert clickhouse.query(f"SELECT count() FROM agentstream_fresh.{table}").result_rows == [(0,)]
     clickhouse.command("DROP DATABASE agentstream_fresh")
+
+
+def test_processes_migrating_one_fresh_database_at_once_all_succeed_into_one_schema(stack, stack_config):
+    """The stream worker and the trainer migrate at start: on a fresh database their migrations interleave (one
+    drops in 0005 a table the other's 0002 is still creating views on) and each must still finish."""
+    def tables(client, database: str) -> list[tuple]:
+        return client.query("SELECT name, engine FROM system.tables WHERE database = {db:String} ORDER BY name",
+                            parameters={"db": database}).result_rows
+
+    clients = [connect(stack_config.clickhouse, stack.clickhouse_url) for _ in range(4)]
+    try:
+        migrate(clients[0], "agentstream_alone")
+        expected = tables(clients[0], "agentstream_alone")
+        for round_ in range(6):
+            database = f"agentstream_race{round_}"
+            with ThreadPoolExecutor(len(clients)) as pool:  # an error in any of them is raised here
+                list(pool.map(lambda client, db=database: migrate(client, db), clients))
+            recorded = clients[0].query(f"SELECT DISTINCT version FROM {database}.schema_migrations ORDER BY version")
+            assert [row[0] for row in recorded.result_rows] == [m.version for m in load_migrations()]
+            assert tables(clients[0], database) == expected
+            clients[0].command(f"DROP DATABASE {database}")
+        clients[0].command("DROP DATABASE agentstream_alone")
+    finally:
+        for client in clients:
+            client.close()
 
 
 def test_replayed_insert_does_not_double_count(clickhouse, stack_config):
