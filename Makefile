@@ -4,7 +4,7 @@ VENV   := .venv
 BIN    := $(VENV)/bin
 STAMP  := $(VENV)/.installed
 
-.PHONY: install chromium demo demo-online test test-unit test-agl test-registries lint gpu-check bench bench-learning bench-multistep bench-sft soak chaos clean
+.PHONY: install chromium demo demo-online test test-unit test-scenarios test-agl test-registries lint gpu-check bench bench-learning bench-multistep bench-sft soak chaos clean
 
 install: $(STAMP) chromium
 
@@ -40,6 +40,12 @@ test: install lint
 
 test-unit: install
 	$(BIN)/python -m pytest -m unit
+
+# Minutes each, so not in `make test` (about 8 minutes in all): the calculator demo (warm start, then RL on tool
+# loops), the online demo (two servers, the gate, canaries) and the fleet losing a host under load.
+# CI runs them after `make test` when that left room under its 30 minutes.
+test-scenarios: install
+	AGENTSTREAM_TEST_SCENARIOS=1 $(BIN)/python -m pytest -m scenario
 
 # Agent Lightning agents on the real agentlightning==0.3.0 (~60 s, plus ~3 min the first time): .venv-agl holds it
 # and its pins (openai, click, ...), and reads everything else from .venv through a .pth file, so `agentstream train`

@@ -18,7 +18,8 @@ from pipeline.sdk import set_sink
 from stack.control import Endpoints, Stack
 from tests.support.streams_harness import stop_worker_stacks
 
-SIDE_MARKERS = {"agl": "AGENTSTREAM_TEST_AGL", "registries": "AGENTSTREAM_TEST_REGISTRIES"}
+SIDE_MARKERS = {"agl": "AGENTSTREAM_TEST_AGL", "registries": "AGENTSTREAM_TEST_REGISTRIES",
+                "scenario": "AGENTSTREAM_TEST_SCENARIOS"}
 """Markers of tests `make test` leaves out, and the variable that lets them run."""
 
 
@@ -27,7 +28,8 @@ def pytest_collection_modifyitems(config: pytest.Config, items: list[pytest.Item
 
     Tests with a side marker need what `make test` does not install, and run only where their variable is 1:
     ``agl`` the side environment with the real Agent Lightning (`make test-agl`), ``registries`` an independent
-    Schema Registry built from its source (`make test-registries`).
+    Schema Registry built from its source (`make test-registries`); ``scenario`` tests need nothing more but take
+    minutes each (`make test-scenarios`, which CI runs after `make test` where it fits).
     """
     tests = Path(__file__).parent
     for item in items:

@@ -77,6 +77,7 @@ def tracked_in_mlflow_and_wandb(folder: Path, report: dict, out: str, monkeypatc
     assert [row["loss"] for row in history] == pytest.approx([m.value for m in steps])
 
 
+@pytest.mark.scenario
 @pytest.mark.timeout(600)
 def test_the_calculator_demo_warm_starts_from_demonstrations_then_trains_multi_step_rollouts(tmp_path):
     home = tmp_path / "home"
@@ -101,6 +102,7 @@ def test_the_calculator_demo_warm_starts_from_demonstrations_then_trains_multi_s
     assert processes_mentioning(str(home)) == [], "processes the demo started are still running"
 
 
+@pytest.mark.scenario
 @pytest.mark.timeout(600)
 def test_the_online_demo_serves_users_gates_a_candidate_reports_and_stops_everything(tmp_path):
     home = tmp_path / "home"

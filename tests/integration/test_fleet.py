@@ -31,6 +31,7 @@ from dataclasses import dataclass
 from pathlib import Path
 
 import aiohttp
+import pytest
 
 from deploy.deployments import read_routes
 from infra.checkpoint_store import MANIFEST, sha256_file
@@ -104,6 +105,7 @@ def files_under(home: Path) -> list[Path]:
     return sorted(path.relative_to(home) for path in home.rglob("*") if path.is_file())
 
 
+@pytest.mark.scenario
 def test_a_fleet_loses_a_model_server_under_load_and_no_request_fails(tmp_path, stack, clickhouse):
     started = time.monotonic()
     tag = uuid.uuid4().hex[:8]
