@@ -13,7 +13,6 @@ import json
 import os
 import secrets
 import shlex
-import signal
 import subprocess
 import time
 import urllib.error
@@ -22,6 +21,7 @@ from pathlib import Path
 from typing import Any
 
 from infra.processes import ServiceError, free_port
+from tests.support.schema_registry import stop_child
 
 COMMAND_VARIABLE = "AGENTSTREAM_KARAPACE"
 
@@ -77,13 +77,7 @@ class KarapaceProcess:
             return {}
 
     def stop(self) -> None:
-        if self.process is not None and self.process.poll() is None:
-            self.process.send_signal(signal.SIGTERM)
-            try:
-                self.process.wait(timeout=15)
-            except subprocess.TimeoutExpired:
-                self.process.kill()
-                self.process.wait()
+        stop_child(self.process)
         self.process = None
 
 

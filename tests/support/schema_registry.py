@@ -37,14 +37,19 @@ class RegistryProcess:
         return self
 
     def stop(self) -> None:
-        if self.process is not None and self.process.poll() is None:
-            self.process.send_signal(signal.SIGTERM)
-            try:
-                self.process.wait(timeout=15)
-            except subprocess.TimeoutExpired:
-                self.process.kill()
-                self.process.wait()
+        stop_child(self.process)
         self.process = None
+
+
+def stop_child(process: subprocess.Popen | None, timeout_s: float = 15) -> None:
+    """SIGTERM a server this test started, and SIGKILL it if it has not exited after ``timeout_s``."""
+    if process is not None and process.poll() is None:
+        process.send_signal(signal.SIGTERM)
+        try:
+            process.wait(timeout=timeout_s)
+        except subprocess.TimeoutExpired:
+            process.kill()
+            process.wait()
 
 
 def register_users_subjects(url: str) -> None:
