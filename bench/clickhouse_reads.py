@@ -13,8 +13,6 @@ from __future__ import annotations
 import argparse
 import json
 import statistics
-import subprocess
-import sys
 import tempfile
 import threading
 import time
@@ -22,8 +20,7 @@ import urllib.parse
 import urllib.request
 from pathlib import Path
 
-from bench.common import emit
-from infra.processes import free_port, wait_for_port
+from bench.common import clickhouse_front, emit
 from stack.machine import calibrate
 
 BENCH = "clickhouse_reads"
@@ -68,28 +65,18 @@ def main(argv: list[str] | None = None) -> None:
     args = parser.parse_args(argv)
     calibration = calibrate()
     emit(BENCH, "machine_calibration", calibration.python_loop_s, "s", **calibration.as_dict())
-    port = free_port()
-    url = f"http://127.0.0.1:{port}"
-    with tempfile.TemporaryDirectory(prefix="agentstream-bench-") as folder:
-        command = [sys.executable, "-m", "stack.chserver", "--port", str(port), "--data-dir", str(Path(folder) / "ch")]
-        server = subprocess.Popen(command, stdout=subprocess.DEVNULL, stderr=subprocess.STDOUT)
-        try:
-            wait_for_port("127.0.0.1", port, 60, server)
-            post(url, "CREATE TABLE default.bench_inserts (a UInt64, s String) ENGINE = MergeTree ORDER BY a")
-            report("alone", insert_waits(url, args.inserts, 0.05))
-            took: list[float] = []
-            reader = threading.Thread(target=long_read, args=(url, args.read_s, took))
-            reader.start()
-            time.sleep(0.3)  # the read is running
-            waits = []
-            while reader.is_alive() and len(waits) < args.inserts:
-                waits += insert_waits(url, 1, args.read_s / args.inserts)
-            reader.join()
-            report("during_read", waits, read_s=round(took[0], 2))
-        finally:
-            server.terminate()
-            server.wait(timeout=30)
-
+    with tempfile.TemporaryDirectory(prefix="agentstream-bench-") as name, clickhouse_front(Path(name) / "ch") as url:
+        post(url, "CREATE TABLE default.bench_inserts (a UInt64, s String) ENGINE = MergeTree ORDER BY a")
+        report("alone", insert_waits(url, args.inserts, 0.05))
+        took: list[float] = []
+        reader = threading.Thread(target=long_read, args=(url, args.read_s, took))
+        reader.start()
+        time.sleep(0.3)  # the read is running
+        waits = []
+        while reader.is_alive() and len(waits) < args.inserts:
+            waits += insert_waits(url, 1, args.read_s / args.inserts)
+        reader.join()
+        report("during_read", waits, read_s=round(took[0], 2))
 
 if __name__ == "__main__":
     main()

@@ -6,12 +6,15 @@ import contextlib
 import json
 import os
 import random
+import subprocess
+import sys
 import tempfile
 from collections.abc import Iterator
+from pathlib import Path
 from typing import Any
 
 from infra.config import Config, load_config
-from infra.processes import free_port
+from infra.processes import free_port, wait_for_port
 from stack.control import Endpoints, Stack
 
 VOCABULARY = 49152  # SmolLM2's
@@ -55,6 +58,21 @@ def private_stack(**environ: str) -> Iterator[tuple[Config, Endpoints]]:
             yield config, endpoints
         finally:
             stack.down(progress=lambda line: None)
+
+
+@contextlib.contextmanager
+def clickhouse_front(data_dir: Path) -> Iterator[str]:
+    """The embedded ClickHouse front alone (``stack.chserver``, no password) over ``data_dir`` on a free loopback
+    port; yields its URL, stopped afterwards."""
+    port = free_port()
+    command = [sys.executable, "-m", "stack.chserver", "--port", str(port), "--data-dir", str(data_dir)]
+    server = subprocess.Popen(command, stdout=subprocess.DEVNULL, stderr=subprocess.STDOUT)
+    try:
+        wait_for_port("127.0.0.1", port, 60, server)
+        yield f"http://127.0.0.1:{port}"
+    finally:
+        server.terminate()
+        server.wait(timeout=30)
 
 
 def llm_span(rng: random.Random, index: int, rollout_id: str = "", start_us: int = 1_732_200_000_000_000) -> dict:

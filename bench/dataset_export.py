@@ -25,10 +25,9 @@ import time
 from datetime import UTC, datetime, timedelta
 from pathlib import Path
 
-from bench.common import VOCABULARY, emit
+from bench.common import VOCABULARY, clickhouse_front, emit
 from infra.clickhouse import connect, migrate
 from infra.config import load_config
-from infra.processes import free_port, wait_for_port
 from stack.machine import calibrate
 
 BENCH = "dataset_export"
@@ -103,39 +102,29 @@ def main(argv: list[str] | None = None) -> None:
     args = parser.parse_args(argv)
     calibration = calibrate()
     emit(BENCH, "machine_calibration", calibration.python_loop_s, "s", **calibration.as_dict())
-    port = free_port()
-    url = f"http://127.0.0.1:{port}"
     rng = random.Random(39)
-    with tempfile.TemporaryDirectory(prefix="agentstream-bench-") as name:
+    with tempfile.TemporaryDirectory(prefix="agentstream-bench-") as name, clickhouse_front(Path(name) / "ch") as url:
         folder = Path(name)
-        command = [sys.executable, "-m", "stack.chserver", "--port", str(port), "--data-dir", str(folder / "ch")]
-        server = subprocess.Popen(command, stdout=subprocess.DEVNULL, stderr=subprocess.STDOUT)
-        try:
-            wait_for_port("127.0.0.1", port, 60, server)
-            client = connect(load_config(environ={}).clickhouse, url)
-            migrate(client, DATABASE)
-            inserted = 0
-            for size in sorted(args.rollouts):
-                while inserted < size:
-                    chunk = min(1000, size - inserted)
-                    insert_rollouts(client, inserted, chunk, rng)
-                    inserted += chunk
-                for suffix in ("parquet", "jsonl"):
-                    out = folder / f"export-{size}.{suffix}"
-                    seconds, rss_mib, last = export(url, folder, out, args.batch_rollouts)
-                    own = re.search(r" in ([0-9.]+)s$", last)  # the command's own time, without its start-up
-                    extra = {"rollouts": size, "format": suffix, "batch_rollouts": args.batch_rollouts,
-                             "file_mib": round(out.stat().st_size / 2**20, 1)}
-                    emit(BENCH, "rollouts_per_s", size / seconds, "rollouts/s", seconds=round(seconds, 2),
-                         export_s=float(own.group(1)) if own else None, **extra)
-                    emit(BENCH, "peak_rss", rss_mib, "MiB", **extra)
-                    print(last, file=sys.stderr)
-                    out.unlink()
-            client.close()
-        finally:
-            server.terminate()
-            server.wait(timeout=30)
-
+        client = connect(load_config(environ={}).clickhouse, url)
+        migrate(client, DATABASE)
+        inserted = 0
+        for size in sorted(args.rollouts):
+            while inserted < size:
+                chunk = min(1000, size - inserted)
+                insert_rollouts(client, inserted, chunk, rng)
+                inserted += chunk
+            for suffix in ("parquet", "jsonl"):
+                out = folder / f"export-{size}.{suffix}"
+                seconds, rss_mib, last = export(url, folder, out, args.batch_rollouts)
+                own = re.search(r" in ([0-9.]+)s$", last)  # the command's own time, without its start-up
+                extra = {"rollouts": size, "format": suffix, "batch_rollouts": args.batch_rollouts,
+                         "file_mib": round(out.stat().st_size / 2**20, 1)}
+                emit(BENCH, "rollouts_per_s", size / seconds, "rollouts/s", seconds=round(seconds, 2),
+                     export_s=float(own.group(1)) if own else None, **extra)
+                emit(BENCH, "peak_rss", rss_mib, "MiB", **extra)
+                print(last, file=sys.stderr)
+                out.unlink()
+        client.close()
 
 if __name__ == "__main__":
     main()
