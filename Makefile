@@ -4,9 +4,23 @@ VENV   := .venv
 BIN    := $(VENV)/bin
 STAMP  := $(VENV)/.installed
 
-.PHONY: install chromium demo demo-online test test-unit test-scenarios test-agl test-registries lint gpu-check bench bench-learning bench-multistep bench-sft soak chaos clean
+.PHONY: install chromium kafka demo demo-online test test-unit test-scenarios test-agl test-registries lint gpu-check bench bench-learning bench-multistep bench-sft soak chaos clean
 
-install: $(STAMP) chromium
+install: $(STAMP) chromium kafka
+
+# Apache Kafka's jars (about 45 MB, once) for `[stack] broker = "kafka"` and the tests' second broker: Maven copies
+# kafka_2.13 and its dependencies from Maven Central into a git-ignored folder of the checkout (stack/kafka.py).
+KAFKA_VERSION := $(shell sed -n 's:.*<kafka.version>\(.*\)</kafka.version>.*:\1:p' stack/apache-kafka.pom.xml)
+KAFKA_JARS    := .kafka/$(KAFKA_VERSION)/jars
+kafka: $(KAFKA_JARS)/.fetched
+
+$(KAFKA_JARS)/.fetched: stack/apache-kafka.pom.xml
+	@command -v java >/dev/null 2>&1 || { echo "Apache Kafka needs Java 17+: apt-get install openjdk-17-jre-headless"; exit 1; }
+	@command -v mvn >/dev/null 2>&1 || { echo "fetching Apache Kafka needs Maven: apt-get install maven"; exit 1; }
+	@echo "fetching Apache Kafka $(KAFKA_VERSION) from Maven Central into $(KAFKA_JARS)"
+	@rm -rf $(KAFKA_JARS) && mvn -B -q -f stack/apache-kafka.pom.xml dependency:copy-dependencies \
+		-DoutputDirectory=$(CURDIR)/$(KAFKA_JARS)
+	@touch $@
 
 $(STAMP): pyproject.toml
 	@test -x $(BIN)/python || $(PYTHON) -m venv $(VENV)

@@ -77,8 +77,11 @@ def status(ctx: click.Context) -> None:
     click.echo(f"kafka       {report.endpoints.bootstrap_servers}  "
                + ("reachable" if report.broker_reachable else f"UNREACHABLE ({report.broker_error})")
                + f"  [{report.services['broker']}]")
+    if not config.kafka.external and config.stack.broker == "kafka":
+        click.echo(f"  broker: Apache Kafka, data {config.stack.home.resolve() / 'kafka'}")
     if "objectstore" in report.services:
-        click.echo(f"  storage: durable, {Stack(config).broker_data}  [objectstore {report.services['objectstore']}]")
+        held = "checkpoints" if config.stack.broker == "kafka" else "durable"
+        click.echo(f"  storage: {held}, {Stack(config).broker_data}  [objectstore {report.services['objectstore']}]")
     for name, (partitions, messages) in report.topics.items():
         click.echo(f"  topic {name:<32} partitions {partitions:>3}  messages {messages:>10}")
     if report.broker_reachable:

@@ -49,6 +49,9 @@ class Secret:
         return hash(self._value)
 
 
+IDEMPOTENCE = ("auto", "on", "off")
+
+
 @dataclass(frozen=True)
 class KafkaConfig:
     """Where the Kafka cluster is and how to authenticate; None bootstrap means the embedded broker.
@@ -59,6 +62,11 @@ class KafkaConfig:
     every hop: at aiokafka's 500 ms a task reached its runner and a transition its trainer up to
     half a second late, once per policy version. The stream processors have their own
     (``streams.fetch_max_wait_ms``).
+
+    ``idempotence`` is how producers avoid writing a record twice when they retry a send whose
+    acknowledgement was lost: ``on`` (every producer is idempotent; a broker without it is an error),
+    ``off``, or ``auto`` (the default: on wherever the broker grants a producer id, which Apache Kafka,
+    Redpanda and the managed services do; off, with one warning, on tansu 0.6, which does not).
     """
 
     bootstrap_servers: str | None = None
@@ -71,8 +79,11 @@ class KafkaConfig:
     ssl_keyfile: str | None = None
     client_id: str = "agentstream"
     fetch_max_wait_ms: int = 50
+    idempotence: str = "auto"
 
     def __post_init__(self) -> None:
+        if self.idempotence not in IDEMPOTENCE:
+            raise ConfigError(f"kafka.idempotence must be one of {', '.join(IDEMPOTENCE)}, got {self.idempotence!r}")
         if self.fetch_max_wait_ms < 1:
             raise ConfigError(f"kafka.fetch_max_wait_ms must be >= 1 (got {self.fetch_max_wait_ms})")
 
@@ -107,15 +118,19 @@ class ClickHouseConfig:
 
 
 BROKER_STORAGES = ("durable", "memory")
+BROKERS = ("tansu", "kafka")
 
 
 @dataclass(frozen=True)
 class StackConfig:
-    """The local stack `agentstream up` runs: loopback ports, the state folder and where the broker keeps data.
+    """The local stack `agentstream up` runs: loopback ports, the state folder, which broker and where it keeps data.
 
-    ``broker_storage`` is ``durable`` (the default: tansu stores every batch, watermark and group
-    offset through a small S3-compatible object store over ``<home>/broker-data``, each write
-    on disk before it is acknowledged, so a broker crash or ``down``/``up`` loses nothing) or
+    ``broker`` is ``tansu`` (the default: one Rust process, starts in milliseconds) or ``kafka`` (Apache Kafka in
+    KRaft mode on Java 17+, one node that is broker and controller; its jars from ``kafka_jars`` or the checkout's
+    ``.kafka/`` that `make install` fills; its log dirs under ``<home>/kafka``, ``kafka_heap_mb`` of heap).
+    ``broker_storage`` (tansu's; Kafka always logs to disk) is ``durable`` (the default: tansu stores every
+    batch, watermark and group offset through a small S3-compatible object store over ``<home>/broker-data``,
+    each write on disk before it is acknowledged, so a broker crash or ``down``/``up`` loses nothing) or
     ``memory`` (tansu's ``memory://``: faster, everything gone when the broker stops; for
     throwaway stacks). ``objectstore_port`` is where that object store listens; 0 picks a free
     loopback port at ``up`` (only the broker talks to it, and it finds it in the pidfile).
@@ -128,8 +143,15 @@ class StackConfig:
     tansu_bin: str | None = None
     broker_storage: str = "durable"
     objectstore_port: int = 0
+    broker: str = "tansu"
+    kafka_jars: str | None = None
+    kafka_heap_mb: int = 512
 
     def __post_init__(self) -> None:
+        if self.broker not in BROKERS:
+            raise ConfigError(f"stack.broker must be one of {', '.join(BROKERS)}, got {self.broker!r}")
+        if self.kafka_heap_mb < 128:
+            raise ConfigError(f"stack.kafka_heap_mb must be >= 128 (got {self.kafka_heap_mb})")
         if self.broker_storage not in BROKER_STORAGES:
             raise ConfigError(f"stack.broker_storage must be one of {', '.join(BROKER_STORAGES)}, "
                               f"got {self.broker_storage!r}")
@@ -867,6 +889,7 @@ ENVIRONMENT: dict[str, tuple[str, str]] = {
     "KAFKA_SSL_CAFILE": ("kafka", "ssl_cafile"),
     "KAFKA_SSL_CERTFILE": ("kafka", "ssl_certfile"),
     "KAFKA_SSL_KEYFILE": ("kafka", "ssl_keyfile"),
+    "KAFKA_IDEMPOTENCE": ("kafka", "idempotence"),
     "AGENTSTREAM_TOPIC_PREFIX": ("topics", "prefix"),
     "AGENTSTREAM_TOPIC_PARTITIONS": ("topics", "partitions"),
     "AGENTSTREAM_TOPIC_RETENTION_MS": ("topics", "retention_ms"),
@@ -881,6 +904,8 @@ ENVIRONMENT: dict[str, tuple[str, str]] = {
     "TANSU_BIN": ("stack", "tansu_bin"),
     "AGENTSTREAM_BROKER_STORAGE": ("stack", "broker_storage"),
     "AGENTSTREAM_OBJECTSTORE_PORT": ("stack", "objectstore_port"),
+    "AGENTSTREAM_BROKER": ("stack", "broker"),
+    "AGENTSTREAM_KAFKA_JARS": ("stack", "kafka_jars"),
     "SCHEMA_REGISTRY_URL": ("schema_registry", "url"),
     "SCHEMA_REGISTRY_USERNAME": ("schema_registry", "username"),
     "SCHEMA_REGISTRY_PASSWORD": ("schema_registry", "password"),

@@ -1,7 +1,8 @@
 """The local stack: start, inspect and stop the broker and ClickHouse that agentstream uses.
 
 Each service is either external (``KAFKA_BOOTSTRAP_SERVERS`` / ``CLICKHOUSE_URL``: nothing
-is started) or embedded: tansu and the chdb ClickHouse HTTP server, on loopback, tracked by
+is started) or embedded: tansu (or Apache Kafka, ``[stack] broker = "kafka"``, :mod:`stack.kafka`) and the
+chdb ClickHouse HTTP server, on loopback, tracked by
 pidfiles under the stack home so ``down`` stops exactly what ``up`` started. An embedded
 broker with durable storage (the default) keeps its data through a third process, the
 S3-compatible object store over ``<home>/broker-data`` (:mod:`stack.objectstore`), started
@@ -32,6 +33,16 @@ from infra.processes import ServiceDirectory, free_port, port_is_free
 from infra.security import KeySet, OpenBindRefused, check_bind, is_loopback
 from stack.broker import BUCKET, MEMORY_STORAGE, find_tansu, s3_storage, tansu_command
 from stack.chaccess import Users
+from stack.kafka import (
+    KAFKA_VERSION,
+    KafkaNode,
+    find_java,
+    format_storage,
+    kafka_command,
+    kafka_jars,
+    new_cluster_id,
+    write_properties,
+)
 from stack.objectstore import HOST as OBJECTSTORE_HOST
 from stack.schema_registry.service import SCHEMA_REGISTRY, registry_state, start_registry
 
@@ -95,11 +106,18 @@ class Stack:
         stack = self.config.stack
         self.check_binds()
         if not self.config.kafka.external:
-            binary = find_tansu(stack.tansu_bin, self.home)
+            # the object store holds tansu's data and, for either broker, the embedded checkpoint bucket
             storage, environment = self._broker_storage(timeout_s, progress)
-            record = self.services.start(BROKER, tansu_command(binary, stack.host, stack.broker_port, storage),
-                                         stack.host, stack.broker_port, timeout_s, env=environment)
-            progress(f"broker      tansu pid {record.pid} on {record.address} (log {record.log_path})")
+            if stack.broker == "kafka":
+                record = self.services.start(BROKER, self._kafka_command(), stack.host, stack.broker_port,
+                                             timeout_s)
+                progress(f"broker      Apache Kafka {KAFKA_VERSION} pid {record.pid} on {record.address} "
+                         f"(data {self.home / 'kafka'}, log {record.log_path})")
+            else:
+                binary = find_tansu(stack.tansu_bin, self.home)
+                record = self.services.start(BROKER, tansu_command(binary, stack.host, stack.broker_port, storage),
+                                             stack.host, stack.broker_port, timeout_s, env=environment)
+                progress(f"broker      tansu pid {record.pid} on {record.address} (log {record.log_path})")
         if not self.config.clickhouse.external:
             data_dir = self.home / "clickhouse"
             settings_file = self.services.private_file("clickhouse.toml", dump_toml(self.config))
@@ -139,6 +157,24 @@ class Stack:
                 f"refusing to serve the embedded Kafka broker on {host}: it checks no credential, so anyone who "
                 "reaches it could read or write every topic. Listen on 127.0.0.1, use your own Kafka "
                 "(KAFKA_BOOTSTRAP_SERVERS), or set [security] allow_open_bind = true")
+
+    def _kafka_command(self) -> list[str]:
+        """One KRaft node under ``<home>/kafka``: formatted on the first `up`, its data kept by every later one.
+
+        The controller listens on a port picked at the first `up` and kept in ``controller-port``: a one-node
+        quorum records its controller's address when formatted, so that address may not move.
+        """
+        stack = self.config.stack
+        java, jars = find_java(), kafka_jars(stack.kafka_jars)
+        folder = self.home / "kafka"
+        folder.mkdir(parents=True, exist_ok=True)
+        port_file = folder / "controller-port"
+        if not port_file.is_file():
+            port_file.write_text(str(free_port(stack.host)))
+        node = KafkaNode(1, stack.host, stack.broker_port, int(port_file.read_text()), folder / "data")
+        properties = write_properties(folder / "server.properties", node.properties())
+        format_storage(java, jars, node, properties, new_cluster_id())
+        return kafka_command(java, jars, properties, stack.kafka_heap_mb)
 
     @property
     def broker_data(self) -> Path:

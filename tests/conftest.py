@@ -18,6 +18,11 @@ from pipeline.sdk import set_sink
 from stack.control import Endpoints, Stack
 from tests.support.streams_harness import stop_worker_stacks
 
+TEST_BROKER = os.environ.get("AGENTSTREAM_TEST_BROKER", "tansu")
+"""The broker the session stack runs: tansu (the default) or kafka (Apache Kafka 4.x, one KRaft node)."""
+if TEST_BROKER not in ("tansu", "kafka"):
+    raise pytest.UsageError(f"AGENTSTREAM_TEST_BROKER must be tansu or kafka, got {TEST_BROKER!r}")
+
 SIDE_MARKERS = {"agl": "AGENTSTREAM_TEST_AGL", "registries": "AGENTSTREAM_TEST_REGISTRIES",
                 "scenario": "AGENTSTREAM_TEST_SCENARIOS"}
 """Markers of tests `make test` leaves out, and the variable that lets them run."""
@@ -36,6 +41,13 @@ def pytest_collection_modifyitems(config: pytest.Config, items: list[pytest.Item
         kind = item.path.relative_to(tests).parts[0] if item.path.is_relative_to(tests) else ""
         if kind in ("unit", "integration"):
             item.add_marker(kind)
+    if TEST_BROKER == "kafka":
+        # the second pass: only what talks to the session's broker; the rest already ran on tansu
+        other = [item for item in items if "stack" not in getattr(item, "fixturenames", ())
+                 or item.get_closest_marker("tansu_only")]
+        if other:
+            config.hook.pytest_deselected(items=other)
+            items[:] = [item for item in items if item not in set(other)]
     for marker, variable in SIDE_MARKERS.items():
         if os.environ.get(variable) != "1":
             side = [item for item in items if item.get_closest_marker(marker)]
@@ -44,12 +56,18 @@ def pytest_collection_modifyitems(config: pytest.Config, items: list[pytest.Item
                 items[:] = [item for item in items if not item.get_closest_marker(marker)]
 
 
+def pytest_report_header(config: pytest.Config) -> str:
+    return f"agentstream: session broker {TEST_BROKER} (AGENTSTREAM_TEST_BROKER)"
+
+
 def stack_environment(home: Path) -> dict[str, str]:
-    """Environment for an isolated stack: its own state folder and free ports, no external services."""
+    """Environment for an isolated stack: its own state folder and free ports, no external services, and the
+    session's broker (``AGENTSTREAM_TEST_BROKER``)."""
     env = {key: value for key, value in os.environ.items()
            if not key.startswith(("KAFKA_", "CLICKHOUSE_", "AGENTSTREAM_", "SCHEMA_REGISTRY_"))}
     env.update({
         "AGENTSTREAM_HOME": str(home),
+        "AGENTSTREAM_BROKER": TEST_BROKER,
         "AGENTSTREAM_BROKER_PORT": str(free_port()),
         "AGENTSTREAM_CLICKHOUSE_PORT": str(free_port()),
         "AGENTSTREAM_SCHEMA_REGISTRY_PORT": str(free_port()),
