@@ -152,13 +152,20 @@ def product_topics(topics: TopicsConfig) -> list[TopicSpec]:
 
 
 async def ensure_topics(admin: AIOKafkaAdminClient, specs: list[TopicSpec], replication_factor: int = 1) -> list[str]:
-    """Create the topics that are missing; returns the names created. Existing topics are checked, not altered."""
+    """Create the topics that are missing; returns the names created. Existing topics are checked, not altered.
+
+    A topic with three replicas or more gets ``min.insync.replicas`` one below its replication factor (unless its
+    spec says otherwise): with ``acks=all`` a write of a three-replica topic is then acknowledged only once two
+    replicas hold it, and one broker may be down without stopping writes.
+    """
     existing = set(await admin.list_topics())
     missing = [spec for spec in specs if spec.name not in existing]
     created: list[str] = []
+    insync = {"min.insync.replicas": str(replication_factor - 1)} if replication_factor > 2 else {}
     if missing:
         response = await admin.create_topics(
-            [NewTopic(s.name, s.partitions, replication_factor, topic_configs=s.configs) for s in missing]
+            [NewTopic(s.name, s.partitions, replication_factor, topic_configs={**insync, **s.configs})
+             for s in missing]
         )
         for name, code, message in response.topic_errors:
             if code == 0:
