@@ -18,6 +18,8 @@ from schemas.errors import AgentstreamError
 
 # Kafka error codes we treat specially when creating topics.
 TOPIC_ALREADY_EXISTS = 36
+TOPIC_READY_S = 15.0
+"""How long a created topic may take to have a leader for every partition (milliseconds on one node)."""
 
 
 class KafkaSetupError(AgentstreamError, RuntimeError):
@@ -172,10 +174,15 @@ async def ensure_topics(admin: AIOKafkaAdminClient, specs: list[TopicSpec], repl
                 created.append(name)
             elif code != TOPIC_ALREADY_EXISTS:
                 raise KafkaSetupError(f"could not create topic {name}: error {code} {message or ''}".strip())
-    layout = await topic_partitions(admin, [s.name for s in specs])
+    names = [s.name for s in specs]
+    deadline = asyncio.get_running_loop().time() + TOPIC_READY_S
+    layout = await topic_partitions(admin, names)
+    while any(layout.get(name, 0) < 1 for name in names) and asyncio.get_running_loop().time() < deadline:
+        await asyncio.sleep(0.1)  # Apache Kafka answers LEADER_NOT_AVAILABLE until a new topic's leaders are elected
+        layout = await topic_partitions(admin, names)
     for spec in specs:
         if layout.get(spec.name, 0) < 1:
-            raise KafkaSetupError(f"topic {spec.name} exists but reports no partitions")
+            raise KafkaSetupError(f"topic {spec.name} exists but reports no partitions after {TOPIC_READY_S:.0f} s")
     return created
 
 

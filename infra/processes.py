@@ -80,15 +80,18 @@ def _accepts_connections(host: str, port: int) -> bool:
         return False
 
 
-def wait_until_port_is_free(host: str, port: int, within_s: float = PORT_RELEASE_S) -> bool:
+def wait_until_port_is_free(host: str, port: int, within_s: float = PORT_RELEASE_S,
+                            after_crash: bool = False) -> bool:
     """Whether host:port can be bound, waiting up to ``within_s`` while nothing listens on it.
 
     A process killed a moment ago leaves its sockets closing for a few hundred milliseconds,
-    during which the port cannot be bound; a port with a listener is taken, and answered at once.
+    during which the port cannot be bound; a port with a listener is taken, and answered at once,
+    unless ``after_crash`` (the port's last owner died just now): a SIGKILLed JVM's listening socket
+    still accepts for a moment after its main thread is gone, while its other threads exit.
     """
     deadline = time.monotonic() + within_s
     while not port_is_free(host, port):
-        if time.monotonic() >= deadline or _accepts_connections(host, port):
+        if time.monotonic() >= deadline or (not after_crash and _accepts_connections(host, port)):
             return False
         time.sleep(0.05)
     return True
@@ -179,7 +182,7 @@ class ServiceDirectory:
         existing = self.record(name)
         if existing and existing.alive():
             return existing
-        if not wait_until_port_is_free(host, port):
+        if not wait_until_port_is_free(host, port, after_crash=existing is not None):
             raise PortInUse(f"{name}: port {port} on {host} is already in use by another process; choose another port")
         self.run_dir.mkdir(parents=True, exist_ok=True)
         self.log_dir.mkdir(parents=True, exist_ok=True)

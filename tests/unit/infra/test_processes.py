@@ -49,3 +49,13 @@ def test_free_ports_lie_below_the_ephemeral_range_where_no_client_connection_tak
     assert all(LOWEST_FREE_PORT <= port < low for port in ports) and len(ports) > 40
     with bound_socket(port := free_port()):
         assert port_is_free("127.0.0.1", port) is False
+
+
+def test_after_a_crash_a_listener_still_closing_is_waited_out():
+    port = free_port()
+    holder = bound_socket(port)
+    holder.listen()
+    threading.Timer(0.5, holder.close).start()
+    started = time.monotonic()
+    assert wait_until_port_is_free("127.0.0.1", port, within_s=5.0, after_crash=True)
+    assert time.monotonic() - started >= 0.4
