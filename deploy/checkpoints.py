@@ -14,7 +14,7 @@ from typing import Any
 from aiokafka import AIOKafkaConsumer
 
 from infra.config import Config
-from infra.kafka import consumer_options, topic_name
+from infra.kafka import consumer_options, named_refusals, topic_name
 from schemas import CHECKPOINT, AvroCodec, CodecError
 from schemas.checkpoint import Checkpoint
 
@@ -49,9 +49,13 @@ class CheckpointFollower:
         self._consumer: AIOKafkaConsumer | None = None
 
     async def start(self) -> None:
-        self._consumer = AIOKafkaConsumer(self.topic, **consumer_options(self.config.kafka, self.bootstrap_servers),
-                                          group_id=None, enable_auto_commit=False, auto_offset_reset="earliest")
-        await self._consumer.start()
+        """Start reading; a refusal by the cluster (login, ACL on the topic) raises KafkaAccessDenied or
+        KafkaAuthenticationFailed."""
+        options = consumer_options(self.config.kafka, self.bootstrap_servers)
+        self._consumer = AIOKafkaConsumer(self.topic, **options, group_id=None, enable_auto_commit=False,
+                                          auto_offset_reset="earliest")
+        async with named_refusals(options, f"reading {self.topic}"):
+            await self._consumer.start()
 
     async def stop(self) -> None:
         if self._consumer is not None:
