@@ -35,7 +35,7 @@ from aiokafka import AIOKafkaConsumer, AIOKafkaProducer, TopicPartition
 from aiokafka.errors import KafkaError
 
 from infra.config import Config
-from infra.kafka import client_options, consumer_options, refusal, topic_name
+from infra.kafka import check_topic_access, client_options, consumer_options, refusal, topic_name
 from schemas import ANNOUNCEMENT, DEPLOYMENT, AvroCodec, CodecError
 from schemas.errors import AgentstreamError
 
@@ -312,8 +312,9 @@ class DeploymentFollower:
             await following
 
     async def _follow(self, stop: asyncio.Event) -> None:
-        consumer = AIOKafkaConsumer(**consumer_options(self.config.kafka, self.bootstrap_servers), group_id=None,
-                                    enable_auto_commit=False, auto_offset_reset="earliest")
+        options = consumer_options(self.config.kafka, self.bootstrap_servers)
+        await check_topic_access(options, [self.topic], f"reading {self.topic}")  # assign() alone would stall
+        consumer = AIOKafkaConsumer(**options, group_id=None, enable_auto_commit=False, auto_offset_reset="earliest")
         await consumer.start()
         try:
             partition = TopicPartition(self.topic, 0)

@@ -12,6 +12,7 @@ from typing import Any
 
 from aiokafka import AIOKafkaConsumer, TopicPartition
 from aiokafka.admin import AIOKafkaAdminClient, NewTopic
+from aiokafka.client import AIOKafkaClient
 from aiokafka.conn import create_conn
 from aiokafka.errors import (
     BrokerResponseError,
@@ -26,6 +27,7 @@ from aiokafka.errors import (
     UnsupportedSaslMechanismError,
 )
 from aiokafka.helpers import create_ssl_context
+from aiokafka.protocol.metadata import MetadataRequest
 
 from infra.config import Config, KafkaConfig, TopicsConfig
 from schemas.errors import AgentstreamError
@@ -296,3 +298,26 @@ async def named_refusals(options: dict[str, Any], operation: str) -> AsyncIterat
         if named is None:
             raise
         raise named from error
+
+
+CONNECTION_OPTIONS = ("bootstrap_servers", "client_id", "security_protocol", "ssl_context", "sasl_mechanism",
+                      "sasl_plain_username", "sasl_plain_password")
+"""The keys of :func:`client_options` that every aiokafka client takes (consumer options add their own)."""
+
+
+async def check_topic_access(options: dict[str, Any], topics: list[str], operation: str) -> None:
+    """Ask the cluster for these topics' metadata; TopicAuthorizationFailedError if it refuses to describe one.
+
+    A consumer that assigns itself an unauthorized partition does not raise in aiokafka 0.14: it logs
+    "Topic ... is not authorized" and fetches nothing, forever. Read and Write both imply Describe, so a
+    principal that may read a topic may describe it. Connection failures pass through as aiokafka raises them.
+    """
+    client = AIOKafkaClient(**{key: value for key, value in options.items() if key in CONNECTION_OPTIONS})
+    try:
+        await client.bootstrap()
+        response = await client.send(client.get_random_node(), MetadataRequest(topics, allow_auto_topic_creation=False))
+    finally:
+        await client.close()
+    for error_code, topic, *_ in response.topics:
+        if error_code == TOPIC_AUTHORIZATION_FAILED:
+            raise TopicAuthorizationFailedError(topic)
