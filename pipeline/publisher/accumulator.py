@@ -177,6 +177,8 @@ class Accumulator:
                     raise FlushTimeout(f"{target - self._settled_seq} publish calls not yet acknowledged or "
                                        f"journaled after {timeout_s:g}s")
                 self._changed.wait(left)
+            if self._failure is not None:  # settled into the journal by a publisher that stopped on a refusal
+                raise self._failure
 
     def begin_close(self, timeout_s: float) -> bool:
         """Take no more publish calls and set the close deadline; True for the first call, which sets it."""

@@ -294,6 +294,7 @@ class Sender:
         self._queue.count("spans_published", sum(r.spans for r in delivered))
         self._queue.count("events_published", sum(1 for r in delivered if not r.spans))
         if error is not None and (refused := await refusal(self._producer_options, error, f"writing {self.topic}")):
+            self._queue.fail(refused)  # before the journal settles them: a flush waiting for them raises it
             sent = {id(r) for r in delivered}
             self._journal_wave([r for r in records if id(r) not in sent])
             raise refused
