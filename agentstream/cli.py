@@ -522,6 +522,24 @@ def train_command(ctx: click.Context, agent: str, task_file: Path, agent_name: s
         raise click.ClickException(str(error)) from None
 
 
+@main.command("kafka-acls")
+@click.option("--bootstrap-server", default="<broker:9093>", show_default=True, help="The address the commands name.")
+@click.option("--command-config", default=None, help="The admin client's properties file for kafka-acls.sh.")
+@click.option("--user", "users", multiple=True, metavar="ROLE=NAME",
+              help="The principal of a role (default: the role's name); repeat per role.")
+@click.option("--runner-group", default="agentstream-runners", show_default=True, help="The runners' consumer group.")
+@click.pass_context
+def kafka_acls_command(ctx: click.Context, bootstrap_server: str, command_config: str | None, users: tuple[str, ...],
+                       runner_group: str) -> None:
+    """Print the kafka-acls.sh commands that grant each role (runner, proxy, collector, worker, trainer, hotswap)
+    exactly the topics and groups it uses, under this configuration's topic prefix."""
+    from infra.acls import kafka_acls_commands
+
+    named = dict(user.split("=", 1) for user in users if "=" in user)
+    for line in kafka_acls_commands(_config(ctx), bootstrap_server, named, command_config, runner_group):
+        click.echo(line)
+
+
 @main.command("config")
 @click.pass_context
 def show_config(ctx: click.Context) -> None:

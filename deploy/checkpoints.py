@@ -14,7 +14,7 @@ from typing import Any
 from aiokafka import AIOKafkaConsumer
 
 from infra.config import Config
-from infra.kafka import consumer_options, topic_name
+from infra.kafka import check_topic_access, consumer_options, named_refusals, topic_name
 from schemas import CHECKPOINT, AvroCodec, CodecError
 from schemas.checkpoint import Checkpoint
 
@@ -47,11 +47,17 @@ class CheckpointFollower:
         self.checkpoints: dict[int, Checkpoint] = {}
         self.codec = AvroCodec()
         self._consumer: AIOKafkaConsumer | None = None
+        self._options = consumer_options(config.kafka, bootstrap_servers)
 
     async def start(self) -> None:
-        self._consumer = AIOKafkaConsumer(self.topic, **consumer_options(self.config.kafka, self.bootstrap_servers),
-                                          group_id=None, enable_auto_commit=False, auto_offset_reset="earliest")
-        await self._consumer.start()
+        """Start reading; a refusal by the cluster (login, ACL on the topic) raises KafkaAccessDenied or
+        KafkaAuthenticationFailed."""
+        options = self._options
+        self._consumer = AIOKafkaConsumer(self.topic, **options, group_id=None, enable_auto_commit=False,
+                                          auto_offset_reset="earliest")
+        async with named_refusals(options, f"reading {self.topic}"):
+            await check_topic_access(options, [self.topic], f"reading {self.topic}")
+            await self._consumer.start()
 
     async def stop(self) -> None:
         if self._consumer is not None:
@@ -61,7 +67,9 @@ class CheckpointFollower:
         """Take what one fetch brings (waiting up to ``timeout_ms``); returns how many records it read, any model's."""
         assert self._consumer is not None, "start the follower first"
         read = 0
-        for records in (await self._consumer.getmany(timeout_ms=timeout_ms)).values():
+        async with named_refusals(self._options, f"reading {self.topic}"):  # Fetch refused: Read is not granted
+            fetched = await self._consumer.getmany(timeout_ms=timeout_ms)
+        for records in fetched.values():
             for record in records:
                 read += 1
                 checkpoint = checkpoint_of(record, self.model, self.codec)

@@ -35,7 +35,7 @@ from aiokafka import AIOKafkaConsumer, AIOKafkaProducer, TopicPartition
 from aiokafka.errors import KafkaError
 
 from infra.config import Config
-from infra.kafka import client_options, consumer_options, start_producer, topic_name
+from infra.kafka import check_topic_access, client_options, consumer_options, refusal, start_producer, topic_name
 from schemas import ANNOUNCEMENT, DEPLOYMENT, AvroCodec, CodecError
 from schemas.errors import AgentstreamError
 
@@ -292,17 +292,32 @@ class DeploymentFollower:
         return self.routes.get(model)
 
     async def run(self, stop: asyncio.Event) -> None:
+        """Follow until ``stop``, retrying while the broker is away; a refusal (login, ACL) is raised, not retried."""
         while not stop.is_set():
             try:
                 await self._follow(stop)
             except KafkaError as error:
+                options = consumer_options(self.config.kafka, self.bootstrap_servers)
+                if refused := await refusal(options, error, f"reading {self.topic}"):
+                    raise refused from error
                 log.warning("deployments topic %s unreadable (%s); keeping the last routing and retrying",
                             self.topic, error)
                 await asyncio.sleep(self.retry_s)
 
+    async def until_ready(self, following: asyncio.Task[None]) -> None:
+        """Wait until the topic has been read to its end; raises what ended ``following`` (this ``run``) first."""
+        ready = asyncio.ensure_future(self.ready.wait())
+        try:
+            await asyncio.wait({ready, following}, return_when=asyncio.FIRST_COMPLETED)
+        finally:
+            ready.cancel()
+        if not self.ready.is_set():
+            await following
+
     async def _follow(self, stop: asyncio.Event) -> None:
-        consumer = AIOKafkaConsumer(**consumer_options(self.config.kafka, self.bootstrap_servers), group_id=None,
-                                    enable_auto_commit=False, auto_offset_reset="earliest")
+        options = consumer_options(self.config.kafka, self.bootstrap_servers)
+        await check_topic_access(options, [self.topic], f"reading {self.topic}")  # assign() alone would stall
+        consumer = AIOKafkaConsumer(**options, group_id=None, enable_auto_commit=False, auto_offset_reset="earliest")
         await consumer.start()
         try:
             partition = TopicPartition(self.topic, 0)

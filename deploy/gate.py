@@ -186,10 +186,12 @@ class Gate:
         following = asyncio.create_task(self.follower.run(stop))
         await self.checkpoint_follower.start()
         try:
-            await self.follower.ready.wait()
+            await self.follower.until_ready(following)
             await self.checkpoint_follower.catch_up(timeout_ms=500)  # what exists before deciding anything
             await self._resume(stop)
             while not stop.is_set():
+                if following.done():  # the deployments topic refused us: raise it
+                    await following
                 await self.checkpoint_follower.poll(timeout_ms=200)
                 newest = max(self.checkpoints, default=0)
                 if newest > self.considered:

@@ -3,14 +3,31 @@
 from __future__ import annotations
 
 import asyncio
+import contextlib
 import logging
+import ssl
+from collections.abc import AsyncIterator
 from dataclasses import dataclass, field
 from typing import Any
 
 from aiokafka import AIOKafkaConsumer, AIOKafkaProducer, TopicPartition
 from aiokafka.admin import AIOKafkaAdminClient, NewTopic
 from aiokafka.client import AIOKafkaClient
+from aiokafka.conn import create_conn
+from aiokafka.errors import (
+    BrokerResponseError,
+    ClusterAuthorizationFailedError,
+    GroupAuthorizationFailedError,
+    IllegalSaslStateError,
+    KafkaConnectionError,
+    KafkaError,
+    SaslAuthenticationFailed,
+    TopicAuthorizationFailedError,
+    TransactionalIdAuthorizationFailed,
+    UnsupportedSaslMechanismError,
+)
 from aiokafka.helpers import create_ssl_context
+from aiokafka.protocol.metadata import MetadataRequest
 from aiokafka.protocol.transaction import InitProducerIdRequest
 
 from infra.config import Config, KafkaConfig, TopicsConfig
@@ -20,6 +37,9 @@ from schemas.errors import AgentstreamError
 TOPIC_ALREADY_EXISTS = 36
 TOPIC_READY_S = 15.0
 """How long a created topic may take to have a leader for every partition (milliseconds on one node)."""
+TOPIC_AUTHORIZATION_FAILED = 29
+
+log = logging.getLogger("agentstream.kafka")
 
 
 class KafkaSetupError(AgentstreamError, RuntimeError):
@@ -36,9 +56,6 @@ class IdempotenceUnsupported(KafkaSetupError):
     """``[kafka] idempotence = "on"`` but the broker grants no producer id (tansu 0.6 does not)."""
 
     retriable = False
-
-
-log = logging.getLogger("agentstream.kafka")
 
 
 @dataclass(frozen=True)
@@ -159,11 +176,16 @@ async def ensure_topics(admin: AIOKafkaAdminClient, specs: list[TopicSpec], repl
     A topic with three replicas or more gets ``min.insync.replicas`` one below its replication factor (unless its
     spec says otherwise): with ``acks=all`` a write of a three-replica topic is then acknowledged only once two
     replicas hold it, and one broker may be down without stopping writes.
+
+    On a cluster with ACLs a principal sees only the topics it may describe, and a role may neither see nor
+    create the topics of other roles: those are left to the operator (one info line), not an error. A topic
+    the role uses and was not granted fails where it is used, with :class:`KafkaAccessDenied`.
     """
     existing = set(await admin.list_topics())
     missing = [spec for spec in specs if spec.name not in existing]
     created: list[str] = []
     insync = {"min.insync.replicas": str(replication_factor - 1)} if replication_factor > 2 else {}
+    hidden: set[str] = set()
     if missing:
         response = await admin.create_topics(
             [NewTopic(s.name, s.partitions, replication_factor, topic_configs={**insync, **s.configs})
@@ -172,8 +194,13 @@ async def ensure_topics(admin: AIOKafkaAdminClient, specs: list[TopicSpec], repl
         for name, code, message in response.topic_errors:
             if code == 0:
                 created.append(name)
+            elif code == TOPIC_AUTHORIZATION_FAILED:
+                hidden.add(name)
             elif code != TOPIC_ALREADY_EXISTS:
                 raise KafkaSetupError(f"could not create topic {name}: error {code} {message or ''}".strip())
+    if hidden:
+        log.info("not allowed to see or create topics %s: left to the cluster's operator", ", ".join(sorted(hidden)))
+    specs = [spec for spec in specs if spec.name not in hidden]
     names = [s.name for s in specs]
     deadline = asyncio.get_running_loop().time() + TOPIC_READY_S
     layout = await topic_partitions(admin, names)
@@ -258,3 +285,121 @@ async def create_topics(config: Config, bootstrap_servers: str, specs: list[Topi
                                    config.topics.replication_factor)
     finally:
         await admin.close()
+
+
+# --- Refusals by a secured cluster (#47): a wrong password or a missing ACL is a named, non-retriable error. ---
+# aiokafka 0.14 raises TopicAuthorizationFailedError, GroupAuthorizationFailedError and friends (retriable False)
+# for a missing ACL, but answers a refused SASL login (or an untrusted certificate) only with
+# KafkaConnectionError("Unable to bootstrap from ..."), the same as a broker that is down, and logs the cause.
+# So a failed bootstrap is diagnosed with one connection of our own (:func:`authentication_problem`).
+
+AUTHORIZATION_ERRORS: tuple[type[BrokerResponseError], ...] = (
+    TopicAuthorizationFailedError, GroupAuthorizationFailedError, ClusterAuthorizationFailedError,
+    TransactionalIdAuthorizationFailed)
+"""What aiokafka raises when the cluster's ACLs refuse the principal (codes 29, 30, 31, 53)."""
+
+SASL_ERRORS: tuple[type[BrokerResponseError], ...] = (
+    SaslAuthenticationFailed, UnsupportedSaslMechanismError, IllegalSaslStateError)
+
+
+class KafkaRefused(KafkaSetupError):
+    """The cluster refused this client for good: asking again with the same credentials gets the same answer."""
+
+    retriable = False
+
+
+class KafkaAuthenticationFailed(KafkaRefused):
+    """The SASL login was refused (wrong user, password or mechanism) or the broker's certificate is not trusted."""
+
+
+class KafkaAccessDenied(KafkaRefused):
+    """The cluster's ACLs do not allow this principal an operation on a topic, group, cluster or transactional id."""
+
+
+def principal(options: dict[str, Any]) -> str:
+    """Who a client with these options is to the broker, for error lines: ``User:name (SASL_SSL/SCRAM-SHA-512)``."""
+    protocol = options.get("security_protocol", "PLAINTEXT")
+    if options.get("sasl_mechanism"):
+        return f"User:{options.get('sasl_plain_username')} ({protocol}/{options['sasl_mechanism']})"
+    return f"the unauthenticated principal ({protocol})"
+
+
+def access_denied(options: dict[str, Any], error: BrokerResponseError, operation: str) -> KafkaAccessDenied:
+    """The named error for an aiokafka authorization refusal: who, which resource, what it was doing."""
+    kinds = {TopicAuthorizationFailedError: "topic", GroupAuthorizationFailedError: "group",
+             ClusterAuthorizationFailedError: "cluster", TransactionalIdAuthorizationFailed: "transactional id"}
+    kind = next((name for cls, name in kinds.items() if isinstance(error, cls)), "resource")
+    names = ", ".join(str(arg) for arg in error.args if arg) or "?"
+    return KafkaAccessDenied(f"Kafka at {options.get('bootstrap_servers')} refused {principal(options)}: {operation} "
+                             f"needs an ACL on {kind} {names} that this principal lacks ({type(error).__name__}); "
+                             "`agentstream kafka-acls` prints the ACLs of each role")
+
+
+async def authentication_problem(options: dict[str, Any], timeout_s: float = 10.0) -> KafkaAuthenticationFailed | None:
+    """After a failed bootstrap: log in once to each bootstrap address; the named error if the login was refused.
+
+    None when no address answered (the broker is down or unreachable: the caller's retry policy applies).
+    """
+    for address in options["bootstrap_servers"].split(","):
+        host, _, port = address.strip().rpartition(":")
+        try:
+            connection = await asyncio.wait_for(create_conn(
+                host.strip("[]"), int(port), client_id=options.get("client_id", "agentstream"),
+                ssl_context=options.get("ssl_context"), security_protocol=options.get("security_protocol", "PLAINTEXT"),
+                sasl_mechanism=options.get("sasl_mechanism"), sasl_plain_username=options.get("sasl_plain_username"),
+                sasl_plain_password=options.get("sasl_plain_password")), timeout_s)
+        except SASL_ERRORS as error:
+            return KafkaAuthenticationFailed(f"Kafka at {address} refused the login of {principal(options)}: {error}")
+        except ssl.SSLError as error:
+            return KafkaAuthenticationFailed(f"TLS with Kafka at {address} failed for {principal(options)}: "
+                                             f"{error} (check ssl_cafile)")
+        except (OSError, TimeoutError, ValueError, KafkaError):
+            continue
+        connection.close()
+    return None
+
+
+async def refusal(options: dict[str, Any], error: BaseException, operation: str) -> KafkaRefused | None:
+    """The named refusal behind an aiokafka error, if it is one: an ACL refusal, or a failed bootstrap whose login
+    was refused. None for anything else (an unreachable broker, a timeout), which the caller handles as before."""
+    if isinstance(error, AUTHORIZATION_ERRORS):
+        return access_denied(options, error, operation)
+    if isinstance(error, KafkaConnectionError):
+        return await authentication_problem(options)
+    return None
+
+
+@contextlib.asynccontextmanager
+async def named_refusals(options: dict[str, Any], operation: str) -> AsyncIterator[None]:
+    """Turn a refusal by the cluster inside the block into :class:`KafkaAccessDenied` or
+    :class:`KafkaAuthenticationFailed` (one line, ``retriable = False``); other errors pass unchanged."""
+    try:
+        yield
+    except (KafkaError, TimeoutError) as error:
+        named = await refusal(options, error, operation)
+        if named is None:
+            raise
+        raise named from error
+
+
+CONNECTION_OPTIONS = ("bootstrap_servers", "client_id", "security_protocol", "ssl_context", "sasl_mechanism",
+                      "sasl_plain_username", "sasl_plain_password")
+"""The keys of :func:`client_options` that every aiokafka client takes (consumer options add their own)."""
+
+
+async def check_topic_access(options: dict[str, Any], topics: list[str], operation: str) -> None:
+    """Ask the cluster for these topics' metadata; TopicAuthorizationFailedError if it refuses to describe one.
+
+    A consumer that assigns itself an unauthorized partition does not raise in aiokafka 0.14: it logs
+    "Topic ... is not authorized" and fetches nothing, forever. Read and Write both imply Describe, so a
+    principal that may read a topic may describe it. Connection failures pass through as aiokafka raises them.
+    """
+    client = AIOKafkaClient(**{key: value for key, value in options.items() if key in CONNECTION_OPTIONS})
+    try:
+        await client.bootstrap()
+        response = await client.send(client.get_random_node(), MetadataRequest(topics, allow_auto_topic_creation=False))
+    finally:
+        await client.close()
+    for error_code, topic, *_ in response.topics:
+        if error_code == TOPIC_AUTHORIZATION_FAILED:
+            raise TopicAuthorizationFailedError(topic)

@@ -140,6 +140,8 @@ class HotSwapper:
             self.version = await self._server_version(stop)
             await self._loaded_adapters()
             while not stop.is_set():
+                if following.done():  # the deployments topic refused us: raise it
+                    await following
                 await self.checkpoint_follower.poll(timeout_ms=100)
                 if follower.ready.is_set():
                     await self._reconcile(stop)

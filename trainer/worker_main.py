@@ -14,7 +14,7 @@ import uvloop
 from infra.clickhouse import migrate, wait_for_clickhouse
 from infra.config import Config
 from infra.grace import ShutdownDeadline, until_signalled
-from infra.kafka import create_topics
+from infra.kafka import client_options, create_topics, named_refusals
 from trainer.distributed import Group, Ranks, join, leave, rank_config
 from trainer.metrics import MetricsWriter
 from trainer.policy import build_policy
@@ -41,6 +41,10 @@ def run_train_worker(config: Config, bootstrap_servers: str, clickhouse_url: str
               flush=True)
 
     async def serve() -> None:
+        async with named_refusals(client_options(config.kafka, bootstrap_servers), f"training {config.trainer.model}"):
+            await train()
+
+    async def train() -> None:
         await create_topics(config, bootstrap_servers)
         worker = TrainerWorker(config, bootstrap_servers, metrics=MetricsWriter(client, database),
                                progress=partial(print, flush=True), rebase=rebase,

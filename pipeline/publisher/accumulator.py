@@ -16,6 +16,7 @@ from dataclasses import dataclass, field
 
 from pipeline.publisher.errors import FlushTimeout, PublisherClosed
 from pipeline.publisher.journal import Record
+from schemas.errors import AgentstreamError
 from schemas.span_writer import PreparedSpan, SpanBatchEncoder
 
 Item = tuple[int, str, PreparedSpan | bytes, int]
@@ -74,6 +75,7 @@ class Accumulator:
         self._settled_seq = 0  # every call up to this one is acknowledged or journaled
         self._flush_seq = 0  # a flush() waits for this one
         self._closing = False
+        self._failure: AgentstreamError | None = None  # why the loop stopped for good, raised to every later caller
         self._close_deadline = 0.0
         self._counts = dict.fromkeys(COUNTERS, 0)
         self._wake_loop: Callable[[], object] | None = None  # set once the loop runs; None: not started
@@ -170,11 +172,13 @@ class Accumulator:
             while self._settled_seq < target:
                 left = deadline - time.monotonic()
                 if not running():
-                    raise PublisherClosed("the publisher stopped before the flush finished")
+                    raise self._failure or PublisherClosed("the publisher stopped before the flush finished")
                 if left <= 0:
                     raise FlushTimeout(f"{target - self._settled_seq} publish calls not yet acknowledged or "
                                        f"journaled after {timeout_s:g}s")
                 self._changed.wait(left)
+            if self._failure is not None:  # settled into the journal by a publisher that stopped on a refusal
+                raise self._failure
 
     def begin_close(self, timeout_s: float) -> bool:
         """Take no more publish calls and set the close deadline; True for the first call, which sets it."""
@@ -193,6 +197,8 @@ class Accumulator:
 
     def _append(self, rollout_id: str, payload: PreparedSpan | bytes, nbytes: int) -> None:
         """Queue one item; the caller holds the lock."""
+        if self._failure is not None:
+            raise self._failure
         if self._closing or self._wake_loop is None:
             raise PublisherClosed(f"span publisher for {self.topic} is {'closed' if self._closing else 'not started'}")
         self._seq += 1
@@ -217,6 +223,12 @@ class Accumulator:
             self._closing = True
             if wake_waiters:
                 self._changed.notify_all()
+
+    def fail(self, failure: AgentstreamError) -> None:
+        """The loop stopped for good on ``failure`` (a refusal by the cluster): every later call raises it."""
+        with self._lock:
+            self._failure = failure
+        self.refuse(wake_waiters=True)
 
     def until_wave_due(self) -> float | None:
         """Seconds until the linger of the oldest queued item ends (0 or less: a wave is due now); None: nothing queued.

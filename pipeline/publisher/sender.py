@@ -12,6 +12,10 @@ answer is overdue, or requests time out), its unacknowledged records and everyth
 after them go to the :class:`~pipeline.publisher.journal.Journal`, with one warning. A probe
 watches for the broker; once it answers, the journal is replayed in order before anything new
 is sent, then deleted.
+
+A refusal is not an outage: when the cluster refuses the login or the topic's ACL refuses the
+principal (:class:`~infra.kafka.KafkaRefused`), what is not acknowledged is journaled, the loop
+stops, and ``start``, ``publish`` and ``flush`` raise that named error from then on.
 """
 
 from __future__ import annotations
@@ -29,11 +33,11 @@ from typing import Any
 
 import uvloop
 from aiokafka import AIOKafkaProducer
-from aiokafka.errors import KafkaConnectionError, KafkaError, KafkaTimeoutError
+from aiokafka.errors import KafkaConnectionError, KafkaError, KafkaTimeoutError, TopicAuthorizationFailedError
 from aiokafka.partitioner import DefaultPartitioner
 
 from infra.config import KafkaConfig
-from infra.kafka import client_options, start_producer
+from infra.kafka import KafkaRefused, access_denied, client_options, refusal, start_producer
 from pipeline.publisher import aiokafka_compat
 from pipeline.publisher.accumulator import Accumulator
 from pipeline.publisher.errors import PublisherError
@@ -109,6 +113,8 @@ class SenderThread:
                                         daemon=True)
         self._thread.start()
         self._ready.wait()
+        if isinstance(self._startup_error, KafkaRefused):
+            raise self._startup_error
         if self._startup_error is not None:
             raise PublisherError(f"publisher could not start: {self._startup_error}") from self._startup_error
 
@@ -168,6 +174,11 @@ class SenderThread:
             await sender.connect()
             self._ready.set()
             await sender.serve()
+        except KafkaRefused as refused:
+            log.error("span publisher for %s stopped: %s", self._settings.topic, refused)
+            self._queue.fail(refused)
+            if not self._ready.is_set():
+                self._startup_error = refused
         finally:
             await sender.shutdown()
 
@@ -201,6 +212,7 @@ class Sender:
         self._replay_used = 0
         self._replayed = [0, 0]  # records, spans since the outage began
         self._probe: asyncio.Task | None = None
+        self._refused: KafkaRefused | None = None  # found by the probe: the serve loop raises it
 
     def wake(self) -> None:
         """Look at the queue now."""
@@ -224,6 +236,8 @@ class Sender:
         queue = self._queue
         while True:
             await self._wait_for_work()
+            if self._refused is not None:
+                raise self._refused
             if queue.closing and (self.state is not _State.CONNECTED or time.monotonic() >= queue.close_deadline):
                 self._journal_wave(self._carry + queue.build_records(queue.take(None)))
                 self._carry = []
@@ -265,7 +279,7 @@ class Sender:
         """Until a wave is due: linger elapsed, a full wave queued, a flush or close asked, or a journal to replay."""
         while True:
             self._wakeup.clear()
-            if self._carry or self.state is _State.REPLAYING:
+            if self._carry or self.state is _State.REPLAYING or self._refused is not None:
                 return
             linger = self._queue.until_wave_due()
             if linger is not None and linger <= 0:
@@ -280,6 +294,11 @@ class Sender:
         delivered, carried, failed, error = await self._deliver(records)
         self._queue.count("spans_published", sum(r.spans for r in delivered))
         self._queue.count("events_published", sum(1 for r in delivered if not r.spans))
+        if error is not None and (refused := await refusal(self._producer_options, error, f"writing {self.topic}")):
+            self._queue.fail(refused)  # before the journal settles them: a flush waiting for them raises it
+            sent = {id(r) for r in delivered}
+            self._journal_wave([r for r in records if id(r) not in sent])
+            raise refused
         if error is not None and _unreachable(error):
             sent = {id(r) for r in delivered}
             self._journal_wave([r for r in records if id(r) not in sent])
@@ -300,6 +319,9 @@ class Sender:
             self._replayed[1] += sum(r.spans for r in delivered)
             self._queue.count("records_replayed", len(delivered))
             self._queue.count("spans_replayed", sum(r.spans for r in delivered))
+            if error is not None and (refused := await refusal(self._producer_options, error,
+                                                               f"writing {self.topic}")):
+                raise refused  # the unacknowledged stay in the journal for the next publisher
             if error is not None and _unreachable(error):
                 sent = {id(r) for r in delivered}
                 self._replay_head = [r for r in self._replay_head if id(r) not in sent]
@@ -451,10 +473,17 @@ class Sender:
             log.debug("abandoned Kafka producer did not stop cleanly: %r", problem)
 
     async def _watch_broker(self) -> None:
-        """Probe the broker until it answers and has the topic, then switch to replaying the journal."""
+        """Probe the broker until it answers and has the topic, then switch to replaying the journal; a refusal
+        (login or ACL) ends the probing and is handed to the serve loop."""
         while self.state is _State.JOURNALING and not self._queue.closing:
             await asyncio.sleep(self._probe_interval_s)
-            if await self._broker_answers():
+            try:
+                answers = await self._broker_answers()
+            except KafkaRefused as refused:
+                self._refused = refused
+                self._wakeup.set()
+                return
+            if answers:
                 self.state = _State.REPLAYING
                 self._wakeup.set()
 
@@ -468,6 +497,9 @@ class Sender:
                 return False
         try:
             metadata = await asyncio.wait_for(aiokafka_compat.fetch_all_metadata(producer), self._request_timeout_s)
+            if self.topic in metadata.unauthorized_topics:
+                raise access_denied(self._producer_options, TopicAuthorizationFailedError(self.topic),
+                                    f"writing {self.topic}")
             if self.topic not in metadata.topics():
                 return False
             await asyncio.wait_for(aiokafka_compat.force_metadata_update(producer), self._request_timeout_s)
@@ -476,10 +508,13 @@ class Sender:
         return True
 
     async def _start_producer(self) -> AIOKafkaProducer | None:
-        """A started producer, kept as the one to send with; None when it could not connect."""
+        """A started producer, kept as the one to send with; None when it could not connect (KafkaRefused when
+        the broker answered and refused the login)."""
         try:
             producer = await start_producer(self._kafka, self._producer_options)
-        except (TimeoutError, KafkaError, OSError):
+        except (TimeoutError, KafkaError, OSError) as error:
+            if refused := await refusal(self._producer_options, error, "logging in"):
+                raise refused from error
             return None
         self._producer = producer
         return producer
