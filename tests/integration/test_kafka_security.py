@@ -196,7 +196,8 @@ def test_collector_writes_dead_letters_but_may_not_follow_deployments(kafka: Sec
     config = kafka.config(base, "collector")
 
     async def dead_letter() -> None:
-        letters = KafkaDeadLetters(client_options(config.kafka, kafka.secure), topic_name(base.topics, "dlq"))
+        letters = KafkaDeadLetters(config.kafka, client_options(config.kafka, kafka.secure),
+                                   topic_name(base.topics, "dlq"))
         await letters.start()
         assert letters.producer is not None
         await letters.send(b"collector dead letter")
