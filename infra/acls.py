@@ -44,9 +44,9 @@ class Grant:
 def role_grants(config: Config, runner_group: str = RUNNER_GROUP) -> dict[str, list[Grant]]:
     """Every role's grants under ``config`` (topic prefix, streams app id, whether the trainer follows deployments).
 
-    The streams worker is a faust app whose group id is ``streams.app_id``; faust also declares
-    and writes a topic of its own, ``<app_id>-__assignor-__leader``, at every start, so the worker
-    may create and write topics named after its app id (prefixed), and nothing else.
+    The streams worker is a faust app whose group id is ``streams.app_id``; it runs without faust's
+    leader topic (``topic_disable_leader``), so it creates no topic and needs no ACL beyond its
+    product topics and group (observed with a worker process on a secured Apache Kafka node).
     """
     prefix = config.topics.prefix
 
@@ -63,9 +63,7 @@ def role_grants(config: Config, runner_group: str = RUNNER_GROUP) -> dict[str, l
         "proxy": [topic("spans", "write"), topic("deployments", "read")],
         "collector": [topic("spans", "write"), topic("dlq", "write")],
         "worker": [topic("spans", "read"), topic("streams.groups", "read"), topic("streams.groups", "write"),
-                   topic("transitions", "write"), topic("dlq", "write"), Grant("group", app_id, "read"),
-                   Grant("topic", f"{app_id}-", "create", "prefixed"),
-                   Grant("topic", f"{app_id}-", "write", "prefixed")],
+                   topic("transitions", "write"), topic("dlq", "write"), Grant("group", app_id, "read")],
         "trainer": trainer,
         "hotswap": [topic("checkpoints", "read"), topic("deployments", "read"), topic("deployments", "write")],
     }

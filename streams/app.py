@@ -172,6 +172,7 @@ def create_app(config: Config, bootstrap_servers: str, clickhouse_url: str) -> f
         broker_session_timeout=settings.session_timeout_s, broker_heartbeat_interval=0.5,
         consumer_auto_offset_reset="earliest", topic_partitions=config.topics.partitions,
         topic_replication_factor=config.topics.replication_factor, web_enabled=False, store="memory://",
+        topic_disable_leader=True,  # nothing runs on_leader: no `<app_id>-__assignor-__leader` topic, nor its ACLs
         stream_wait_empty=False, broker_commit_every=1000, broker_commit_interval=0.5, producer_acks=-1,
         datadir=str(state_folder / "{conf.name}-data"),  # faust's default is the current directory
     )

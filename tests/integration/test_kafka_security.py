@@ -9,16 +9,18 @@ from __future__ import annotations
 
 import asyncio
 import time
+import uuid
 from collections.abc import Iterator
 from pathlib import Path
 
 import pytest
-from aiokafka import AIOKafkaConsumer
+from aiokafka import AIOKafkaConsumer, AIOKafkaProducer
 from aiokafka.admin import AIOKafkaAdminClient
 
 from deploy.checkpoints import CheckpointFollower
 from deploy.deployments import DeploymentFollower, announce
 from infra.acls import RUNNER_GROUP, TRAINER_GROUP_PREFIX, kafka_acls_commands, role_grants
+from infra.clickhouse import connect
 from infra.config import Config, load_config
 from infra.kafka import (
     KafkaAccessDenied,
@@ -34,8 +36,10 @@ from infra.kafka import (
 from pipeline.otlp import KafkaDeadLetters
 from pipeline.publisher import SpanPublisher
 from schemas import AvroCodec
+from stack.control import Endpoints
 from streams.app import internal_topics
 from tests.support.kafka_secure import SecureKafka
+from tests.support.streams_harness import Worker, wait_for, worker_env
 from trainer.checkpoints import CheckpointAnnouncer
 
 PREFIX = "sec."
@@ -303,6 +307,105 @@ def test_hotswap_may_not_write_checkpoints(kafka: SecureKafka, base: Config) -> 
                 await announcer.stop()
 
     refused_within(KafkaAccessDenied, write)
+
+
+# --- the stream worker (faust), as a process -------------------------------------------------------------------
+
+@pytest.fixture
+def database(stack: Endpoints, stack_config: Config) -> Iterator[str]:
+    """A ClickHouse database of the session stack for one worker, dropped afterwards."""
+    name = f"secure_{uuid.uuid4().hex[:8]}"
+    yield name
+    clickhouse = connect(stack_config.clickhouse, stack.clickhouse_url)
+    clickhouse.command(f"DROP DATABASE IF EXISTS {name}")
+    clickhouse.close()
+
+
+WORKER_CONFIG = """
+[[credit]]
+agent = "grpo-*"
+strategy = "grpo"
+group_size = 2
+group_timeout_s = 5
+
+[[credit]]
+agent = "*"
+strategy = "final"
+"""
+"""GRPO groups make the worker write and read its streams.groups topic; everything else gets the final reward."""
+
+
+def secure_worker_env(kafka: SecureKafka, stack: Endpoints, tmp_path: Path, database: str, user: str,
+                      password: str | None = None) -> dict:
+    """`agentstream streams`' environment: the session stack's ClickHouse (``database``), the secured node as
+    ``user`` over SASL_SSL/SCRAM-SHA-512 (its own password unless ``password``), the module's topic prefix."""
+    env = worker_env(tmp_path, stack, PREFIX, database, WORKER_CONFIG)
+    env.update({"KAFKA_BOOTSTRAP_SERVERS": kafka.secure, "KAFKA_SECURITY_PROTOCOL": "SASL_SSL",
+                "KAFKA_SASL_MECHANISM": "SCRAM-SHA-512", "KAFKA_SASL_USERNAME": user,
+                "KAFKA_SASL_PASSWORD": password or kafka.passwords[user], "KAFKA_SSL_CAFILE": str(kafka.tls.ca)})
+    return env
+
+
+def publish_rollout(spans: SpanPublisher, rollout_id: str, agent: str, reward: float, group: str | None = None) -> None:
+    """One finished rollout as a runner publishes it: STARTED, an LLM call with token ids, a reward, SUCCEEDED."""
+    now = time.time_ns() // 1000
+    common = {"rollout_id": rollout_id, "attempt_id": f"{rollout_id}-1", "agent_name": agent, "group_id": group,
+              "attributes": {}}
+    event = {"rollout_id": rollout_id, "attempt_id": f"{rollout_id}-1", "agent_name": agent}
+    spans.publish_event({**event, "event": "STARTED", "at_us": now})
+    spans.publish({**common, "span_id": f"{rollout_id}-llm", "name": "chat", "kind": "LLM", "start_time_us": now,
+                   "end_time_us": now + 10, "status": "OK", "model": "secure-model", "policy_version": 1,
+                   "prompt_token_ids": [1, 2, 3], "response_token_ids": [7, 8], "response_logprobs": [-0.5, -0.25]})
+    spans.publish({**common, "span_id": f"{rollout_id}-reward", "name": "reward", "kind": "REWARD",
+                   "start_time_us": now + 20, "end_time_us": now + 20, "status": "OK", "reward": reward})
+    spans.publish_event({**event, "event": "SUCCEEDED", "at_us": now + 30})
+
+
+def test_worker_stores_spans_and_writes_transitions(kafka: SecureKafka, base: Config, stack: Endpoints,
+                                                    stack_config: Config, database: str, tmp_path: Path) -> None:
+    """A real `agentstream streams` process as ``worker`` (the ACLs of role_grants only) stores what a runner
+    published in ClickHouse and writes its transitions: through streams.groups for a GRPO group, and an undecodable
+    record to dlq. Every one of its grants is used."""
+    worker = Worker(secure_worker_env(kafka, stack, tmp_path, database, "worker"), tmp_path / "worker.log")
+    clickhouse = connect(stack_config.clickhouse, stack.clickhouse_url)
+    runner = kafka.config(base, "runner")
+    try:
+        worker.start()
+        with publisher(runner, kafka.secure, tmp_path / "journal") as spans:
+            publish_rollout(spans, "secure-r1", "secure-agent", 1.0)
+            for index, reward in enumerate([0.0, 1.0]):
+                publish_rollout(spans, f"secure-g{index}", "grpo-secure", reward, group="secure-group")
+            spans.flush(timeout_s=20)
+        asyncio.run(produce_raw(client_options(runner.kafka, kafka.secure), topic_name(base.topics, "spans"),
+                                b"secure-garbage", b"\x07not avro"))
+
+        def stored() -> int:
+            return int(clickhouse.query(f"SELECT count() FROM {database}.spans WHERE rollout_id LIKE 'secure-%'")
+                       .result_rows[0][0])
+
+        wait_for(stored, 60, what="spans in ClickHouse", equals=6)
+        codec = AvroCodec()
+
+        def transitions() -> list[str]:
+            batches = [codec.decode(value)[1] for key, value in read_all(
+                kafka.plaintext, topic_name(base.topics, "transitions"), 1, timeout_s=2) if key == b"secure-model"]
+            return sorted(item["rollout_id"] for batch in batches for item in batch["transitions"])
+
+        wait_for(transitions, 30, what="transitions", equals=["secure-g0", "secure-g1", "secure-r1"])
+        assert any(key == b"secure-garbage" for key, _ in read_all(kafka.plaintext, topic_name(base.topics, "dlq"), 1))
+    finally:
+        worker.stop()
+        clickhouse.close()
+
+
+async def produce_raw(options: dict, topic: str, key: bytes, value: bytes) -> None:
+    """One record as it is, with a role's credentials (``options``)."""
+    producer = AIOKafkaProducer(**options, acks="all")
+    await producer.start()
+    try:
+        await producer.send_and_wait(topic, value, key=key)
+    finally:
+        await producer.stop()
 
 
 def test_kafka_acls_commands_name_every_grant(base: Config) -> None:
