@@ -6,7 +6,7 @@ import asyncio
 import contextlib
 import logging
 import ssl
-from collections.abc import AsyncIterator
+from collections.abc import AsyncIterator, Iterator
 from dataclasses import dataclass, field
 from typing import Any
 
@@ -19,6 +19,7 @@ from aiokafka.errors import (
     ClusterAuthorizationFailedError,
     GroupAuthorizationFailedError,
     IllegalSaslStateError,
+    InvalidSessionTimeoutError,
     KafkaConnectionError,
     KafkaError,
     SaslAuthenticationFailed,
@@ -314,6 +315,34 @@ class KafkaAuthenticationFailed(KafkaRefused):
 
 class KafkaAccessDenied(KafkaRefused):
     """The cluster's ACLs do not allow this principal an operation on a topic, group, cluster or transactional id."""
+
+
+class SessionTimeoutRefused(KafkaSetupError):
+    """The group coordinator refused the consumer's session timeout (InvalidSessionTimeoutError, error 26, at the
+    first join): it is outside the broker's ``group.min.session.timeout.ms`` .. ``group.max.session.timeout.ms``."""
+
+    retriable = False
+
+
+def session_timeout_refused(setting: str, session_timeout_s: float) -> SessionTimeoutRefused:
+    """The named error for a refused session, saying which of agentstream's settings (``setting``) to raise.
+
+    The embedded broker allows sessions down to 1 s; a stock Apache Kafka broker only from 6 s, so the stream
+    workers' 3 s and the trainer's and runners' 4 s defaults are refused there.
+    """
+    return SessionTimeoutRefused(f"Kafka refused a consumer session of {session_timeout_s:g} s "
+                                 f"(InvalidSessionTimeoutError): set {setting} to at least the broker's "
+                                 "group.min.session.timeout.ms, 6 s by default")
+
+
+@contextlib.contextmanager
+def session_timeout_checked(setting: str, session_timeout_s: float) -> Iterator[None]:
+    """Turn aiokafka's InvalidSessionTimeoutError inside the block into :func:`session_timeout_refused`: a subscribed
+    consumer's ``start()`` waits for its first join and raises it there; the consumer never joins."""
+    try:
+        yield
+    except InvalidSessionTimeoutError as error:
+        raise session_timeout_refused(setting, session_timeout_s) from error
 
 
 def principal(options: dict[str, Any]) -> str:

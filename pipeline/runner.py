@@ -26,7 +26,7 @@ from typing import Any, cast
 from aiokafka import AIOKafkaConsumer, ConsumerRebalanceListener, TopicPartition
 
 from infra.config import AglConfig, Config
-from infra.kafka import client_options, consumer_options, topic_name
+from infra.kafka import client_options, consumer_options, session_timeout_checked, topic_name
 from infra.logreset import ConsumerLogWatch
 from infra.members import MemberLedger, evict_dead_members, member_id
 from pipeline.access import proxy_client_key
@@ -176,7 +176,8 @@ class Runner:
         consumer.subscribe([topic], listener=_CommitOnRevoke(self))
         self._consumer = consumer
         watch = self.log_watch = ConsumerLogWatch("runner", consumer)
-        await consumer.start()
+        with session_timeout_checked("`agentstream run --session-timeout-ms`", self.options.session_timeout_ms / 1000):
+            await consumer.start()  # it waits for the first join's answer
         slots = asyncio.Semaphore(self.options.concurrency)
         running: set[asyncio.Task] = set()
         started = 0

@@ -37,7 +37,7 @@ from aiokafka import AIOKafkaConsumer, ConsumerRebalanceListener, TopicPartition
 from aiokafka.errors import KafkaError
 
 from infra.config import Config
-from infra.kafka import client_options, consumer_options, topic_name
+from infra.kafka import client_options, consumer_options, session_timeout_checked, topic_name
 from infra.logreset import ConsumerLogWatch
 from infra.members import MemberLedger, evict_dead_members, member_id
 from models import NonFiniteWeights
@@ -226,7 +226,8 @@ class TrainerWorker:
                 session_timeout_ms=int(self.settings.session_timeout_s * 1000), max_poll_interval_ms=24 * 3600 * 1000)
             self.log_watch = ConsumerLogWatch("trainer", self.consumer)
             self.consumer.subscribe([topic_name(self.config.topics, "transitions")], listener=_ResumePositions(self))
-            await self.consumer.start()
+            with session_timeout_checked("[trainer] session_timeout_s", self.settings.session_timeout_s):
+                await self.consumer.start()  # it waits for the first join's answer
             try:
                 await self._consume(stop, max_steps)
                 if self._steps_since:

@@ -49,7 +49,8 @@ class NodeProcess:
 class KafkaCluster:
     """Three KRaft nodes under ``home``; ``start`` returns once all brokers are registered with the quorum."""
 
-    def __init__(self, home: Path, size: int = 3, heap_mb: int = 384) -> None:
+    def __init__(self, home: Path, size: int = 3, heap_mb: int = 384, settings: dict[str, str] | None = None) -> None:
+        """``size`` nodes under ``home``; ``settings`` override server.properties keys on every node."""
         self.home, self.heap_mb = home, heap_mb
         self.java, self.jars = find_java(), kafka_jars()
         self.cluster_id = new_cluster_id()
@@ -61,7 +62,7 @@ class KafkaCluster:
             folder = home / f"node{node_id}"
             node = KafkaNode(node_id, HOST, port, controller, folder / "data", voters=voters,
                              replication=min(3, size), min_insync=min(2, size),
-                             settings={"replica.lag.time.max.ms": "5000"})
+                             settings={"replica.lag.time.max.ms": "5000", **(settings or {})})
             self.nodes[node_id] = NodeProcess(node, folder / "server.properties", folder / "kafka.log")
 
     @property
