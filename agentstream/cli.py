@@ -32,13 +32,18 @@ KNOWN_ERRORS = (ConfigError, ServiceError, ClickHouseError, KafkaSetupError, Age
 
 
 class AgentstreamGroup(click.Group):
-    """A click group that turns our named errors into one clear line and exit status 1."""
+    """A click group that turns our named errors into one clear line and exit status 1.
+
+    A Kafka error's line starts with its class (KafkaAccessDenied, KafkaAuthenticationFailed, SessionTimeoutRefused,
+    ...): an operator's alert or search matches the kind of refusal without parsing the sentence.
+    """
 
     def invoke(self, ctx: click.Context):
         try:
             return super().invoke(ctx)
         except KNOWN_ERRORS as error:
-            click.secho(f"error: {error}", fg="red", err=True)
+            kind = f"{type(error).__name__}: " if isinstance(error, KafkaSetupError) else ""
+            click.secho(f"error: {kind}{error}", fg="red", err=True)
             sys.exit(1)
 
 

@@ -18,12 +18,26 @@ from typing import Any
 
 import faust
 from aiokafka import AIOKafkaProducer
+from aiokafka.admin import AIOKafkaAdminClient
+from aiokafka.errors import GroupAuthorizationFailedError, InvalidSessionTimeoutError, KafkaError
 from faust.types import TP
 from mode.supervisors import CrashingSupervisor
 
 from infra.config import Config, KafkaConfig
 from infra.grace import ShutdownDeadline
-from infra.kafka import TopicSpec, client_options, create_topics, start_producer, topic_name
+from infra.kafka import (
+    AUTHORIZATION_ERRORS,
+    KafkaSetupError,
+    TopicSpec,
+    access_denied,
+    check_topic_access,
+    client_options,
+    create_topics,
+    named_refusals,
+    session_timeout_refused,
+    start_producer,
+    topic_name,
+)
 from infra.members import MemberLedger, evict_dead_members, member_id
 from streams.dependency_adapters import kafka_consumer
 from streams.groups import GroupProcessor
@@ -36,6 +50,8 @@ from streams.warehouse import Warehouse
 
 log = logging.getLogger("agentstream.streams")
 
+COORDINATOR_WAIT_S = 15.0
+"""How long the worker's first question for its group coordinator may go unanswered (not yet available)."""
 INGEST_QUEUE_BYTES = 64 << 20
 """Record bytes an agent may have read but not yet stored before it waits (a few seconds of full-speed ingest)."""
 
@@ -132,6 +148,66 @@ def internal_topics(config: Config) -> list[TopicSpec]:
 
 async def prepare_topics(config: Config, bootstrap_servers: str) -> None:
     await create_topics(config, bootstrap_servers, internal_topics(config))
+
+
+def worker_operation(config: Config) -> str:
+    """What the worker does with Kafka, for the line that names a refusal."""
+    return (f"the streams worker (reading {topic_name(config.topics, 'spans')} in group {config.streams.app_id}, "
+            f"writing transitions and dlq)")
+
+
+async def find_coordinator(admin: AIOKafkaAdminClient, group: str, timeout_s: float = COORDINATOR_WAIT_S) -> None:
+    """Ask for ``group``'s coordinator, which Kafka answers only to a principal allowed to describe the group;
+    retried while it is not available yet (a fresh cluster creates its offsets topic at the first such question)."""
+    deadline = asyncio.get_running_loop().time() + timeout_s
+    while True:
+        try:
+            await admin.find_coordinator(group)
+            return
+        except GroupAuthorizationFailedError as error:  # aiokafka's argument is a sentence; the line names the group
+            raise GroupAuthorizationFailedError(group) from error
+        except KafkaError as error:
+            if not error.retriable or asyncio.get_running_loop().time() > deadline:
+                raise
+            await asyncio.sleep(0.2)
+
+
+async def check_access(config: Config, bootstrap_servers: str) -> None:
+    """Ask the cluster, before faust starts, whether this principal may see the worker's group and topics.
+
+    faust waits forever on a group it may not join (aiokafka keeps the refusal for a ``getmany`` faust does
+    not call), and on a wrong password it starts like on a broker that is down. The group's coordinator answers
+    only principals with Describe on the group (Read implies it); the topics' metadata only those with Describe.
+    Read itself is checked when faust joins and fetches (:class:`streams.dependency_adapters.WorkerConsumerThread`).
+    """
+    options = client_options(config.kafka, bootstrap_servers)
+    admin = AIOKafkaAdminClient(**options)
+    await admin.start()
+    try:
+        await find_coordinator(admin, config.streams.app_id)
+    finally:
+        await admin.close()
+    names = ["spans", "streams.groups", "transitions", "dlq"]
+    await check_topic_access(options, [topic_name(config.topics, name) for name in names], worker_operation(config))
+
+
+async def prepare_kafka(config: Config, bootstrap_servers: str) -> None:
+    """Everything the worker asks of Kafka before faust starts, a refusal named (KafkaAccessDenied,
+    KafkaAuthenticationFailed) instead of a traceback or a wait without end."""
+    async with named_refusals(client_options(config.kafka, bootstrap_servers), worker_operation(config)):
+        await prepare_topics(config, bootstrap_servers)
+        await check_access(config, bootstrap_servers)
+        await evict_dead_workers(config, bootstrap_servers)
+
+
+def named_crash(config: Config, bootstrap_servers: str, crash: BaseException | None) -> KafkaSetupError | None:
+    """The named error behind a faust crash, if Kafka refused the worker once it ran: an ACL (Read on a topic or
+    the group) or a session timeout below the broker's minimum. None for any other crash."""
+    if isinstance(crash, InvalidSessionTimeoutError):
+        return session_timeout_refused("[streams] session_timeout_s", config.streams.session_timeout_s)
+    if isinstance(crash, AUTHORIZATION_ERRORS):
+        return access_denied(client_options(config.kafka, bootstrap_servers), crash, worker_operation(config))
+    return None
 
 
 def member_ledger(config: Config) -> MemberLedger:

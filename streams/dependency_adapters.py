@@ -14,9 +14,11 @@ it names, adapt this module (and only it), then move the pins and the versions b
 
 from __future__ import annotations
 
+import asyncio
 from typing import ClassVar
 
 import aiokafka
+from aiokafka.errors import KafkaError
 from faust.transport.drivers.aiokafka import AIOKafkaConsumerThread, Consumer, Transport
 from faust.types import TP
 
@@ -91,12 +93,41 @@ def kafka_consumer(consumer: object) -> aiokafka.AIOKafkaConsumer | None:
     return found if isinstance(found, aiokafka.AIOKafkaConsumer) else None
 
 
+GROUP_ERROR_CHECK_S = 0.5
+"""How often the worker's consumer thread looks for a fatal error of its group coordinator."""
+
+
 class WorkerConsumerThread(AIOKafkaConsumerThread):
-    """faust's aiokafka consumer thread, with a public hook on the worker's AIOKafkaConsumer before it starts.
+    """faust's aiokafka consumer thread, with a public hook on the worker's AIOKafkaConsumer before it starts, and
+    the group coordinator's fatal errors turned into a crash of the worker.
 
     faust: ``AIOKafkaConsumerThread._create_worker_consumer(transport)`` builds that consumer
-    (with ``fetch_max_wait_ms=1500`` written in) when the app is a worker.
+    (with ``fetch_max_wait_ms=1500`` written in) when the app is a worker; ``on_start`` starts it on the
+    thread's loop. aiokafka: a join the coordinator refuses for good (GroupAuthorizationFailedError,
+    InvalidSessionTimeoutError) is kept for the next ``getmany`` by ``consumer._coordinator.check_errors()``;
+    faust reads the fetcher directly and never calls it, so without the check here the worker waited forever.
     """
+
+    _group_errors: asyncio.Task | None = None
+
+    async def on_start(self) -> None:
+        await super().on_start()
+        self._group_errors = asyncio.ensure_future(self._crash_on_group_error(self._ensure_consumer()))
+
+    async def on_thread_stop(self) -> None:
+        if self._group_errors is not None:
+            self._group_errors.cancel()
+        await super().on_thread_stop()
+
+    async def _crash_on_group_error(self, consumer: aiokafka.AIOKafkaConsumer) -> None:
+        """Crash the worker (faust stops it; ``crash_reason`` holds the error) once the coordinator reports one."""
+        while True:
+            await asyncio.sleep(GROUP_ERROR_CHECK_S)
+            try:
+                consumer._coordinator.check_errors()
+            except KafkaError as error:
+                await self.crash(error)
+                return
 
     def _create_worker_consumer(self, transport: Transport) -> aiokafka.AIOKafkaConsumer:
         consumer = super()._create_worker_consumer(transport)

@@ -15,17 +15,23 @@ def run_streams_worker(config: Config, bootstrap_servers: str, clickhouse_url: s
     """Run one stream-processing worker until SIGTERM or SIGINT; run more processes to scale."""
     asyncio.set_event_loop_policy(uvloop.EventLoopPolicy())
     # Imported once uvloop's policy is set, as before this function existed: faust and mode make loops.
-    from streams.app import create_app, evict_dead_workers, prepare_topics, streams_worker
+    from streams.app import create_app, named_crash, prepare_kafka, streams_worker
 
     client = wait_for_clickhouse(config.clickhouse, clickhouse_url, timeout_s=30)
     migrate(client, config.clickhouse.database)
     client.close()
-    asyncio.run(prepare_topics(config, bootstrap_servers))
-    asyncio.run(evict_dead_workers(config, bootstrap_servers))
+    asyncio.run(prepare_kafka(config, bootstrap_servers))
     app = create_app(config, bootstrap_servers, clickhouse_url)
     # The worker makes a few container objects per span and keeps open rollouts' spans alive: with
     # the default thresholds the cycle collector ran hundreds of times a second over all of them (a
     # third of the completion work). Cycles are rare here: collect seldom, and never scan start-up's objects.
     gc.freeze()
     gc.set_threshold(100_000, 50, 100)
-    streams_worker(app, config, loglevel).execute_from_commandline()
+    worker = streams_worker(app, config, loglevel)
+    try:
+        worker.execute_from_commandline()
+    except SystemExit:  # faust exits 1 after a crash and keeps the cause in crash_reason
+        named = named_crash(config, bootstrap_servers, worker.crash_reason)
+        if named is None:
+            raise
+        raise named from worker.crash_reason

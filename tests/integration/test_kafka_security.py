@@ -19,7 +19,7 @@ from aiokafka.admin import AIOKafkaAdminClient
 
 from deploy.checkpoints import CheckpointFollower
 from deploy.deployments import DeploymentFollower, announce
-from infra.acls import RUNNER_GROUP, TRAINER_GROUP_PREFIX, kafka_acls_commands, role_grants
+from infra.acls import RUNNER_GROUP, TRAINER_GROUP_PREFIX, Grant, kafka_acls_commands, role_grants
 from infra.clickhouse import connect
 from infra.config import Config, load_config
 from infra.kafka import (
@@ -39,12 +39,14 @@ from schemas import AvroCodec
 from stack.control import Endpoints
 from streams.app import internal_topics
 from tests.support.kafka_secure import SecureKafka
-from tests.support.streams_harness import Worker, wait_for, worker_env
+from tests.support.streams_harness import CliProcess, Worker, wait_for, worker_env
 from trainer.checkpoints import CheckpointAnnouncer
 
 PREFIX = "sec."
 BOUND_S = 15.0
 """The longest a refusal may take to surface (each one measured here is under a second)."""
+WORKER_BOUND_S = 60.0
+"""The longest a refused `agentstream streams` process may run before it exits (it waits for ClickHouse first)."""
 
 
 @pytest.fixture(scope="module")
@@ -406,6 +408,54 @@ async def produce_raw(options: dict, topic: str, key: bytes, value: bytes) -> No
         await producer.send_and_wait(topic, value, key=key)
     finally:
         await producer.stop()
+
+
+def refused_worker(env: dict, log_path: Path) -> tuple[str, str]:
+    """Run `agentstream streams` until it exits (within WORKER_BOUND_S): status 1, and its last line, the only
+    `error:` line, says why. Returns that line and the whole log."""
+    worker = CliProcess(["streams"], env, log_path)
+    worker.start()
+    code = worker.exit_code(WORKER_BOUND_S)
+    log = worker.log()
+    lines = [line for line in log.splitlines() if line.strip()]
+    errors = [line for line in lines if line.startswith("error: ")]
+    assert code == 1 and errors == lines[-1:], log[-3000:]
+    return errors[0], log
+
+
+def test_worker_with_runner_credentials_exits_naming_the_refusal(kafka: SecureKafka, stack: Endpoints,
+                                                                 database: str, tmp_path: Path) -> None:
+    """The runner may not read spans in the streams group: the worker says so before faust starts (faust waited
+    forever: aiokafka keeps the group's refusal for a getmany faust never calls)."""
+    line, log = refused_worker(secure_worker_env(kafka, stack, tmp_path, database, "runner"), tmp_path / "worker.log")
+    assert line.startswith("error: KafkaAccessDenied: ") and "User:runner" in line, line
+    assert "group agentstream-streams" in line and "Traceback" not in log, line
+
+
+def test_worker_refused_reading_after_it_joined_exits_naming_the_topic(kafka: SecureKafka, base: Config,
+                                                                       stack: Endpoints, database: str,
+                                                                       tmp_path: Path) -> None:
+    """hotswap, granted what the up-front check sees (Describe on the worker's topics, Read on its group) but no Read
+    on a topic: faust joins, its first fetch is refused and it crashes; the worker's last line names the refusal."""
+    grants = [Grant("topic", f"{PREFIX}{name}", "describe") for name in ("spans", "streams.groups", "transitions",
+                                                                          "dlq")]
+    grants.append(Grant("group", base.streams.app_id, "read"))
+    kafka.grant("hotswap", grants)
+    try:
+        line, _ = refused_worker(secure_worker_env(kafka, stack, tmp_path, database, "hotswap"),
+                                 tmp_path / "worker.log")
+    finally:
+        kafka.revoke("hotswap", grants)
+    assert line.startswith("error: KafkaAccessDenied: ") and "User:hotswap" in line and f"topic {PREFIX}" in line
+
+
+def test_worker_with_a_wrong_password_exits_naming_the_login(kafka: SecureKafka, stack: Endpoints,
+                                                             database: str, tmp_path: Path) -> None:
+    """A refused login: named before faust starts (the first admin call raised a bare 'Unable to bootstrap')."""
+    line, log = refused_worker(secure_worker_env(kafka, stack, tmp_path, database, "worker",
+                                                 password="not-the-password"), tmp_path / "worker.log")
+    assert line.startswith("error: KafkaAuthenticationFailed: ") and "User:worker" in line, line
+    assert "Traceback" not in log
 
 
 def test_kafka_acls_commands_name_every_grant(base: Config) -> None:

@@ -2,8 +2,8 @@
 
 The embedded node and the test harnesses lower the broker's minimum to 1 s, so the 3 to 4 s sessions of the stream
 workers, the trainer and the runners never met a stock broker's refusal (InvalidSessionTimeoutError, error 26, at the
-group's first join). Here one node keeps the stock minimum: the trainer and a runner each stop with
-:class:`SessionTimeoutRefused` that says which setting to raise, within a bound.
+group's first join). Here one node keeps the stock minimum: the streams worker process, the trainer and a runner
+each stop with :class:`SessionTimeoutRefused` that says which setting to raise, within a bound.
 """
 
 from __future__ import annotations
@@ -21,7 +21,9 @@ from infra.config import Config, TrainerConfig, load_config
 from infra.kafka import SessionTimeoutRefused, create_topics
 from pipeline.publisher import SpanPublisher
 from pipeline.runner import Runner, RunnerOptions
+from stack.control import Endpoints
 from tests.support.kafka_cluster import KafkaCluster
+from tests.support.streams_harness import CliProcess, worker_env
 from trainer.worker import TrainerWorker
 
 STOCK_MINIMUM = {"group.min.session.timeout.ms": "6000"}
@@ -47,6 +49,20 @@ def config(kafka: str, tmp_path: Path) -> Config:
                                   "AGENTSTREAM_TOPIC_PREFIX": f"st{uuid.uuid4().hex[:8]}."})
     asyncio.run(create_topics(loaded, kafka))
     return loaded
+
+
+def test_streams_worker_exits_naming_its_session_setting(kafka: str, config: Config, stack: Endpoints,
+                                                         tmp_path: Path) -> None:
+    env = worker_env(tmp_path, stack, config.topics.prefix, f"stock_{uuid.uuid4().hex[:8]}")
+    env["KAFKA_BOOTSTRAP_SERVERS"] = kafka
+    worker = CliProcess(["streams"], env, tmp_path / "worker.log")
+    worker.start()
+    code = worker.exit_code(BOUND_S)
+    lines = [line for line in worker.log().splitlines() if line.strip()]
+    errors = [line for line in lines if line.startswith("error: ")]
+    assert code == 1 and errors == lines[-1:], "\n".join(lines[-40:])  # faust logs its crash, the last line says why
+    assert errors[0].startswith("error: SessionTimeoutRefused: ") and "[streams] session_timeout_s" in errors[0]
+    assert "group.min.session.timeout.ms" in errors[0]
 
 
 def test_trainer_names_its_session_setting(config: Config, tmp_path: Path) -> None:

@@ -18,7 +18,14 @@ import time
 from dataclasses import dataclass, replace
 from pathlib import Path
 
-from confluent_kafka.admin import AclBinding, AclOperation, AclPermissionType, AdminClient, ResourcePatternType
+from confluent_kafka.admin import (
+    AclBinding,
+    AclBindingFilter,
+    AclOperation,
+    AclPermissionType,
+    AdminClient,
+    ResourcePatternType,
+)
 from confluent_kafka.admin import ResourceType as AdminResourceType
 from cryptography import x509
 from cryptography.hazmat.primitives import hashes, serialization
@@ -100,6 +107,12 @@ def security_settings(tls: Tls, passwords: dict[str, str]) -> dict[str, str]:
     }
 
 
+def _bindings(user: str, grants: list[Grant], kind: type[AclBinding]) -> list:
+    """``user``'s ALLOW bindings (or filters matching exactly them) for these grants, on any host."""
+    return [kind(AdminResourceType[g.resource.upper()], g.name, ResourcePatternType[g.pattern.upper()], f"User:{user}",
+                 "*", AclOperation[g.operation.upper()], AclPermissionType.ALLOW) for g in grants]
+
+
 class SecureKafka:
     """One KRaft node with SASL_SSL and ACLs, a user per role; ``start`` it, ``stop`` it (by its own PID)."""
 
@@ -159,11 +172,14 @@ class SecureKafka:
 
     def grant(self, user: str, grants: list[Grant]) -> None:
         """Create ACLs allowing ``user`` each grant, on any host; waits for the broker to confirm them."""
-        bindings = [AclBinding(AdminResourceType[g.resource.upper()], g.name,
-                               ResourcePatternType[g.pattern.upper()], f"User:{user}", "*",
-                               AclOperation[g.operation.upper()], AclPermissionType.ALLOW) for g in grants]
         admin = self.admin()  # held until every future is done: a collected client cancels them
-        for future in admin.create_acls(bindings).values():
+        for future in admin.create_acls(_bindings(user, grants, AclBinding)).values():
+            future.result(timeout=30)
+
+    def revoke(self, user: str, grants: list[Grant]) -> None:
+        """Delete the ACLs that :meth:`grant` made for ``user`` and these grants; waits for the broker to confirm."""
+        admin = self.admin()
+        for future in admin.delete_acls(_bindings(user, grants, AclBindingFilter)).values():
             future.result(timeout=30)
 
     def config(self, base: Config, user: str, *, mechanism: str = "SCRAM-SHA-512", password: str | None = None,

@@ -5,6 +5,7 @@ from __future__ import annotations
 import asyncio
 import os
 import signal
+import subprocess
 import time
 from pathlib import Path
 
@@ -39,6 +40,14 @@ class CliProcess(Child):
     def kill(self) -> None:
         self.process.send_signal(signal.SIGKILL)
         self.process.wait()
+
+    def exit_code(self, timeout_s: float) -> int:
+        """Wait for the process to end by itself; one still running after ``timeout_s`` is stopped, failing the test."""
+        try:
+            return self.process.wait(timeout_s)
+        except subprocess.TimeoutExpired:
+            self.stop()
+            raise AssertionError(f"still running after {timeout_s:.0f} s:\n{self.log()[-3000:]}") from None
 
 
 class Worker(CliProcess):

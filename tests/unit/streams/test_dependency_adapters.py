@@ -16,6 +16,7 @@ from typing import Any
 import aiokafka
 import faust
 import pytest
+from aiokafka.consumer.group_coordinator import GroupCoordinator
 from faust.transport.drivers.aiokafka import AIOKafkaConsumerThread, Consumer
 from faust.types import TP, Message
 
@@ -36,6 +37,12 @@ OVERRIDDEN = [
      "StreamsConsumer overrides it to notice records below faust's read offset (a log reset) before faust drops them"),
     (Consumer, "ack", ["self", "message"],
      "StreamsConsumer overrides it so records read before a log reset do not count towards a commit"),
+    (AIOKafkaConsumerThread, "on_start", ["self"],
+     "WorkerConsumerThread overrides it to watch the started consumer's group coordinator for fatal errors"),
+    (AIOKafkaConsumerThread, "on_thread_stop", ["self"],
+     "WorkerConsumerThread overrides it to stop that watch"),
+    (GroupCoordinator, "check_errors", ["self"],
+     "WorkerConsumerThread calls it (AIOKafkaConsumer._coordinator.check_errors) to raise a refused join"),
 ]
 # (class, attribute set in __init__, what the adapter does with it)
 READ = [
