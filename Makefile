@@ -4,7 +4,7 @@ VENV   := .venv
 BIN    := $(VENV)/bin
 STAMP  := $(VENV)/.installed
 
-.PHONY: install chromium kafka demo demo-online test test-kafka test-unit test-scenarios test-agl test-registries lint gpu-check bench bench-learning bench-multistep bench-sft soak chaos clean
+.PHONY: install chromium kafka demo demo-online test test-kafka test-unit test-scenarios test-agl test-registries lint gpu-check bench bench-learning bench-multistep bench-sft soak chaos chaos-cluster clean
 
 install: $(STAMP) chromium kafka
 
@@ -114,6 +114,10 @@ soak: install
 # then every acknowledged span, rollout and transition is looked up. JSON lines; exit 1 if anything was lost.
 chaos: install
 	$(BIN)/python -m bench.chaos
+
+# The same on a three-node Apache Kafka cluster (replication 3, min ISR 2): broker faults kill or pause one node.
+chaos-cluster: install
+	$(BIN)/python -m bench.chaos --cluster
 
 # The demo's task through the whole streamed pipeline, then as a plain synchronous loop (up to
 # 15 minutes each): time to 65%, 75% and 85% for both with the ratios, versions per minute, accuracy by
