@@ -4,7 +4,7 @@ VENV   := .venv
 BIN    := $(VENV)/bin
 STAMP  := $(VENV)/.installed
 
-.PHONY: install chromium kafka demo demo-online test test-kafka test-unit test-scenarios test-agl test-registries lint gpu-check bench bench-learning bench-multistep bench-sft soak chaos clean
+.PHONY: install chromium kafka demo demo-online test test-kafka test-unit test-scenarios test-agl test-registries lint gpu-check bench bench-rebalance bench-learning bench-multistep bench-sft soak chaos chaos-cluster clean
 
 install: $(STAMP) chromium kafka
 
@@ -92,8 +92,10 @@ lint: install
 	$(BIN)/mypy
 
 # Every benchmark prints one JSON line per figure (a few minutes in all; `streams` installs
-# Agent Lightning 0.3.0 into .venv-peer on its first run to compare with it).
-BENCHES := stack_roundtrip broker_storage publish proxy streams trainer step generation precision deploy dashboard otlp clickhouse_reads gate trajectory_prefix tool_drift distributed_trainer fleet
+# Agent Lightning 0.3.0 into .venv-peer on its first run to compare with it). The broker-facing ones (stack_roundtrip,
+# broker_start, publish, streams) run on tansu and then on Apache Kafka in the same sitting (`--broker both`, their
+# default), and every line they print names its broker.
+BENCHES := stack_roundtrip broker_start broker_storage publish proxy streams trainer step generation precision deploy dashboard otlp clickhouse_reads gate trajectory_prefix tool_drift distributed_trainer fleet
 
 # On a machine with a CUDA GPU: the device tests on CUDA, then trainer and generation tokens/s in float32 and
 # bfloat16 (tiny model, then SmolLM2-135M at 64 x 512) and the first-step ratio check, as JSON lines.
@@ -106,6 +108,12 @@ gpu-check: install
 bench: install
 	@for name in $(BENCHES); do $(BIN)/python -m bench.$$name || exit 1; done
 
+# Stream workers joining and leaving their consumer group once a minute for 20 minutes under load, on Apache Kafka's
+# group coordinator (about 25 minutes, niced): stuck workers, lost spans, each rebalance's pause, as JSON lines; exit 1
+# if anything was stuck or lost. `python -m bench.rebalance --broker tansu --minutes 3` is the short tansu comparison.
+bench-rebalance: install
+	nice -n 10 $(BIN)/python -m bench.rebalance --minutes 20 --broker kafka
+
 soak: install
 	$(BIN)/python -m bench.soak
 
@@ -114,6 +122,10 @@ soak: install
 # then every acknowledged span, rollout and transition is looked up. JSON lines; exit 1 if anything was lost.
 chaos: install
 	$(BIN)/python -m bench.chaos
+
+# The same on a three-node Apache Kafka cluster (replication 3, min ISR 2): broker faults kill or pause one node.
+chaos-cluster: install
+	$(BIN)/python -m bench.chaos --cluster
 
 # The demo's task through the whole streamed pipeline, then as a plain synchronous loop (up to
 # 15 minutes each): time to 65%, 75% and 85% for both with the ratios, versions per minute, accuracy by

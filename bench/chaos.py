@@ -16,6 +16,11 @@ the end the load stops, the pipeline drains, and the ledger is checked against C
 missing (expected from acknowledged rollouts, or on the transitions topic) and transitions
 trained twice, plus components that did not answer or exit when asked. JSON lines as the other
 benches; the exit status is 1 when the ledger does not balance or a process was stuck.
+
+``--cluster`` runs it on a three-node Apache Kafka cluster instead of tansu (replication 3,
+``min.insync.replicas`` 2, idempotent producers): a broker fault then hits one node, a SIGKILL
+(restarted on its data) or a SIGSTOP held past the brokers' 9 s session with the controller, so
+the controller fences it and its partitions move to the other two.
 """
 
 from __future__ import annotations
@@ -47,6 +52,7 @@ from infra.processes import ServiceDirectory, free_port, wait_for_port
 from schemas import TASK, TRANSITION, TRANSITION_BATCH, AvroCodec, CodecError
 from schemas.transition_writer import transition_id
 from stack.control import BROKER, CLICKHOUSE, Stack
+from tests.support.kafka_cluster import KafkaCluster
 
 BENCH = "chaos"
 ROOT = Path(__file__).resolve().parents[1]
@@ -152,6 +158,34 @@ class Service:
 
     def start(self) -> None:
         self.stack.up(timeout_s=90, progress=lambda line: None)
+
+
+class ClusterNode:
+    """One node of the ``--cluster`` run's Apache Kafka cluster, faulted like a service: killed and restarted on its
+    data, or paused and continued."""
+
+    kind = "broker"
+    PAUSE_S = (12.0, 20.0)
+    """A paused node is held past ``broker.session.timeout.ms`` (9 s), so the controller fences it."""
+
+    def __init__(self, cluster: KafkaCluster, node_id: int) -> None:
+        self.cluster, self.node_id = cluster, node_id
+        self.name = f"broker-{node_id}"
+
+    @property
+    def pid(self) -> int | None:
+        member = self.cluster.nodes[self.node_id]
+        return member.process.pid if member.running and member.process is not None else None
+
+    def signal(self, sig: signal.Signals) -> None:
+        if sig == signal.SIGKILL:
+            self.cluster.kill(self.node_id)
+        elif self.pid is not None:
+            with contextlib.suppress(ProcessLookupError):
+                os.kill(self.pid, sig)
+
+    def start(self) -> None:
+        self.cluster.restart(self.node_id)
 
 
 # ---------------------------------------------------------------------------------------------- what we watch
@@ -376,11 +410,14 @@ class Soak:
         self.checkpoints = workdir / "checkpoints"
         for folder in (self.ledger_dir, self.logs, self.work_home, self.checkpoints):
             folder.mkdir(parents=True)
+        self.cluster = KafkaCluster(workdir / "kafka") if args.cluster else None
+        cluster = ({"KAFKA_BOOTSTRAP_SERVERS": self.cluster.bootstrap_servers,
+                    "AGENTSTREAM_TOPIC_REPLICATION_FACTOR": "3"} if self.cluster is not None else {})
         self.config = load_config(environ=private_environ(str(workdir / "stack"),
-                                                          AGENTSTREAM_BROKER_STORAGE=args.broker_storage))
+                                                          AGENTSTREAM_BROKER_STORAGE=args.broker_storage, **cluster))
         self.stack = Stack(self.config)
         self.children: dict[str, Child] = {}
-        self.services: dict[str, Service] = {}
+        self.services: dict[str, Service | ClusterNode] = {}
         self.faults: list[Fault] = []
         self.stopped: str | None = None  # the component SIGSTOPped right now
         self.last_mode: dict[str, str] = {}  # kind -> KILL or STOP, its latest fault
@@ -404,11 +441,18 @@ class Soak:
                        credit=(CreditRule(agent="*", strategy="final"),))
 
     def start(self) -> None:
-        say(f"private stack ({self.args.broker_storage} broker) in {self.workdir}")
+        if self.cluster is not None:
+            say(f"three-node Apache Kafka cluster in {self.workdir / 'kafka'}, then a private stack beside it")
+            self.cluster.start()
+        else:
+            say(f"private stack ({self.args.broker_storage} broker) in {self.workdir}")
         endpoints = self.stack.up(timeout_s=90, progress=lambda line: None)
         self.bootstrap, self.clickhouse_url = endpoints.bootstrap_servers, endpoints.clickhouse_url
-        self.services = {"broker": Service(BROKER, "broker", self.stack),
-                         "clickhouse": Service(CLICKHOUSE, "clickhouse", self.stack)}
+        self.services = {"clickhouse": Service(CLICKHOUSE, "clickhouse", self.stack)}
+        if self.cluster is None:
+            self.services["broker"] = Service(BROKER, "broker", self.stack)
+        else:
+            self.services.update({f"broker-{n}": ClusterNode(self.cluster, n) for n in self.cluster.nodes})
         config_path = self.workdir / "agentstream.toml"
         config_path.write_text(dump_toml(self.component_config()))
         env = {k: v for k, v in os.environ.items() if not k.startswith(("KAFKA_", "CLICKHOUSE_", "AGENTSTREAM_"))}
@@ -502,16 +546,17 @@ class Soak:
                 self.warehouse.client.close()
         with contextlib.suppress(Exception):
             self.stack.down(progress=lambda line: None)
+        if self.cluster is not None:
+            self.cluster.stop_all()
         for thread in (self.feeder, self.watcher):
             if thread is not None:
                 thread.join(15)
 
     # --- faults --------------------------------------------------------------------------------
 
-    def targets(self, kind: str) -> list[Child | Service]:
-        if kind in self.services:
-            return [self.services[kind]]
-        return [child for child in self.children.values() if child.kind == kind]
+    def targets(self, kind: str) -> list[Child | Service | ClusterNode]:
+        return ([service for service in self.services.values() if service.kind == kind]
+                + [child for child in self.children.values() if child.kind == kind])
 
     def activity(self, fault: Fault) -> float:
         """When the fault's component last showed it was processing (time.time())."""
@@ -529,7 +574,8 @@ class Soak:
         previous = self.last_mode.get(kind)
         mode = self.rng.choice(("KILL", "STOP")) if previous is None else "STOP" if previous == "KILL" else "KILL"
         self.last_mode[kind] = mode
-        held = self.rng.uniform(1, 5) if mode == "KILL" else self.rng.uniform(3, 15)
+        held = (self.rng.uniform(1, 5) if mode == "KILL" else self.rng.uniform(*ClusterNode.PAUSE_S)
+                if isinstance(target, ClusterNode) else self.rng.uniform(3, 15))
         fault = Fault(number, kind, target.name, mode, time.time(), held)
         pid = target.pid
         target.signal(signal.SIGKILL if mode == "KILL" else signal.SIGSTOP)
@@ -626,11 +672,12 @@ class Soak:
                 silent.append(name)
         if self.warehouse is None or self.warehouse.query("SELECT 1") is None:
             silent.append("clickhouse")
-        try:
-            host, port = self.bootstrap.rsplit(":", 1)
-            wait_for_port(host, int(port), 10)
-        except Exception:
-            silent.append("broker")
+        for address in self.bootstrap.split(","):  # one broker, or each node of the cluster
+            try:
+                host, port = address.rsplit(":", 1)
+                wait_for_port(host, int(port), 10)
+            except Exception:
+                silent.append(f"broker {address}")
         silent += [child.name for child in self.children.values() if child.exited() is not None]
         return silent
 
@@ -747,7 +794,8 @@ class Soak:
         state: LedgerState = verdict["state"]
         by_kind = Counter(f.kind for f in self.faults)
         by_mode = Counter(f"{f.kind}:{f.mode}" for f in self.faults)
-        extra = {"seconds": self.args.seconds, "seed": self.args.seed, "broker_storage": self.args.broker_storage}
+        extra = {"seconds": self.args.seconds, "seed": self.args.seed,
+                 "broker": "kafka-cluster-3" if self.args.cluster else f"tansu-{self.args.broker_storage}"}
         emit(BENCH, "chaos_faults", len(self.faults), "faults", kinds_covered=len(by_kind), **extra)
         emit(BENCH, "chaos_faults_by_kind", len(by_kind), "kinds", by_kind=dict(sorted(by_kind.items())),
              by_kind_and_mode=dict(sorted(by_mode.items())), **extra)
@@ -812,6 +860,8 @@ def main() -> None:
     parser.add_argument("--stream-workers", type=int, default=1)
     parser.add_argument("--drain-s", type=float, default=180.0, help="Most seconds to wait for the pipeline to drain.")
     parser.add_argument("--broker-storage", choices=("durable", "memory"), default="durable")
+    parser.add_argument("--cluster", action="store_true",
+                        help="A three-node Apache Kafka cluster (replication 3, min ISR 2) instead of tansu.")
     parser.add_argument("--keep", action="store_true", help="Keep the work folder (logs, ledger, checkpoints).")
     args = parser.parse_args()
 

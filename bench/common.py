@@ -1,7 +1,9 @@
-"""Shared pieces of the benchmark scripts: JSON-line output, a private stack, a realistic 1 KB LLM span."""
+"""Shared pieces of the benchmark scripts: JSON-line output, a private stack on either broker, a realistic 1 KB
+LLM span."""
 
 from __future__ import annotations
 
+import argparse
 import contextlib
 import json
 import os
@@ -13,7 +15,7 @@ from collections.abc import Iterator
 from pathlib import Path
 from typing import Any
 
-from infra.config import Config, load_config
+from infra.config import BROKERS, Config, load_config
 from infra.processes import free_port, wait_for_port
 from stack.control import Endpoints, Stack
 
@@ -24,6 +26,18 @@ def emit(bench: str, metric: str, value: float | None, unit: str, **extra: Any) 
     """One figure as a JSON line: {"bench", "metric", "value", "unit", ...}; a figure not reached is null."""
     print(json.dumps({"bench": bench, "metric": metric, "value": None if value is None else round(value, 3),
                       "unit": unit, **extra}), flush=True)
+
+
+def add_broker_option(parser: argparse.ArgumentParser) -> None:
+    """``--broker tansu|kafka|both`` (default both): the embedded broker(s) a broker-facing bench runs on, one after
+    the other in one sitting, so `make bench` prints both brokers' figures side by side."""
+    parser.add_argument("--broker", choices=(*BROKERS, "both"), default="both",
+                        help="the private stack's broker; both: tansu, then Apache Kafka")
+
+
+def chosen_brokers(choice: str) -> tuple[str, ...]:
+    """The brokers ``--broker`` names, in the order they run."""
+    return BROKERS if choice == "both" else (choice,)
 
 
 def percentile(values: list[float], q: float) -> float:
@@ -53,9 +67,8 @@ def private_stack(**environ: str) -> Iterator[tuple[Config, Endpoints]]:
     with tempfile.TemporaryDirectory(prefix="agentstream-bench-") as home:
         config = load_config(environ=private_environ(home, **environ))
         stack = Stack(config)
-        endpoints = stack.up(progress=lambda line: None)
-        try:
-            yield config, endpoints
+        try:  # an `up` that fails half way has started services too: they are stopped all the same
+            yield config, stack.up(progress=lambda line: None)
         finally:
             stack.down(progress=lambda line: None)
 

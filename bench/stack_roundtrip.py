@@ -1,29 +1,33 @@
-"""Round-trip latency and throughput of the local stack itself: the tansu broker and ClickHouse over HTTP.
+"""Round-trip latency and throughput of the local stack itself: its broker and ClickHouse over HTTP.
 
-Starts a private stack on free loopback ports, measures, stops it. Prints one JSON line per figure.
+For each broker ``--broker`` names (tansu, Apache Kafka, or both, the default): a machine calibration line,
+then a private stack on free loopback ports with that broker, the figures, the stack stopped. Prints one
+JSON line per figure, each naming its broker.
 """
 
 from __future__ import annotations
 
+import argparse
 import asyncio
 import datetime
 import functools
 import os
 import statistics
 import time
+from collections.abc import Callable
 
 from aiokafka import AIOKafkaConsumer, AIOKafkaProducer
 from aiokafka.admin import AIOKafkaAdminClient, NewTopic
 
+from bench.common import add_broker_option, chosen_brokers, percentile, private_stack
 from bench.common import emit as emit_figure
-from bench.common import percentile, private_stack
 from infra.clickhouse import connect
 from infra.kafka import client_options
+from stack.machine import calibrate
 
-emit = functools.partial(emit_figure, "stack")
 
-
-async def kafka_figures(options: dict) -> None:
+async def kafka_figures(options: dict, emit: Callable[..., None]) -> None:
+    """Produce-to-consume round trips of one small record (acks=all), then a 1 KB flood produced and consumed."""
     admin = AIOKafkaAdminClient(**options)
     await admin.start()
     await admin.create_topics([NewTopic("bench.ping", 1, 1), NewTopic("bench.flood", 4, 1)])
@@ -71,7 +75,8 @@ async def kafka_figures(options: dict) -> None:
     emit("kafka_consume_msgs_per_s", received / elapsed, "msg/s", message_bytes=1024)
 
 
-def clickhouse_figures(config, url: str) -> None:
+def clickhouse_figures(config, url: str, emit: Callable[..., None]) -> None:
+    """Batched inserts, a GROUP BY and point queries over the stack's ClickHouse HTTP front."""
     client = connect(config.clickhouse, url)
     client.command("CREATE TABLE IF NOT EXISTS default.bench_rows (id UInt64, at DateTime64(6), name String, "
                    "value Float64, tokens Array(UInt32)) ENGINE = MergeTree ORDER BY id")
@@ -99,9 +104,16 @@ def clickhouse_figures(config, url: str) -> None:
 
 
 def main() -> None:
-    with private_stack() as (config, endpoints):
-        asyncio.run(kafka_figures(client_options(config.kafka, endpoints.bootstrap_servers)))
-        clickhouse_figures(config, endpoints.clickhouse_url)
+    parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    add_broker_option(parser)
+    args = parser.parse_args()
+    for broker in chosen_brokers(args.broker):
+        emit = functools.partial(emit_figure, "stack", broker=broker)
+        calibration = calibrate()
+        emit("machine_calibration", calibration.python_loop_s, "s", **calibration.as_dict())
+        with private_stack(AGENTSTREAM_BROKER=broker) as (config, endpoints):
+            asyncio.run(kafka_figures(client_options(config.kafka, endpoints.bootstrap_servers), emit))
+            clickhouse_figures(config, endpoints.clickhouse_url, emit)
 
 
 if __name__ == "__main__":

@@ -6,8 +6,9 @@ spans (rollouts of 15 LLM calls and a reward, between STARTED and SUCCEEDED even
 - transition_latency_p50_ms / _p99_ms: at half that load, SUCCEEDED event published → its
   transitions on the transitions topic (the Kafka record timestamp the worker's producer set);
 - ingest_cpu_us_per_span: CPU microseconds per span of each process during the ingest run (the
-  publisher, i.e. this process; the broker and its object store; the worker; ClickHouse), from
-  the processes' own counters, and their total;
+  publisher, i.e. this process; the broker, tansu or Apache Kafka's JVM with all its threads; the
+  object store, tansu's storage, which on Kafka holds only the checkpoint bucket; the worker;
+  ClickHouse), from the processes' own counters (/proc/<pid>/stat), and their total;
 - machine_calibration: the CPU model and two fixed workloads' times (stack/machine.py), so figures
   from different machines can be compared;
 - ``--level trajectory``: the worker's [[credit]] rule trains at trajectory level, so it reads
@@ -15,7 +16,12 @@ spans (rollouts of 15 LLM calls and a reward, between STARTED and SUCCEEDED even
   unrelated: every call after a rollout's first breaks the prefix, prefix_breaks_per_rollout 14);
   the figures carry the level;
 - the peer: Agent Lightning 0.3.0's LightningStore HTTP server with runners in separate processes,
-  on the same number of 1 KB spans, printed as "peer" with the "ratio".
+  on the same number of 1 KB spans, measured once before the brokers' runs and printed as "peer"
+  with the "ratio" on each broker's ingest line.
+
+Every figure is measured on each broker ``--broker`` names (tansu, Apache Kafka, or both, the
+default), one private stack after the other, each after its own calibration line; every line names
+its broker.
 """
 
 from __future__ import annotations
@@ -33,7 +39,7 @@ from pathlib import Path
 
 from aiokafka import AIOKafkaConsumer
 
-from bench.common import cli_environ, emit, llm_span, percentile, private_stack
+from bench.common import add_broker_option, chosen_brokers, cli_environ, emit, llm_span, percentile, private_stack
 from infra.clickhouse import connect
 from infra.config import BROKER_STORAGES, LEVELS
 from infra.kafka import client_options, topic_name
@@ -131,14 +137,28 @@ def main() -> None:
     parser.add_argument("--latency-seconds", type=float, default=15.0)
     parser.add_argument("--no-peer", action="store_true", help="skip Agent Lightning")
     parser.add_argument("--broker-storage", choices=BROKER_STORAGES, default="durable",
-                        help="the broker's storage (memory: no object store, what durability costs)")
+                        help="tansu's storage (memory: no object store, what durability costs)")
     parser.add_argument("--level", choices=LEVELS, default="transition",
                         help="the [[credit]] level of the worker's rule (trajectory: calls compared and merged)")
+    add_broker_option(parser)
     args = parser.parse_args()
+    peer = None
+    if not args.no_peer:
+        from bench.peer_agentlightning import run_peer
 
+        peer = run_peer(rollouts=2000, spans_per_rollout=8, runners=8)
+    for broker in chosen_brokers(args.broker):
+        measure(broker, args, peer)
+
+
+def measure(broker: str, args: argparse.Namespace, peer: dict | None) -> None:
+    """Every figure but the peer's on a private stack with ``broker``, after a calibration line; each line names
+    the broker, and the ingest line carries the peer's figure (measured once, before) and the ratio."""
     calibration = calibrate()
-    emit(BENCH, "machine_calibration", calibration.python_loop_s, "s", **calibration.as_dict())
-    with (private_stack(AGENTSTREAM_BROKER_STORAGE=args.broker_storage) as (config, endpoints),
+    emit(BENCH, "machine_calibration", calibration.python_loop_s, "s", broker=broker, **calibration.as_dict())
+    storage = args.broker_storage if broker == "tansu" else "log dirs"  # Kafka writes its own logs to disk
+    with (private_stack(AGENTSTREAM_BROKER=broker, AGENTSTREAM_BROKER_STORAGE=args.broker_storage) as (config,
+                                                                                                        endpoints),
           tempfile.TemporaryDirectory() as scratch):
         env = cli_environ(endpoints, scratch)
         if args.level != "transition":
@@ -173,18 +193,18 @@ def main() -> None:
                 cpu = {STAGES[label]: seconds for label, seconds in meter.seconds_by_label().items()
                        if label in STAGES}
                 ours = total / elapsed
-                emit(BENCH, "publish_phase_spans_per_s", total / (published - started), "spans/s", spans=total)
+                emit(BENCH, "publish_phase_spans_per_s", total / (published - started), "spans/s", spans=total,
+                     broker=broker)
                 per_span = {stage: seconds / total * 1e6 for stage, seconds in cpu.items()}
                 emit(BENCH, "ingest_cpu_us_per_span", sum(per_span.values()), "us/span",
                      by_stage={stage: round(us, 1) for stage, us in per_span.items()},
                      cpu_seconds={stage: round(seconds, 2) for stage, seconds in cpu.items()},
                      wall_seconds=round(elapsed, 2), spans=total, cores=calibration.cores,
-                     broker_storage=args.broker_storage, level=args.level,
+                     broker=broker, broker_storage=storage, level=args.level,
                      note="publisher = this process (its ClickHouse count query every 0.1 s included)")
                 for stage, us in per_span.items():
-                    emit(BENCH, f"ingest_cpu_us_per_span_{stage}", us, "us/span")
+                    emit(BENCH, f"ingest_cpu_us_per_span_{stage}", us, "us/span", broker=broker)
 
-                peer = None
                 watcher = TransitionWatcher(options, topic_name(config.topics, "transitions"))
                 watcher.start()
                 time.sleep(2)
@@ -208,26 +228,22 @@ def main() -> None:
                         latencies.append((watcher.seen[rollout_id] - at) * 1000)
                 watcher.stop.set()
             missing = len(ended) - len(latencies)
-            if not args.no_peer:
-                from bench.peer_agentlightning import run_peer
-
-                peer = run_peer(rollouts=2000, spans_per_rollout=8, runners=8)
-            extra = {"spans": total, "seconds": round(elapsed, 2), "span_bytes": 1000, "workers": 1,
+            extra = {"broker": broker, "spans": total, "seconds": round(elapsed, 2), "span_bytes": 1000, "workers": 1,
                      "level": args.level}
             if peer:
                 extra.update(peer=round(peer["spans_per_s"], 1), ratio=round(ours / peer["spans_per_s"], 1),
                              peer_system="agentlightning==0.3.0 LightningStore (HTTP server, 8 runner processes, "
                                          f"{peer['path']})")
             emit(BENCH, "ingest_spans_per_s", ours, "spans/s", **extra)
-            load = {"load_spans_per_s": round(ours / 2), "rollouts": len(ended), "missing": missing,
+            load = {"broker": broker, "load_spans_per_s": round(ours / 2), "rollouts": len(ended), "missing": missing,
                     "level": args.level}
             emit(BENCH, "transition_latency_p50_ms", percentile(latencies, 0.5), "ms", **load)
             emit(BENCH, "transition_latency_p99_ms", percentile(latencies, 0.99), "ms", **load)
-            emit(BENCH, "worker_rss_mb", rss_mb(worker.pid), "MB", at_start=round(rss_start, 1))
+            emit(BENCH, "worker_rss_mb", rss_mb(worker.pid), "MB", at_start=round(rss_start, 1), broker=broker)
             merges, breaks, rollouts = client.query(
                 "SELECT sum(prefix_merges), sum(prefix_breaks), count() FROM rollouts FINAL").result_rows[0]
             emit(BENCH, "prefix_breaks_per_rollout", breaks / max(rollouts, 1), "breaks", level=args.level,
-                 prefix_merges_per_rollout=round(merges / max(rollouts, 1), 3), rollouts=rollouts)
+                 broker=broker, prefix_merges_per_rollout=round(merges / max(rollouts, 1), 3), rollouts=rollouts)
             if os.environ.get("BENCH_WORKER_LOG"):
                 Path(os.environ["BENCH_WORKER_LOG"]).write_text((Path(scratch) / "worker.log").read_text())
         finally:

@@ -22,6 +22,9 @@ from infra.processes import ServiceError
 KAFKA_VERSION = "4.4.0"
 """The Apache Kafka release `make install` fetches (``stack/apache-kafka.pom.xml`` names the same)."""
 
+MAIN_CLASS = "kafka.Kafka"
+"""The broker's main class: what its java command line runs, and how a process is told to be the broker."""
+
 CHECKOUT = Path(__file__).resolve().parents[1]
 DEFAULT_JARS = CHECKOUT / ".kafka" / KAFKA_VERSION / "jars"
 
@@ -167,4 +170,4 @@ def kafka_command(java: Path, jars: Path, properties_path: Path, heap_mb: int = 
             "-Djava.awt.headless=true", "-Dorg.slf4j.simpleLogger.defaultLogLevel=warn",
             "-Dorg.slf4j.simpleLogger.log.kafka.server.KafkaRaftServer=info",
             "-Dorg.slf4j.simpleLogger.showDateTime=true", *jvm_options,
-            "-cp", f"{jars}/*", "kafka.Kafka", str(properties_path)]
+            "-cp", f"{jars}/*", MAIN_CLASS, str(properties_path)]

@@ -15,6 +15,8 @@ from collections import defaultdict
 from dataclasses import asdict, dataclass
 from pathlib import Path
 
+from stack.kafka import MAIN_CLASS
+
 PYTHON_LOOP_ITERATIONS = 10_000_000
 NUMPY_MATMUL_SIZE = 512
 NUMPY_MATMUL_REPEATS = 40
@@ -114,7 +116,7 @@ def process_label(pid: int) -> str | None:
                           ("stack.schema_registry", "schema-registry")):
         if module in argv:
             return label
-    if Path(argv[0]).name == "tansu":
+    if Path(argv[0]).name == "tansu" or MAIN_CLASS in argv:  # tansu, or Apache Kafka's JVM
         return "broker"
     if "agentstream" in argv:
         rest = argv[argv.index("agentstream") + 1:]

@@ -223,7 +223,7 @@ def test_spans_published_while_the_broker_is_sigkilled_all_reach_clickhouse(dura
         worker.stop()
 
 
-@pytest.mark.tansu_only
+@pytest.mark.own_broker
 def test_memory_storage_is_still_available_explicitly(tmp_path: Path, stack: Endpoints):
     running = private_stack(tmp_path / "stack", stack.clickhouse_url, "agentstream", "m.")
     running = Stack(replace(running.config, stack=replace(running.config.stack, broker_storage="memory")))

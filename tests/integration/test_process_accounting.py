@@ -13,6 +13,7 @@ import time
 from pathlib import Path
 
 from infra.members import MemberLedger
+from stack.kafka import MAIN_CLASS
 from stack.machine import CpuShare, child_processes, process_cpu_seconds, process_label
 
 
@@ -42,6 +43,20 @@ def test_child_processes_and_their_labels() -> None:
         sleeper.wait()
     assert sleeper.pid not in child_processes(os.getpid())
     assert process_label(sleeper.pid) is None
+
+
+def test_apache_kafkas_jvm_is_labelled_broker_like_tansu() -> None:
+    """The JVM is told by its main class (bench.streams counts the broker's CPU by this label)."""
+    jvm_like = subprocess.Popen([sys.executable, "-c", "import time; time.sleep(30)", MAIN_CLASS, "server.properties"])
+    try:
+        deadline = time.monotonic() + 10
+        while MAIN_CLASS.encode() not in Path(f"/proc/{jvm_like.pid}/cmdline").read_bytes():
+            assert time.monotonic() < deadline
+            time.sleep(0.02)  # until the child has exec'd its command line
+        assert process_label(jvm_like.pid) == "broker"
+    finally:
+        jvm_like.kill()
+        jvm_like.wait()
 
 
 def test_cpu_share_counts_a_busy_child_by_its_label() -> None:
