@@ -42,6 +42,8 @@ from tests.support.kafka_secure import SecureKafka
 from tests.support.streams_harness import CliProcess, Worker, wait_for, worker_env
 from trainer.checkpoints import CheckpointAnnouncer
 
+pytestmark = pytest.mark.own_broker  # the worker tests use the session stack's ClickHouse, not its broker
+
 PREFIX = "sec."
 BOUND_S = 15.0
 """The longest a refusal may take to surface (each one measured here is under a second)."""

@@ -26,6 +26,8 @@ from tests.support.kafka_cluster import KafkaCluster
 from tests.support.streams_harness import CliProcess, worker_env
 from trainer.worker import TrainerWorker
 
+pytestmark = pytest.mark.own_broker  # its own node: the second pass (the session broker on Kafka) adds nothing
+
 STOCK_MINIMUM = {"group.min.session.timeout.ms": "6000"}
 """Apache Kafka's default; the embedded node's properties lower it to 1000."""
 BOUND_S = 60.0
