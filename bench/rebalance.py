@@ -46,11 +46,13 @@ from dataclasses import dataclass, field
 from pathlib import Path
 from statistics import median
 
+from aiokafka import AIOKafkaConsumer, TopicPartition
+
 from bench.common import cli_environ, emit, private_stack
 from bench.streams import SPANS_PER_ROLLOUT, Workload, start_worker, wait_ready
 from infra.clickhouse import connect
 from infra.config import BROKERS, Config
-from infra.kafka import admin_client, topic_name, topic_partitions
+from infra.kafka import admin_client, client_options, topic_name, topic_partitions
 from pipeline.publisher import SpanPublisher
 from stack.machine import calibrate
 
@@ -123,10 +125,11 @@ class Load(threading.Thread):
 class Watcher(threading.Thread):
     """Every ``POLL_S``: the group as its coordinator describes it."""
 
-    def __init__(self, config: Config, bootstrap: str, group: str, spans_topic: str) -> None:
+    def __init__(self, config: Config, bootstrap: str, group: str, spans_topic: str, partitions: int) -> None:
         super().__init__(name="watcher", daemon=True)
         self.config, self.bootstrap = config, bootstrap
         self.group, self.spans_topic = group, spans_topic
+        self.partitions = [TopicPartition(spans_topic, partition) for partition in range(partitions)]
         self.views: list[GroupView] = []
         self.stopping = threading.Event()
 
@@ -135,16 +138,24 @@ class Watcher(threading.Thread):
 
     async def _run(self) -> None:
         admin = admin_client(self.config, self.bootstrap)
+        # The committed offsets come from a consumer of the group that never joins it (its partitions assigned by
+        # hand and paused): tansu answers the admin client's OffsetFetch in a form aiokafka cannot decode.
+        offsets = AIOKafkaConsumer(**client_options(self.config.kafka, self.bootstrap), group_id=self.group,
+                                   enable_auto_commit=False)
         await admin.start()
+        await offsets.start()
+        offsets.assign(self.partitions)
+        offsets.pause(*self.partitions)
         try:
             while not self.stopping.is_set():
                 began = time.monotonic()
-                self.views.append(await self._describe(admin))
+                self.views.append(await self._describe(admin, offsets))
                 await asyncio.sleep(max(0.0, POLL_S - (time.monotonic() - began)))
         finally:
+            await offsets.stop()
             await admin.close()
 
-    async def _describe(self, admin) -> GroupView:
+    async def _describe(self, admin, offsets: AIOKafkaConsumer) -> GroupView:
         """The group's state, members with their spans partitions (decoded from the consumer protocol's
         assignment bytes) and committed spans offsets."""
         from aiokafka.coordinator.protocol import ConsumerProtocolMemberAssignment
@@ -162,8 +173,7 @@ class Watcher(threading.Thread):
                 partitions = tuple(sorted(p for topic, ps in decoded.assignment if topic == self.spans_topic
                                           for p in ps))
             assigned[member[0]] = partitions
-        offsets = await admin.list_consumer_group_offsets(self.group)
-        committed = {tp.partition: meta.offset for tp, meta in offsets.items() if tp.topic == self.spans_topic}
+        committed = {tp.partition: await offsets.committed(tp) or -1 for tp in self.partitions}
         return GroupView(at, state, assigned, committed)
 
 
@@ -308,7 +318,7 @@ def run(args: argparse.Namespace) -> int:
         logs.mkdir(parents=True)
         workers = Workers(env, logs.resolve())
         client = connect(config.clickhouse, endpoints.clickhouse_url, database=config.clickhouse.database)
-        watcher = Watcher(config, endpoints.bootstrap_servers, config.streams.app_id, spans_topic)
+        watcher = Watcher(config, endpoints.bootstrap_servers, config.streams.app_id, spans_topic, args.partitions)
         load = Load(config, endpoints.bootstrap_servers, args.rate, Path(scratch) / "journal")
         changes: list[Change] = []
         try:
