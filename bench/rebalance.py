@@ -8,9 +8,10 @@ changes, in the cycle: a worker joins, one leaves (SIGTERM, a LeaveGroup), one j
 
 - stuck: at the end of each change's window (just before the next change), from the coordinator's own
   view (DescribeGroups and the committed offsets, polled every ``POLL_S``): spans partitions assigned to
-  nobody, members beyond the live workers (a dead worker still in the group), live workers beyond the
-  members (a worker outside the group), and members whose partitions' committed offsets did not move over
-  the window's last ``PROGRESS_S`` seconds;
+  nobody (``unassigned`` is null where the coordinator reports no member's assignment: tansu 0.6), spans
+  partitions whose committed offset did not move over the window's last ``PROGRESS_S`` seconds
+  (``stalled``), members beyond the live workers (a dead worker still in the group), live workers beyond
+  the members (a worker outside the group), and members whose every partition stalled;
 - lost: spans published (and acknowledged) but not in ClickHouse after the load stops and the workers
   drain, and rollouts without transitions in ClickHouse;
 - pause: per change, from the change (the signal, or a joining worker's process start) until spans
@@ -82,7 +83,9 @@ class Change:
     at: float
     workers_after: int
     ends: float = 0.0
-    unassigned: list[int] = field(default_factory=list)
+    unassigned: list[int] | None = field(default_factory=list)
+    """Spans partitions no member holds; None where the coordinator reports no member's assignment (tansu 0.6)."""
+    stalled: list[int] = field(default_factory=list)
     ghosts: int = 0
     missing_workers: int = 0
     idle_members: int = 0
@@ -90,7 +93,9 @@ class Change:
 
     @property
     def stuck(self) -> int:
-        return len(self.unassigned) + self.ghosts + self.missing_workers + self.idle_members
+        """Partitions unassigned or not advancing, members beyond the live workers or short of them, idle members."""
+        partitions = set(self.unassigned or ()) | set(self.stalled)
+        return len(partitions) + self.ghosts + self.missing_workers + self.idle_members
 
 
 class Load(threading.Thread):
@@ -220,7 +225,9 @@ def judge_window(change: Change, views: list[GroupView], partitions: int, worker
     before = earlier[-1] if earlier and earlier[-1].at >= change.at else None
     owners = [p for assigned in last.members.values() for p in assigned]
     change.state = last.state
-    change.unassigned = sorted(set(range(partitions)) - set(owners))
+    change.unassigned = sorted(set(range(partitions)) - set(owners)) if owners or not last.members else None
+    if before is not None:
+        change.stalled = [p for p in range(partitions) if last.committed.get(p, -1) <= before.committed.get(p, -1)]
     live = len(workers.live)
     change.ghosts = max(0, len(last.members) - live)
     change.missing_workers = max(0, live - len(last.members))
@@ -379,7 +386,8 @@ def report(broker: str, changes: list[Change], views: list[GroupView], inserts: 
         emit(BENCH, "change", pause, "s", broker=broker, number=change.number, kind=change.kind,
              workers_after=change.workers_after, steady_gap_s=None if steady is None else round(steady, 3),
              clickhouse_gap_s=None if clickhouse_gap is None else round(clickhouse_gap, 3), state=change.state,
-             unassigned=change.unassigned, ghosts=change.ghosts, missing_workers=change.missing_workers,
+             unassigned=change.unassigned, stalled=change.stalled, ghosts=change.ghosts,
+             missing_workers=change.missing_workers,
              idle_members=change.idle_members)
     pauses = [pause for _change, pause, _steady in measured if pause is not None]
     steady = [gap for _change, _pause, gap in measured if gap is not None]
