@@ -91,11 +91,25 @@ async def ensure_topics(admin: AIOKafkaAdminClient, specs: list[TopicSpec], repl
                 created.append(name)
             elif code != TOPIC_ALREADY_EXISTS:
                 raise KafkaSetupError(f"could not create topic {name}: error {code} {message or ''}".strip())
-    layout = await topic_partitions(admin, [s.name for s in specs])
-    for spec in specs:
-        if layout.get(spec.name, 0) < 1:
-            raise KafkaSetupError(f"topic {spec.name} exists but reports no partitions")
+    await wait_for_layout(admin, [s.name for s in specs])
     return created
+
+
+async def wait_for_layout(admin: AIOKafkaAdminClient, names: list[str], timeout_s: float = 15.0) -> None:
+    """Wait until every topic in ``names`` reports its partitions, or raise KafkaSetupError.
+
+    On a cluster of several brokers a topic the controller just created reaches the other brokers' metadata a
+    moment later (measured: a worker asking right after the creation was told the topic had no partitions).
+    """
+    deadline = asyncio.get_running_loop().time() + timeout_s
+    while True:
+        layout = await topic_partitions(admin, names)
+        missing = [name for name in names if layout.get(name, 0) < 1]
+        if not missing:
+            return
+        if asyncio.get_running_loop().time() > deadline:
+            raise KafkaSetupError(f"topic {missing[0]} exists but reports no partitions after {timeout_s:.0f}s")
+        await asyncio.sleep(0.1)
 
 
 async def topic_partitions(admin: AIOKafkaAdminClient, names: list[str]) -> dict[str, int]:
