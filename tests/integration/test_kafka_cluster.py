@@ -212,7 +212,7 @@ async def _read_all(options: dict, topic: str, partitions: list[int]) -> list[by
         ends = await consumer.end_offsets(tps)
         await consumer.seek_to_beginning(*tps)
         values: list[bytes] = []
-        while any(await consumer.position(tp) < ends[tp] for tp in tps):
+        while [tp for tp in tps if await consumer.position(tp) < ends[tp]]:
             for records in (await consumer.getmany(timeout_ms=500)).values():
                 values += [record.value for record in records]
         return values
@@ -278,8 +278,10 @@ def test_leader_kill_under_load_loses_nothing_and_stores_nothing_twice(cluster, 
     killed_at = time.time()
     cluster.kill(victim)
     time.sleep(15)  # the controller fences the dead broker after its session (9 s by default) and moves leaders
+    restarted = time.monotonic()
     cluster.restart(victim)
-    catch_up_s = wait_in_sync(cluster, [spans_topic, transitions_topic], victim)
+    registered_s = time.monotonic() - restarted
+    catch_up_s = registered_s + wait_in_sync(cluster, [spans_topic, transitions_topic], victim)
     after_kill = pipeline.load.first_after(killed_at)
     state, stored = pipeline.drain_spans()
 
@@ -307,7 +309,7 @@ def test_leader_kill_under_load_loses_nothing_and_stores_nothing_twice(cluster, 
     emit("cluster_leader_kill", victim=victim, spans_partitions_led=led, spans_acked=len(state.spans),
          spans_lost=len(lost), spans_twice_on_topic=twice_on_topic, span_rows_beyond_one=rows - distinct,
          acked_again_s=round(acked_again_s, 2), stored_again_s=round(stored_again_s, 2),
-         catch_up_s=round(catch_up_s, 2), transitions_expected=len(expected),
+         restart_registered_s=round(registered_s, 2), restart_in_sync_s=round(catch_up_s, 2), transitions_expected=len(expected),
          transitions_untrained=len(expected - set(trained_ids)), transitions_trained_twice=beyond_first(trained_ids),
          transitions_twice_on_topic=transitions_twice_on_topic, publisher=vars(pipeline.publisher.stats()))
     assert state.spans and not lost, f"{len(lost)} acknowledged spans missing from ClickHouse"
