@@ -4,7 +4,7 @@ VENV   := .venv
 BIN    := $(VENV)/bin
 STAMP  := $(VENV)/.installed
 
-.PHONY: install chromium kafka demo demo-online test test-unit test-scenarios test-agl test-registries lint gpu-check bench bench-learning bench-multistep bench-sft soak chaos clean
+.PHONY: install chromium kafka demo demo-online test test-kafka test-unit test-scenarios test-agl test-registries lint gpu-check bench bench-learning bench-multistep bench-sft soak chaos clean
 
 install: $(STAMP) chromium kafka
 
@@ -48,16 +48,22 @@ demo: install
 demo-online: install
 	$(BIN)/agentstream demo --online
 
-# Lint first (seconds), then every test: unit (no services) and integration (a real broker and ClickHouse).
+# Lint first (seconds), then every test: unit (no services) and integration (a real broker and ClickHouse) on tansu,
+# then every test that talks to the session's broker again on Apache Kafka (`make test-kafka`).
 test: install lint
 	$(BIN)/python -m pytest
+	AGENTSTREAM_TEST_BROKER=kafka $(BIN)/python -m pytest -m integration
+
+# The second pass alone: the tests that use the session stack, with Apache Kafka 4.4 (one KRaft node) as its broker.
+test-kafka: install
+	AGENTSTREAM_TEST_BROKER=kafka $(BIN)/python -m pytest -m integration
 
 test-unit: install
 	$(BIN)/python -m pytest -m unit
 
 # Minutes each, so not in `make test` (about 8 minutes in all): the calculator demo (warm start, then RL on tool
 # loops), the online demo (two servers, the gate, canaries) and the fleet losing a host under load.
-# CI runs them after `make test` when that left room under its 30 minutes.
+# CI runs them after `make test`, every time.
 test-scenarios: install
 	AGENTSTREAM_TEST_SCENARIOS=1 $(BIN)/python -m pytest -m scenario
 

@@ -35,7 +35,7 @@ from aiokafka import AIOKafkaConsumer, AIOKafkaProducer, TopicPartition
 from aiokafka.errors import KafkaError
 
 from infra.config import Config
-from infra.kafka import client_options, consumer_options, topic_name
+from infra.kafka import client_options, consumer_options, start_producer, topic_name
 from schemas import ANNOUNCEMENT, DEPLOYMENT, AvroCodec, CodecError
 from schemas.errors import AgentstreamError
 
@@ -209,17 +209,20 @@ class DeploymentLog:
         self.table = f"{config.clickhouse.database}.deployments"
         self.codec = AvroCodec()
         self.warehouse = warehouse
-        self._producer = AIOKafkaProducer(**client_options(config.kafka, bootstrap_servers), acks="all")
+        self._kafka, self._options = config.kafka, client_options(config.kafka, bootstrap_servers)
+        self._producer: AIOKafkaProducer | None = None
         self._recording = asyncio.Lock()
 
     async def start(self) -> None:
-        await self._producer.start()
+        self._producer = await start_producer(self._kafka, self._options)
 
     async def stop(self) -> None:
-        await self._producer.stop()
+        if self._producer is not None:
+            await self._producer.stop()
 
     async def record(self, decision: Decision) -> None:
         async with self._recording:
+            assert self._producer is not None, "DeploymentLog.record before start"
             await self._producer.send_and_wait(self.topic, key=decision.model.encode(),
                                                value=self.codec.encode(DEPLOYMENT, decision.record()))
             if self.warehouse is not None:
@@ -379,8 +382,7 @@ async def announce(config: Config, bootstrap_servers: str, model: str, role: str
     codec = AvroCodec()
     mine = Announcement(model, role, gated, f"{socket.gethostname()}:{os.getpid()}:{uuid.uuid4().hex[:6]}",
                         time.time_ns() // 1000, ANNOUNCEMENT_LIVE_S)
-    producer = AIOKafkaProducer(**client_options(config.kafka, bootstrap_servers), acks="all")
-    await producer.start()
+    producer = await start_producer(config.kafka, client_options(config.kafka, bootstrap_servers))
     try:
         await _say(producer, topic, codec, mine)
         others = await _announcements_up_to(config, bootstrap_servers, mine, timeout_s)

@@ -893,6 +893,7 @@ ENVIRONMENT: dict[str, tuple[str, str]] = {
     "AGENTSTREAM_TOPIC_PREFIX": ("topics", "prefix"),
     "AGENTSTREAM_TOPIC_PARTITIONS": ("topics", "partitions"),
     "AGENTSTREAM_TOPIC_RETENTION_MS": ("topics", "retention_ms"),
+    "AGENTSTREAM_TOPIC_REPLICATION_FACTOR": ("topics", "replication_factor"),
     "CLICKHOUSE_URL": ("clickhouse", "url"),
     "CLICKHOUSE_DATABASE": ("clickhouse", "database"),
     "CLICKHOUSE_USER": ("clickhouse", "username"),

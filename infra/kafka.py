@@ -3,12 +3,15 @@
 from __future__ import annotations
 
 import asyncio
+import logging
 from dataclasses import dataclass, field
 from typing import Any
 
-from aiokafka import AIOKafkaConsumer, TopicPartition
+from aiokafka import AIOKafkaConsumer, AIOKafkaProducer, TopicPartition
 from aiokafka.admin import AIOKafkaAdminClient, NewTopic
+from aiokafka.client import AIOKafkaClient
 from aiokafka.helpers import create_ssl_context
+from aiokafka.protocol.transaction import InitProducerIdRequest
 
 from infra.config import Config, KafkaConfig, TopicsConfig
 from schemas.errors import AgentstreamError
@@ -25,6 +28,15 @@ class KafkaUnreachable(KafkaSetupError):
     """No Kafka broker answered metadata requests in time; it may answer later."""
 
     retriable = True
+
+
+class IdempotenceUnsupported(KafkaSetupError):
+    """``[kafka] idempotence = "on"`` but the broker grants no producer id (tansu 0.6 does not)."""
+
+    retriable = False
+
+
+log = logging.getLogger("agentstream.kafka")
 
 
 @dataclass(frozen=True)
@@ -60,6 +72,68 @@ def consumer_options(kafka: KafkaConfig, bootstrap_servers: str) -> dict[str, An
     return {**client_options(kafka, bootstrap_servers), "fetch_max_wait_ms": kafka.fetch_max_wait_ms}
 
 
+CLIENT_OPTION_KEYS = ("bootstrap_servers", "client_id", "security_protocol", "ssl_context", "sasl_mechanism",
+                      "sasl_plain_username", "sasl_plain_password", "request_timeout_ms")
+PRODUCER_ID_RETRIABLE = {14, 15, 51}  # coordinator loading or not available, concurrent transactions
+PRODUCER_ID_TRIES = 20
+_granted: dict[str, bool] = {}  # bootstrap servers -> whether that cluster grants producer ids
+
+
+async def start_producer(kafka: KafkaConfig, options: dict[str, Any], **settings: Any) -> AIOKafkaProducer:
+    """A started producer on ``options`` (:func:`client_options`): ``acks=all``, idempotent as ``[kafka]
+    idempotence`` says, plus ``settings``. An idempotent producer numbers its batches, so a retry after a lost
+    acknowledgement (a leader that died after writing) is dropped by the broker instead of stored twice."""
+    idempotent = await idempotence_granted(kafka.idempotence, options)
+    producer = AIOKafkaProducer(**{"acks": "all", **options, **settings, "enable_idempotence": idempotent})
+    try:
+        await producer.start()
+    except BaseException:
+        await producer.stop()
+        raise
+    return producer
+
+
+async def idempotence_granted(mode: str, options: dict[str, Any]) -> bool:
+    """Whether producers on this cluster are idempotent: ``off`` never; ``on`` always (IdempotenceUnsupported where
+    the broker grants no producer id); ``auto`` where it does, asked once per process and cluster.
+
+    The question is an InitProducerId request, the one an idempotent producer sends first: Apache Kafka grants an
+    id (after a moment's "loading" on a fresh cluster, retried here); tansu 0.6 answers UnknownError. A broker that
+    cannot be reached raises aiokafka's connection error, as starting a producer would.
+    """
+    if mode == "off":
+        return False
+    servers = str(options["bootstrap_servers"])
+    if servers not in _granted:
+        error = await _producer_id_error(options)
+        if error and mode == "auto":
+            log.warning("Kafka at %s grants no producer id (error %d): producers are not idempotent, so a send "
+                        "retried after a lost acknowledgement can store a record twice (ids make it harmless)",
+                        servers, error)
+        _granted[servers] = not error
+    if mode == "on" and not _granted[servers]:
+        raise IdempotenceUnsupported(f"[kafka] idempotence = \"on\" but Kafka at {servers} grants no producer id "
+                                     "(tansu 0.6 does not): set it to \"auto\" or \"off\" for this broker")
+    return _granted[servers]
+
+
+async def _producer_id_error(options: dict[str, Any]) -> int:
+    """The error code of an InitProducerId request (0: granted), retried while the cluster is still loading."""
+    client = AIOKafkaClient(**{key: options[key] for key in CLIENT_OPTION_KEYS if key in options})
+    try:
+        await client.bootstrap()
+        for _ in range(PRODUCER_ID_TRIES):
+            node = client.get_random_node()
+            response = await client.send(node, InitProducerIdRequest(transactional_id=None,
+                                                                     transaction_timeout_ms=60_000))
+            if response.error_code not in PRODUCER_ID_RETRIABLE:
+                return int(response.error_code)
+            await asyncio.sleep(0.25)
+        return int(response.error_code)
+    finally:
+        await client.close()
+
+
 def topic_name(topics: TopicsConfig, role: str) -> str:
     return f"{topics.prefix}{role}"
 
@@ -78,13 +152,20 @@ def product_topics(topics: TopicsConfig) -> list[TopicSpec]:
 
 
 async def ensure_topics(admin: AIOKafkaAdminClient, specs: list[TopicSpec], replication_factor: int = 1) -> list[str]:
-    """Create the topics that are missing; returns the names created. Existing topics are checked, not altered."""
+    """Create the topics that are missing; returns the names created. Existing topics are checked, not altered.
+
+    A topic with three replicas or more gets ``min.insync.replicas`` one below its replication factor (unless its
+    spec says otherwise): with ``acks=all`` a write of a three-replica topic is then acknowledged only once two
+    replicas hold it, and one broker may be down without stopping writes.
+    """
     existing = set(await admin.list_topics())
     missing = [spec for spec in specs if spec.name not in existing]
     created: list[str] = []
+    insync = {"min.insync.replicas": str(replication_factor - 1)} if replication_factor > 2 else {}
     if missing:
         response = await admin.create_topics(
-            [NewTopic(s.name, s.partitions, replication_factor, topic_configs=s.configs) for s in missing]
+            [NewTopic(s.name, s.partitions, replication_factor, topic_configs={**insync, **s.configs})
+             for s in missing]
         )
         for name, code, message in response.topic_errors:
             if code == 0:

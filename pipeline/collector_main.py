@@ -25,7 +25,7 @@ def run_collector(config: Config, bootstrap_servers: str, host: str | None = Non
     check_bind("OTLP collector", host, keys, "collector_keys", config.security)
 
     async def serve() -> None:
-        dead_letters = KafkaDeadLetters(client_options(config.kafka, bootstrap_servers),
+        dead_letters = KafkaDeadLetters(config.kafka, client_options(config.kafka, bootstrap_servers),
                                         topic_name(config.topics, "dlq"))
         with process_publisher(config, bootstrap_servers, "collector") as publisher:
             receiver = OtlpReceiver(publisher, dead_letters, keys=keys, complete_on_root=config.otlp.complete_on_root,

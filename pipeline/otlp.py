@@ -40,6 +40,8 @@ from opentelemetry.proto.collector.trace.v1.trace_service_pb2 import (
     ExportTraceServiceResponse,
 )
 
+from infra.config import KafkaConfig
+from infra.kafka import start_producer
 from infra.security import KeySet
 from pipeline.otlp_map import Mapped, TraceMapper
 from pipeline.publisher import PublisherClosed, PublisherFull
@@ -102,16 +104,13 @@ class DeadLetterSink(Protocol):
 class KafkaDeadLetters:
     """Writes DeadLetter records to the dlq topic with its own producer (the span publisher writes one topic)."""
 
-    def __init__(self, options: dict[str, Any], topic: str) -> None:
-        self.options, self.topic = options, topic
+    def __init__(self, kafka: KafkaConfig, options: dict[str, Any], topic: str) -> None:
+        self.kafka, self.options, self.topic = kafka, options, topic
         self.producer: Any = None
 
     async def start(self) -> None:
-        from aiokafka import AIOKafkaProducer
-
-        self.producer = AIOKafkaProducer(**self.options, acks="all", request_timeout_ms=10_000)
         try:
-            await self.producer.start()
+            self.producer = await start_producer(self.kafka, self.options, request_timeout_ms=10_000)
         except Exception as error:  # the receiver serves without a DLQ rather than not at all
             log.error("dead letters cannot reach the broker (%s): refused OTLP bodies are only logged", error)
             self.producer = None

@@ -11,7 +11,7 @@ from typing import Any
 from aiokafka import AIOKafkaProducer
 
 from infra.config import Config
-from infra.kafka import client_options, topic_name
+from infra.kafka import client_options, start_producer, topic_name
 from pipeline.sdk import new_id, now_us
 from schemas import TASK, AvroCodec
 from schemas.errors import AgentstreamError
@@ -118,8 +118,7 @@ def _read_jsonl(path: Path) -> list[dict[str, Any]]:
 async def enqueue(config: Config, bootstrap_servers: str, tasks: Iterable[TaskRecord],
                   codec: AvroCodec | None = None) -> int:
     """Publish Task records keyed by rollout id; returns how many were acknowledged."""
-    producer = AIOKafkaProducer(**client_options(config.kafka, bootstrap_servers), acks="all", linger_ms=5)
-    await producer.start()
+    producer = await start_producer(config.kafka, client_options(config.kafka, bootstrap_servers), linger_ms=5)
     try:
         return await _publish(producer, config, codec or AvroCodec(), tasks)
     finally:
@@ -164,9 +163,8 @@ class PacedQueue:
         self.enqueued_tasks = 0
 
     async def start(self) -> PacedQueue:
-        self._producer = AIOKafkaProducer(**client_options(self.config.kafka, self.bootstrap_servers), acks="all",
-                                          linger_ms=5)
-        await self._producer.start()
+        self._producer = await start_producer(self.config.kafka, client_options(self.config.kafka,
+                                                                                 self.bootstrap_servers), linger_ms=5)
         return self
 
     async def close(self) -> None:

@@ -21,9 +21,9 @@ from aiokafka import AIOKafkaProducer
 from faust.types import TP
 from mode.supervisors import CrashingSupervisor
 
-from infra.config import Config
+from infra.config import Config, KafkaConfig
 from infra.grace import ShutdownDeadline
-from infra.kafka import TopicSpec, client_options, create_topics, topic_name
+from infra.kafka import TopicSpec, client_options, create_topics, start_producer, topic_name
 from infra.members import MemberLedger, evict_dead_members, member_id
 from streams.dependency_adapters import kafka_consumer
 from streams.groups import GroupProcessor
@@ -43,16 +43,15 @@ INGEST_QUEUE_BYTES = 64 << 20
 class KafkaEmitter:
     """Output records through one aiokafka producer, started on the worker's loop at first use."""
 
-    def __init__(self, options: dict) -> None:
-        self.options = options
+    def __init__(self, kafka: KafkaConfig, options: dict) -> None:
+        self.kafka, self.options = kafka, options
         self._producer: AIOKafkaProducer | None = None
         self._pending: list[asyncio.Future] = []
 
     async def _started(self) -> AIOKafkaProducer:
         if self._producer is None:
-            self._producer = AIOKafkaProducer(**self.options, acks="all", linger_ms=5, max_batch_size=1 << 20,
-                                              max_request_size=16 << 20)
-            await self._producer.start()
+            self._producer = await start_producer(self.kafka, self.options, linger_ms=5, max_batch_size=1 << 20,
+                                                  max_request_size=16 << 20)
         return self._producer
 
     async def send(self, topic: str, key: bytes | None, value: bytes,
@@ -179,7 +178,7 @@ def create_app(config: Config, bootstrap_servers: str, clickhouse_url: str) -> f
     app.transport = StreamsTransport(app.conf.broker_consumer, app, fetch_max_wait_ms=settings.fetch_max_wait_ms)
     ledger = member_ledger(config)
     options = client_options(config.kafka, bootstrap_servers)
-    emitter = KafkaEmitter(options)
+    emitter = KafkaEmitter(config.kafka, options)
     holder = FaustHolder()
 
     def warehouse() -> Warehouse:

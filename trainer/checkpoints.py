@@ -27,7 +27,7 @@ from infra.checkpoint_store import UnsupportedStore as UnsupportedStore
 from infra.checkpoint_store import open_store as open_store
 from infra.config import Config
 from infra.files import sha256_file
-from infra.kafka import client_options, topic_name
+from infra.kafka import client_options, start_producer, topic_name
 from schemas import CHECKPOINT, AvroCodec
 from schemas.checkpoint import Checkpoint
 
@@ -174,15 +174,18 @@ class CheckpointAnnouncer:
     def __init__(self, config: Config, bootstrap_servers: str) -> None:
         self.topic = topic_name(config.topics, "checkpoints")
         self.codec = AvroCodec()
-        self._producer = AIOKafkaProducer(**client_options(config.kafka, bootstrap_servers), acks="all")
+        self._kafka, self._options = config.kafka, client_options(config.kafka, bootstrap_servers)
+        self._producer: AIOKafkaProducer | None = None
 
     async def start(self) -> None:
-        await self._producer.start()
+        self._producer = await start_producer(self._kafka, self._options)
 
     async def stop(self) -> None:
-        await self._producer.stop()
+        if self._producer is not None:
+            await self._producer.stop()
 
     async def announce(self, manifest: Manifest) -> None:
         """Publish and wait for the broker's acknowledgement."""
+        assert self._producer is not None, "CheckpointAnnouncer.announce before start"
         await self._producer.send_and_wait(self.topic, key=manifest.model.encode(),
                                            value=self.codec.encode(CHECKPOINT, manifest.checkpoint().record()))

@@ -33,7 +33,7 @@ from aiokafka.errors import KafkaConnectionError, KafkaError, KafkaTimeoutError
 from aiokafka.partitioner import DefaultPartitioner
 
 from infra.config import KafkaConfig
-from infra.kafka import client_options
+from infra.kafka import client_options, start_producer
 from pipeline.publisher import aiokafka_compat
 from pipeline.publisher.accumulator import Accumulator
 from pipeline.publisher.errors import PublisherError
@@ -56,6 +56,7 @@ class SenderSettings:
 
     topic: str
     bootstrap_servers: str
+    kafka: KafkaConfig
     producer_options: dict[str, Any]
     journal_dir: Path
     wave_bytes: int
@@ -68,12 +69,12 @@ class SenderSettings:
         """The settings of a publisher of `topic`, with the producer options every publisher uses."""
         producer_options = {
             **client_options(kafka, bootstrap_servers),
-            "acks": "all",  # idempotence stays off: tansu refuses InitProducerId (see FACTS.md)
+            "acks": "all",
             "max_batch_size": batch_bytes,
             "request_timeout_ms": request_timeout_ms,
             "retry_backoff_ms": 250,  # fewer retries (and fewer aiokafka log lines) while we find out a broker is gone
         }
-        return cls(topic=topic, bootstrap_servers=bootstrap_servers, producer_options=producer_options,
+        return cls(topic=topic, bootstrap_servers=bootstrap_servers, kafka=kafka, producer_options=producer_options,
                    journal_dir=Path(journal_dir), wave_bytes=4 * batch_bytes,
                    request_timeout_s=request_timeout_ms / 1000, probe_interval_s=probe_interval_s)
 
@@ -183,7 +184,7 @@ class Sender:
         self.topic = settings.topic
         self.bootstrap_servers = settings.bootstrap_servers
         self._queue = queue
-        self._producer_options = settings.producer_options
+        self._kafka, self._producer_options = settings.kafka, settings.producer_options
         self._wave_bytes = settings.wave_bytes
         self._request_timeout_s = settings.request_timeout_s
         self._probe_interval_s = settings.probe_interval_s
@@ -476,11 +477,9 @@ class Sender:
 
     async def _start_producer(self) -> AIOKafkaProducer | None:
         """A started producer, kept as the one to send with; None when it could not connect."""
-        producer = AIOKafkaProducer(**self._producer_options)
         try:
-            await producer.start()
+            producer = await start_producer(self._kafka, self._producer_options)
         except (TimeoutError, KafkaError, OSError):
-            await producer.stop()
             return None
         self._producer = producer
         return producer

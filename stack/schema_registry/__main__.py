@@ -30,8 +30,8 @@ def run(config: Config, bootstrap_servers: str, host: str, port: int, topic: str
     check_bind("Schema Registry", host, keys, "registry_keys", config.security)
     state = RegistryState(ids or settings.ids, settings.compatibility.upper())
     schema_log: SchemaLog = MemoryLog() if memory else KafkaLog(
-        client_options(config.kafka, bootstrap_servers), topic or settings.topic_name(config.topics.prefix),
-        config.topics.replication_factor)
+        config.kafka, client_options(config.kafka, bootstrap_servers),
+        topic or settings.topic_name(config.topics.prefix), config.topics.replication_factor)
     where = "memory" if memory else f"topic {topic or settings.topic_name(config.topics.prefix)} on {bootstrap_servers}"
 
     async def main() -> None:

@@ -20,7 +20,8 @@ from typing import Any, Protocol
 from aiokafka import AIOKafkaConsumer, AIOKafkaProducer, TopicPartition
 from aiokafka.admin import AIOKafkaAdminClient
 
-from infra.kafka import KafkaSetupError, TopicSpec, ensure_topics, topic_partitions
+from infra.config import KafkaConfig
+from infra.kafka import KafkaSetupError, TopicSpec, ensure_topics, start_producer, topic_partitions
 from infra.schema_registry.errors import StoreError, StoreTimeout
 from stack.schema_registry.state import NOOP_KEY, LogKey, LogValue
 
@@ -77,9 +78,9 @@ def _decode(data: bytes | None) -> Any:
 class KafkaLog:
     """The log as a compacted, single-partition Kafka topic, created when missing."""
 
-    def __init__(self, client_options: dict[str, Any], topic: str, replication_factor: int = 1,
+    def __init__(self, kafka: KafkaConfig, client_options: dict[str, Any], topic: str, replication_factor: int = 1,
                  timeout_s: float = 30.0) -> None:
-        self.options = client_options
+        self.kafka, self.options = kafka, client_options
         self.topic = topic
         self.replication_factor = replication_factor
         self.timeout_s = timeout_s
@@ -95,10 +96,9 @@ class KafkaLog:
     async def start(self, apply: Apply) -> None:
         self._apply = apply
         await self._ensure_topic()
-        self._producer = AIOKafkaProducer(**self.options, acks="all", enable_idempotence=False, linger_ms=0)
+        self._producer = await start_producer(self.kafka, self.options, linger_ms=0)
         self._consumer = AIOKafkaConsumer(**self.options, enable_auto_commit=False, group_id=None,
                                           fetch_max_wait_ms=50, auto_offset_reset="earliest")
-        await self._producer.start()
         await self._consumer.start()
         self._consumer.assign([self._partition])
         await self._consumer.seek_to_beginning(self._partition)

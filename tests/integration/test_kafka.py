@@ -157,3 +157,42 @@ def test_message_counts_use_the_true_high_watermark(kafka_options, unique_prefix
         return await message_counts(kafka_options, {topic: 4})
 
     assert asyncio.run(go()) == {topic: 1000}
+
+
+def test_producers_are_idempotent_where_the_broker_grants_producer_ids(stack_config, kafka_options):
+    """``[kafka] idempotence``: auto follows the broker (Apache Kafka grants producer ids, tansu 0.6 does not), on
+    refuses a broker without them by name, off never asks; a producer from start_producer delivers either way."""
+    from dataclasses import replace
+
+    from infra.kafka import IdempotenceUnsupported, idempotence_granted, start_producer
+    from tests.conftest import TEST_BROKER
+
+    topic = f"idempotence-{uuid.uuid4().hex[:8]}"
+
+    async def check() -> tuple[bool, bool, bytes]:
+        await _create_topic(kafka_options, topic, 1)
+        auto = await idempotence_granted("auto", kafka_options)
+        off = await idempotence_granted("off", kafka_options)
+        if TEST_BROKER == "tansu":
+            try:
+                await idempotence_granted("on", kafka_options)
+                raise AssertionError("idempotence = on was accepted by a broker that grants no producer id")
+            except IdempotenceUnsupported as error:
+                assert error.retriable is False and "grants no producer id" in str(error)
+        producer = await start_producer(replace(stack_config.kafka, idempotence="auto"), kafka_options)
+        try:
+            await producer.send_and_wait(topic, b"once", key=b"k")
+        finally:
+            await producer.stop()
+        consumer = AIOKafkaConsumer(topic, **kafka_options, auto_offset_reset="earliest")
+        await consumer.start()
+        try:
+            record = await asyncio.wait_for(consumer.getone(), 10)
+        finally:
+            await consumer.stop()
+        return auto, off, record.value
+
+    auto, off, value = asyncio.run(check())
+    assert auto is (TEST_BROKER == "kafka")
+    assert off is False
+    assert value == b"once"

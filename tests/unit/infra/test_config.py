@@ -187,3 +187,17 @@ def test_tracking_settings_are_validated(tmp_path, key, value, message):
                                  "https://h", "databricks", "sqlite:///mlflow.db", "postgresql+psycopg2://u@h/db"])
 def test_tracking_takes_what_mlflow_takes(uri):
     assert load_config(environ={"AGENTSTREAM_MLFLOW_URI": uri}).tracking.mlflow_uri == uri
+
+
+def test_kafka_idempotence_is_one_of_auto_on_off():
+    assert load_config(environ={}).kafka.idempotence == "auto"
+    assert load_config(environ={"KAFKA_IDEMPOTENCE": "off"}).kafka.idempotence == "off"
+    with pytest.raises(ConfigError, match="kafka.idempotence must be one of auto, on, off"):
+        load_config(environ={"KAFKA_IDEMPOTENCE": "yes"})
+
+
+def test_stack_broker_is_tansu_or_kafka():
+    assert load_config(environ={}).stack.broker == "tansu"
+    assert load_config(environ={"AGENTSTREAM_BROKER": "kafka"}).stack.broker == "kafka"
+    with pytest.raises(ConfigError, match="stack.broker must be one of tansu, kafka"):
+        load_config(environ={"AGENTSTREAM_BROKER": "redpanda"})
