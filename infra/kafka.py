@@ -36,8 +36,6 @@ from schemas.errors import AgentstreamError
 
 # Kafka error codes we treat specially when creating topics.
 TOPIC_ALREADY_EXISTS = 36
-TOPIC_READY_S = 15.0
-"""How long a created topic may take to have a leader for every partition (milliseconds on one node)."""
 TOPIC_AUTHORIZATION_FAILED = 29
 
 log = logging.getLogger("agentstream.kafka")
@@ -201,17 +199,25 @@ async def ensure_topics(admin: AIOKafkaAdminClient, specs: list[TopicSpec], repl
                 raise KafkaSetupError(f"could not create topic {name}: error {code} {message or ''}".strip())
     if hidden:
         log.info("not allowed to see or create topics %s: left to the cluster's operator", ", ".join(sorted(hidden)))
-    specs = [spec for spec in specs if spec.name not in hidden]
-    names = [s.name for s in specs]
-    deadline = asyncio.get_running_loop().time() + TOPIC_READY_S
-    layout = await topic_partitions(admin, names)
-    while any(layout.get(name, 0) < 1 for name in names) and asyncio.get_running_loop().time() < deadline:
-        await asyncio.sleep(0.1)  # Apache Kafka answers LEADER_NOT_AVAILABLE until a new topic's leaders are elected
-        layout = await topic_partitions(admin, names)
-    for spec in specs:
-        if layout.get(spec.name, 0) < 1:
-            raise KafkaSetupError(f"topic {spec.name} exists but reports no partitions after {TOPIC_READY_S:.0f} s")
+    await wait_for_layout(admin, [s.name for s in specs if s.name not in hidden])
     return created
+
+
+async def wait_for_layout(admin: AIOKafkaAdminClient, names: list[str], timeout_s: float = 15.0) -> None:
+    """Wait until every topic in ``names`` reports its partitions, or raise KafkaSetupError.
+
+    On a cluster of several brokers a topic the controller just created reaches the other brokers' metadata a
+    moment later (measured: a worker asking right after the creation was told the topic had no partitions).
+    """
+    deadline = asyncio.get_running_loop().time() + timeout_s
+    while True:
+        layout = await topic_partitions(admin, names)
+        missing = [name for name in names if layout.get(name, 0) < 1]
+        if not missing:
+            return
+        if asyncio.get_running_loop().time() > deadline:
+            raise KafkaSetupError(f"topic {missing[0]} exists but reports no partitions after {timeout_s:.0f}s")
+        await asyncio.sleep(0.1)
 
 
 async def topic_partitions(admin: AIOKafkaAdminClient, names: list[str]) -> dict[str, int]:

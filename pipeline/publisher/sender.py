@@ -397,11 +397,15 @@ class Sender:
         """Wait for the broker's answers; returns those not answered and why we stopped waiting for them.
 
         We stop when the bootstrap address refuses connections (checked whenever no answer came for
-        a probe interval: faster and quieter than aiokafka's retries until its request timeout) and,
-        once the publisher is closing, at the close deadline.
+        a probe interval: faster and quieter than aiokafka's retries until its request timeout), after
+        the request timeout ourselves (an idempotent aiokafka producer never expires a batch: with two
+        of three brokers down it retries "not enough replicas" for ever while another broker's port is
+        open, and the journal would never take over) and, once the publisher is closing, at the close
+        deadline.
         """
         waiting = set(futures)
         closing = asyncio.ensure_future(self._closing_event.wait())
+        deadline = time.monotonic() + self._request_timeout_s
         try:
             while waiting and not closing.done():
                 done, _ = await asyncio.wait(waiting | {closing}, timeout=self._probe_interval_s,
@@ -409,6 +413,9 @@ class Sender:
                 waiting = {future for future in waiting if not future.done()}
                 if waiting and not done and not await _port_open(self.bootstrap_servers):
                     return waiting, KafkaConnectionError(f"cannot connect to {self.bootstrap_servers}")
+                if waiting and time.monotonic() > deadline:
+                    return waiting, KafkaTimeoutError(f"no answer within the request timeout "
+                                                      f"({self._request_timeout_s:g} s)")
             if waiting:
                 _, waiting = await asyncio.wait(waiting,
                                                 timeout=max(0.0, self._queue.close_deadline - time.monotonic()))
