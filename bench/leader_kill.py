@@ -95,7 +95,7 @@ def one_run(home: Path, cluster: KafkaCluster, args: argparse.Namespace, idempot
     counts = ids_on_topic(client_options(config.kafka, cluster.bootstrap_servers), cluster, topic)
     acked_after = [at for _p, rollout, *_r, at in state.spans.values() if rollout >= after]
     return RunResult(acked=len(state.spans), lost=len(set(state.spans) - set(counts)), twice=beyond_first(counts),
-                     again_s=first_ack_after(state, after) - fault_at if acked_after else None,
+                     again_s=first_ack_after(state.spans, after) - fault_at if acked_after else None,
                      stats=vars(publisher.stats()))
 
 

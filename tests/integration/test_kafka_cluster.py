@@ -189,7 +189,7 @@ def test_leader_kill_under_load_loses_nothing_and_stores_nothing_twice(cluster, 
     after_kill = pipeline.load.first_after(killed_at)
     state, stored = pipeline.drain_spans()
 
-    acked_again_s = first_ack_after(state, after_kill) - killed_at
+    acked_again_s = first_ack_after(state.spans, after_kill) - killed_at
     stored_again_s = pipeline.query("SELECT toUnixTimestamp64Milli(min(ingested_at)) FROM spans "
                                     f"WHERE rollout_id >= '{after_kill}'")[0][0] / 1000 - killed_at
     lost = set(state.spans) - stored
@@ -253,7 +253,7 @@ def test_two_of_three_down_holds_spans_in_the_journal_and_loses_none(cluster, tm
     emit("cluster_two_down", outage_s=round(back_at - stopped_at, 1), spans_acked=len(state.spans),
          spans_journaled_in_outage=journaled, spans_lost=len(lost), spans_twice_on_topic=twice_on_topic,
          slowest_publish_call_s=round(slowest_during_outage, 3),
-         acked_again_s=round(first_ack_after(state, after_return) - back_at, 2),
+         acked_again_s=round(first_ack_after(state.spans, after_return) - back_at, 2),
          publisher=vars(pipeline.publisher.stats()))
     assert journaled > 0
     assert slowest_during_outage < 1.0, "publish() blocked its caller while the cluster refused writes"

@@ -396,7 +396,9 @@ def test_worker_stores_spans_and_writes_transitions(kafka: SecureKafka, base: Co
             return sorted(item["rollout_id"] for batch in batches for item in batch["transitions"])
 
         wait_for(transitions, 30, what="transitions", equals=["secure-g0", "secure-g1", "secure-r1"])
-        assert any(key == b"secure-garbage" for key, _ in read_all(kafka.plaintext, topic_name(base.topics, "dlq"), 1))
+        wait_for(lambda: any(key == b"secure-garbage"
+                             for key, _ in read_all(kafka.plaintext, topic_name(base.topics, "dlq"), 1)),
+                 30, what="the undecodable record in dlq", equals=True)
     finally:
         worker.stop()
         clickhouse.close()

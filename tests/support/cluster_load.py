@@ -10,7 +10,6 @@ from collections import Counter
 
 from aiokafka import AIOKafkaConsumer, TopicPartition
 
-from bench.chaos import LedgerState
 from pipeline.publisher import SpanPublisher
 from schemas import SPAN_BATCH, TRANSITION, TRANSITION_BATCH, AvroCodec
 from tests.support.kafka_cluster import KafkaCluster
@@ -69,7 +68,7 @@ class Load(threading.Thread):
 
 async def _read_all(options: dict, topic: str, partitions: list[int]) -> list[bytes]:
     """Every record value of ``topic``, from the beginning up to its end offsets now."""
-    consumer = AIOKafkaConsumer(**options, enable_auto_commit=False)
+    consumer = AIOKafkaConsumer(**options, enable_auto_commit=False, auto_offset_reset="earliest")
     await consumer.start()
     try:
         tps = [TopicPartition(topic, p) for p in partitions]
@@ -111,6 +110,8 @@ def busiest_leader(cluster: KafkaCluster, topic: str) -> int:
     return leaders.most_common(1)[0][0]
 
 
-def first_ack_after(state: LedgerState, rollout_id: str) -> float:
-    """When the ledger first acknowledged a span of a rollout at or after ``rollout_id`` (ids sort in order)."""
-    return min(at for _producer, rollout, *_rest, at in state.spans.values() if rollout >= rollout_id)
+def first_ack_after(spans: dict[str, tuple], rollout_id: str) -> float:
+    """When a chaos ledger (its ``spans``: span id -> (producer, rollout id, ..., acknowledged at)) first acknowledged
+    a span of a rollout at or after ``rollout_id`` (ids sort in order). Takes the mapping, not bench's LedgerState,
+    since tests/support may not import bench."""
+    return min(at for _producer, rollout, *_rest, at in spans.values() if rollout >= rollout_id)
