@@ -18,11 +18,11 @@ the same call, made again later, may succeed (a broker or server outage, a full 
 (bad input).
 """
 
-from infra.config import ConfigError
-from pipeline.errors import AgentLoadError
-from pipeline.feedback import feedback_token, feedback_url
-from pipeline.publisher import FlushTimeout, PublisherClosed, PublisherError, PublisherFull, SpanPublisher
-from pipeline.sdk import (
+from agentstream.infra.config import ConfigError
+from agentstream.pipeline.errors import AgentLoadError
+from agentstream.pipeline.feedback import feedback_token, feedback_url
+from agentstream.pipeline.publisher import FlushTimeout, PublisherClosed, PublisherError, PublisherFull, SpanPublisher
+from agentstream.pipeline.sdk import (
     NoRollout,
     NoSink,
     Rollout,
@@ -37,9 +37,9 @@ from pipeline.sdk import (
     set_sink,
     span,
 )
-from pipeline.tasks import TaskFileError
-from schemas.contracts import RewardError
-from schemas.errors import AgentstreamError, CodecError, EncodeError
+from agentstream.pipeline.tasks import TaskFileError
+from agentstream.schemas.contracts import RewardError
+from agentstream.schemas.errors import AgentstreamError, CodecError, EncodeError
 
 __all__ = [
     "AgentLoadError",

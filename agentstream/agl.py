@@ -6,7 +6,7 @@ The names an Agent Lightning 0.3 agent file uses, for users who do not want its 
 The implementation lives in ``pipeline/agl.py``.
 """
 
-from pipeline.agl import (
+from agentstream.pipeline.agl import (
     LLM,
     Attempt,
     AttemptedRollout,

@@ -17,15 +17,15 @@ from pathlib import Path
 import click
 
 from agentstream.command_config import command_config as _config
+from agentstream.infra.clickhouse import ClickHouseError, connect, server_message
+from agentstream.infra.config import AglConfig, Config, ConfigError, describe, server_urls_problem
+from agentstream.infra.kafka import KafkaSetupError
+from agentstream.infra.processes import ServiceError
+from agentstream.infra.schema_registry.errors import RegistryError, RegistryUnavailable
+from agentstream.pipeline.runner import AgentLoadError
+from agentstream.pipeline.tasks import TaskFileError
 from agentstream.schema_registry import schema_registry_command
-from infra.clickhouse import ClickHouseError, connect, server_message
-from infra.config import AglConfig, Config, ConfigError, describe, server_urls_problem
-from infra.kafka import KafkaSetupError
-from infra.processes import ServiceError
-from infra.schema_registry.errors import RegistryError, RegistryUnavailable
-from pipeline.runner import AgentLoadError
-from pipeline.tasks import TaskFileError
-from stack.control import Stack
+from agentstream.stack.control import Stack
 
 KNOWN_ERRORS = (ConfigError, ServiceError, ClickHouseError, KafkaSetupError, AgentLoadError, TaskFileError,
                 RegistryError, RegistryUnavailable)
@@ -99,7 +99,7 @@ def status(ctx: click.Context) -> None:
         click.echo(f"  table {config.clickhouse.database}.{table:<24} rows {rows:>10}" if rows >= 0
                    else f"  table {config.clickhouse.database}.{table:<24} missing (run `agentstream up`)")
     if "schema-registry" in report.services:
-        from stack.schema_registry.service import registry_url
+        from agentstream.stack.schema_registry.service import registry_url
 
         click.echo(f"schemas     {registry_url(config)}  [{report.services['schema-registry']}]")
     if not (report.broker_reachable and report.clickhouse_version):
@@ -244,7 +244,7 @@ def dataset_export(ctx: click.Context, out: Path, file_format: str | None, where
     """Write the selected rollouts, one row each (conversation, LLM calls' token ids, training samples), to OUT as
     JSON Lines or Parquet that Hugging Face datasets loads; streamed page by page, renamed into place at the end."""
     from agentstream import dataset
-    from schemas.dataset import DatasetError
+    from agentstream.schemas.dataset import DatasetError
 
     if version is not None and (min_version is not None or max_version is not None):
         raise click.UsageError("give --version or --min-version/--max-version, not both")
@@ -326,7 +326,7 @@ def proxy_command(ctx: click.Context, upstreams: tuple[str, ...], host: str, por
     model servers it sends each request to the least busy healthy one that holds the version asked
     for, and a request that failed on one before its first byte to another.
     """
-    from pipeline.proxy_main import ProxyOptions, run_proxy
+    from agentstream.pipeline.proxy_main import ProxyOptions, run_proxy
 
     config = _config(ctx)
     upstreams = upstreams or config.proxy.upstreams
@@ -361,7 +361,7 @@ def collector_command(ctx: click.Context, host: str | None, port: int | None, gr
     cannot keep up, exports get 503 + Retry-After (gRPC: UNAVAILABLE + RetryInfo), which the
     exporters retry.
     """
-    from pipeline.collector_main import run_collector
+    from agentstream.pipeline.collector_main import run_collector
 
     config = _config(ctx)
     run_collector(config, Stack(config).endpoints().bootstrap_servers, host=host, port=port, grpc_port=grpc_port)
@@ -380,8 +380,8 @@ def collector_command(ctx: click.Context, host: str | None, port: int | None, gr
 def run_command(ctx: click.Context, agent: str, concurrency: int, group_id: str, proxy_url: str | None,
                 max_tasks: int | None, session_timeout_ms: int) -> None:
     """Run AGENT (module:function) on tasks from the tasks topic, as one member of a runner pool."""
-    from pipeline.runner import RunnerOptions
-    from pipeline.runner_main import run_runner
+    from agentstream.pipeline.runner import RunnerOptions
+    from agentstream.pipeline.runner_main import run_runner
 
     config = _config(ctx)
     options = RunnerOptions(concurrency=concurrency, group_id=group_id, proxy_url=proxy_url,
@@ -394,7 +394,7 @@ def _agl_settings(config: Config) -> AglConfig:
     """``[agl]`` with its model resolved: the trained model's served name unless one is set."""
     from dataclasses import replace
 
-    from models import model_display_name
+    from agentstream.models import model_display_name
 
     return replace(config.agl, model=config.agl.model or config.trainer.model_name
                    or model_display_name(config.trainer.model))
@@ -410,7 +410,7 @@ def _agl_settings(config: Config) -> AglConfig:
 def enqueue_command(ctx: click.Context, task_file: Path, group_size: int, agent_name: str | None,
                     max_attempts: int, timeout_s: float) -> None:
     """Put the tasks of a JSONL file (one JSON object per line) on the tasks topic."""
-    from pipeline.tasks import enqueue, grouped_tasks, read_task_file
+    from agentstream.pipeline.tasks import enqueue, grouped_tasks, read_task_file
 
     config = _config(ctx)
     tasks = grouped_tasks(read_task_file(task_file), group_size=group_size, agent_name=agent_name,
@@ -424,7 +424,7 @@ def enqueue_command(ctx: click.Context, task_file: Path, group_size: int, agent_
 @click.pass_context
 def streams_command(ctx: click.Context, loglevel: str) -> None:
     """Run a stream-processing worker (spans -> ClickHouse, trajectories, credit, transitions); run more to scale."""
-    from streams.worker_main import run_streams_worker
+    from agentstream.streams.worker_main import run_streams_worker
 
     config = _config(ctx)
     endpoints = Stack(config).endpoints()
@@ -507,10 +507,10 @@ def train_command(ctx: click.Context, agent: str, task_file: Path, agent_name: s
                   server_url: str | None, runners: int, concurrency: int, strategy: str, group_size: int,
                   epochs: int, max_steps: int | None, val_file: Path | None) -> None:
     """Train an agent on a task file with one command: enqueue, run, train, hot-swap, until done."""
+    from agentstream.pipeline.runner import AgentLoadError, load_agent
+    from agentstream.pipeline.tasks import TaskFileError
     from agentstream.session import ChildFailed
     from agentstream.train import TrainRequest, run_training
-    from pipeline.runner import AgentLoadError, load_agent
-    from pipeline.tasks import TaskFileError
 
     try:
         function = load_agent(agent)
@@ -538,7 +538,7 @@ def kafka_acls_command(ctx: click.Context, bootstrap_server: str, command_config
                        runner_group: str) -> None:
     """Print the kafka-acls.sh commands that grant each role (runner, proxy, collector, worker, trainer, hotswap)
     exactly the topics and groups it uses, under this configuration's topic prefix."""
-    from infra.acls import kafka_acls_commands
+    from agentstream.infra.acls import kafka_acls_commands
 
     named = dict(user.split("=", 1) for user in users if "=" in user)
     for line in kafka_acls_commands(_config(ctx), bootstrap_server, named, command_config, runner_group):
@@ -576,9 +576,9 @@ def serve_model_command(ctx: click.Context, model_spec: str, host: str, port: in
                         contract: str | None) -> None:
     """Serve a model with vLLM's OpenAI-compatible API (token ids, logprobs, LoRA and weight updates)."""
     try:
-        from models import ModelLoadError
-        from models.precision import PrecisionError
-        from serving.model_server_main import ModelServerOptions, run_model_server
+        from agentstream.models import ModelLoadError
+        from agentstream.models.precision import PrecisionError
+        from agentstream.serving.model_server_main import ModelServerOptions, run_model_server
     except ImportError as error:
         raise click.ClickException(f"serve-model needs {error.name}: pip install 'agentstream[train]'") from None
 
@@ -607,13 +607,13 @@ def train_worker_command(ctx: click.Context, model_spec: str | None, max_steps: 
     """
     from dataclasses import replace
 
-    from deploy.rebase import RejectionStreak
+    from agentstream.deploy.rebase import RejectionStreak
 
     try:
-        from trainer.checkpoints import CheckpointError
-        from trainer.distributed import Ranks
-        from trainer.policy import PolicyError
-        from trainer.worker_main import run_train_follower, run_train_worker
+        from agentstream.trainer.checkpoints import CheckpointError
+        from agentstream.trainer.distributed import Ranks
+        from agentstream.trainer.policy import PolicyError
+        from agentstream.trainer.worker_main import run_train_follower, run_train_worker
     except ImportError as error:
         raise click.ClickException(f"train-worker needs {error.name}: pip install 'agentstream[train]'") from None
     config = _config(ctx)
@@ -650,15 +650,15 @@ def sft_command(ctx: click.Context, dataset: str, min_reward: float | None, epoc
     from dataclasses import replace
     from pathlib import Path
 
-    from infra.clickhouse import ClickHouseError
-    from infra.config import ConfigError
-    from schemas.dataset import DatasetError
+    from agentstream.infra.clickhouse import ClickHouseError
+    from agentstream.infra.config import ConfigError
+    from agentstream.schemas.dataset import DatasetError
 
     try:
-        from trainer.checkpoints import CheckpointError
-        from trainer.policy import PolicyError
-        from trainer.sft_main import NothingToTrain, run_supervised
-        from trainer.tracking import TrackerMissing
+        from agentstream.trainer.checkpoints import CheckpointError
+        from agentstream.trainer.policy import PolicyError
+        from agentstream.trainer.sft_main import NothingToTrain, run_supervised
+        from agentstream.trainer.tracking import TrackerMissing
     except ImportError as error:
         raise click.ClickException(f"sft needs {error.name}: pip install 'agentstream[train]'") from None
     config = _config(ctx)
@@ -687,8 +687,8 @@ def hotswap_command(ctx: click.Context, server_urls: tuple[str, ...], model_name
 
     Each server is reconciled on its own: one that restarts gets the deployed versions back.
     """
-    from deploy.deployments import DeploymentError
-    from serving.hotswap_main import run_hotswap
+    from agentstream.deploy.deployments import DeploymentError
+    from agentstream.serving.hotswap_main import run_hotswap
 
     config = _config(ctx)
     endpoints = Stack(config).endpoints()
@@ -714,10 +714,10 @@ def gate_command(ctx: click.Context, model_name: str, server_url: str, proxy_url
     hot swap must run with deploy.gate = true so that it loads what the gate names (each refuses to
     start beside the other otherwise). The rule and its error rates: docs/gate.md.
     """
+    from agentstream.deploy.deployments import DeploymentError
+    from agentstream.deploy.gate_main import run_gate
     from agentstream.evaluation import task_evaluator
-    from deploy.deployments import DeploymentError
-    from deploy.gate_main import run_gate
-    from pipeline.publisher import process_publisher
+    from agentstream.pipeline.publisher import process_publisher
 
     config = _config(ctx)
     endpoints = Stack(config).endpoints()
@@ -737,10 +737,10 @@ def gate_command(ctx: click.Context, model_name: str, server_url: str, proxy_url
 @click.pass_context
 def deployments_command(ctx: click.Context, model_name: str | None, history: int, server_urls: tuple[str, ...]) -> None:
     """What serves what, per trained model, what each model server holds, and the latest deployment decisions."""
-    from deploy.deployments import DeploymentError, read_routes
-    from deploy.manual import RECENT_DECISIONS_SQL
-    from infra.clickhouse import connect, server_message
-    from pipeline.upstreams import holdings_rows, survey
+    from agentstream.deploy.deployments import DeploymentError, read_routes
+    from agentstream.deploy.manual import RECENT_DECISIONS_SQL
+    from agentstream.infra.clickhouse import connect, server_message
+    from agentstream.pipeline.upstreams import holdings_rows, survey
 
     config = _config(ctx)
     endpoints = Stack(config).endpoints()
@@ -784,9 +784,9 @@ def deployments_command(ctx: click.Context, model_name: str | None, history: int
 @click.pass_context
 def promote_command(ctx: click.Context, model_name: str, version: int) -> None:
     """Serve VERSION of MODEL to all traffic now (ends its canary or candidacy); recorded as a manual decision."""
-    from deploy.deployments import DeploymentError, Routing, read_routes
-    from deploy.manual import promotion, read_checkpoint, record_decision
-    from infra.clickhouse import connect
+    from agentstream.deploy.deployments import DeploymentError, Routing, read_routes
+    from agentstream.deploy.manual import promotion, read_checkpoint, record_decision
+    from agentstream.infra.clickhouse import connect
 
     config = _config(ctx)
     endpoints = Stack(config).endpoints()
@@ -808,9 +808,9 @@ def promote_command(ctx: click.Context, model_name: str, version: int) -> None:
 @click.pass_context
 def rollback_command(ctx: click.Context, model_name: str) -> None:
     """End MODEL's canary, or (without one) serve the version that served before the stable one again."""
-    from deploy.deployments import DeploymentError, read_routes
-    from deploy.manual import previous_stable, record_decision, rollback
-    from infra.clickhouse import connect
+    from agentstream.deploy.deployments import DeploymentError, read_routes
+    from agentstream.deploy.manual import previous_stable, record_decision, rollback
+    from agentstream.infra.clickhouse import connect
 
     config = _config(ctx)
     endpoints = Stack(config).endpoints()

@@ -34,9 +34,9 @@ import pyarrow.parquet as pq
 from clickhouse_connect.driver.client import Client
 from clickhouse_connect.driver.exceptions import OperationalError
 
+from agentstream.infra.clickhouse import ROLLOUT_POLICY_VERSION, ClickHouseError, ClickHouseUnreachable, server_message
 from agentstream.report import parse_duration
-from infra.clickhouse import ROLLOUT_POLICY_VERSION, ClickHouseError, ClickHouseUnreachable, server_message
-from schemas.dataset import (
+from agentstream.schemas.dataset import (
     ARROW_SCHEMA,
     Call,
     DatasetError,

@@ -14,13 +14,13 @@ import math
 from pathlib import Path
 from typing import Any
 
-from deploy.deployments import DeploymentError, adapter_name
-from deploy.gate import GATE_AGENT, Evaluate, EvaluationError, Score
-from infra.config import Config
-from pipeline.access import proxy_client_key
-from pipeline.runner import call_agent, load_agent
-from pipeline.sdk import SpanSink, emit_reward, rollout
-from pipeline.tasks import read_task_file
+from agentstream.deploy.deployments import DeploymentError, adapter_name
+from agentstream.deploy.gate import GATE_AGENT, Evaluate, EvaluationError, Score
+from agentstream.infra.config import Config
+from agentstream.pipeline.access import proxy_client_key
+from agentstream.pipeline.runner import call_agent, load_agent
+from agentstream.pipeline.sdk import SpanSink, emit_reward, rollout
+from agentstream.pipeline.tasks import read_task_file
 
 log = logging.getLogger("agentstream.gate")
 

@@ -11,14 +11,14 @@ from typing import Any
 
 import torch
 
-from infra.config import TrainerConfig
-from models import load_model
-from models.precision import resolve_precision
-from serving.generation import BatchRequest, SamplingParams, generate_batch
-from serving.lora import LoraAdapter, LoraLayer, applied
-from trainer.batching import Batch, Counts, Sample, collate
-from trainer.policy import Policy, build_policy
-from trainer.step import token_logprobs, train_step
+from agentstream.infra.config import TrainerConfig
+from agentstream.models import load_model
+from agentstream.models.precision import resolve_precision
+from agentstream.serving.generation import BatchRequest, SamplingParams, generate_batch
+from agentstream.serving.lora import LoraAdapter, LoraLayer, applied
+from agentstream.trainer.batching import Batch, Counts, Sample, collate
+from agentstream.trainer.policy import Policy, build_policy
+from agentstream.trainer.step import token_logprobs, train_step
 
 
 def _policy(model: str, device: str, dtype: str) -> Policy:

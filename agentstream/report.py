@@ -33,7 +33,7 @@ from typing import Any, TextIO
 
 from clickhouse_connect.driver.client import Client
 
-from infra.clickhouse import ROLLOUT_POLICY_VERSION, ClickHouseError, server_message
+from agentstream.infra.clickhouse import ROLLOUT_POLICY_VERSION, ClickHouseError, server_message
 
 # Statuses of a rollout that ended well: SUCCEEDED (a managed rollout's runner said so) and
 # COMPLETED (an unmanaged one, e.g. online traffic, finished with a reward).

@@ -5,7 +5,7 @@ from __future__ import annotations
 import click
 
 from agentstream.command_config import command_config as _config
-from stack.schema_registry.service import registry_client, registry_url
+from agentstream.stack.schema_registry.service import registry_client, registry_url
 
 
 @click.group("schema-registry")
@@ -24,8 +24,8 @@ def schema_registry_command() -> None:
 def serve_command(ctx: click.Context, host: str | None, port: int | None, topic: str | None, ids: str | None,
                   memory: bool) -> None:
     """Serve the registry in the foreground on the configured Kafka (what `agentstream up` starts)."""
-    from stack.control import Stack
-    from stack.schema_registry.__main__ import run
+    from agentstream.stack.control import Stack
+    from agentstream.stack.schema_registry.__main__ import run
 
     config = _config(ctx)
     bootstrap = Stack(config).endpoints().bootstrap_servers
@@ -37,7 +37,7 @@ def serve_command(ctx: click.Context, host: str | None, port: int | None, topic:
 @click.pass_context
 def register_command(ctx: click.Context) -> None:
     """Register every current agentstream schema (after the compatibility check) and print the ids in use."""
-    from infra.schema_registry import RemoteRegistry, register_product_schemas
+    from agentstream.infra.schema_registry import RemoteRegistry, register_product_schemas
 
     config = _config(ctx)
     settings = config.schema_registry

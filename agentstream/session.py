@@ -18,12 +18,12 @@ import urllib.request
 from dataclasses import dataclass
 from pathlib import Path
 
-from infra.config import Config, dump_toml
-from infra.processes import free_port, wait_for_port
-from models import model_display_name
-from pipeline.access import proxy_client_key
-from schemas.errors import AgentstreamError
-from stack.control import Endpoints
+from agentstream.infra.config import Config, dump_toml
+from agentstream.infra.processes import free_port, wait_for_port
+from agentstream.models import model_display_name
+from agentstream.pipeline.access import proxy_client_key
+from agentstream.schemas.errors import AgentstreamError
+from agentstream.stack.control import Endpoints
 
 
 class ChildFailed(AgentstreamError, RuntimeError):

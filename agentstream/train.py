@@ -13,12 +13,12 @@ import time
 from dataclasses import dataclass, replace
 from pathlib import Path
 
+from agentstream.infra.clickhouse import connect
+from agentstream.infra.config import Config, CreditRule
+from agentstream.models import model_display_name
+from agentstream.pipeline.tasks import enqueue, grouped_tasks, read_task_file
 from agentstream.session import SessionPlan, TrainingSession
-from infra.clickhouse import connect
-from infra.config import Config, CreditRule
-from models import model_display_name
-from pipeline.tasks import enqueue, grouped_tasks, read_task_file
-from stack.control import Stack
+from agentstream.stack.control import Stack
 
 
 @dataclass(frozen=True)

@@ -28,13 +28,13 @@ from pathlib import Path
 
 from aiokafka import AIOKafkaConsumer, AIOKafkaProducer
 
+from agentstream.infra.config import load_config
+from agentstream.infra.kafka import client_options
+from agentstream.infra.processes import ServiceDirectory
+from agentstream.stack.control import BROKER, OBJECTSTORE
+from agentstream.stack.machine import calibrate
 from bench.common import add_broker_option, chosen_brokers, emit, private_environ
 from bench.streams import rss_mb
-from infra.config import load_config
-from infra.kafka import client_options
-from infra.processes import ServiceDirectory
-from stack.control import BROKER, OBJECTSTORE
-from stack.machine import calibrate
 
 BENCH = "broker_start"
 

@@ -18,10 +18,10 @@ import time
 from aiokafka import AIOKafkaConsumer, AIOKafkaProducer, TopicPartition
 from aiokafka.admin import AIOKafkaAdminClient, NewTopic
 
+from agentstream.infra.kafka import client_options
+from agentstream.stack.control import BROKER, Stack
 from bench.common import emit as emit_figure
 from bench.common import percentile, private_stack
-from infra.kafka import client_options
-from stack.control import BROKER, Stack
 
 emit = functools.partial(emit_figure, "broker_storage")
 VALUE = b"x" * 1024

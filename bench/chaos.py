@@ -3,7 +3,7 @@
 A private stack (durable tansu over its object store, ClickHouse on chdb) on free ports, and
 every component as its own process: the dev model server (tiny model), the LLM proxy, a
 streams worker, the trainer (tiny model, a checkpoint per step), hot swap, two runners driving
-``examples.arithmetic:solve`` through the proxy on tasks enqueued at a steady pace, and a direct
+``agentstream.examples.arithmetic:solve`` through the proxy on tasks enqueued at a steady pace, and a direct
 SpanPublisher process. Every ``--min-gap``..``--max-gap`` seconds a scheduler picks a component
 kind (runner, proxy, stream worker, trainer, broker, ClickHouse; each kind once per round of
 six, in a seeded order), SIGKILLs it and restarts it after a few seconds, or SIGSTOPs it and
@@ -44,14 +44,14 @@ from pathlib import Path
 
 from clickhouse_connect.driver.client import Client
 
+from agentstream.infra.clickhouse import connect
+from agentstream.infra.config import Config, CreditRule, dump_toml, load_config
+from agentstream.infra.kafka import client_options, topic_name
+from agentstream.infra.processes import ServiceDirectory, free_port, wait_for_port
+from agentstream.schemas import TASK, TRANSITION, TRANSITION_BATCH, AvroCodec, CodecError
+from agentstream.schemas.transition_writer import transition_id
+from agentstream.stack.control import BROKER, CLICKHOUSE, Stack
 from bench.common import emit, percentile, private_environ
-from infra.clickhouse import connect
-from infra.config import Config, CreditRule, dump_toml, load_config
-from infra.kafka import client_options, topic_name
-from infra.processes import ServiceDirectory, free_port, wait_for_port
-from schemas import TASK, TRANSITION, TRANSITION_BATCH, AvroCodec, CodecError
-from schemas.transition_writer import transition_id
-from stack.control import BROKER, CLICKHOUSE, Stack
 from tests.support.kafka_cluster import KafkaCluster
 
 BENCH = "chaos"
@@ -347,8 +347,8 @@ class TaskFeeder(threading.Thread):
     async def _run(self) -> None:
         from aiokafka import AIOKafkaProducer
 
-        from examples.arithmetic import split
-        from pipeline.tasks import grouped_tasks
+        from agentstream.examples.arithmetic import split
+        from agentstream.pipeline.tasks import grouped_tasks
 
         payloads, _ = split()
         codec = AvroCodec()
@@ -481,7 +481,8 @@ class Soak:
         add("hotswap", "hotswap", [python, "-m", "agentstream", "hotswap", "--server", self.server_url, "--model",
                                    MODEL], 15)
         for number in range(self.args.runners):
-            add(f"runner-{number}", "runner", ledgered(f"runner-{number}", "run", "examples.arithmetic:solve",
+            add(f"runner-{number}", "runner", ledgered(f"runner-{number}", "run",
+                                                      "agentstream.examples.arithmetic:solve",
                                                       "--proxy", self.proxy_url, "--concurrency",
                                                       str(self.args.concurrency)), self.config.runner.shutdown_grace_s)
         self.ledgered.append("publisher")

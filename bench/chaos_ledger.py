@@ -35,8 +35,8 @@ from collections.abc import Mapping
 from pathlib import Path
 from typing import Any
 
+from agentstream.pipeline.publisher import FlushTimeout, PublisherClosed, SpanPublisher
 from bench.common import llm_span
-from pipeline.publisher import FlushTimeout, PublisherClosed, SpanPublisher
 
 LEDGER_ENV = "AGENTSTREAM_CHAOS_LEDGER"
 DIRECT_MODEL = "chaos-direct"  # not the trained model: the trainer skips these transitions (their token ids are random)
@@ -136,18 +136,18 @@ def _span_line(span: Mapping[str, Any]) -> str:
 
 def install() -> None:
     """Make every SpanPublisher an ``agentstream`` command creates from now on a ledgered one."""
-    import pipeline.publisher
-    import pipeline.publisher.front
+    import agentstream.pipeline.publisher
+    import agentstream.pipeline.publisher.front
 
     # process_publisher (front) builds the processes' publishers; the package's name is patched for any other caller
-    pipeline.publisher.SpanPublisher = LedgeredPublisher  # type: ignore[misc]
-    pipeline.publisher.front.SpanPublisher = LedgeredPublisher  # type: ignore[misc]
+    agentstream.pipeline.publisher.SpanPublisher = LedgeredPublisher  # type: ignore[misc]
+    agentstream.pipeline.publisher.front.SpanPublisher = LedgeredPublisher  # type: ignore[misc]
 
 
 def publish_direct(journal: Path, rollouts_per_s: float, seed: int) -> None:
     """Steady direct load: rollouts of 15 LLM spans, a reward and SUCCEEDED, until SIGTERM or SIGINT."""
-    from infra.config import load_config
-    from stack.control import Stack
+    from agentstream.infra.config import load_config
+    from agentstream.stack.control import Stack
 
     stop = threading.Event()
     for sig in (signal.SIGTERM, signal.SIGINT):

@@ -20,8 +20,8 @@ import urllib.parse
 import urllib.request
 from pathlib import Path
 
+from agentstream.stack.machine import calibrate
 from bench.common import clickhouse_front, emit
-from stack.machine import calibrate
 
 BENCH = "clickhouse_reads"
 ROWS = b"".join(json.dumps({"a": i, "s": f"row {i}"}).encode() + b"\n" for i in range(1000))

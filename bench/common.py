@@ -15,9 +15,9 @@ from collections.abc import Iterator
 from pathlib import Path
 from typing import Any
 
-from infra.config import BROKERS, Config, load_config
-from infra.processes import free_port, wait_for_port
-from stack.control import Endpoints, Stack
+from agentstream.infra.config import BROKERS, Config, load_config
+from agentstream.infra.processes import free_port, wait_for_port
+from agentstream.stack.control import Endpoints, Stack
 
 VOCABULARY = 49152  # SmolLM2's
 
@@ -75,10 +75,11 @@ def private_stack(**environ: str) -> Iterator[tuple[Config, Endpoints]]:
 
 @contextlib.contextmanager
 def clickhouse_front(data_dir: Path) -> Iterator[str]:
-    """The embedded ClickHouse front alone (``stack.chserver``, no password) over ``data_dir`` on a free loopback
+    """The embedded ClickHouse front alone (``agentstream.stack.chserver``, no password) over ``data_dir`` on a free
+    loopback
     port; yields its URL, stopped afterwards."""
     port = free_port()
-    command = [sys.executable, "-m", "stack.chserver", "--port", str(port), "--data-dir", str(data_dir)]
+    command = [sys.executable, "-m", "agentstream.stack.chserver", "--port", str(port), "--data-dir", str(data_dir)]
     server = subprocess.Popen(command, stdout=subprocess.DEVNULL, stderr=subprocess.STDOUT)
     try:
         wait_for_port("127.0.0.1", port, 60, server)

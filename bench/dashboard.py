@@ -20,8 +20,8 @@ import time
 import urllib.request
 
 from agentstream.dashboard.server import DashboardThread
+from agentstream.infra.clickhouse import connect, migrate
 from bench.common import emit, private_stack
-from infra.clickhouse import connect, migrate
 
 BENCH = "dashboard"
 DATABASE = "dashboard_bench"

@@ -25,10 +25,10 @@ import time
 from datetime import UTC, datetime, timedelta
 from pathlib import Path
 
+from agentstream.infra.clickhouse import connect, migrate
+from agentstream.infra.config import load_config
+from agentstream.stack.machine import calibrate
 from bench.common import VOCABULARY, clickhouse_front, emit
-from infra.clickhouse import connect, migrate
-from infra.config import load_config
-from stack.machine import calibrate
 
 BENCH = "dataset_export"
 DATABASE = "bench_dataset"

@@ -26,24 +26,24 @@ from pathlib import Path
 
 import aiohttp
 
+from agentstream.deploy.deployments import Decision, DeploymentFollower, DeploymentLog
+from agentstream.deploy.gate import Gate
 from agentstream.evaluation import task_evaluator
+from agentstream.infra.clickhouse import connect
+from agentstream.infra.config import Config, TrainerConfig
+from agentstream.infra.kafka import create_topics
+from agentstream.infra.processes import free_port
+from agentstream.models import load_model
+from agentstream.pipeline.proxy import LLMProxy, serve_proxy
+from agentstream.pipeline.publisher import SpanPublisher
+from agentstream.serving.app import create_app
+from agentstream.serving.hotswap import HotSwapper
+from agentstream.serving.protocol import Contract
+from agentstream.stack.control import Endpoints
+from agentstream.trainer.checkpoints import checkpoint_name, open_store, read_manifest
 from bench.common import emit, private_stack
 from bench.scenario import Users, lora_checkpoint, publish, serve_app, wait_until
 from bench.streams import start_worker, wait_ready
-from deploy.deployments import Decision, DeploymentFollower, DeploymentLog
-from deploy.gate import Gate
-from infra.clickhouse import connect
-from infra.config import Config, TrainerConfig
-from infra.kafka import create_topics
-from infra.processes import free_port
-from models import load_model
-from pipeline.proxy import LLMProxy, serve_proxy
-from pipeline.publisher import SpanPublisher
-from serving.app import create_app
-from serving.hotswap import HotSwapper
-from serving.protocol import Contract
-from stack.control import Endpoints
-from trainer.checkpoints import checkpoint_name, open_store, read_manifest
 
 PROMPTS = [f"Say something about the number {n}." for n in range(8)]
 

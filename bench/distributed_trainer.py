@@ -28,14 +28,14 @@ import torch
 import torch.distributed as dist
 import torch.multiprocessing as mp
 
+from agentstream.infra.config import TrainerConfig
+from agentstream.infra.processes import free_port
+from agentstream.stack.machine import calibrate
+from agentstream.trainer.batching import Batch, Counts, Sample, collate
+from agentstream.trainer.distributed import Group, Ranks, join, leave
+from agentstream.trainer.policy import build_policy
+from agentstream.trainer.step import train_step
 from bench.common import emit
-from infra.config import TrainerConfig
-from infra.processes import free_port
-from stack.machine import calibrate
-from trainer.batching import Batch, Counts, Sample, collate
-from trainer.distributed import Group, Ranks, join, leave
-from trainer.policy import build_policy
-from trainer.step import train_step
 
 BENCH = "distributed_trainer"
 

@@ -36,17 +36,17 @@ from typing import Any
 
 import aiohttp
 
+from agentstream.infra.clickhouse import connect
+from agentstream.infra.config import Config
+from agentstream.infra.kafka import topic_name
+from agentstream.infra.processes import free_port, wait_for_port
+from agentstream.pipeline.publisher import SpanPublisher
 from agentstream.session import Child
+from agentstream.stack.control import Endpoints
+from agentstream.stack.machine import CpuShare, calibrate
 from bench import distributed_trainer
 from bench.common import cli_environ, emit, private_stack
 from bench.streams import SPANS_PER_ROLLOUT, Workload
-from infra.clickhouse import connect
-from infra.config import Config
-from infra.kafka import topic_name
-from infra.processes import free_port, wait_for_port
-from pipeline.publisher import SpanPublisher
-from stack.control import Endpoints
-from stack.machine import CpuShare, calibrate
 
 BENCH = "fleet"
 ANSWER_TOKENS = (8, 16, 32)

@@ -3,7 +3,7 @@
 Canary: for each true difference D (canary - stable mean reward) it runs ``--canaries``
 simulated canaries of 0/1 rewards (stable success rate ``--stable``), each live rollout going
 to the canary with probability ``deploy.canary_share``, and applies the gate's rule
-(:func:`deploy.sequential.canary_bounds`, promote when the lower bound is above
+(:func:`agentstream.deploy.sequential.canary_bounds`, promote when the lower bound is above
 -tolerance, roll back when the upper bound is below it) after every canary rollout, from
 ``deploy.canary_min_rollouts`` on, up to ``--horizon`` canary rollouts (then: undecided, which
 the gate rolls back at ``canary_max_s``). Prints one JSON line per D: the promote, roll-back and
@@ -14,7 +14,7 @@ one-sided bound re-run at every look, would have done on the same streams.
 
 Evaluation: ``--evaluations`` simulated evaluations on ``--tasks`` tasks (0/1 rewards, the two
 versions' outcomes independent per task: the hardest case for a paired test) through
-:func:`deploy.sequential.paired_lower_bound`; one JSON line per D with the pass rate, the
+:func:`agentstream.deploy.sequential.paired_lower_bound`; one JSON line per D with the pass rate, the
 false-pass rate (passed while D <= -tolerance) and the false-rejection rate (rejected while
 D >= -tolerance). Seeded; a few seconds on one core.
 """
@@ -27,10 +27,10 @@ from statistics import NormalDist
 
 import numpy as np
 
+from agentstream.deploy.sequential import canary_bounds, paired_lower_bound
+from agentstream.infra.config import DeployConfig, load_config
+from agentstream.stack.machine import calibrate
 from bench.common import emit
-from deploy.sequential import canary_bounds, paired_lower_bound
-from infra.config import DeployConfig, load_config
-from stack.machine import calibrate
 
 BENCH = "gate"
 CHUNK = 200  # canary rollouts simulated at once for every run still undecided

@@ -2,7 +2,7 @@
 
 A wave is the demo's: GRPO groups of 8 samples of ``arithmetic.MAX_TOKENS`` tokens (EOS ignored,
 so every kernel does the same work) to arithmetic prompts, generated as the model server does
-(``serving.generation.generate_batch``, Linear weights in the demo's compute dtype) on
+(``agentstream.serving.generation.generate_batch``, Linear weights in the demo's compute dtype) on
 ``--threads`` torch threads (1: the demo's server, beside the trainer's thread). Each kernel
 (transformers' ``sdpa``; ``grouped``, the server's attention that reads the KV cache in place)
 runs on the same waves, alternating, so a machine that slows down mid-run slows both. Prints
@@ -17,16 +17,16 @@ import statistics
 import time
 
 from agentstream.demo.training import compute_dtype
+from agentstream.examples import arithmetic
+from agentstream.infra.config import load_config
+from agentstream.models import eos_token_ids, load_model
+from agentstream.models.precision import resolve_precision
+from agentstream.serving.attention import use_grouped_attention
+from agentstream.serving.generation import BatchRequest, SamplingParams, generate_batch
+from agentstream.serving.tool_format import renders_tools
+from agentstream.stack.machine import calibrate
 from bench.common import emit
 from bench.learning import task_prompt
-from examples import arithmetic
-from infra.config import load_config
-from models import eos_token_ids, load_model
-from models.precision import resolve_precision
-from serving.attention import use_grouped_attention
-from serving.generation import BatchRequest, SamplingParams, generate_batch
-from serving.tool_format import renders_tools
-from stack.machine import calibrate
 
 GROUP = 8
 KERNELS = ("sdpa", "grouped")

@@ -22,11 +22,11 @@ import time
 from dataclasses import dataclass
 from pathlib import Path
 
+from agentstream.infra.config import Config, load_config
+from agentstream.infra.kafka import client_options, create_topics, topic_name
 from bench.chaos import LedgerReader
 from bench.chaos_ledger import LEDGER_ENV, LedgeredPublisher
 from bench.common import emit, private_environ
-from infra.config import Config, load_config
-from infra.kafka import client_options, create_topics, topic_name
 from tests.support.cluster_load import Load, beyond_first, busiest_leader, first_ack_after, ids_on_topic
 from tests.support.kafka_cluster import KafkaCluster
 

@@ -39,19 +39,19 @@ from safetensors.torch import load_file
 
 from agentstream.demo import run_demo
 from agentstream.demo.training import compute_dtype
+from agentstream.examples import arithmetic
+from agentstream.infra.config import Config, ConfigError, load_config
+from agentstream.models import LoadedModel, assign_weights, eos_token_ids, load_model
+from agentstream.models.precision import cast_linears_for_inference, resolve_precision
+from agentstream.serving.attention import use_grouped_attention
+from agentstream.serving.generation import BatchRequest, SamplingParams, generate_batch
+from agentstream.serving.tool_format import render_prompt, renders_tools
+from agentstream.stack.machine import CpuShare, calibrate
+from agentstream.streams.credit import GroupNormalized
+from agentstream.trainer.batching import Batch, Counts, Sample
+from agentstream.trainer.policy import build_policy
+from agentstream.trainer.step import train_step
 from bench.common import emit
-from examples import arithmetic
-from infra.config import Config, ConfigError, load_config
-from models import LoadedModel, assign_weights, eos_token_ids, load_model
-from models.precision import cast_linears_for_inference, resolve_precision
-from serving.attention import use_grouped_attention
-from serving.generation import BatchRequest, SamplingParams, generate_batch
-from serving.tool_format import render_prompt, renders_tools
-from stack.machine import CpuShare, calibrate
-from streams.credit import GroupNormalized
-from trainer.batching import Batch, Counts, Sample
-from trainer.policy import build_policy
-from trainer.step import train_step
 
 TARGETS = (0.65, 0.75)  # besides demo.target
 SNAPSHOTS = Path("bench-output/snapshots")

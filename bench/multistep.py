@@ -30,15 +30,15 @@ from dataclasses import replace
 
 from agentstream.demo import run_demo
 from agentstream.demo.training import AGENTS, DemoAgent, DemoReport
+from agentstream.infra.config import ConfigError, load_config
+from agentstream.stack.machine import calibrate
 from bench.common import emit
-from infra.config import ConfigError, load_config
-from stack.machine import calibrate
 
 CALCULATOR = AGENTS["calculator"]
 VARIANTS: dict[str, DemoAgent] = {
     "trajectory": CALCULATOR,
     "transition": replace(CALCULATOR, level="transition"),
-    "intermediate": replace(CALCULATOR, entry="examples.calculator_shaped:solve", strategy="discounted"),
+    "intermediate": replace(CALCULATOR, entry="agentstream.examples.calculator_shaped:solve", strategy="discounted"),
     # a step of 32 samples holds 32 rollouts at trajectory level and about 16 at transition level (two calls
     # each): with 16, trajectory level takes the same optimizer steps on the same rollouts, warm start included
     "trajectory-16": replace(CALCULATOR, samples_per_step=16),

@@ -28,10 +28,10 @@ import aiohttp
 from opentelemetry.proto.collector.trace.v1.trace_service_pb2 import ExportTraceServiceRequest
 from opentelemetry.proto.trace.v1.trace_pb2 import Span as ProtoSpan
 
+from agentstream.infra.clickhouse import connect
+from agentstream.infra.processes import free_port, wait_for_port
 from bench.common import VOCABULARY, emit, private_stack
 from bench.streams import start_worker, wait_ready
-from infra.clickhouse import connect
-from infra.processes import free_port, wait_for_port
 
 BENCH = "otlp"
 MODEL = "SmolLM2-135M-Instruct"

@@ -5,7 +5,7 @@ which ``make gpu-check`` passes) and both compute dtypes, prints one JSON line p
 ``trainer_tokens_per_s``, ``generation_tokens_per_s`` (the base model, and on a LoRA adapter of
 ``--lora-rank``) and ``initial_ratio_max_abs_dev`` (the largest |log ratio| between the server's
 sampled logprobs and the trainer's recomputation of the same tokens with the same weights; its
-bound is ``models.precision.INITIAL_RATIO_BOUND``).
+bound is ``agentstream.models.precision.INITIAL_RATIO_BOUND``).
 """
 
 from __future__ import annotations
@@ -16,8 +16,8 @@ import sys
 import torch
 
 from agentstream.gpu_check import generation_tokens_per_s, initial_ratio_max_abs_dev, trainer_tokens_per_s
+from agentstream.models.precision import INITIAL_RATIO_BOUND
 from bench.common import emit
-from models.precision import INITIAL_RATIO_BOUND
 
 
 def main() -> int:

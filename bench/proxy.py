@@ -14,11 +14,11 @@ from pathlib import Path
 
 import httpx
 
+from agentstream.models import load_model
+from agentstream.pipeline.proxy import LLMProxy
+from agentstream.pipeline.publisher import SpanPublisher
+from agentstream.serving.app import create_app
 from bench.common import emit, percentile, private_stack
-from models import load_model
-from pipeline.proxy import LLMProxy
-from pipeline.publisher import SpanPublisher
-from serving.app import create_app
 from tests.support.http_thread import ServerThread
 
 REQUESTS = 400

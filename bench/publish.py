@@ -19,13 +19,13 @@ import time
 from pathlib import Path
 from typing import Any
 
+from agentstream.infra.kafka import client_options, idempotence_granted, message_counts, topic_name
+from agentstream.pipeline.publisher import SpanPublisher
+from agentstream.schemas import SPAN_BATCH, AvroCodec
+from agentstream.schemas.span_writer import SpanBatchEncoder, prepare_span
+from agentstream.stack.machine import calibrate
 from bench.common import add_broker_option, chosen_brokers, llm_span, private_stack
 from bench.common import emit as emit_figure
-from infra.kafka import client_options, idempotence_granted, message_counts, topic_name
-from pipeline.publisher import SpanPublisher
-from schemas import SPAN_BATCH, AvroCodec
-from schemas.span_writer import SpanBatchEncoder, prepare_span
-from stack.machine import calibrate
 
 BENCH = "publisher"
 emit = functools.partial(emit_figure, BENCH)

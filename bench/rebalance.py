@@ -49,13 +49,13 @@ from statistics import median
 
 from aiokafka import AIOKafkaConsumer, TopicPartition
 
+from agentstream.infra.clickhouse import connect
+from agentstream.infra.config import BROKERS, Config
+from agentstream.infra.kafka import admin_client, client_options, topic_name, topic_partitions
+from agentstream.pipeline.publisher import SpanPublisher
+from agentstream.stack.machine import calibrate
 from bench.common import cli_environ, emit, private_stack
 from bench.streams import SPANS_PER_ROLLOUT, Workload, start_worker, wait_ready
-from infra.clickhouse import connect
-from infra.config import BROKERS, Config
-from infra.kafka import admin_client, client_options, topic_name, topic_partitions
-from pipeline.publisher import SpanPublisher
-from stack.machine import calibrate
 
 BENCH = "rebalance"
 POLL_S = 0.25

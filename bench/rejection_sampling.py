@@ -30,15 +30,15 @@ from dataclasses import replace
 from pathlib import Path
 
 from agentstream.demo.training import AGENTS, DATABASE, demo_config, evaluate, server_version
+from agentstream.infra.clickhouse import connect
+from agentstream.infra.config import Config
+from agentstream.pipeline.publisher import SpanPublisher
+from agentstream.pipeline.sdk import set_sink
+from agentstream.pipeline.tasks import enqueue, grouped_tasks
 from agentstream.session import SessionPlan, TrainingSession
+from agentstream.stack.machine import calibrate
 from bench.common import emit, private_stack
 from bench.learning import wilson_interval
-from infra.clickhouse import connect
-from infra.config import Config
-from pipeline.publisher import SpanPublisher
-from pipeline.sdk import set_sink
-from pipeline.tasks import enqueue, grouped_tasks
-from stack.machine import calibrate
 
 AGENT = AGENTS["arithmetic"]
 BENCH = "rejection_sampling"

@@ -12,10 +12,10 @@ import time
 import torch
 from aiohttp import web
 
-from infra.processes import free_port
-from pipeline.sdk import emit_reward, rollout
-from trainer.checkpoints import CheckpointAnnouncer, write_checkpoint
-from trainer.policy import build_policy, save_weights
+from agentstream.infra.processes import free_port
+from agentstream.pipeline.sdk import emit_reward, rollout
+from agentstream.trainer.checkpoints import CheckpointAnnouncer, write_checkpoint
+from agentstream.trainer.policy import build_policy, save_weights
 
 
 async def greedy_reply(task: dict, state) -> str:

@@ -12,10 +12,10 @@ import tempfile
 import time
 from pathlib import Path
 
+from agentstream.infra.clickhouse import connect
+from agentstream.pipeline.publisher import SpanPublisher
 from bench.common import emit, private_stack
 from bench.streams import SPANS_PER_ROLLOUT, Workload, rss_mb, start_worker, wait_ready
-from infra.clickhouse import connect
-from pipeline.publisher import SpanPublisher
 
 
 def main() -> None:

@@ -19,11 +19,11 @@ from collections.abc import Callable
 from aiokafka import AIOKafkaConsumer, AIOKafkaProducer
 from aiokafka.admin import AIOKafkaAdminClient, NewTopic
 
+from agentstream.infra.clickhouse import connect
+from agentstream.infra.kafka import client_options
+from agentstream.stack.machine import calibrate
 from bench.common import add_broker_option, chosen_brokers, percentile, private_stack
 from bench.common import emit as emit_figure
-from infra.clickhouse import connect
-from infra.kafka import client_options
-from stack.machine import calibrate
 
 
 async def kafka_figures(options: dict, emit: Callable[..., None]) -> None:

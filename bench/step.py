@@ -17,15 +17,15 @@ from dataclasses import replace
 import torch
 
 from agentstream.demo.training import compute_dtype
+from agentstream.examples import arithmetic
+from agentstream.infra.config import load_config
+from agentstream.serving.tool_format import renders_tools
+from agentstream.stack.machine import calibrate
+from agentstream.trainer.batching import Batch, Counts, Sample
+from agentstream.trainer.policy import build_policy
+from agentstream.trainer.step import train_step
 from bench.common import emit
 from bench.learning import task_prompt
-from examples import arithmetic
-from infra.config import load_config
-from serving.tool_format import renders_tools
-from stack.machine import calibrate
-from trainer.batching import Batch, Counts, Sample
-from trainer.policy import build_policy
-from trainer.step import train_step
 
 GROUP = 8
 

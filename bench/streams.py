@@ -39,12 +39,12 @@ from pathlib import Path
 
 from aiokafka import AIOKafkaConsumer
 
+from agentstream.infra.clickhouse import connect
+from agentstream.infra.config import BROKER_STORAGES, LEVELS
+from agentstream.infra.kafka import client_options, topic_name
+from agentstream.pipeline.publisher import SpanPublisher
+from agentstream.stack.machine import CpuShare, calibrate
 from bench.common import add_broker_option, chosen_brokers, cli_environ, emit, llm_span, percentile, private_stack
-from infra.clickhouse import connect
-from infra.config import BROKER_STORAGES, LEVELS
-from infra.kafka import client_options, topic_name
-from pipeline.publisher import SpanPublisher
-from stack.machine import CpuShare, calibrate
 
 SPANS_PER_ROLLOUT = 16
 BENCH = "streams"

@@ -33,10 +33,9 @@ from typing import Any
 import openai
 from openai.types.chat import ChatCompletionMessage
 
-from bench.common import emit
-from models import LoadedModel, load_model
-from serving.app import create_app
-from serving.tool_format import (
+from agentstream.models import LoadedModel, load_model
+from agentstream.serving.app import create_app
+from agentstream.serving.tool_format import (
     TOOL_CALL_END,
     TOOL_CALL_START,
     canonical_tool_call,
@@ -44,7 +43,8 @@ from serving.tool_format import (
     render_prompt,
     renders_tools,
 )
-from stack.machine import calibrate
+from agentstream.stack.machine import calibrate
+from bench.common import emit
 from tests.support.http_thread import ServerThread
 
 BENCH = "tool_drift"

@@ -34,19 +34,19 @@ from dataclasses import replace
 import aiohttp
 from aiokafka import AIOKafkaConsumer, AIOKafkaProducer
 
+from agentstream.infra.clickhouse import connect, migrate
+from agentstream.infra.config import Config, TrainerConfig, load_config
+from agentstream.infra.kafka import client_options, create_topics, topic_name
+from agentstream.infra.processes import free_port
+from agentstream.schemas import TRANSITION, AvroCodec
+from agentstream.stack.control import Stack
+from agentstream.trainer.batching import Batcher, Sample, SeenIds
+from agentstream.trainer.checkpoints import CheckpointAnnouncer, open_store, write_checkpoint
+from agentstream.trainer.metrics import MetricsWriter
+from agentstream.trainer.policy import build_policy, save_weights
+from agentstream.trainer.step import train_step
+from agentstream.trainer.worker import TrainerWorker
 from bench.common import private_environ
-from infra.clickhouse import connect, migrate
-from infra.config import Config, TrainerConfig, load_config
-from infra.kafka import client_options, create_topics, topic_name
-from infra.processes import free_port
-from schemas import TRANSITION, AvroCodec
-from stack.control import Stack
-from trainer.batching import Batcher, Sample, SeenIds
-from trainer.checkpoints import CheckpointAnnouncer, open_store, write_checkpoint
-from trainer.metrics import MetricsWriter
-from trainer.policy import build_policy, save_weights
-from trainer.step import train_step
-from trainer.worker import TrainerWorker
 
 BENCH = "trainer"
 TRANSITIONS = 768

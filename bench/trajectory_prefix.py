@@ -19,12 +19,12 @@ import statistics
 
 import torch
 
+from agentstream.infra.config import TrainerConfig
+from agentstream.stack.machine import calibrate
+from agentstream.trainer.batching import Batch, Counts, MicroBatch, PackedMicroBatch, Sample, collate
+from agentstream.trainer.policy import Policy, build_policy
+from agentstream.trainer.step import train_step
 from bench.common import emit
-from infra.config import TrainerConfig
-from stack.machine import calibrate
-from trainer.batching import Batch, Counts, MicroBatch, PackedMicroBatch, Sample, collate
-from trainer.policy import Policy, build_policy
-from trainer.step import train_step
 
 BENCH = "trajectory_prefix"
 

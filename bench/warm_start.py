@@ -1,8 +1,8 @@
 """Warm start: how the calculator agent's success grows with supervised steps on demonstrations.
 
-The demonstrations are the calculator demo's (``examples.calculator_agent.demonstration``: one
+The demonstrations are the calculator demo's (``agentstream.examples.calculator_agent.demonstration``: one
 calculator call, then the answer), as trajectory-level samples without logprobs, 32 per step,
-trained with the trainer's own step (``trainer.step.train_step``, the demo's learning rate by
+trained with the trainer's own step (``agentstream.trainer.step.train_step``, the demo's learning rate by
 default). After each step from ``--from-step`` on, the agent's two-turn loop runs on the
 held-out tasks in-process (the dev server's generation code, its tool rendering and parsing):
 greedy, then ``--samples`` rollouts per task at each ``--temperatures``. Per step, JSON lines:
@@ -19,17 +19,17 @@ import uuid
 from dataclasses import replace
 
 from agentstream.demo.demonstrations import demonstration_calls
+from agentstream.examples import calculator_agent as calculator
+from agentstream.infra.config import load_config
+from agentstream.models import LoadedModel, assign_weights, eos_token_ids
+from agentstream.serving.attention import use_grouped_attention
+from agentstream.serving.generation import BatchRequest, SamplingParams, generate_batch
+from agentstream.serving.tool_format import parse_tool_calls, render_prompt
+from agentstream.stack.machine import calibrate
+from agentstream.trainer.batching import Batch, Counts, Sample
+from agentstream.trainer.policy import build_policy
+from agentstream.trainer.step import train_step
 from bench.common import emit
-from examples import calculator_agent as calculator
-from infra.config import load_config
-from models import LoadedModel, assign_weights, eos_token_ids
-from serving.attention import use_grouped_attention
-from serving.generation import BatchRequest, SamplingParams, generate_batch
-from serving.tool_format import parse_tool_calls, render_prompt
-from stack.machine import calibrate
-from trainer.batching import Batch, Counts, Sample
-from trainer.policy import build_policy
-from trainer.step import train_step
 
 
 def demonstration_sample(task: dict, tokenizer) -> Sample:

@@ -13,10 +13,10 @@ from typing import Any
 
 from aiokafka import AIOKafkaConsumer
 
-from infra.config import Config
-from infra.kafka import check_topic_access, consumer_options, named_refusals, topic_name
-from schemas import CHECKPOINT, AvroCodec, CodecError
-from schemas.checkpoint import Checkpoint
+from agentstream.infra.config import Config
+from agentstream.infra.kafka import check_topic_access, consumer_options, named_refusals, topic_name
+from agentstream.schemas import CHECKPOINT, AvroCodec, CodecError
+from agentstream.schemas.checkpoint import Checkpoint
 
 log = logging.getLogger("agentstream.deployments")
 

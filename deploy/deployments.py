@@ -8,7 +8,7 @@ The gate, hot swap (when no gate runs) and ``agentstream promote``/``rollback`` 
 with :class:`DeploymentLog`.
 
 The same topic carries :class:`Announcement` records (schemas/avro/announcement.avsc): the gate
-and hot swap say with :func:`announce` that they run for a model, and with which ``deploy.gate``.
+and hot swap say with :func:`announce` that they run for a model, and with which ``agentstream.deploy.gate``.
 Only one of them may decide what serves, so a hot swap that promotes every checkpoint itself
 (``deploy.gate = false``) and a gate for the same model refuse to run side by side: whichever
 starts second reads the other's live announcement and stops with :class:`GateDisagreement`.
@@ -34,10 +34,17 @@ from typing import Any
 from aiokafka import AIOKafkaConsumer, AIOKafkaProducer, TopicPartition
 from aiokafka.errors import KafkaError
 
-from infra.config import Config
-from infra.kafka import check_topic_access, client_options, consumer_options, refusal, start_producer, topic_name
-from schemas import ANNOUNCEMENT, DEPLOYMENT, AvroCodec, CodecError
-from schemas.errors import AgentstreamError
+from agentstream.infra.config import Config
+from agentstream.infra.kafka import (
+    check_topic_access,
+    client_options,
+    consumer_options,
+    refusal,
+    start_producer,
+    topic_name,
+)
+from agentstream.schemas import ANNOUNCEMENT, DEPLOYMENT, AvroCodec, CodecError
+from agentstream.schemas.errors import AgentstreamError
 
 log = logging.getLogger("agentstream.deployments")
 

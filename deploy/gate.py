@@ -8,7 +8,7 @@ For each new checkpoint of its model the gate (one process per trained model):
    held-out tasks, pinned to each version; both scored afresh for every candidate) and lets it
    on only when the data show it is no worse than the stable version by more than
    ``deploy.tolerance``: the lower ``deploy.confidence`` bound of the mean paired difference
-   (candidate - stable, task by task; :func:`deploy.sequential.paired_lower_bound`) is above
+   (candidate - stable, task by task; :func:`agentstream.deploy.sequential.paired_lower_bound`) is above
    ``-deploy.tolerance``. The same test runs against the best-scoring version that has served
    all traffic (of those this gate process has scored, scored again now), so a run of
    candidates each a little worse than the one before cannot slide below the best by more than
@@ -17,7 +17,7 @@ For each new checkpoint of its model the gate (one process per trained model):
    failed", with the error;
 3. makes it the CANARY for ``deploy.canary_share`` of live rollouts and watches the live
    rewards of both versions in ClickHouse's ``rollouts`` table since the canary began, every
-   ``poll_s``: the always-valid bound of :mod:`deploy.sequential` (a normal-mixture sequential
+   ``poll_s``: the always-valid bound of :mod:`agentstream.deploy.sequential` (a normal-mixture sequential
    test, valid however often it is looked at) PROMOTES it once the data show it is no worse than
    the tolerance (and ``canary_min_s`` has passed) and ROLLS it BACK once they show it is worse.
    Each wrong decision has probability at most 1 - ``deploy.confidence``. A canary still
@@ -28,7 +28,7 @@ rollouts (and two stable ones). Checkpoints that arrive while one is being consi
 when the gate is free it takes the newest and marks the ones in between SUPERSEDED. A
 person's decision (``agentstream promote``/``rollback``) that changes the candidate or canary
 ends the gate's consideration. The gate announces itself on the deployments topic
-(:func:`deploy.deployments.announce`) and refuses to run beside a hot swap that promotes
+(:func:`agentstream.deploy.deployments.announce`) and refuses to run beside a hot swap that promotes
 every checkpoint itself (``deploy.gate = false``).
 """
 
@@ -44,8 +44,8 @@ from typing import Any
 
 import aiohttp
 
-from deploy.checkpoints import CheckpointFollower
-from deploy.deployments import (
+from agentstream.deploy.checkpoints import CheckpointFollower
+from agentstream.deploy.deployments import (
     Action,
     Decision,
     DeploymentFollower,
@@ -55,11 +55,11 @@ from deploy.deployments import (
     announce,
     decide,
 )
-from deploy.sequential import Verdict, canary_bounds, canary_verdict, paired_differences, paired_lower_bound
-from infra.clickhouse import ROLLOUT_POLICY_VERSION
-from infra.config import Config
-from schemas.checkpoint import Checkpoint
-from schemas.errors import AgentstreamError
+from agentstream.deploy.sequential import Verdict, canary_bounds, canary_verdict, paired_differences, paired_lower_bound
+from agentstream.infra.clickhouse import ROLLOUT_POLICY_VERSION
+from agentstream.infra.config import Config
+from agentstream.schemas.checkpoint import Checkpoint
+from agentstream.schemas.errors import AgentstreamError
 
 log = logging.getLogger("agentstream.gate")
 
@@ -132,7 +132,8 @@ def best_served(scores: dict[int, Score], served: set[int]) -> int | None:
 
 def judge_canary(canary: LiveRewards, stable: LiveRewards, *, tolerance: float, confidence: float,
                  min_rollouts: int) -> CanaryVerdict:
-    """The sequential test of :mod:`deploy.sequential` on the live rewards so far (WAIT below the minimum)."""
+    """The sequential test of :mod:`agentstream.deploy.sequential` on the live rewards so far (WAIT below the
+    minimum)."""
     enough = canary.rollouts >= min_rollouts and stable.rollouts >= 2
     if not enough or canary.mean is None or stable.mean is None:
         return CanaryVerdict(Verdict.WAIT, False)

@@ -7,10 +7,10 @@ import logging
 
 from clickhouse_connect.driver.client import Client
 
-from deploy.deployments import DeploymentLog
-from deploy.gate import Evaluate, Gate
-from deploy.service import run_with_deployment_log
-from infra.config import Config
+from agentstream.deploy.deployments import DeploymentLog
+from agentstream.deploy.gate import Evaluate, Gate
+from agentstream.deploy.service import run_with_deployment_log
+from agentstream.infra.config import Config
 
 
 def run_gate(config: Config, bootstrap_servers: str, clickhouse_url: str, model_name: str, server_url: str, *,

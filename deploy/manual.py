@@ -1,16 +1,16 @@
 """A person's deployment decisions: what ``agentstream promote``/``rollback`` decide, and the recent decisions.
 
 The CLI (``agentstream/cli.py``) parses the options and calls these; the decisions are recorded
-with :class:`deploy.deployments.DeploymentLog` like the gate's.
+with :class:`agentstream.deploy.deployments.DeploymentLog` like the gate's.
 """
 
 from __future__ import annotations
 
 from typing import Any
 
-from deploy.deployments import Action, Decision, DeploymentError, DeploymentLog, Routing, decide
-from infra.config import Config
-from schemas.checkpoint import CHECKPOINT_COLUMNS, Checkpoint
+from agentstream.deploy.deployments import Action, Decision, DeploymentError, DeploymentLog, Routing, decide
+from agentstream.infra.config import Config
+from agentstream.schemas.checkpoint import CHECKPOINT_COLUMNS, Checkpoint
 
 
 def read_checkpoint(warehouse: Any, database: str, model: str, version: int) -> Checkpoint:

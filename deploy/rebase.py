@@ -12,7 +12,7 @@ Only decisions made while the trainer runs count: the history read at start-up w
 before the checkpoint it resumed from, which already carries any earlier rebase.
 
 The trainer does not import ``deploy`` (the two talk through Kafka): whoever starts it hands it
-``RejectionStreak`` as its ``rebase`` factory (``trainer.worker.Rebase``).
+``RejectionStreak`` as its ``rebase`` factory (``agentstream.trainer.worker.Rebase``).
 """
 
 from __future__ import annotations
@@ -20,8 +20,8 @@ from __future__ import annotations
 import asyncio
 from dataclasses import dataclass, field
 
-from deploy.deployments import Action, Decision, DeploymentFollower, Routing
-from infra.config import Config
+from agentstream.deploy.deployments import Action, Decision, DeploymentFollower, Routing
+from agentstream.infra.config import Config
 
 REFUSED = (Action.REJECTED, Action.ROLLED_BACK)
 ACCEPTED = (Action.CANARY, Action.PROMOTED)

@@ -13,9 +13,9 @@ from __future__ import annotations
 from dataclasses import dataclass
 from typing import Protocol
 
-from deploy.deployments import Routing, adapter_name, split_adapter_name
-from schemas.contracts import VERSION_HEADER
-from schemas.errors import AgentstreamError
+from agentstream.deploy.deployments import Routing, adapter_name, split_adapter_name
+from agentstream.schemas.contracts import VERSION_HEADER
+from agentstream.schemas.errors import AgentstreamError
 
 
 class RoutingTable(Protocol):

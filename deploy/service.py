@@ -8,11 +8,11 @@ from collections.abc import Awaitable, Callable
 import uvloop
 from clickhouse_connect.driver.client import Client
 
-from deploy.deployments import DeploymentLog
-from infra.clickhouse import migrate, wait_for_clickhouse
-from infra.config import Config
-from infra.grace import until_signalled
-from infra.kafka import client_options, named_refusals
+from agentstream.deploy.deployments import DeploymentLog
+from agentstream.infra.clickhouse import migrate, wait_for_clickhouse
+from agentstream.infra.config import Config
+from agentstream.infra.grace import until_signalled
+from agentstream.infra.kafka import client_options, named_refusals
 
 Body = Callable[[DeploymentLog, Client, asyncio.Event], Awaitable[None]]
 """What the process does, given the started log, the ClickHouse client and the event set on a signal."""

@@ -28,7 +28,7 @@ import random
 from collections.abc import Callable
 from typing import Any
 
-from examples.arithmetic import client, model_name, reward
+from agentstream.examples.arithmetic import client, model_name, reward
 
 MAX_TURNS = 3
 MAX_TOKENS = 96  # a tool call: about 30 SmolLM2 tokens, 85 for a byte-level model; more is rambling

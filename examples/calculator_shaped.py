@@ -4,14 +4,14 @@ Its first turn earns ``TOOL_REWARD`` when the model called the calculator and ev
 (the tool answered a number, not an error); the final reward, whether the answer is right, is
 still what it returns. With ``discounted`` credit the small reward goes to the call that earned
 it; ``final`` and ``grpo`` credit ignore it. Unlike the other examples it uses agentstream's SDK
-(``ags.emit_reward`` is ``pipeline.sdk.emit_reward``, imported from the SDK's own module so that
+(``ags.emit_reward`` is ``agentstream.pipeline.sdk.emit_reward``, imported from the SDK's own module so that
 the examples stay below the ``agentstream`` package, whose demos run them).
 """
 
 from __future__ import annotations
 
-from examples import calculator_agent
-from pipeline.sdk import emit_reward
+from agentstream.examples import calculator_agent
+from agentstream.pipeline.sdk import emit_reward
 
 TOOL_REWARD = 0.1
 

@@ -1,7 +1,7 @@
 """The arithmetic task on LangChain: ``ChatOpenAI`` pointed at the rollout's base URL, one ``HumanMessage``.
 
 Nothing here imports agentstream: the runner hands the agent a task (``{"id", "prompt",
-"answer"}``, the same tasks as ``examples.arithmetic``) and a rollout whose ``llm_base_url()``
+"answer"}``, the same tasks as ``agentstream.examples.arithmetic``) and a rollout whose ``llm_base_url()``
 points at the capturing proxy; ``ChatOpenAI`` speaks the OpenAI chat API to it like to any
 OpenAI-compatible server, and the returned float is the reward (1.0 when the answer's last
 number is the sum, else 0.0).
@@ -20,8 +20,9 @@ import weakref
 import httpx
 from langchain_core.messages import HumanMessage
 from langchain_openai import ChatOpenAI
+from pydantic import SecretStr
 
-from examples.arithmetic import MAX_TOKENS, client, model_name, reward
+from agentstream.examples.arithmetic import MAX_TOKENS, client, model_name, reward
 
 _async_http: weakref.WeakKeyDictionary = weakref.WeakKeyDictionary()
 _sync_http: list[httpx.Client] = []
@@ -44,8 +45,8 @@ def http_clients() -> tuple[httpx.Client, httpx.AsyncClient]:
 def chat_model(base_url: str, api_key: str, *, model: str, temperature: float = 1.0) -> ChatOpenAI:
     """A ChatOpenAI for one rollout, talking to ``base_url`` with the proxy's ``api_key``."""
     sync_http, async_http = http_clients()
-    return ChatOpenAI(
-        model=model, base_url=base_url, api_key=api_key, temperature=temperature, max_tokens=MAX_TOKENS,
+    return ChatOpenAI(  # type: ignore[call-arg]  # max_tokens is the field's alias, which pydantic's stubs do not list
+        model=model, base_url=base_url, api_key=SecretStr(api_key), temperature=temperature, max_tokens=MAX_TOKENS,
         max_retries=2, use_responses_api=False, http_client=sync_http, http_async_client=async_http)
 
 

@@ -13,7 +13,7 @@ import json
 from collections.abc import Callable
 from pathlib import Path
 
-from examples import arithmetic, calculator_agent
+from agentstream.examples import arithmetic, calculator_agent
 
 TASKS_DIR = Path(__file__).resolve().parent / "tasks"
 SPLITS: dict[str, Callable[[], tuple[list[dict], list[dict]]]] = {

@@ -13,7 +13,7 @@ from __future__ import annotations
 import shlex
 from dataclasses import dataclass
 
-from infra.config import Config
+from agentstream.infra.config import Config
 
 ROLES = ("runner", "proxy", "collector", "worker", "trainer", "hotswap")
 """The roles that talk to Kafka; the promotion gate runs as ``hotswap`` (same topics: checkpoints in, deployments)."""

@@ -38,10 +38,10 @@ from pathlib import Path
 from typing import Any, Protocol
 from urllib.parse import quote, unquote, urlsplit
 
-from infra.config import CHECKPOINT_BUCKET, OBJECTSTORE_SERVICE, CheckpointsConfig
-from infra.files import CHUNK, local_path, sha256_file
-from infra.processes import ServiceDirectory
-from schemas.errors import AgentstreamError
+from agentstream.infra.config import CHECKPOINT_BUCKET, OBJECTSTORE_SERVICE, CheckpointsConfig
+from agentstream.infra.files import CHUNK, local_path, sha256_file
+from agentstream.infra.processes import ServiceDirectory
+from agentstream.schemas.errors import AgentstreamError
 
 MANIFEST = "checkpoint.json"
 EMBEDDED_KEYS = ("agentstream", "agentstream-local")

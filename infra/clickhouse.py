@@ -18,8 +18,8 @@ from urllib.parse import urlsplit
 import clickhouse_connect
 from clickhouse_connect.driver.client import Client
 
-from infra.config import ClickHouseConfig
-from schemas.errors import AgentstreamError
+from agentstream.infra.config import ClickHouseConfig
+from agentstream.schemas.errors import AgentstreamError
 
 log = logging.getLogger("agentstream.clickhouse")
 
@@ -117,7 +117,7 @@ def wait_for_clickhouse(config: ClickHouseConfig, url: str, timeout_s: float) ->
 
 
 def load_migrations() -> list[Migration]:
-    folder = resources.files("infra") / "migrations"
+    folder = resources.files("agentstream.infra") / "migrations"
     found = []
     for entry in folder.iterdir():
         match = MIGRATION_FILE.match(entry.name)

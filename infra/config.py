@@ -19,7 +19,7 @@ from pathlib import Path
 from typing import Any, get_type_hints
 from urllib.parse import unquote, urlsplit, urlunsplit
 
-from schemas.errors import AgentstreamError
+from agentstream.schemas.errors import AgentstreamError
 
 
 class ConfigError(AgentstreamError, ValueError):
@@ -580,7 +580,7 @@ class DemoConfig:
     The trainer steps once per wave (its flat groups counted) and drops transitions more than
     ``max_policy_lag`` versions old; waves are paced so that generation runs at most that many
     versions ahead (0: generate, then train, then generate, as a plain loop does). ``heldout_tasks``
-    of the 400 arithmetic tasks are held out (``examples.arithmetic.split``). ``dtype`` is the
+    of the 400 arithmetic tasks are held out (``agentstream.examples.arithmetic.split``). ``dtype`` is the
     compute dtype of the demo's server and trainer: ``auto`` is bfloat16 autocast where the device
     multiplies bfloat16 natively (CUDA, or a CPU with AMX), which trains SmolLM2 about twice as fast
     there, and float32 elsewhere. ``warm_start_demonstrations`` is how many correct conversations
@@ -823,7 +823,7 @@ class SecurityConfig:
     """Who may call what: API keys for the servers that face users, feedback tokens, and where servers may bind.
 
     Every ``*_keys`` value is a comma-separated list of keys (``Secret``: never printed). Unset means
-    that server takes any caller, which :func:`infra.security.check_bind` allows only on loopback.
+    that server takes any caller, which :func:`agentstream.infra.security.check_bind` allows only on loopback.
     ``proxy_keys``: the LLM proxy's OpenAI routes and Agent Lightning event API
     (``Authorization: Bearer <key>``, what the openai SDK sends as ``api_key``). ``collector_keys``:
     the OTLP receiver (``OTEL_EXPORTER_OTLP_HEADERS=Authorization=Bearer%20<key>``).

@@ -31,8 +31,8 @@ from aiokafka.helpers import create_ssl_context
 from aiokafka.protocol.metadata import MetadataRequest
 from aiokafka.protocol.transaction import InitProducerIdRequest
 
-from infra.config import Config, KafkaConfig, TopicsConfig
-from schemas.errors import AgentstreamError
+from agentstream.infra.config import Config, KafkaConfig, TopicsConfig
+from agentstream.schemas.errors import AgentstreamError
 
 # Kafka error codes we treat specially when creating topics.
 TOPIC_ALREADY_EXISTS = 36

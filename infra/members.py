@@ -33,7 +33,7 @@ from aiokafka.client import AIOKafkaClient
 from aiokafka.errors import KafkaError
 from aiokafka.protocol.group import LeaveGroupRequest
 
-from infra.processes import process_start_ticks
+from agentstream.infra.processes import process_start_ticks
 
 log = logging.getLogger("agentstream.members")
 

@@ -16,7 +16,7 @@ import time
 from dataclasses import dataclass
 from pathlib import Path
 
-from schemas.errors import AgentstreamError
+from agentstream.schemas.errors import AgentstreamError
 
 PORT_RELEASE_S = 5.0
 """How long `start` waits for a port whose last owner was just killed (its sockets are still closing)."""

@@ -18,7 +18,7 @@ import secrets
 from collections.abc import Mapping
 from pathlib import Path
 
-from infra.config import ConfigError, Secret, SecurityConfig
+from agentstream.infra.config import ConfigError, Secret, SecurityConfig
 
 FEEDBACK_TOKEN_HEADER = "X-Agentstream-Feedback-Token"
 FEEDBACK_TOKEN_PARAM = "token"

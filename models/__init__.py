@@ -4,8 +4,8 @@ Below serving and trainer: it imports torch/transformers, infra's local files an
 and trainer can both depend on it without depending on each other.
 """
 
-from infra.files import local_path, sha256_file
-from models.loading import (
+from agentstream.infra.files import local_path, sha256_file
+from agentstream.models.loading import (
     SMOLLM2_NAME,
     LoadedModel,
     ModelLoadError,
@@ -17,8 +17,8 @@ from models.loading import (
     smollm2_tokenizer,
     tiny_tokenizer,
 )
-from models.logprobs import teacher_forced_logprobs
-from models.weights import (
+from agentstream.models.logprobs import teacher_forced_logprobs
+from agentstream.models.weights import (
     ADAPTER_CONFIG_FILE,
     ADAPTER_WEIGHTS_FILE,
     FULL_WEIGHTS_FILE,

@@ -22,8 +22,8 @@ from dataclasses import dataclass
 from pathlib import Path
 from typing import TYPE_CHECKING, Any
 
-from models.precision import Precision, cast_linears_for_inference, configure_backends, resolve_precision
-from schemas.errors import AgentstreamError
+from agentstream.models.precision import Precision, cast_linears_for_inference, configure_backends, resolve_precision
+from agentstream.schemas.errors import AgentstreamError
 
 if TYPE_CHECKING:
     import torch
@@ -96,7 +96,7 @@ def load_model(spec: str, *, precision: Precision | None = None, threads: int | 
     The default precision is float32 on the CPU. ``threads`` sets torch's CPU thread count, and
     only when the model runs on the CPU. ``inference_only`` (a model server's copy, never trained)
     stores Linear weights in the compute dtype under mixed precision, which autocast would
-    otherwise cast at every forward (``models.precision.cast_linears_for_inference``).
+    otherwise cast at every forward (``agentstream.models.precision.cast_linears_for_inference``).
     """
     precision = precision or resolve_precision("cpu", "float32")
     configure_backends(precision, threads)

@@ -18,7 +18,7 @@ import logging
 from dataclasses import dataclass
 from typing import TYPE_CHECKING, Any
 
-from schemas.errors import AgentstreamError
+from agentstream.schemas.errors import AgentstreamError
 
 if TYPE_CHECKING:
     import torch
@@ -136,7 +136,7 @@ def cast_linears_for_inference(model: torch.nn.Module, precision: Precision) -> 
     decoded token; casting them once gives the same numbers (autocast rounds the same way) and
     made SmolLM2's generation on one CPU thread 1.6x faster. Embeddings and norms stay float32,
     as under autocast. A head tied to the input embeddings gets its own copy, which
-    ``models.weights.assign_weights`` refreshes from the embeddings.
+    ``agentstream.models.weights.assign_weights`` refreshes from the embeddings.
     """
     import torch
 

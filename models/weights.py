@@ -13,8 +13,8 @@ from collections.abc import Mapping
 from pathlib import Path
 from typing import TYPE_CHECKING, Any
 
-from infra.files import sha256_file
-from schemas.errors import AgentstreamError
+from agentstream.infra.files import sha256_file
+from agentstream.schemas.errors import AgentstreamError
 
 if TYPE_CHECKING:
     import torch
@@ -175,7 +175,8 @@ def assign_weights(model: torch.nn.Module, state: dict[str, torch.Tensor]) -> No
 def _untied_head(model: torch.nn.Module) -> tuple[str, str] | None:
     """(head weight, embedding weight) names when the config ties them but the model holds the head apart.
 
-    A server keeps its own compute-dtype copy of a tied head (``models.precision.cast_linears_for_inference``);
+    A server keeps its own compute-dtype copy of a tied head
+    (``agentstream.models.precision.cast_linears_for_inference``);
     a checkpoint of the tied model carries only one of the two.
     """
     hf: Any = model  # a transformers model (torch types its attributes as Tensor | Module)

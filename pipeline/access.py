@@ -17,15 +17,15 @@ from dataclasses import dataclass
 from aiohttp import web
 from aiohttp.typedefs import Handler, Middleware
 
-from infra.config import Config
-from infra.security import (
+from agentstream.infra.config import Config
+from agentstream.infra.security import (
     FEEDBACK_TOKEN_HEADER,
     FEEDBACK_TOKEN_PARAM,
     KeySet,
     feedback_token_valid,
     presented_credentials,
 )
-from schemas.contracts import openai_error_body
+from agentstream.schemas.contracts import openai_error_body
 
 CREDENTIAL_HEADERS = frozenset({"authorization", "api-key", "x-api-key"})  # what presented_credentials reads
 

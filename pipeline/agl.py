@@ -42,10 +42,10 @@ from collections.abc import Callable, Iterator, Mapping
 from dataclasses import dataclass, field
 from typing import Any, Generic, TypeVar
 
-from infra.config import AglConfig
-from pipeline import sdk
-from schemas.contracts import resolve_reward
-from schemas.errors import AgentstreamError
+from agentstream.infra.config import AglConfig
+from agentstream.pipeline import sdk
+from agentstream.schemas.contracts import resolve_reward
+from agentstream.schemas.errors import AgentstreamError
 
 log = logging.getLogger("agentstream.agl")
 

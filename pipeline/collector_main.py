@@ -4,15 +4,15 @@ from __future__ import annotations
 
 import uvloop
 
-from infra.config import Config
-from infra.grace import until_signalled
-from infra.kafka import client_options, topic_name
-from infra.processes import ServiceError
-from infra.security import KeySet, check_bind
-from pipeline.otlp import KafkaDeadLetters, OtlpReceiver
-from pipeline.otlp_grpc import serve_grpc
-from pipeline.otlp_http import serve_http
-from pipeline.publisher import process_publisher
+from agentstream.infra.config import Config
+from agentstream.infra.grace import until_signalled
+from agentstream.infra.kafka import client_options, topic_name
+from agentstream.infra.processes import ServiceError
+from agentstream.infra.security import KeySet, check_bind
+from agentstream.pipeline.otlp import KafkaDeadLetters, OtlpReceiver
+from agentstream.pipeline.otlp_grpc import serve_grpc
+from agentstream.pipeline.otlp_http import serve_http
+from agentstream.pipeline.publisher import process_publisher
 
 
 def run_collector(config: Config, bootstrap_servers: str, host: str | None = None, port: int | None = None,

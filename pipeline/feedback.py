@@ -9,8 +9,8 @@ from __future__ import annotations
 
 from urllib.parse import quote, urlencode
 
-from infra import security
-from infra.config import Config, load_config
+from agentstream.infra import security
+from agentstream.infra.config import Config, load_config
 
 
 def proxy_feedback_secret(config: Config) -> bytes | None:

@@ -1,4 +1,5 @@
-"""OTLP/gRPC in front of :class:`pipeline.otlp.OtlpReceiver`: TraceService, LogsService and MetricsService ``Export``.
+"""OTLP/gRPC in front of :class:`agentstream.pipeline.otlp.OtlpReceiver`: TraceService, LogsService and
+MetricsService ``Export``.
 
 Served by grpc.aio on the caller's event loop, beside OTLP/HTTP on the same receiver. The services
 are those of opentelemetry-proto's ``*_service.proto`` (names from its generated modules), but
@@ -21,8 +22,17 @@ from typing import NoReturn
 import grpc
 from multidict import CIMultiDict
 
-from infra.processes import ServiceError
-from pipeline.otlp import PROTOBUF, SIGNALS, Busy, OtlpReceiver, Refused, Signal, decode_request, retry_info_protobuf
+from agentstream.infra.processes import ServiceError
+from agentstream.pipeline.otlp import (
+    PROTOBUF,
+    SIGNALS,
+    Busy,
+    OtlpReceiver,
+    Refused,
+    Signal,
+    decode_request,
+    retry_info_protobuf,
+)
 
 RETRY_INFO_KEY = "google.rpc.retryinfo-bin"
 

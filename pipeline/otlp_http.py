@@ -1,4 +1,5 @@
-"""OTLP/HTTP in front of :class:`pipeline.otlp.OtlpReceiver`: ``POST /v1/traces``, ``/v1/logs``, ``/v1/metrics``.
+"""OTLP/HTTP in front of :class:`agentstream.pipeline.otlp.OtlpReceiver`: ``POST /v1/traces``, ``/v1/logs``,
+``/v1/metrics``.
 
 Bodies are protobuf (``application/x-protobuf``) or JSON, with any ``Content-Encoding`` aiohttp
 inflates before a handler reads the body (gzip, deflate, zstd; br with Brotli installed), its size
@@ -16,7 +17,7 @@ from aiohttp.web_protocol import RequestPayloadError
 from google.protobuf import json_format
 from google.protobuf.message import Message
 
-from pipeline.otlp import (
+from agentstream.pipeline.otlp import (
     INVALID_ARGUMENT,
     JSON,
     PROTOBUF,

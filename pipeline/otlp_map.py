@@ -48,8 +48,8 @@ from opentelemetry.proto.collector.trace.v1.trace_service_pb2 import ExportTrace
 from opentelemetry.proto.common.v1.common_pb2 import AnyValue, KeyValue
 from opentelemetry.proto.trace.v1.trace_pb2 import Span as OtelSpan
 
-from schemas.errors import AgentstreamError
-from schemas.records import RolloutEventRecord, SpanRecord
+from agentstream.schemas.errors import AgentstreamError
+from agentstream.schemas.records import RolloutEventRecord, SpanRecord
 
 SOURCE_ATTRIBUTE = "agentstream.source"
 SOURCE = "otlp"

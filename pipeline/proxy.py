@@ -47,10 +47,10 @@ from urllib.parse import quote, unquote
 import aiohttp
 from aiohttp import web
 
-from deploy.deployments import split_adapter_name
-from deploy.routing import Route, RouteError, RoutingTable, resolve_route
-from infra.security import FEEDBACK_TOKEN_HEADER, KeySet, feedback_token
-from pipeline.access import (
+from agentstream.deploy.deployments import split_adapter_name
+from agentstream.deploy.routing import Route, RouteError, RoutingTable, resolve_route
+from agentstream.infra.security import FEEDBACK_TOKEN_HEADER, KeySet, feedback_token
+from agentstream.pipeline.access import (
     HEALTH_ROUTE,
     MODEL_ROUTES,
     REWARD_ROUTE,
@@ -59,9 +59,9 @@ from pipeline.access import (
     not_served,
     upstream_headers,
 )
-from pipeline.sdk import Rollout, SpanSink, build_span, new_id, now_us
-from pipeline.upstreams import RELIST_GAP_S, HealthSettings, Replica, UpstreamPool
-from schemas.contracts import (
+from agentstream.pipeline.sdk import Rollout, SpanSink, build_span, new_id, now_us
+from agentstream.pipeline.upstreams import RELIST_GAP_S, HealthSettings, Replica, UpstreamPool
+from agentstream.schemas.contracts import (
     AGENT_HEADER,
     ATTEMPT_HEADER,
     GROUP_HEADER,
@@ -77,8 +77,8 @@ from schemas.contracts import (
     policy_version,
     resolve_reward,
 )
-from schemas.errors import AgentstreamError
-from schemas.records import SpanRecord
+from agentstream.schemas.errors import AgentstreamError
+from agentstream.schemas.records import SpanRecord
 
 log = logging.getLogger("agentstream.proxy")
 

@@ -9,14 +9,14 @@ from dataclasses import dataclass
 
 import uvloop
 
-from deploy.deployments import DeploymentFollower
-from infra.config import Config
-from infra.grace import until_signalled
-from infra.security import KeySet, check_bind
-from pipeline.feedback import proxy_feedback_secret
-from pipeline.proxy import LLMProxy, serve_proxy
-from pipeline.publisher import process_publisher
-from pipeline.upstreams import HealthSettings
+from agentstream.deploy.deployments import DeploymentFollower
+from agentstream.infra.config import Config
+from agentstream.infra.grace import until_signalled
+from agentstream.infra.security import KeySet, check_bind
+from agentstream.pipeline.feedback import proxy_feedback_secret
+from agentstream.pipeline.proxy import LLMProxy, serve_proxy
+from agentstream.pipeline.publisher import process_publisher
+from agentstream.pipeline.upstreams import HealthSettings
 
 
 @dataclass(frozen=True)

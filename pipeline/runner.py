@@ -25,17 +25,17 @@ from typing import Any, cast
 
 from aiokafka import AIOKafkaConsumer, ConsumerRebalanceListener, TopicPartition
 
-from infra.config import AglConfig, Config
-from infra.kafka import client_options, consumer_options, session_timeout_checked, topic_name
-from infra.logreset import ConsumerLogWatch
-from infra.members import MemberLedger, evict_dead_members, member_id
-from pipeline.access import proxy_client_key
-from pipeline.agl import adapt_agent
-from pipeline.errors import AgentLoadError
-from pipeline.sdk import Rollout, SpanSink, emit_exception, emit_reward, new_id, rollout
-from pipeline.tasks import enqueue
-from schemas import TASK, AvroCodec, CodecError
-from schemas.records import TaskRecord
+from agentstream.infra.config import AglConfig, Config
+from agentstream.infra.kafka import client_options, consumer_options, session_timeout_checked, topic_name
+from agentstream.infra.logreset import ConsumerLogWatch
+from agentstream.infra.members import MemberLedger, evict_dead_members, member_id
+from agentstream.pipeline.access import proxy_client_key
+from agentstream.pipeline.agl import adapt_agent
+from agentstream.pipeline.errors import AgentLoadError
+from agentstream.pipeline.sdk import Rollout, SpanSink, emit_exception, emit_reward, new_id, rollout
+from agentstream.pipeline.tasks import enqueue
+from agentstream.schemas import TASK, AvroCodec, CodecError
+from agentstream.schemas.records import TaskRecord
 
 log = logging.getLogger("agentstream.runner")
 

@@ -6,11 +6,11 @@ import asyncio
 
 import uvloop
 
-from infra.config import AglConfig, Config
-from infra.grace import ShutdownDeadline, until_signalled
-from pipeline.publisher import process_publisher
-from pipeline.runner import Runner, RunnerOptions, load_agent
-from pipeline.sdk import set_sink
+from agentstream.infra.config import AglConfig, Config
+from agentstream.infra.grace import ShutdownDeadline, until_signalled
+from agentstream.pipeline.publisher import process_publisher
+from agentstream.pipeline.runner import Runner, RunnerOptions, load_agent
+from agentstream.pipeline.sdk import set_sink
 
 
 def run_runner(config: Config, bootstrap_servers: str, agent: str, options: RunnerOptions, *,

@@ -24,9 +24,9 @@ from dataclasses import dataclass, field
 from typing import Any, Protocol, TypedDict, Unpack
 from urllib.parse import quote
 
-from schemas.contracts import TRAIN_ATTRIBUTE, resolve_reward
-from schemas.errors import AgentstreamError
-from schemas.records import RolloutEventRecord, SpanRecord
+from agentstream.schemas.contracts import TRAIN_ATTRIBUTE, resolve_reward
+from agentstream.schemas.errors import AgentstreamError
+from agentstream.schemas.records import RolloutEventRecord, SpanRecord
 
 UNUSED_API_KEY = "unused"  # what an OpenAI client sends to a proxy that asks for no key
 
@@ -236,7 +236,7 @@ def _emit(kind: str, name: str, attributes: Mapping[str, Any] | None = None, *, 
 def emit_reward(value: float | Mapping[str, float], *, primary: str | None = None) -> str:
     """Record a reward: a float, or named dimensions whose ``primary`` one (default: their sum) is the scalar.
 
-    Raises ``schemas.contracts.RewardError`` (a ValueError) for a value that is not a finite number
+    Raises ``agentstream.schemas.contracts.RewardError`` (a ValueError) for a value that is not a finite number
     (NaN, ±Infinity, a float overflow, a bool, a string) or an unknown primary: nothing is recorded.
 
     Call it as often as the task gives feedback: intermediate rewards are kept in order and

@@ -10,12 +10,12 @@ from typing import Any
 
 from aiokafka import AIOKafkaProducer
 
-from infra.config import Config
-from infra.kafka import client_options, start_producer, topic_name
-from pipeline.sdk import new_id, now_us
-from schemas import TASK, AvroCodec
-from schemas.errors import AgentstreamError
-from schemas.records import TaskRecord
+from agentstream.infra.config import Config
+from agentstream.infra.kafka import client_options, start_producer, topic_name
+from agentstream.pipeline.sdk import new_id, now_us
+from agentstream.schemas import TASK, AvroCodec
+from agentstream.schemas.errors import AgentstreamError
+from agentstream.schemas.records import TaskRecord
 
 
 class TaskFileError(AgentstreamError, ValueError):

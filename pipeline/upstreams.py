@@ -27,8 +27,8 @@ from dataclasses import dataclass, field
 
 import aiohttp
 
-from deploy.deployments import Routing, adapter_name, split_adapter_name
-from schemas.contracts import policy_version
+from agentstream.deploy.deployments import Routing, adapter_name, split_adapter_name
+from agentstream.schemas.contracts import policy_version
 
 log = logging.getLogger("agentstream.upstreams")
 

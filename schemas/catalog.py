@@ -29,7 +29,7 @@ ROLLOUT_RESULT = f"{NAMESPACE}.RolloutResult"
 DEPLOYMENT = f"{NAMESPACE}.Deployment"
 ANNOUNCEMENT = f"{NAMESPACE}.Announcement"
 
-_AVRO_DIR = resources.files("schemas") / "avro"
+_AVRO_DIR = resources.files("agentstream.schemas") / "avro"
 _HISTORY_DIR = _AVRO_DIR / "history"
 
 

@@ -25,7 +25,7 @@ from typing import Any, cast
 
 import fastavro
 
-from schemas.errors import AgentstreamError
+from agentstream.schemas.errors import AgentstreamError
 
 LEVELS = ("BACKWARD", "BACKWARD_TRANSITIVE", "FORWARD", "FORWARD_TRANSITIVE", "FULL", "FULL_TRANSITIVE", "NONE")
 """The compatibility levels, as Confluent's Schema Registry names them."""

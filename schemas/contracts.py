@@ -11,7 +11,7 @@ import numbers
 from collections.abc import Mapping
 from typing import Any
 
-from schemas.errors import AgentstreamError
+from agentstream.schemas.errors import AgentstreamError
 
 POLICY_VERSION_HEADER = "X-Policy-Version"
 """The model server's answer: which policy version generated this response (the dev server sends it; vLLM does not)."""

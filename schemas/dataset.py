@@ -43,7 +43,7 @@ from typing import IO, Any, TypedDict, cast
 import pyarrow as pa
 import pyarrow.parquet as pq
 
-from schemas.errors import AgentstreamError
+from agentstream.schemas.errors import AgentstreamError
 
 FORMAT_VERSION = 1
 """Bumped when a field changes meaning or type (adding a field is not a change for readers of this module)."""

@@ -55,7 +55,8 @@ class RolloutEventRecord(TypedDict):
 
 
 class TaskRecord(TypedDict):
-    """One Task record (``schemas/avro/task.avsc``): ``pipeline.tasks`` puts it on the tasks topic, a runner runs it."""
+    """One Task record (``schemas/avro/task.avsc``): ``agentstream.pipeline.tasks`` puts it on the tasks topic, a
+    runner runs it."""
 
     task_id: str
     rollout_id: str  # also the Kafka record key

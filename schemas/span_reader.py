@@ -6,7 +6,7 @@ costs more than the rest of its processing; here a reader compiled once per writ
 a datum, decodes the scalars and skips each token array, keeping its bytes: a Transition's
 arrays have the same encoding, so a transition is built by concatenating them
 (schemas/transition_writer.py). The reader makes each span with the class it is given (the
-stream processor's ``streams.trajectory.SpanNode``), called with the keywords of :class:`ReadSpan`.
+stream processor's ``agentstream.streams.trajectory.SpanNode``), called with the keywords of :class:`ReadSpan`.
 
 The same reader walks a ClickHouse ``FORMAT Avro`` result whose columns are named after the
 Span fields, which is how rollouts that wait for a late reward get their spans back.
@@ -53,7 +53,8 @@ class NonFiniteReward(MalformedSpan):
 
 
 class ReadSpan(Protocol):
-    """What the reader makes of a span: the class it is given (``streams.trajectory.SpanNode``), called with the
+    """What the reader makes of a span: the class it is given (``agentstream.streams.trajectory.SpanNode``), called
+    with the
     keywords span_id, rollout_id, parent_id, kind, name, start_us, end_us, attempt_id, agent_name, task_id,
     group_id, model, policy_version, has_token_ids, reward, reward_dimensions, status, train and tokens.
 

@@ -245,7 +245,7 @@ class SpanBatchEncoder:
     """
 
     def __init__(self, registry: SchemaRegistry | None = None) -> None:
-        check_layout(SPAN, SPAN_SCHEMA_ID, "schemas.span_writer")
+        check_layout(SPAN, SPAN_SCHEMA_ID, "agentstream.schemas.span_writer")
         schemas = current_schemas()
         registry = registry if registry is not None else default_registry()
         self._span_header = _HEADER.pack(MAGIC_BYTE, registry.register(schemas[SPAN]))

@@ -31,7 +31,7 @@ TRANSITION_SCHEMA_ID = 1993928380
 @functools.cache
 def check_layout() -> None:
     """Refuse to write transitions if the bundled Transition schema is not the layout this module writes."""
-    binary.check_layout(TRANSITION, TRANSITION_SCHEMA_ID, "schemas.transition_writer")
+    binary.check_layout(TRANSITION, TRANSITION_SCHEMA_ID, "agentstream.schemas.transition_writer")
 
 
 def transition_id(rollout_id: str, attempt_id: str, span_id: str) -> str:
@@ -83,7 +83,8 @@ class Draft:
 
 
 class Call(Protocol):
-    """The LLM call a transition is drafted from, as the span reader reads it (``streams.trajectory.SpanNode``)."""
+    """The LLM call a transition is drafted from, as the span reader reads it
+    (``agentstream.streams.trajectory.SpanNode``)."""
 
     @property
     def span_id(self) -> str: ...

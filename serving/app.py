@@ -28,11 +28,11 @@ import logging
 from aiohttp import web
 from aiohttp.typedefs import Handler
 
-from infra.security import KeySet
-from models import LoadedModel
-from schemas.contracts import POLICY_VERSION_HEADER, openai_error_body
-from serving.engine import ModelServer
-from serving.handlers import (
+from agentstream.infra.security import KeySet
+from agentstream.models import LoadedModel
+from agentstream.schemas.contracts import POLICY_VERSION_HEADER, openai_error_body
+from agentstream.serving.engine import ModelServer
+from agentstream.serving.handlers import (
     CONTRACT,
     SERVED_VERSION,
     SERVER,
@@ -44,7 +44,7 @@ from serving.handlers import (
     load_weights,
     unload_lora_adapter,
 )
-from serving.protocol import Contract, RequestError, error_type_of
+from agentstream.serving.protocol import Contract, RequestError, error_type_of
 
 log = logging.getLogger("agentstream.model_server")
 

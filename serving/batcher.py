@@ -18,10 +18,10 @@ from collections.abc import Callable, Collection
 from concurrent.futures import Future
 from dataclasses import dataclass
 
-from models import LoadedModel
-from serving.generation import BatchRequest, Delta, SamplingParams, SequenceState, generate_batch
-from serving.lora import LoraAdapter, applied
-from serving.protocol import Output
+from agentstream.models import LoadedModel
+from agentstream.serving.generation import BatchRequest, Delta, SamplingParams, SequenceState, generate_batch
+from agentstream.serving.lora import LoraAdapter, applied
+from agentstream.serving.protocol import Output
 
 log = logging.getLogger("agentstream.model_server")
 

@@ -12,13 +12,13 @@ import time
 from collections.abc import AsyncGenerator
 from typing import Any
 
-from models import LoadedModel, context_length, eos_token_ids
-from serving.attention import use_grouped_attention
-from serving.batcher import Batcher, Job
-from serving.generation import Delta, SequenceState, TokenLogprob
-from serving.lora import LoraAdapter
-from serving.protocol import LOGPROB_FLOOR, RequestError
-from serving.tool_format import renders_tools
+from agentstream.models import LoadedModel, context_length, eos_token_ids
+from agentstream.serving.attention import use_grouped_attention
+from agentstream.serving.batcher import Batcher, Job
+from agentstream.serving.generation import Delta, SequenceState, TokenLogprob
+from agentstream.serving.lora import LoraAdapter
+from agentstream.serving.protocol import LOGPROB_FLOOR, RequestError
+from agentstream.serving.tool_format import renders_tools
 
 
 class ModelServer:

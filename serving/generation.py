@@ -24,7 +24,7 @@ from typing import Any
 
 import torch
 
-from serving.kv_cache import decoding_cache
+from agentstream.serving.kv_cache import decoding_cache
 
 REPLACEMENT_CHAR = "\ufffd"
 

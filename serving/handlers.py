@@ -27,13 +27,13 @@ from typing import Any
 
 from aiohttp import web
 
-from models import WeightsError, assign_weights, check_weights, read_weights
-from schemas.contracts import openai_error_body
-from serving.batcher import Job
-from serving.engine import ModelServer
-from serving.generation import Delta, SequenceState
-from serving.lora import LoraError, LoraNotFound, load_lora
-from serving.protocol import (
+from agentstream.models import WeightsError, assign_weights, check_weights, read_weights
+from agentstream.schemas.contracts import openai_error_body
+from agentstream.serving.batcher import Job
+from agentstream.serving.engine import ModelServer
+from agentstream.serving.generation import Delta, SequenceState
+from agentstream.serving.lora import LoraError, LoraNotFound, load_lora
+from agentstream.serving.protocol import (
     COMPLETIONS_DEFAULT_MAX_TOKENS,
     MAX_TOP_LOGPROBS,
     Contract,
@@ -46,7 +46,7 @@ from serving.protocol import (
     str_field,
     token_ids_field,
 )
-from serving.tool_format import PromptError, ToolStreamFilter, parse_tool_calls, render_prompt
+from agentstream.serving.tool_format import PromptError, ToolStreamFilter, parse_tool_calls, render_prompt
 
 log = logging.getLogger("agentstream.model_server")
 

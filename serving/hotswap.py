@@ -39,8 +39,8 @@ from typing import Any
 
 import aiohttp
 
-from deploy.checkpoints import CheckpointFollower
-from deploy.deployments import (
+from agentstream.deploy.checkpoints import CheckpointFollower
+from agentstream.deploy.deployments import (
     Action,
     Decision,
     DeploymentFollower,
@@ -51,13 +51,13 @@ from deploy.deployments import (
     decide,
     split_adapter_name,
 )
-from infra.checkpoint_store import CheckpointError, CheckpointReader
-from infra.config import Config
-from infra.security import KeySet
-from models import WeightsError, local_path, verify_finite, verify_sha256
-from schemas.checkpoint import Checkpoint
-from schemas.contracts import policy_version
-from schemas.errors import AgentstreamError
+from agentstream.infra.checkpoint_store import CheckpointError, CheckpointReader
+from agentstream.infra.config import Config
+from agentstream.infra.security import KeySet
+from agentstream.models import WeightsError, local_path, verify_finite, verify_sha256
+from agentstream.schemas.checkpoint import Checkpoint
+from agentstream.schemas.contracts import policy_version
+from agentstream.schemas.errors import AgentstreamError
 
 log = logging.getLogger("agentstream.hotswap")
 

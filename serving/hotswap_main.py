@@ -8,10 +8,10 @@ from collections.abc import Callable, Sequence
 
 from clickhouse_connect.driver.client import Client
 
-from deploy.deployments import Decision, DeploymentLog
-from deploy.service import run_with_deployment_log
-from infra.config import Config
-from serving.hotswap import HotSwapper, Swap
+from agentstream.deploy.deployments import Decision, DeploymentLog
+from agentstream.deploy.service import run_with_deployment_log
+from agentstream.infra.config import Config
+from agentstream.serving.hotswap import HotSwapper, Swap
 
 
 def fleet_swappers(config: Config, bootstrap_servers: str, server_urls: Sequence[str], model_name: str, *,

@@ -19,8 +19,8 @@ from pathlib import Path
 
 import torch
 
-from models import ADAPTER_CONFIG_FILE, ADAPTER_WEIGHTS_FILE, NonFiniteWeights, check_finite
-from schemas.errors import AgentstreamError
+from agentstream.models import ADAPTER_CONFIG_FILE, ADAPTER_WEIGHTS_FILE, NonFiniteWeights, check_finite
+from agentstream.schemas.errors import AgentstreamError
 
 KEY = re.compile(r"^(?:base_model\.model\.)?(?P<module>.+)\.lora_(?P<part>[AB])(?:\.[^.]+)?\.weight$")
 

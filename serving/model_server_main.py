@@ -7,12 +7,12 @@ from dataclasses import dataclass
 
 import uvloop
 
-from infra.config import Config
-from infra.security import KeySet, check_bind
-from models import load_model
-from models.precision import resolve_precision
-from serving.app import serve
-from serving.protocol import Contract
+from agentstream.infra.config import Config
+from agentstream.infra.security import KeySet, check_bind
+from agentstream.models import load_model
+from agentstream.models.precision import resolve_precision
+from agentstream.serving.app import serve
+from agentstream.serving.protocol import Contract
 
 
 @dataclass(frozen=True)

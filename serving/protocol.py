@@ -15,8 +15,8 @@ from typing import Any, overload
 
 from aiohttp import web
 
-from schemas.errors import AgentstreamError
-from serving.generation import SamplingParams
+from agentstream.schemas.errors import AgentstreamError
+from agentstream.serving.generation import SamplingParams
 
 MAX_N = 64
 MAX_TOP_LOGPROBS = 20  # vLLM's default --max-logprobs

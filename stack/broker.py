@@ -8,7 +8,7 @@ import shutil
 import stat
 from pathlib import Path
 
-from infra.processes import ServiceError
+from agentstream.infra.processes import ServiceError
 
 
 class BrokerBinaryNotFound(ServiceError):

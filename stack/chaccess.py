@@ -4,7 +4,7 @@ The writer is ``[clickhouse] username``/``password`` (what every component conne
 ``[security] clickhouse_readers`` lists read-only users as ``user:password`` pairs. Credentials
 arrive as ClickHouse's HTTP interface takes them: basic auth, the ``X-ClickHouse-User``/
 ``X-ClickHouse-Key`` headers, or the ``user``/``password`` URL parameters. Without a writer
-password the front is open (loopback only, see :func:`infra.security.check_bind`). Requests a web
+password the front is open (loopback only, see :func:`agentstream.infra.security.check_bind`). Requests a web
 page makes from another site (``Origin``, ``Sec-Fetch-Site``) or through a rebound DNS name are
 refused before any SQL runs, so a page open in the developer's browser cannot reach the data.
 """
@@ -19,8 +19,8 @@ from collections.abc import Mapping
 from dataclasses import dataclass, field
 from urllib.parse import urlsplit
 
-from infra.config import Config, ConfigError
-from infra.security import is_loopback
+from agentstream.infra.config import Config, ConfigError
+from agentstream.infra.security import is_loopback
 
 DEFAULT_USER = "default"
 

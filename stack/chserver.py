@@ -7,7 +7,7 @@ a ClickHouse server: ``POST /`` or ``GET /?query=...`` with ``database``, ``defa
 as ClickHouse formats them, with ``X-ClickHouse-Exception-Code``. GET requests and
 ``readonly=1|2`` run on a read-only connection, as on a real server.
 
-Callers are checked first (:mod:`stack.chaccess`): a web page from another site is refused, and
+Callers are checked first (:mod:`agentstream.stack.chaccess`): a web page from another site is refused, and
 with ``[clickhouse] password`` set only the writer and the ``[security] clickhouse_readers`` get
 in, readers on sessions held at ``readonly = 1``.
 
@@ -38,11 +38,11 @@ import chdb
 from aiohttp import web
 from multidict import MultiDict
 
-from infra.config import ConfigError, load_config
-from infra.security import KeySet, check_bind, is_loopback
-from schemas.errors import AgentstreamError
-from stack.chaccess import Access, Users, cross_site, presented
-from stack.signals import stop_on_signals
+from agentstream.infra.config import ConfigError, load_config
+from agentstream.infra.security import KeySet, check_bind, is_loopback
+from agentstream.schemas.errors import AgentstreamError
+from agentstream.stack.chaccess import Access, Users, cross_site, presented
+from agentstream.stack.signals import stop_on_signals
 
 log = logging.getLogger("agentstream.chserver")
 

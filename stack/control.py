@@ -1,11 +1,11 @@
 """The local stack: start, inspect and stop the broker and ClickHouse that agentstream uses.
 
 Each service is either external (``KAFKA_BOOTSTRAP_SERVERS`` / ``CLICKHOUSE_URL``: nothing
-is started) or embedded: tansu (or Apache Kafka, ``[stack] broker = "kafka"``, :mod:`stack.kafka`) and the
+is started) or embedded: tansu (or Apache Kafka, ``[stack] broker = "kafka"``, :mod:`agentstream.stack.kafka`) and the
 chdb ClickHouse HTTP server, on loopback, tracked by
 pidfiles under the stack home so ``down`` stops exactly what ``up`` started. An embedded
 broker with durable storage (the default) keeps its data through a third process, the
-S3-compatible object store over ``<home>/broker-data`` (:mod:`stack.objectstore`), started
+S3-compatible object store over ``<home>/broker-data`` (:mod:`agentstream.stack.objectstore`), started
 before tansu and stopped after it; it listens on 127.0.0.1 whatever ``stack.host`` says, since only
 the local broker talks to it.
 """
@@ -18,9 +18,9 @@ from collections.abc import Callable
 from dataclasses import dataclass, field
 from pathlib import Path
 
-from infra.clickhouse import migrate, table_counts, wait_for_clickhouse
-from infra.config import CHECKPOINT_BUCKET, OBJECTSTORE_SERVICE, Config, dump_toml
-from infra.kafka import (
+from agentstream.infra.clickhouse import migrate, table_counts, wait_for_clickhouse
+from agentstream.infra.config import CHECKPOINT_BUCKET, OBJECTSTORE_SERVICE, Config, dump_toml
+from agentstream.infra.kafka import (
     admin_client,
     client_options,
     consumer_groups,
@@ -29,11 +29,11 @@ from infra.kafka import (
     topic_partitions,
     wait_for_broker,
 )
-from infra.processes import ServiceDirectory, free_port, port_is_free
-from infra.security import KeySet, OpenBindRefused, check_bind, is_loopback
-from stack.broker import BUCKET, MEMORY_STORAGE, find_tansu, s3_storage, tansu_command
-from stack.chaccess import Users
-from stack.kafka import (
+from agentstream.infra.processes import ServiceDirectory, free_port, port_is_free
+from agentstream.infra.security import KeySet, OpenBindRefused, check_bind, is_loopback
+from agentstream.stack.broker import BUCKET, MEMORY_STORAGE, find_tansu, s3_storage, tansu_command
+from agentstream.stack.chaccess import Users
+from agentstream.stack.kafka import (
     KAFKA_VERSION,
     KafkaNode,
     find_java,
@@ -43,8 +43,8 @@ from stack.kafka import (
     new_cluster_id,
     write_properties,
 )
-from stack.objectstore import HOST as OBJECTSTORE_HOST
-from stack.schema_registry.service import SCHEMA_REGISTRY, registry_state, start_registry
+from agentstream.stack.objectstore import HOST as OBJECTSTORE_HOST
+from agentstream.stack.schema_registry.service import SCHEMA_REGISTRY, registry_state, start_registry
 
 BROKER = "broker"
 CLICKHOUSE = "clickhouse"
@@ -121,7 +121,7 @@ class Stack:
         if not self.config.clickhouse.external:
             data_dir = self.home / "clickhouse"
             settings_file = self.services.private_file("clickhouse.toml", dump_toml(self.config))
-            command = [sys.executable, "-m", "stack.chserver", "--host", stack.host,
+            command = [sys.executable, "-m", "agentstream.stack.chserver", "--host", stack.host,
                        "--port", str(stack.clickhouse_port), "--data-dir", str(data_dir),
                        "--config", str(settings_file)]
             record = self.services.start(CLICKHOUSE, command, stack.host, stack.clickhouse_port, timeout_s)
@@ -197,7 +197,7 @@ class Stack:
             old_port = int(previous.address.rpartition(":")[2])
             port = old_port if previous.alive() or port_is_free(OBJECTSTORE_HOST, old_port) else 0
         port = port or free_port(OBJECTSTORE_HOST)
-        command = [sys.executable, "-m", "stack.objectstore", "--port", str(port),
+        command = [sys.executable, "-m", "agentstream.stack.objectstore", "--port", str(port),
                    "--root", str(self.broker_data), "--bucket", BUCKET, "--bucket", CHECKPOINT_BUCKET]
         record = self.services.start(OBJECTSTORE, command, OBJECTSTORE_HOST, port, timeout_s)
         progress(f"objectstore pid {record.pid} on http://{record.address} (broker data {self.broker_data})")

@@ -17,7 +17,7 @@ import uuid
 from dataclasses import dataclass, field
 from pathlib import Path
 
-from infra.processes import ServiceError
+from agentstream.infra.processes import ServiceError
 
 KAFKA_VERSION = "4.4.0"
 """The Apache Kafka release `make install` fetches (``stack/apache-kafka.pom.xml`` names the same)."""

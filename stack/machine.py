@@ -15,7 +15,7 @@ from collections import defaultdict
 from dataclasses import asdict, dataclass
 from pathlib import Path
 
-from stack.kafka import MAIN_CLASS
+from agentstream.stack.kafka import MAIN_CLASS
 
 PYTHON_LOOP_ITERATIONS = 10_000_000
 NUMPY_MATMUL_SIZE = 512
@@ -112,8 +112,9 @@ def process_label(pid: int) -> str | None:
         return None
     if not argv:
         return None
-    for module, label in (("stack.chserver", "clickhouse"), ("stack.objectstore", "objectstore"),
-                          ("stack.schema_registry", "schema-registry")):
+    for module, label in (("agentstream.stack.chserver", "clickhouse"),
+                          ("agentstream.stack.objectstore", "objectstore"),
+                          ("agentstream.stack.schema_registry", "schema-registry")):
         if module in argv:
             return label
     if Path(argv[0]).name == "tansu" or MAIN_CLASS in argv:  # tansu, or Apache Kafka's JVM

@@ -57,8 +57,8 @@ from xml.sax.saxutils import escape
 
 from aiohttp import web
 
-from schemas.errors import AgentstreamError
-from stack.signals import stop_on_signals
+from agentstream.schemas.errors import AgentstreamError
+from agentstream.stack.signals import stop_on_signals
 
 log = logging.getLogger("agentstream.objectstore")
 T = TypeVar("T")

@@ -23,9 +23,9 @@ from aiokafka.errors import GroupAuthorizationFailedError, InvalidSessionTimeout
 from faust.types import TP
 from mode.supervisors import CrashingSupervisor
 
-from infra.config import Config, KafkaConfig
-from infra.grace import ShutdownDeadline
-from infra.kafka import (
+from agentstream.infra.config import Config, KafkaConfig
+from agentstream.infra.grace import ShutdownDeadline
+from agentstream.infra.kafka import (
     AUTHORIZATION_ERRORS,
     KafkaSetupError,
     TopicSpec,
@@ -38,15 +38,15 @@ from infra.kafka import (
     start_producer,
     topic_name,
 )
-from infra.members import MemberLedger, evict_dead_members, member_id
-from streams.dependency_adapters import kafka_consumer
-from streams.groups import GroupProcessor
-from streams.processor import SpanProcessor
-from streams.records import RawRecord
-from streams.sink import CompletionSink, gather
-from streams.stage import Stage
-from streams.transport import StreamsConsumer, StreamsTransport
-from streams.warehouse import Warehouse
+from agentstream.infra.members import MemberLedger, evict_dead_members, member_id
+from agentstream.streams.dependency_adapters import kafka_consumer
+from agentstream.streams.groups import GroupProcessor
+from agentstream.streams.processor import SpanProcessor
+from agentstream.streams.records import RawRecord
+from agentstream.streams.sink import CompletionSink, gather
+from agentstream.streams.stage import Stage
+from agentstream.streams.transport import StreamsConsumer, StreamsTransport
+from agentstream.streams.warehouse import Warehouse
 
 log = logging.getLogger("agentstream.streams")
 
@@ -178,7 +178,8 @@ async def check_access(config: Config, bootstrap_servers: str) -> None:
     faust waits forever on a group it may not join (aiokafka keeps the refusal for a ``getmany`` faust does
     not call), and on a wrong password it starts like on a broker that is down. The group's coordinator answers
     only principals with Describe on the group (Read implies it); the topics' metadata only those with Describe.
-    Read itself is checked when faust joins and fetches (:class:`streams.dependency_adapters.WorkerConsumerThread`).
+    Read itself is checked when faust joins and fetches
+    (:class:`agentstream.streams.dependency_adapters.WorkerConsumerThread`).
     """
     options = client_options(config.kafka, bootstrap_servers)
     admin = AIOKafkaAdminClient(**options)

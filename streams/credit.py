@@ -17,9 +17,9 @@ from collections.abc import Callable
 from fnmatch import fnmatchcase
 from typing import NamedTuple, Protocol
 
-from infra.config import CreditRule
-from schemas.errors import AgentstreamError
-from streams.trajectory import SpanNode, Trajectory
+from agentstream.infra.config import CreditRule
+from agentstream.schemas.errors import AgentstreamError
+from agentstream.streams.trajectory import SpanNode, Trajectory
 
 
 class Credit(NamedTuple):

@@ -2,7 +2,7 @@
 
 Written against faust-streaming 0.15.3 with aiokafka 0.14 (pinned in pyproject.toml). Neither
 library lets a worker set its consumer's fetch wait or bound how far a commit goes, and
-:mod:`streams.transport` needs both (its docstring says why). So it goes through the functions
+:mod:`agentstream.streams.transport` needs both (its docstring says why). So it goes through the functions
 and the two hook classes here, and nothing else in ``streams/`` names a private member of
 either library. Each one below names the upstream member it relies on and what that member
 does in the pinned version.

@@ -17,13 +17,13 @@ import time
 from collections.abc import Callable
 from dataclasses import dataclass, field
 
-from infra.config import Config, CreditRule
-from schemas import ROLLOUT_RESULT, AvroCodec, CodecError
-from schemas.transition_writer import Draft
-from streams.credit import GroupNormalized, NonFiniteCredit, matching_rule
-from streams.records import RawRecord
-from streams.sink import Completion, CompletionSink
-from streams.stage import Emitter, Holder, Stage, Transitions, now_us
+from agentstream.infra.config import Config, CreditRule
+from agentstream.schemas import ROLLOUT_RESULT, AvroCodec, CodecError
+from agentstream.schemas.transition_writer import Draft
+from agentstream.streams.credit import GroupNormalized, NonFiniteCredit, matching_rule
+from agentstream.streams.records import RawRecord
+from agentstream.streams.sink import Completion, CompletionSink
+from agentstream.streams.stage import Emitter, Holder, Stage, Transitions, now_us
 
 log = logging.getLogger("agentstream.streams.groups")
 

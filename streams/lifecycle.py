@@ -11,9 +11,9 @@ from __future__ import annotations
 
 from dataclasses import dataclass, field
 
-from schemas.records import RolloutEventRecord
-from streams.records import RawRecord
-from streams.trajectory import SpanNode
+from agentstream.schemas.records import RolloutEventRecord
+from agentstream.streams.records import RawRecord
+from agentstream.streams.trajectory import SpanNode
 
 TERMINAL = {"SUCCEEDED", "FAILED", "TIMED_OUT", "CANCELLED"}
 

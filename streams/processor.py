@@ -35,21 +35,21 @@ from collections.abc import Callable
 from dataclasses import dataclass
 from typing import Any, NamedTuple
 
-from infra.config import Config, CreditRule
-from infra.kafka import topic_name
-from schemas import DEAD_LETTER, ROLLOUT_RESULT, AvroCodec
-from schemas.container_file import container_file, read_container
-from schemas.records import RolloutEventRecord
-from schemas.span_reader import MalformedSpan, SpanReader
-from schemas.transition_writer import Draft, draft
-from streams.credit import Credit, NonFiniteCredit, matching_rule, strategy_for
-from streams.lifecycle import OpenRollout, RolloutTracker
-from streams.records import RawRecord, sort_records
-from streams.sink import ROLLOUT_COLUMNS, Completion, CompletionSink, RolloutRow
-from streams.stage import Emitter, Holder, Stage, Transitions, now_us
-from streams.trajectory import SpanNode, Trajectory, assemble
-from streams.trajectory_samples import TrajectorySamples, trajectory_samples
-from streams.warehouse import RejectedData, Warehouse
+from agentstream.infra.config import Config, CreditRule
+from agentstream.infra.kafka import topic_name
+from agentstream.schemas import DEAD_LETTER, ROLLOUT_RESULT, AvroCodec
+from agentstream.schemas.container_file import container_file, read_container
+from agentstream.schemas.records import RolloutEventRecord
+from agentstream.schemas.span_reader import MalformedSpan, SpanReader
+from agentstream.schemas.transition_writer import Draft, draft
+from agentstream.streams.credit import Credit, NonFiniteCredit, matching_rule, strategy_for
+from agentstream.streams.lifecycle import OpenRollout, RolloutTracker
+from agentstream.streams.records import RawRecord, sort_records
+from agentstream.streams.sink import ROLLOUT_COLUMNS, Completion, CompletionSink, RolloutRow
+from agentstream.streams.stage import Emitter, Holder, Stage, Transitions, now_us
+from agentstream.streams.trajectory import SpanNode, Trajectory, assemble
+from agentstream.streams.trajectory_samples import TrajectorySamples, trajectory_samples
+from agentstream.streams.warehouse import RejectedData, Warehouse
 
 log = logging.getLogger("agentstream.streams")
 

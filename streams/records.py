@@ -9,8 +9,8 @@ from __future__ import annotations
 from dataclasses import dataclass, field
 from typing import Any, cast
 
-from schemas import AvroCodec, CodecError
-from schemas.records import RolloutEventRecord
+from agentstream.schemas import AvroCodec, CodecError
+from agentstream.schemas.records import RolloutEventRecord
 
 SPAN_BATCH = "io.agentstream.v1.SpanBatch"
 SPAN = "io.agentstream.v1.Span"

@@ -15,9 +15,9 @@ import datetime
 from dataclasses import dataclass, field
 from typing import NamedTuple, Protocol
 
-from schemas.transition_writer import transitions_container
-from streams.records import RawRecord
-from streams.warehouse import Warehouse
+from agentstream.schemas.transition_writer import transitions_container
+from agentstream.streams.records import RawRecord
+from agentstream.streams.warehouse import Warehouse
 
 
 class RolloutRow(NamedTuple):

@@ -12,9 +12,9 @@ the state (under the lock that ticks share); ``ingest`` stores what a batch itse
 emits what the state says is complete. A record that state still depends on is *held* (its
 offset is not committed) until what it led to is written, so a crash replays it.
 
-The worker (:mod:`streams.app`) wires each processor to its topics; the processors are
-:class:`streams.processor.SpanProcessor` (spans → spans, rollouts, transitions tables;
-transitions, groups, dlq topics) and :class:`streams.groups.GroupProcessor` (groups →
+The worker (:mod:`agentstream.streams.app`) wires each processor to its topics; the processors are
+:class:`agentstream.streams.processor.SpanProcessor` (spans → spans, rollouts, transitions tables;
+transitions, groups, dlq topics) and :class:`agentstream.streams.groups.GroupProcessor` (groups →
 transitions topic and table).
 """
 
@@ -25,12 +25,12 @@ from collections.abc import Callable
 from dataclasses import dataclass, field
 from typing import Generic, Protocol, TypeVar
 
-from infra.config import Config
-from infra.kafka import topic_name
-from schemas import AvroCodec
-from schemas.transition_writer import Draft, batch_records
-from streams.records import RawRecord
-from streams.sink import CompletionSink
+from agentstream.infra.config import Config
+from agentstream.infra.kafka import topic_name
+from agentstream.schemas import AvroCodec
+from agentstream.schemas.transition_writer import Draft, batch_records
+from agentstream.streams.records import RawRecord
+from agentstream.streams.sink import CompletionSink
 
 Batch = TypeVar("Batch")
 """What a stage's ``read`` makes of a batch of records, for its ``apply`` and ``ingest``."""

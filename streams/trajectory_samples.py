@@ -22,12 +22,12 @@ import logging
 from collections.abc import Iterable, Sequence
 from dataclasses import dataclass, field
 
-from infra.config import CreditRule
-from schemas.binary import END
-from schemas.span_reader import MalformedSpan, array_items
-from schemas.transition_writer import Draft, array, merged_draft, sample_end
-from streams.credit import Credit
-from streams.trajectory import SpanNode, Trajectory
+from agentstream.infra.config import CreditRule
+from agentstream.schemas.binary import END
+from agentstream.schemas.span_reader import MalformedSpan, array_items
+from agentstream.schemas.transition_writer import Draft, array, merged_draft, sample_end
+from agentstream.streams.credit import Credit
+from agentstream.streams.trajectory import SpanNode, Trajectory
 
 log = logging.getLogger("agentstream.streams")
 

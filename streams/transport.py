@@ -11,7 +11,7 @@ unacknowledged record at the head of a partition is off by one and skipped befor
 commit, so a held record there could be committed past, and a crash then lost its rollout.
 Here no commit goes beyond the lowest offset still held.
 
-Both reach into faust and aiokafka internals, only through :mod:`streams.dependency_adapters`.
+Both reach into faust and aiokafka internals, only through :mod:`agentstream.streams.dependency_adapters`.
 """
 
 from __future__ import annotations
@@ -24,8 +24,8 @@ import aiokafka
 from faust.transport.drivers.aiokafka import Transport
 from faust.types import TP, AppT, Message
 
-from infra.logreset import LogReset, LogWatch
-from streams.dependency_adapters import (
+from agentstream.infra.logreset import LogReset, LogWatch
+from agentstream.streams.dependency_adapters import (
     HookedConsumer,
     WorkerConsumerThread,
     acked_offsets,

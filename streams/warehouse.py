@@ -17,9 +17,9 @@ from typing import Any, TypeVar
 
 from clickhouse_connect.driver.client import Client
 
-from infra.clickhouse import ClickHouseError, UnsupportedClickHouse, connect, server_message
-from infra.config import ClickHouseConfig
-from schemas.errors import AgentstreamError
+from agentstream.infra.clickhouse import ClickHouseError, UnsupportedClickHouse, connect, server_message
+from agentstream.infra.config import ClickHouseConfig
+from agentstream.schemas.errors import AgentstreamError
 
 log = logging.getLogger("agentstream.streams.clickhouse")
 

@@ -7,15 +7,15 @@ import gc
 
 import uvloop
 
-from infra.clickhouse import migrate, wait_for_clickhouse
-from infra.config import Config
+from agentstream.infra.clickhouse import migrate, wait_for_clickhouse
+from agentstream.infra.config import Config
 
 
 def run_streams_worker(config: Config, bootstrap_servers: str, clickhouse_url: str, loglevel: str = "info") -> None:
     """Run one stream-processing worker until SIGTERM or SIGINT; run more processes to scale."""
     asyncio.set_event_loop_policy(uvloop.EventLoopPolicy())
     # Imported once uvloop's policy is set, as before this function existed: faust and mode make loops.
-    from streams.app import create_app, named_crash, prepare_kafka, streams_worker
+    from agentstream.streams.app import create_app, named_crash, prepare_kafka, streams_worker
 
     client = wait_for_clickhouse(config.clickhouse, clickhouse_url, timeout_s=30)
     migrate(client, config.clickhouse.database)

@@ -9,13 +9,13 @@ from pathlib import Path
 
 import pytest
 
-from infra.clickhouse import connect
-from infra.config import Config, load_config
-from infra.kafka import client_options, create_topics
-from infra.processes import free_port
-from pipeline.publisher import SpanPublisher
-from pipeline.sdk import set_sink
-from stack.control import Endpoints, Stack
+from agentstream.infra.clickhouse import connect
+from agentstream.infra.config import Config, load_config
+from agentstream.infra.kafka import client_options, create_topics
+from agentstream.infra.processes import free_port
+from agentstream.pipeline.publisher import SpanPublisher
+from agentstream.pipeline.sdk import set_sink
+from agentstream.stack.control import Endpoints, Stack
 from tests.support.streams_harness import stop_worker_stacks
 
 TEST_BROKER = os.environ.get("AGENTSTREAM_TEST_BROKER", "tansu")

@@ -26,8 +26,8 @@ from typing import Any
 
 import torch
 
-from schemas.errors import AgentstreamError
-from trainer.errors import TrainerConfigError
+from agentstream.schemas.errors import AgentstreamError
+from agentstream.trainer.errors import TrainerConfigError
 
 PACKED_ROW_TOKENS = 512  # a longer row holds the prompt again: attention is quadratic in a row's length
 

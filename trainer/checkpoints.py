@@ -19,17 +19,17 @@ from urllib.parse import quote
 
 from aiokafka import AIOKafkaProducer
 
-from infra.checkpoint_store import MANIFEST as MANIFEST
-from infra.checkpoint_store import CheckpointError as CheckpointError
-from infra.checkpoint_store import CheckpointStore as CheckpointStore
-from infra.checkpoint_store import FolderStore as FolderStore
-from infra.checkpoint_store import UnsupportedStore as UnsupportedStore
-from infra.checkpoint_store import open_store as open_store
-from infra.config import Config
-from infra.files import sha256_file
-from infra.kafka import client_options, start_producer, topic_name
-from schemas import CHECKPOINT, AvroCodec
-from schemas.checkpoint import Checkpoint
+from agentstream.infra.checkpoint_store import MANIFEST as MANIFEST
+from agentstream.infra.checkpoint_store import CheckpointError as CheckpointError
+from agentstream.infra.checkpoint_store import CheckpointStore as CheckpointStore
+from agentstream.infra.checkpoint_store import FolderStore as FolderStore
+from agentstream.infra.checkpoint_store import UnsupportedStore as UnsupportedStore
+from agentstream.infra.checkpoint_store import open_store as open_store
+from agentstream.infra.config import Config
+from agentstream.infra.files import sha256_file
+from agentstream.infra.kafka import client_options, start_producer, topic_name
+from agentstream.schemas import CHECKPOINT, AvroCodec
+from agentstream.schemas.checkpoint import Checkpoint
 
 
 @dataclass(frozen=True)

@@ -30,11 +30,11 @@ from typing import Any
 import torch
 import torch.distributed as dist
 
-from infra.config import TrainerConfig
-from trainer.batching import Batch, Sample, collate, token_weights
-from trainer.loss import TokenStats
-from trainer.policy import Policy
-from trainer.step import StepResult, accumulate, apply_gradients
+from agentstream.infra.config import TrainerConfig
+from agentstream.trainer.batching import Batch, Sample, collate, token_weights
+from agentstream.trainer.loss import TokenStats
+from agentstream.trainer.policy import Policy
+from agentstream.trainer.step import StepResult, accumulate, apply_gradients
 
 Shard = list[tuple[Sample, float]]
 """One rank's samples of a step, each with the loss weight of its trained tokens (over the whole step)."""

@@ -9,10 +9,10 @@ from collections.abc import Callable
 from dataclasses import dataclass
 from typing import TypeVar
 
-from schemas.checkpoint import CHECKPOINT_COLUMNS
-from trainer.batching import Batch
-from trainer.checkpoints import Manifest
-from trainer.step import StepResult
+from agentstream.schemas.checkpoint import CHECKPOINT_COLUMNS
+from agentstream.trainer.batching import Batch
+from agentstream.trainer.checkpoints import Manifest
+from agentstream.trainer.step import StepResult
 
 log = logging.getLogger("agentstream.trainer")
 Rows = TypeVar("Rows")

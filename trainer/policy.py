@@ -17,8 +17,8 @@ from typing import Any
 
 import torch
 
-from infra.config import TrainerConfig
-from models import (
+from agentstream.infra.config import TrainerConfig
+from agentstream.models import (
     ADAPTER_WEIGHTS_FILE,
     FULL_WEIGHTS_FILE,
     WeightsError,
@@ -29,8 +29,8 @@ from models import (
     read_weights,
     write_safetensors,
 )
-from models.precision import Precision, PrecisionError, resolve_precision
-from schemas.errors import AgentstreamError
+from agentstream.models.precision import Precision, PrecisionError, resolve_precision
+from agentstream.schemas.errors import AgentstreamError
 
 OPTIMIZER_STATE = "optimizer.pt"
 

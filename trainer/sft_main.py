@@ -25,17 +25,17 @@ from pathlib import Path
 
 from aiokafka.errors import KafkaError
 
-from infra.clickhouse import migrate, wait_for_clickhouse
-from infra.config import Config, TrainerConfig
-from infra.kafka import KafkaUnreachable
-from schemas.dataset import DatasetRow, read_rows
-from schemas.errors import AgentstreamError
-from trainer.batching import Batch, Batcher, Sample, SeenIds, TransitionError
-from trainer.checkpoints import CheckpointAnnouncer, Manifest, latest_manifest, open_store, write_checkpoint
-from trainer.metrics import MetricsWriter, StepReport, write_logged
-from trainer.policy import Policy, build_policy, load_weights, save_weights_later
-from trainer.step import train_step
-from trainer.tracking import Tracker
+from agentstream.infra.clickhouse import migrate, wait_for_clickhouse
+from agentstream.infra.config import Config, TrainerConfig
+from agentstream.infra.kafka import KafkaUnreachable
+from agentstream.schemas.dataset import DatasetRow, read_rows
+from agentstream.schemas.errors import AgentstreamError
+from agentstream.trainer.batching import Batch, Batcher, Sample, SeenIds, TransitionError
+from agentstream.trainer.checkpoints import CheckpointAnnouncer, Manifest, latest_manifest, open_store, write_checkpoint
+from agentstream.trainer.metrics import MetricsWriter, StepReport, write_logged
+from agentstream.trainer.policy import Policy, build_policy, load_weights, save_weights_later
+from agentstream.trainer.step import train_step
+from agentstream.trainer.tracking import Tracker
 
 log = logging.getLogger("agentstream.trainer")
 
@@ -65,7 +65,7 @@ class SftSummary:
 def row_samples(row: DatasetRow) -> list[Sample]:
     """A rollout's samples as the trainer takes them: its ``samples``, else one per call; rewarded with its reward.
 
-    They carry no behaviour logprobs and advantage 1, as ``trainer.batching.supervised`` makes
+    They carry no behaviour logprobs and advantage 1, as ``agentstream.trainer.batching.supervised`` makes
     them: a likelihood step ignores both.
     """
     reward = row["reward"]

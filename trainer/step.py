@@ -14,10 +14,10 @@ from typing import Any
 
 import torch
 
-from infra.config import TrainerConfig
-from trainer.batching import Batch, MicroBatch, PackedMicroBatch, collate
-from trainer.loss import TokenStats, policy_loss
-from trainer.policy import Policy
+from agentstream.infra.config import TrainerConfig
+from agentstream.trainer.batching import Batch, MicroBatch, PackedMicroBatch, collate
+from agentstream.trainer.loss import TokenStats, policy_loss
+from agentstream.trainer.policy import Policy
 
 
 @dataclass(frozen=True)

@@ -31,10 +31,10 @@ from functools import partial
 from pathlib import Path
 from typing import Any, Literal, Protocol
 
-from infra.config import Secret, TrackingConfig, TrainerConfig, masked_uris, uri_scheme
-from schemas.errors import AgentstreamError
-from trainer.checkpoints import Manifest
-from trainer.metrics import StepReport
+from agentstream.infra.config import Secret, TrackingConfig, TrainerConfig, masked_uris, uri_scheme
+from agentstream.schemas.errors import AgentstreamError
+from agentstream.trainer.checkpoints import Manifest
+from agentstream.trainer.metrics import StepReport
 
 log = logging.getLogger("agentstream.trainer.tracking")
 _SET_BY_US: set[str] = set()  # the MLflow environment variables this process set (the others are the user's)

@@ -36,14 +36,14 @@ from typing import TYPE_CHECKING, Any, Protocol
 from aiokafka import AIOKafkaConsumer, ConsumerRebalanceListener, TopicPartition
 from aiokafka.errors import KafkaError
 
-from infra.config import Config
-from infra.kafka import client_options, consumer_options, session_timeout_checked, topic_name
-from infra.logreset import ConsumerLogWatch
-from infra.members import MemberLedger, evict_dead_members, member_id
-from models import NonFiniteWeights
-from schemas import TRANSITION, TRANSITION_BATCH, AvroCodec, CodecError
-from trainer.batching import Batch, Batcher, Sample, SeenIds, TransitionError
-from trainer.checkpoints import (
+from agentstream.infra.config import Config
+from agentstream.infra.kafka import client_options, consumer_options, session_timeout_checked, topic_name
+from agentstream.infra.logreset import ConsumerLogWatch
+from agentstream.infra.members import MemberLedger, evict_dead_members, member_id
+from agentstream.models import NonFiniteWeights
+from agentstream.schemas import TRANSITION, TRANSITION_BATCH, AvroCodec, CodecError
+from agentstream.trainer.batching import Batch, Batcher, Sample, SeenIds, TransitionError
+from agentstream.trainer.checkpoints import (
     CheckpointAnnouncer,
     CheckpointError,
     CheckpointStore,
@@ -54,9 +54,9 @@ from trainer.checkpoints import (
     recent_trained_ids,
     write_checkpoint,
 )
-from trainer.errors import TrainerConfigError
-from trainer.metrics import MetricsWriter, StepReport, write_logged
-from trainer.policy import (
+from agentstream.trainer.errors import TrainerConfigError
+from agentstream.trainer.metrics import MetricsWriter, StepReport, write_logged
+from agentstream.trainer.policy import (
     OPTIMIZER_STATE,
     Policy,
     PolicyError,
@@ -66,11 +66,11 @@ from trainer.policy import (
     restore_last_good,
     save_weights_later,
 )
-from trainer.step import StepResult, train_step
-from trainer.tracking import Tracker
+from agentstream.trainer.step import StepResult, train_step
+from agentstream.trainer.tracking import Tracker
 
 if TYPE_CHECKING:
-    from trainer.distributed import Group
+    from agentstream.trainer.distributed import Group
 
 log = logging.getLogger("agentstream.trainer")
 
@@ -86,7 +86,8 @@ class ServingVersion(Protocol):
 
 
 class Rebase(Protocol):
-    """Says when the gate has refused ``limit`` of this model's candidates in a row (``deploy.rebase.RejectionStreak``).
+    """Says when the gate has refused ``limit`` of this model's candidates in a row
+    (``agentstream.deploy.rebase.RejectionStreak``).
 
     The trainer and ``deploy`` do not import each other (they talk through Kafka): whoever
     starts the trainer hands it the factory, ``RejectionStreak``, that follows the deployments topic.

@@ -11,14 +11,14 @@ from functools import partial
 
 import uvloop
 
-from infra.clickhouse import migrate, wait_for_clickhouse
-from infra.config import Config
-from infra.grace import ShutdownDeadline, until_signalled
-from infra.kafka import client_options, create_topics, named_refusals
-from trainer.distributed import Group, Ranks, join, leave, rank_config
-from trainer.metrics import MetricsWriter
-from trainer.policy import build_policy
-from trainer.worker import Rebase, TrainerWorker
+from agentstream.infra.clickhouse import migrate, wait_for_clickhouse
+from agentstream.infra.config import Config
+from agentstream.infra.grace import ShutdownDeadline, until_signalled
+from agentstream.infra.kafka import client_options, create_topics, named_refusals
+from agentstream.trainer.distributed import Group, Ranks, join, leave, rank_config
+from agentstream.trainer.metrics import MetricsWriter
+from agentstream.trainer.policy import build_policy
+from agentstream.trainer.worker import Rebase, TrainerWorker
 
 
 def run_train_worker(config: Config, bootstrap_servers: str, clickhouse_url: str, *, max_steps: int | None = None,

@@ -1,7 +1,7 @@
 """What the dashboard reads from Kafka rather than ClickHouse: consumer lag per group and the dead letters.
 
 Lag is a group's committed offset against the partition's high watermark. The high watermark
-comes from a Fetch response, as in :func:`infra.kafka.message_counts`: tansu can answer
+comes from a Fetch response, as in :func:`agentstream.infra.kafka.message_counts`: tansu can answer
 ListOffsets(latest) too low. Nothing here joins a group or commits: the consumer is assigned
 partitions by hand and only reads.
 """
@@ -17,9 +17,9 @@ from typing import Any
 from aiokafka import AIOKafkaConsumer, TopicPartition
 from aiokafka.admin import AIOKafkaAdminClient
 
-from infra.config import Config
-from infra.kafka import client_options, product_topics, topic_name
-from schemas import DEAD_LETTER, AvroCodec, CodecError
+from agentstream.infra.config import Config
+from agentstream.infra.kafka import client_options, product_topics, topic_name
+from agentstream.schemas import DEAD_LETTER, AvroCodec, CodecError
 
 LATEST_DEAD_LETTERS = 10
 

@@ -25,8 +25,8 @@ from __future__ import annotations
 from dataclasses import dataclass, field
 from typing import Literal
 
+from agentstream.infra.clickhouse import ROLLOUT_POLICY_VERSION
 from agentstream.report import COMPLETION_TOKENS, PENDING_STATUS, PROMPT_TOKENS
-from infra.clickhouse import ROLLOUT_POLICY_VERSION
 
 Shape = Literal["lines", "table"]
 

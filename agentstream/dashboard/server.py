@@ -31,9 +31,9 @@ from agentstream.dashboard import queries
 from agentstream.dashboard.kafka_state import DEAD_LETTER_COLUMNS, LAG_COLUMNS, KafkaReader
 from agentstream.dashboard.queries import Chart
 from agentstream.dashboard.warehouse import Warehouse, WarehouseError
-from infra.config import Config
-from infra.security import KeySet, check_bind
-from schemas.errors import AgentstreamError
+from agentstream.infra.config import Config
+from agentstream.infra.security import KeySet, check_bind
+from agentstream.schemas.errors import AgentstreamError
 
 log = logging.getLogger("agentstream.dashboard")
 

@@ -17,8 +17,8 @@ from typing import Any
 
 import aiohttp
 
-from infra.config import ClickHouseConfig
-from schemas.errors import AgentstreamError
+from agentstream.infra.config import ClickHouseConfig
+from agentstream.schemas.errors import AgentstreamError
 
 READ_ONLY_SETTINGS = {
     "readonly": "2",

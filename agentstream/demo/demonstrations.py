@@ -12,8 +12,8 @@ from __future__ import annotations
 from collections.abc import Callable
 from typing import Any
 
-from pipeline.sdk import emit_llm_call, emit_reward, rollout
-from serving.tool_format import assistant_text, render_prompt, renders_tools
+from agentstream.pipeline.sdk import emit_llm_call, emit_reward, rollout
+from agentstream.serving.tool_format import assistant_text, render_prompt, renders_tools
 
 
 def demonstration_calls(messages: list[dict[str, Any]], tools: list[dict[str, Any]], tokenizer: Any,

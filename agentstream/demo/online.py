@@ -29,18 +29,18 @@ from rich.table import Table
 
 from agentstream.dashboard.server import start_beside
 from agentstream.demo.training import compute_dtype
+from agentstream.deploy.deployments import DeploymentFollower, split_adapter_name
+from agentstream.examples import arithmetic
+from agentstream.infra.clickhouse import connect, migrate
+from agentstream.infra.config import CHECKPOINT_BUCKET, Config, CreditRule
+from agentstream.infra.processes import free_port
+from agentstream.infra.security import FEEDBACK_TOKEN_HEADER
+from agentstream.pipeline.feedback import feedback_url
+from agentstream.pipeline.publisher import SpanPublisher
+from agentstream.pipeline.sdk import rollout, set_sink
 from agentstream.session import SessionPlan, TrainingSession
-from deploy.deployments import DeploymentFollower, split_adapter_name
-from examples import arithmetic
-from infra.clickhouse import connect, migrate
-from infra.config import CHECKPOINT_BUCKET, Config, CreditRule
-from infra.processes import free_port
-from infra.security import FEEDBACK_TOKEN_HEADER
-from pipeline.feedback import feedback_url
-from pipeline.publisher import SpanPublisher
-from pipeline.sdk import rollout, set_sink
-from stack.control import Stack
-from stack.machine import CpuShare, calibrate
+from agentstream.stack.control import Stack
+from agentstream.stack.machine import CpuShare, calibrate
 
 SERVICE_AGENT = "arithmetic-service"
 DATABASE = "agentstream_online"
@@ -82,7 +82,8 @@ def online_config(config: Config, run_id: str, workdir: Path) -> Config:
                         checkpoint_every_steps=demo.online_steps_per_checkpoint, keep_checkpoints=0,
                         rebase_after_rejections=demo.online_rebase_after_rejections,
                         checkpoint_dir=checkpoint_location(config, run_id, workdir), session_timeout_s=6.0),
-        deploy=replace(config.deploy, gate=True, eval_agent="examples.arithmetic:solve", eval_tasks=str(heldout),
+        deploy=replace(config.deploy, gate=True, eval_agent="agentstream.examples.arithmetic:solve",
+                       eval_tasks=str(heldout),
                        eval_limit=demo.online_eval_tasks, eval_concurrency=16, tolerance=demo.online_tolerance,
                        confidence=demo.online_confidence, canary_share=demo.online_canary_share,
                        canary_min_s=demo.online_canary_s, canary_min_rollouts=12,
@@ -385,7 +386,7 @@ def run_online_demo(config: Config, console: Console | None = None) -> OnlineRep
     stack = Stack(config)
     endpoints = stack.up(progress=console.print)
     session = TrainingSession(config, endpoints, workdir, SessionPlan(
-        agent="examples.arithmetic:solve", model="smollm2", server_threads=demo.server_threads,
+        agent="agentstream.examples.arithmetic:solve", model="smollm2", server_threads=demo.server_threads,
         servers=demo.online_model_servers))
     live_dashboard = start_beside(config, endpoints, console.print)  # up while the demo runs
     try:

@@ -36,21 +36,21 @@ from rich.table import Table
 
 from agentstream.dashboard.server import start_beside
 from agentstream.demo.demonstrations import publish_demonstrations
+from agentstream.examples import arithmetic, calculator_agent
+from agentstream.infra.clickhouse import ROLLOUT_POLICY_VERSION, connect, migrate
+from agentstream.infra.config import Config, CreditRule
+from agentstream.models import local_path, model_display_name, smollm2_tokenizer
+from agentstream.models.precision import native_bfloat16
+from agentstream.pipeline.publisher import SpanPublisher
+from agentstream.pipeline.sdk import emit_reward, rollout, set_sink
+from agentstream.pipeline.tasks import PacedQueue, grouped_tasks
+from agentstream.schemas.contracts import POLICY_VERSION_HEADER
 from agentstream.session import SessionPlan, TrainingSession
-from examples import arithmetic, calculator_agent
-from infra.clickhouse import ROLLOUT_POLICY_VERSION, connect, migrate
-from infra.config import Config, CreditRule
-from models import local_path, model_display_name, smollm2_tokenizer
-from models.precision import native_bfloat16
-from pipeline.publisher import SpanPublisher
-from pipeline.sdk import emit_reward, rollout, set_sink
-from pipeline.tasks import PacedQueue, grouped_tasks
-from schemas.contracts import POLICY_VERSION_HEADER
-from stack.control import Stack
-from stack.machine import calibrate
-from trainer.checkpoints import find_version, keep_only_newest, open_store
-from trainer.policy import OPTIMIZER_STATE
-from trainer.tracking import record_evaluations
+from agentstream.stack.control import Stack
+from agentstream.stack.machine import calibrate
+from agentstream.trainer.checkpoints import find_version, keep_only_newest, open_store
+from agentstream.trainer.policy import OPTIMIZER_STATE
+from agentstream.trainer.tracking import record_evaluations
 
 DATABASE = "agentstream_demo"
 RATE_WINDOW_S = 30.0
@@ -105,9 +105,10 @@ class DemoAgent:
 
 
 AGENTS = {
-    "arithmetic": DemoAgent("arithmetic", "examples.arithmetic:solve", arithmetic, "transition", False,
+    "arithmetic": DemoAgent("arithmetic", "agentstream.examples.arithmetic:solve", arithmetic, "transition", False,
                             "'Compute a+b.'"),
-    "calculator": DemoAgent("calculator", "examples.calculator_agent:solve", calculator_agent, "trajectory", True,
+    "calculator": DemoAgent("calculator", "agentstream.examples.calculator_agent:solve", calculator_agent,
+                            "trajectory", True,
                             "'Compute a*b+d.' with a calculator tool",
                             micro_batch_tokens=2048,  # a wave of 300-token trajectories took 21 GB in one piece
                             # The agent runs at T=0.5, and is judged there: two rollouts per held-out task. Warm-started
@@ -166,7 +167,8 @@ class DemoReport:
 
 
 def compute_dtype(config: Config) -> str:
-    """The demo's compute dtype for its server and trainer (``[demo] dtype``, see ``infra.config.DemoConfig``)."""
+    """The demo's compute dtype for its server and trainer (``[demo] dtype``, see
+    ``agentstream.infra.config.DemoConfig``)."""
     if config.demo.dtype != "auto":
         return config.demo.dtype
     return "bfloat16" if native_bfloat16(config.trainer.device) else "float32"

@@ -6,7 +6,7 @@ the client raises the class named by the ``error_code`` it gets back, so both en
 
 from __future__ import annotations
 
-from schemas.errors import AgentstreamError
+from agentstream.schemas.errors import AgentstreamError
 
 
 class RegistryError(AgentstreamError):

@@ -5,7 +5,7 @@ from __future__ import annotations
 import json
 from typing import Any
 
-from schemas.catalog import Schema, current_schemas, history_schemas
+from agentstream.schemas.catalog import Schema, current_schemas, history_schemas
 
 
 def subject_of(schema: Schema) -> str:

@@ -7,8 +7,8 @@ and the loop), ``sender`` (the background loop that delivers, journals and repla
 ``aiokafka_compat`` (every use of aiokafka internals).
 """
 
-from pipeline.publisher.errors import FlushTimeout, PublisherClosed, PublisherError, PublisherFull
-from pipeline.publisher.front import PublisherStats, SpanPublisher, process_publisher
+from agentstream.pipeline.publisher.errors import FlushTimeout, PublisherClosed, PublisherError, PublisherFull
+from agentstream.pipeline.publisher.front import PublisherStats, SpanPublisher, process_publisher
 
 __all__ = ["FlushTimeout", "PublisherClosed", "PublisherError", "PublisherFull", "PublisherStats",
            "SpanPublisher", "process_publisher"]

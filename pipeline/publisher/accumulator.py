@@ -14,10 +14,10 @@ from collections import deque
 from collections.abc import Callable, Sequence
 from dataclasses import dataclass, field
 
-from pipeline.publisher.errors import FlushTimeout, PublisherClosed
-from pipeline.publisher.journal import Record
-from schemas.errors import AgentstreamError
-from schemas.span_writer import PreparedSpan, SpanBatchEncoder
+from agentstream.pipeline.publisher.errors import FlushTimeout, PublisherClosed
+from agentstream.pipeline.publisher.journal import Record
+from agentstream.schemas.errors import AgentstreamError
+from agentstream.schemas.span_writer import PreparedSpan, SpanBatchEncoder
 
 Item = tuple[int, str, PreparedSpan | bytes, int]
 """One queued publish call: sequence number, rollout id, prepared span (or encoded RolloutEvent), bytes.

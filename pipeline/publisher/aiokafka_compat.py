@@ -3,7 +3,7 @@
 Written against aiokafka 0.14 (pinned ``aiokafka>=0.14,<0.15`` in pyproject.toml). The
 documented producer API (``start``, ``stop``, ``partitions_for``, ``create_batch``,
 ``send_batch``) has no way to drop the batches a producer still holds, nor to ask the cluster
-whether a topic exists without creating it, and :mod:`pipeline.publisher.sender` needs both.
+whether a topic exists without creating it, and :mod:`agentstream.pipeline.publisher.sender` needs both.
 So it goes through the functions here, and nothing else in ``pipeline/publisher/`` names a
 private member of aiokafka or its (undocumented) ``AIOKafkaClient``. Each function names the
 upstream members it relies on and what they do in the pinned version.

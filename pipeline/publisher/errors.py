@@ -2,7 +2,7 @@
 
 from __future__ import annotations
 
-from schemas.errors import AgentstreamError
+from agentstream.schemas.errors import AgentstreamError
 
 
 class PublisherError(AgentstreamError, RuntimeError):

@@ -1,8 +1,8 @@
 """The public face of the publisher: :class:`SpanPublisher`, what callers in any thread use to publish.
 
 A :class:`SpanPublisher` owns an aiokafka producer running on its own uvloop event loop in a
-background thread (:mod:`pipeline.publisher.sender`). ``publish`` checks and mostly encodes a
-span in the caller's thread (``schemas.span_writer``) and queues it in the
+background thread (:mod:`agentstream.pipeline.publisher.sender`). ``publish`` checks and mostly encodes a
+span in the caller's thread (``agentstream.schemas.span_writer``) and queues it in the
 :mod:`~pipeline.publisher.accumulator`; the loop sends the queue in waves, in order per rollout.
 While the broker is unreachable, spans go to an append-only
 :class:`~pipeline.publisher.journal.Journal` on local disk and are replayed in order once it is
@@ -21,15 +21,15 @@ from dataclasses import dataclass
 from pathlib import Path
 from typing import Self
 
-from infra.config import Config
-from infra.kafka import topic_name
-from pipeline.publisher import exit_hooks
-from pipeline.publisher.accumulator import Accumulator
-from pipeline.publisher.errors import PublisherFull
-from pipeline.publisher.sender import SenderSettings, SenderThread
-from schemas import ROLLOUT_EVENT, AvroCodec, EncodeError
-from schemas.records import RolloutEventRecord, SpanRecord
-from schemas.span_writer import NBYTES, PreparedSpan, prepare_span
+from agentstream.infra.config import Config
+from agentstream.infra.kafka import topic_name
+from agentstream.pipeline.publisher import exit_hooks
+from agentstream.pipeline.publisher.accumulator import Accumulator
+from agentstream.pipeline.publisher.errors import PublisherFull
+from agentstream.pipeline.publisher.sender import SenderSettings, SenderThread
+from agentstream.schemas import ROLLOUT_EVENT, AvroCodec, EncodeError
+from agentstream.schemas.records import RolloutEventRecord, SpanRecord
+from agentstream.schemas.span_writer import NBYTES, PreparedSpan, prepare_span
 
 log = logging.getLogger(__name__)
 

@@ -36,12 +36,12 @@ from aiokafka import AIOKafkaProducer
 from aiokafka.errors import KafkaConnectionError, KafkaError, KafkaTimeoutError, TopicAuthorizationFailedError
 from aiokafka.partitioner import DefaultPartitioner
 
-from infra.config import KafkaConfig
-from infra.kafka import KafkaRefused, access_denied, client_options, refusal, start_producer
-from pipeline.publisher import aiokafka_compat
-from pipeline.publisher.accumulator import Accumulator
-from pipeline.publisher.errors import PublisherError
-from pipeline.publisher.journal import Journal, Record
+from agentstream.infra.config import KafkaConfig
+from agentstream.infra.kafka import KafkaRefused, access_denied, client_options, refusal, start_producer
+from agentstream.pipeline.publisher import aiokafka_compat
+from agentstream.pipeline.publisher.accumulator import Accumulator
+from agentstream.pipeline.publisher.errors import PublisherError
+from agentstream.pipeline.publisher.journal import Journal, Record
 
 log = logging.getLogger(__name__)
 

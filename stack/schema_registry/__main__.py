@@ -7,13 +7,13 @@ import asyncio
 import logging
 from pathlib import Path
 
-from infra.config import Config, ConfigError, load_config
-from infra.kafka import client_options
-from infra.security import KeySet, check_bind
-from stack.schema_registry.server import RegistryService, serve
-from stack.schema_registry.state import ID_STRATEGIES, RegistryState
-from stack.schema_registry.store import KafkaLog, MemoryLog, SchemaLog
-from stack.signals import stop_on_signals
+from agentstream.infra.config import Config, ConfigError, load_config
+from agentstream.infra.kafka import client_options
+from agentstream.infra.security import KeySet, check_bind
+from agentstream.stack.schema_registry.server import RegistryService, serve
+from agentstream.stack.schema_registry.state import ID_STRATEGIES, RegistryState
+from agentstream.stack.schema_registry.store import KafkaLog, MemoryLog, SchemaLog
+from agentstream.stack.signals import stop_on_signals
 
 
 def default_bootstrap(config: Config) -> str:

@@ -20,10 +20,10 @@ from typing import Any, Protocol
 from aiokafka import AIOKafkaConsumer, AIOKafkaProducer, TopicPartition
 from aiokafka.admin import AIOKafkaAdminClient
 
-from infra.config import KafkaConfig
-from infra.kafka import KafkaSetupError, TopicSpec, ensure_topics, start_producer, topic_partitions
-from infra.schema_registry.errors import StoreError, StoreTimeout
-from stack.schema_registry.state import NOOP_KEY, LogKey, LogValue
+from agentstream.infra.config import KafkaConfig
+from agentstream.infra.kafka import KafkaSetupError, TopicSpec, ensure_topics, start_producer, topic_partitions
+from agentstream.infra.schema_registry.errors import StoreError, StoreTimeout
+from agentstream.stack.schema_registry.state import NOOP_KEY, LogKey, LogValue
 
 log = logging.getLogger("agentstream.schema_registry")
 

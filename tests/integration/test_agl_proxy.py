@@ -9,13 +9,13 @@ import urllib.request
 import openai
 import pytest
 
-from infra.config import AglConfig
-from models import load_model
-from pipeline import sdk
-from pipeline.agl import run_subprocess_agent
-from pipeline.proxy import LLMProxy
-from pipeline.publisher import SpanPublisher
-from serving.app import create_app
+from agentstream.infra.config import AglConfig
+from agentstream.models import load_model
+from agentstream.pipeline import sdk
+from agentstream.pipeline.agl import run_subprocess_agent
+from agentstream.pipeline.proxy import LLMProxy
+from agentstream.pipeline.publisher import SpanPublisher
+from agentstream.serving.app import create_app
 from tests.integration.test_proxy import spans_of
 from tests.support.http_thread import ServerThread
 

@@ -19,11 +19,11 @@ import clickhouse_connect
 import pytest
 from clickhouse_connect.driver.exceptions import DatabaseError
 
-from infra.clickhouse import ClickHouseError, connect
-from infra.config import ClickHouseConfig, ConfigError, Secret, load_config
-from infra.processes import free_port, wait_for_port
-from infra.security import OpenBindRefused
-from stack.control import OBJECTSTORE, Stack
+from agentstream.infra.clickhouse import ClickHouseError, connect
+from agentstream.infra.config import ClickHouseConfig, ConfigError, Secret, load_config
+from agentstream.infra.processes import free_port, wait_for_port
+from agentstream.infra.security import OpenBindRefused
+from agentstream.stack.control import OBJECTSTORE, Stack
 
 WRITER, WRITER_PASSWORD = "writer", "w-secret"
 READER, READER_PASSWORD = "analyst", "r-secret"
@@ -58,7 +58,8 @@ def front(tmp_path_factory):
     folder = tmp_path_factory.mktemp("chserver")
     (folder / "config.toml").write_text(CONFIG)
     port = free_port()
-    command = [sys.executable, "-m", "stack.chserver", "--port", str(port), "--data-dir", str(folder / "data"),
+    command = [sys.executable, "-m", "agentstream.stack.chserver", "--port", str(port),
+               "--data-dir", str(folder / "data"),
                "--config", str(folder / "config.toml")]
     with (folder / "chserver.log").open("ab") as log:
         process = subprocess.Popen(command, stdout=log, stderr=subprocess.STDOUT, env=clean_environment())
@@ -283,7 +284,8 @@ def test_up_beyond_loopback_needs_the_password_and_registry_keys(tmp_path):
 
 
 def test_the_server_itself_refuses_an_open_bind_in_one_line(tmp_path):
-    result = subprocess.run([sys.executable, "-m", "stack.chserver", "--host", "0.0.0.0", "--port", str(free_port()),
+    result = subprocess.run([sys.executable, "-m", "agentstream.stack.chserver", "--host", "0.0.0.0",
+                             "--port", str(free_port()),
                              "--data-dir", str(tmp_path / "data")], env=clean_environment(), capture_output=True,
                             text=True, timeout=60, check=False)
     assert result.returncode == 1

@@ -11,7 +11,7 @@ from concurrent.futures import ThreadPoolExecutor
 
 import pytest
 
-from infra.clickhouse import (
+from agentstream.infra.clickhouse import (
     PRODUCT_TABLES,
     connect,
     load_migrations,

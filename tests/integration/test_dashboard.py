@@ -26,8 +26,8 @@ import pytest
 
 from agentstream.dashboard import queries
 from agentstream.dashboard.warehouse import Warehouse, WarehouseError
-from infra.clickhouse import migrate
-from infra.processes import free_port
+from agentstream.infra.clickhouse import migrate
+from agentstream.infra.processes import free_port
 from tests.support.streams_harness import worker_env
 
 SCREENSHOTS = Path(__file__).resolve().parents[2] / "test-output" / "dashboard"
@@ -61,7 +61,7 @@ async def planning_agent(task: dict, rollout) -> float:
     """Two chat calls under a plan span, an intermediate reward between them; held-out tasks opt out of training."""
     from openai import AsyncOpenAI
 
-    from pipeline.sdk import emit_reward, span
+    from agentstream.pipeline.sdk import emit_reward, span
 
     if not _clients:
         _clients.append(AsyncOpenAI(base_url="http://unused/v1", api_key="unused", max_retries=0))

@@ -13,9 +13,9 @@ import datasets
 import pyarrow.parquet as pq
 import pytest
 
-from infra.clickhouse import connect
-from schemas.dataset import read_rows
-from schemas.span_writer import SpanBatchEncoder
+from agentstream.infra.clickhouse import connect
+from agentstream.schemas.dataset import read_rows
+from agentstream.schemas.span_writer import SpanBatchEncoder
 from tests.integration.test_streams import env_path
 from tests.support.streams_harness import Worker, create_topics, now_us, produce, rollout_records, wait_for, worker_env
 

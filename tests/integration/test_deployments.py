@@ -22,22 +22,22 @@ import aiohttp
 import openai
 import pytest
 
+from agentstream.deploy.deployments import Action, DeploymentFollower, DeploymentLog, Routing, adapter_name, decide
+from agentstream.infra.config import TrainerConfig
+from agentstream.infra.kafka import create_topics, topic_name
+from agentstream.infra.processes import free_port
+from agentstream.models import load_model
+from agentstream.pipeline.proxy import LLMProxy, serve_proxy
+from agentstream.serving.app import create_app
+from agentstream.serving.handlers import SERVER
+from agentstream.serving.hotswap import HotSwapper
+from agentstream.serving.protocol import Contract
+from agentstream.trainer.checkpoints import open_store
+from agentstream.trainer.metrics import MetricsWriter
+from agentstream.trainer.worker import TrainerWorker
 from bench.scenario import Users, lora_checkpoint, publish, serve_app, wait_until
-from deploy.deployments import Action, DeploymentFollower, DeploymentLog, Routing, adapter_name, decide
-from infra.config import TrainerConfig
-from infra.kafka import create_topics, topic_name
-from infra.processes import free_port
-from models import load_model
-from pipeline.proxy import LLMProxy, serve_proxy
-from serving.app import create_app
-from serving.handlers import SERVER
-from serving.hotswap import HotSwapper
-from serving.protocol import Contract
 from tests.integration.test_trainer_hotswap import trained_policy
 from tests.support.readback import read_topic
-from trainer.checkpoints import open_store
-from trainer.metrics import MetricsWriter
-from trainer.worker import TrainerWorker
 
 MESSAGES = [{"role": "user", "content": "hello"}]
 
@@ -156,9 +156,9 @@ def test_the_gate_rejects_a_broken_checkpoint_rolls_back_a_bad_canary_and_promot
         lora_setup, stack, publisher, clickhouse, tmp_path):
     import json
 
+    from agentstream.deploy.deployments import Routing
+    from agentstream.deploy.gate import Gate
     from agentstream.evaluation import task_evaluator
-    from deploy.deployments import Routing
-    from deploy.gate import Gate
     from tests.support.streams_harness import Worker, worker_env
 
     base, name, store = lora_setup
@@ -342,8 +342,8 @@ def test_decisions_recorded_at_once_through_one_log_are_all_kept(topics_config, 
 
 
 def test_a_gate_and_a_hot_swap_that_promotes_by_itself_refuse_to_run_side_by_side(lora_setup, stack, clickhouse):
-    from deploy.deployments import GateDisagreement
-    from deploy.gate import Gate
+    from agentstream.deploy.deployments import GateDisagreement
+    from agentstream.deploy.gate import Gate
 
     config, name, _ = lora_setup
     gated = replace(config, deploy=replace(config.deploy, gate=True))
@@ -422,8 +422,8 @@ def test_an_evaluation_that_cannot_run_rejects_the_candidate_as_failed_not_as_sc
     """The evaluation goes through a proxy that is down: every call fails, and no candidate is judged on that."""
     import json
 
+    from agentstream.deploy.gate import Gate
     from agentstream.evaluation import task_evaluator
-    from deploy.gate import Gate
 
     base, name, store = lora_setup
     task_file = tmp_path / "eval.jsonl"

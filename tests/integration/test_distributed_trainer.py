@@ -29,18 +29,18 @@ import pytest
 import torch
 import torch.multiprocessing as mp
 
-from infra.config import TrainerConfig
-from infra.kafka import create_topics, topic_name
-from infra.processes import free_port
+from agentstream.infra.config import TrainerConfig
+from agentstream.infra.kafka import create_topics, topic_name
+from agentstream.infra.processes import free_port
+from agentstream.trainer.batching import Batch, Counts, Sample, token_weights
+from agentstream.trainer.checkpoints import manifests, open_store
+from agentstream.trainer.distributed import Group, Ranks, Shard, join, leave, shard_batch
+from agentstream.trainer.policy import Policy, build_policy
+from agentstream.trainer.step import train_step
 from tests.integration.test_trainer_worker import produce, transition
 from tests.support.streams_harness import worker_env
 from tests.support.torchrun import Torchrun
 from tests.support.trainer_configs import tiny_trainer_toml
-from trainer.batching import Batch, Counts, Sample, token_weights
-from trainer.checkpoints import manifests, open_store
-from trainer.distributed import Group, Ranks, Shard, join, leave, shard_batch
-from trainer.policy import Policy, build_policy
-from trainer.step import train_step
 
 BASE = TrainerConfig(model="tiny", device="cpu", threads=1, lr=1e-3, distributed_backend="gloo",
                      distributed_timeout_s=60)

@@ -19,11 +19,11 @@ from pathlib import Path
 import pytest
 from aiokafka import AIOKafkaConsumer, AIOKafkaProducer, TopicPartition
 
-from infra.clickhouse import connect
-from infra.config import Config, load_config
-from infra.kafka import client_options, topic_name
-from pipeline.publisher import SpanPublisher
-from stack.control import BROKER, OBJECTSTORE, Endpoints, Stack
+from agentstream.infra.clickhouse import connect
+from agentstream.infra.config import Config, load_config
+from agentstream.infra.kafka import client_options, topic_name
+from agentstream.pipeline.publisher import SpanPublisher
+from agentstream.stack.control import BROKER, OBJECTSTORE, Endpoints, Stack
 from tests.conftest import stack_environment
 from tests.integration.test_publisher import make_span
 from tests.support.streams_harness import Worker, wait_for, worker_env

@@ -30,16 +30,16 @@ import pytest
 from aiohttp import web
 
 import agentstream as ags
-from examples import arithmetic, calculator_agent, calculator_shaped, langchain_agent, make_tasks
-from infra.clickhouse import connect
-from infra.config import load_config
-from infra.kafka import topic_name
-from infra.processes import free_port
-from models import tiny_tokenizer
-from pipeline.proxy import LLMProxy
-from pipeline.sdk import Rollout
-from pipeline.tasks import enqueue, grouped_tasks, read_task_file
-from serving.app import create_app
+from agentstream.examples import arithmetic, calculator_agent, calculator_shaped, langchain_agent, make_tasks
+from agentstream.infra.clickhouse import connect
+from agentstream.infra.config import load_config
+from agentstream.infra.kafka import topic_name
+from agentstream.infra.processes import free_port
+from agentstream.models import tiny_tokenizer
+from agentstream.pipeline.proxy import LLMProxy
+from agentstream.pipeline.sdk import Rollout
+from agentstream.pipeline.tasks import enqueue, grouped_tasks, read_task_file
+from agentstream.serving.app import create_app
 from tests.support.http_thread import ServerThread
 from tests.support.readback import read_topic
 from tests.support.servers import scripted
@@ -52,8 +52,9 @@ from tests.support.streams_harness import (
     worker_env,
 )
 
-AGENTS = {"arithmetic": "examples.arithmetic:solve", "calculator": "examples.calculator_agent:solve",
-          "langchain": "examples.langchain_agent:solve"}
+AGENTS = {"arithmetic": "agentstream.examples.arithmetic:solve",
+          "calculator": "agentstream.examples.calculator_agent:solve",
+          "langchain": "agentstream.examples.langchain_agent:solve"}
 ROLLOUTS = 4
 STREAMS_CONFIG = """
 [topics]

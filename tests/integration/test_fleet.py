@@ -33,13 +33,13 @@ from pathlib import Path
 import aiohttp
 import pytest
 
-from deploy.deployments import read_routes
-from infra.checkpoint_store import MANIFEST, sha256_file
-from infra.config import CHECKPOINT_BUCKET, load_config
-from infra.processes import free_port
-from pipeline.tasks import enqueue, grouped_tasks
-from pipeline.upstreams import missing, survey
-from serving.protocol import Contract
+from agentstream.deploy.deployments import read_routes
+from agentstream.infra.checkpoint_store import MANIFEST, sha256_file
+from agentstream.infra.config import CHECKPOINT_BUCKET, load_config
+from agentstream.infra.processes import free_port
+from agentstream.pipeline.tasks import enqueue, grouped_tasks
+from agentstream.pipeline.upstreams import missing, survey
+from agentstream.serving.protocol import Contract
 from tests.integration.test_hotswap_reconcile import TOKEN, ModelServerProcess
 from tests.support.s3_checkpoints import KEY_ID, SECRET, EmbeddedStore
 from tests.support.streams_harness import CliProcess, Worker, create_topics, wait_for, worker_env

@@ -19,14 +19,14 @@ import aiohttp
 import pytest
 from clickhouse_connect.driver.exceptions import DatabaseError
 
+from agentstream.deploy.deployments import Action, DeploymentFollower, DeploymentLog
+from agentstream.infra.processes import free_port
+from agentstream.pipeline.proxy import LLMProxy, serve_proxy
+from agentstream.pipeline.upstreams import HealthSettings, holdings_rows, survey
+from agentstream.serving.hotswap import HotSwapper
+from agentstream.serving.hotswap_main import fleet_swappers, run_fleet
+from agentstream.serving.protocol import Contract
 from bench.scenario import publish
-from deploy.deployments import Action, DeploymentFollower, DeploymentLog
-from infra.processes import free_port
-from pipeline.proxy import LLMProxy, serve_proxy
-from pipeline.upstreams import HealthSettings, holdings_rows, survey
-from serving.hotswap import HotSwapper
-from serving.hotswap_main import fleet_swappers, run_fleet
-from serving.protocol import Contract
 from tests.integration.test_hotswap_reconcile import (  # noqa: F401 (reconcile_setup is a fixture)
     RESTORE_BOUND_S,
     ModelServerProcess,

@@ -22,22 +22,22 @@ from pathlib import Path
 import aiohttp
 import pytest
 
+from agentstream.deploy.deployments import DeploymentLog, adapter_name
+from agentstream.infra.config import Secret, TrainerConfig
+from agentstream.infra.kafka import create_topics
+from agentstream.infra.processes import free_port
+from agentstream.infra.security import KeySet
+from agentstream.models import load_model, local_path
+from agentstream.schemas.contracts import policy_version
+from agentstream.serving.app import create_app
+from agentstream.serving.handlers import SERVER
+from agentstream.serving.hotswap import AdminTokenRefused, HotSwapper
+from agentstream.serving.protocol import Contract
+from agentstream.trainer.checkpoints import checkpoint_name, open_store, write_checkpoint
+from agentstream.trainer.policy import save_weights
 from bench.scenario import publish, serve_app
-from deploy.deployments import DeploymentLog, adapter_name
-from infra.config import Secret, TrainerConfig
-from infra.kafka import create_topics
-from infra.processes import free_port
-from infra.security import KeySet
-from models import load_model, local_path
-from schemas.contracts import policy_version
-from serving.app import create_app
-from serving.handlers import SERVER
-from serving.hotswap import AdminTokenRefused, HotSwapper
-from serving.protocol import Contract
 from tests.integration.test_trainer_hotswap import assert_served_by, trained_policy
 from tests.support.servers import make_lora
-from trainer.checkpoints import checkpoint_name, open_store, write_checkpoint
-from trainer.policy import save_weights
 
 TOKEN = "admin-s3cret"
 MESSAGES = [{"role": "user", "content": "hello"}]

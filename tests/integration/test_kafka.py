@@ -10,7 +10,7 @@ from aiokafka.admin import AIOKafkaAdminClient, NewTopic
 from confluent_kafka import Consumer, Producer
 from confluent_kafka.admin import AdminClient
 
-from infra.kafka import ensure_topics, message_counts, product_topics, topic_partitions
+from agentstream.infra.kafka import ensure_topics, message_counts, product_topics, topic_partitions
 
 PRODUCT_ROLES = {"tasks", "spans", "transitions", "checkpoints", "deployments", "dlq"}
 
@@ -164,7 +164,7 @@ def test_producers_are_idempotent_where_the_broker_grants_producer_ids(stack_con
     refuses a broker without them by name, off never asks; a producer from start_producer delivers either way."""
     from dataclasses import replace
 
-    from infra.kafka import IdempotenceUnsupported, idempotence_granted, start_producer
+    from agentstream.infra.kafka import IdempotenceUnsupported, idempotence_granted, start_producer
     from tests.conftest import TEST_BROKER
 
     topic = f"idempotence-{uuid.uuid4().hex[:8]}"

@@ -31,17 +31,17 @@ from types import SimpleNamespace
 import pytest
 from aiokafka.admin import AIOKafkaAdminClient
 
+from agentstream.infra.clickhouse import connect
+from agentstream.infra.config import Config, load_config
+from agentstream.infra.kafka import TopicSpec, client_options, ensure_topics, topic_name, topic_partitions
+from agentstream.schemas.transition_writer import transition_id
+from agentstream.trainer.checkpoints import manifests, open_store
 from bench.chaos import LedgerReader, LedgerState
 from bench.chaos_ledger import LEDGER_ENV, LedgeredPublisher
-from infra.clickhouse import connect
-from infra.config import Config, load_config
-from infra.kafka import TopicSpec, client_options, ensure_topics, topic_name, topic_partitions
-from schemas.transition_writer import transition_id
 from tests.support.cluster_load import Load, beyond_first, busiest_leader, first_ack_after, ids_on_topic
 from tests.support.kafka_cluster import KafkaCluster
 from tests.support.streams_harness import CliProcess, Worker, create_topics, wait_for, worker_env
 from tests.support.trainer_configs import tiny_trainer_toml
-from trainer.checkpoints import manifests, open_store
 
 pytestmark = pytest.mark.own_broker  # its own three nodes: the second pass (the session broker on Kafka) adds nothing
 

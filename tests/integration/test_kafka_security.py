@@ -17,12 +17,12 @@ import pytest
 from aiokafka import AIOKafkaConsumer, AIOKafkaProducer
 from aiokafka.admin import AIOKafkaAdminClient
 
-from deploy.checkpoints import CheckpointFollower
-from deploy.deployments import DeploymentFollower, announce
-from infra.acls import RUNNER_GROUP, TRAINER_GROUP_PREFIX, Grant, kafka_acls_commands, role_grants
-from infra.clickhouse import connect
-from infra.config import Config, load_config
-from infra.kafka import (
+from agentstream.deploy.checkpoints import CheckpointFollower
+from agentstream.deploy.deployments import DeploymentFollower, announce
+from agentstream.infra.acls import RUNNER_GROUP, TRAINER_GROUP_PREFIX, Grant, kafka_acls_commands, role_grants
+from agentstream.infra.clickhouse import connect
+from agentstream.infra.config import Config, load_config
+from agentstream.infra.kafka import (
     KafkaAccessDenied,
     KafkaAuthenticationFailed,
     KafkaRefused,
@@ -33,14 +33,14 @@ from infra.kafka import (
     product_topics,
     topic_name,
 )
-from pipeline.otlp import KafkaDeadLetters
-from pipeline.publisher import SpanPublisher
-from schemas import AvroCodec
-from stack.control import Endpoints
-from streams.app import internal_topics
+from agentstream.pipeline.otlp import KafkaDeadLetters
+from agentstream.pipeline.publisher import SpanPublisher
+from agentstream.schemas import AvroCodec
+from agentstream.stack.control import Endpoints
+from agentstream.streams.app import internal_topics
+from agentstream.trainer.checkpoints import CheckpointAnnouncer
 from tests.support.kafka_secure import SecureKafka
 from tests.support.streams_harness import CliProcess, Worker, wait_for, worker_env
-from trainer.checkpoints import CheckpointAnnouncer
 
 pytestmark = pytest.mark.own_broker  # the worker tests use the session stack's ClickHouse, not its broker
 

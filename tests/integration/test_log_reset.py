@@ -15,18 +15,18 @@ import uuid
 import pytest
 from aiokafka import AIOKafkaConsumer, TopicPartition
 
-from infra.clickhouse import connect
-from infra.config import load_config
-from infra.kafka import create_topics, topic_name
-from pipeline.publisher import SpanPublisher
-from pipeline.runner import Runner, RunnerOptions
-from pipeline.tasks import enqueue, make_task
+from agentstream.infra.clickhouse import connect
+from agentstream.infra.config import load_config
+from agentstream.infra.kafka import create_topics, topic_name
+from agentstream.pipeline.publisher import SpanPublisher
+from agentstream.pipeline.runner import Runner, RunnerOptions
+from agentstream.pipeline.tasks import enqueue, make_task
+from agentstream.trainer.checkpoints import manifests, open_store
 from tests.integration.test_trainer_worker import produce as produce_transitions
 from tests.integration.test_trainer_worker import transition
 from tests.support.broker import MemoryBroker
 from tests.support.streams_harness import CliProcess, Worker, produce, rollout_records, wait_for, worker_env
 from tests.support.trainer_configs import tiny_trainer_toml
-from trainer.checkpoints import manifests, open_store
 
 CONFIG = """
 [streams]

@@ -24,10 +24,13 @@ import torch
 from aiokafka import AIOKafkaConsumer, TopicPartition
 from safetensors.torch import load_file
 
-from infra.kafka import create_topics as create_kafka_topics
-from infra.kafka import topic_name
-from models import NonFiniteWeights
-from schemas import AvroCodec
+from agentstream.infra.kafka import create_topics as create_kafka_topics
+from agentstream.infra.kafka import topic_name
+from agentstream.models import NonFiniteWeights
+from agentstream.schemas import AvroCodec
+from agentstream.trainer.checkpoints import manifests, open_store
+from agentstream.trainer.metrics import MetricsWriter
+from agentstream.trainer.worker import TrainerWorker
 from tests.integration.test_trainer_worker import produce as produce_transitions
 from tests.integration.test_trainer_worker import transition
 from tests.support.streams_harness import (
@@ -39,9 +42,6 @@ from tests.support.streams_harness import (
     wait_for,
     worker_env,
 )
-from trainer.checkpoints import manifests, open_store
-from trainer.metrics import MetricsWriter
-from trainer.worker import TrainerWorker
 
 CODEC = AvroCodec()
 CONFIG = """
@@ -185,7 +185,7 @@ def test_non_finite_rewards_on_the_topic_reach_no_transition_and_no_checkpoint(t
 
 @pytest.fixture
 def trainer_config(topics_config, tmp_path, stack):
-    from infra.config import TrainerConfig
+    from agentstream.infra.config import TrainerConfig
 
     name = f"tiny-{uuid.uuid4().hex[:8]}"
     trainer = TrainerConfig(model="tiny", model_name=name, device="cpu", threads=1, lr=1e-3, batch_transitions=4,

@@ -8,7 +8,7 @@ import os
 import subprocess
 import sys
 
-from infra.processes import free_port
+from agentstream.infra.processes import free_port
 
 
 def test_serve_model_refuses_to_listen_beyond_loopback_without_an_admin_token(tmp_path):
@@ -25,7 +25,8 @@ def test_serve_model_refuses_to_listen_beyond_loopback_without_an_admin_token(tm
 
 def test_the_registry_refuses_an_open_bind_in_one_line() -> None:
     environment = {k: v for k, v in os.environ.items() if not k.startswith(("AGENTSTREAM_", "SCHEMA_REGISTRY_"))}
-    result = subprocess.run([sys.executable, "-m", "stack.schema_registry", "--host", "0.0.0.0", "--memory"],
+    result = subprocess.run([sys.executable, "-m", "agentstream.stack.schema_registry", "--host", "0.0.0.0",
+                             "--memory"],
                             env=environment, capture_output=True, text=True, timeout=60, check=False)
     assert result.returncode == 1
     assert result.stderr.strip().splitlines() == [

@@ -32,17 +32,17 @@ from opentelemetry.proto.collector.trace.v1.trace_service_pb2 import (
     ExportTraceServiceResponse,
 )
 
-from infra.clickhouse import connect
-from infra.config import load_config
-from infra.kafka import client_options, topic_name
-from models import load_model
-from pipeline.otlp import KafkaDeadLetters, OtlpReceiver
-from pipeline.otlp_grpc import serve_grpc
-from pipeline.otlp_http import OtlpHttp
-from pipeline.proxy import LLMProxy
-from pipeline.publisher import SpanPublisher
-from schemas import AvroCodec
-from serving.app import create_app
+from agentstream.infra.clickhouse import connect
+from agentstream.infra.config import load_config
+from agentstream.infra.kafka import client_options, topic_name
+from agentstream.models import load_model
+from agentstream.pipeline.otlp import KafkaDeadLetters, OtlpReceiver
+from agentstream.pipeline.otlp_grpc import serve_grpc
+from agentstream.pipeline.otlp_http import OtlpHttp
+from agentstream.pipeline.proxy import LLMProxy
+from agentstream.pipeline.publisher import SpanPublisher
+from agentstream.schemas import AvroCodec
+from agentstream.serving.app import create_app
 from tests.support.http_thread import ServerThread
 from tests.support.streams_harness import Worker, create_topics, wait_for, worker_env
 

@@ -23,12 +23,12 @@ from google.rpc import error_details_pb2, status_pb2
 from opentelemetry.proto.collector.trace.v1.trace_service_pb2 import ExportTraceServiceRequest
 from opentelemetry.proto.collector.trace.v1.trace_service_pb2_grpc import TraceServiceStub
 
-from infra import kafka
-from infra.kafka import client_options, topic_name
-from pipeline.otlp import OtlpReceiver
-from pipeline.otlp_grpc import serve_grpc
-from pipeline.otlp_http import OtlpHttp
-from pipeline.publisher import SpanPublisher
+from agentstream.infra import kafka
+from agentstream.infra.kafka import client_options, topic_name
+from agentstream.pipeline.otlp import OtlpReceiver
+from agentstream.pipeline.otlp_grpc import serve_grpc
+from agentstream.pipeline.otlp_http import OtlpHttp
+from agentstream.pipeline.publisher import SpanPublisher
 from tests.support.broker import MemoryBroker
 from tests.support.http_thread import ServerThread
 from tests.support.readback import read_topic

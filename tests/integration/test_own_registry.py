@@ -17,10 +17,10 @@ from pathlib import Path
 
 import pytest
 
-from infra.config import Config
-from infra.schema_registry import RegistryClient
-from infra.schema_registry.errors import Unauthorized
-from schemas import current_schemas
+from agentstream.infra.config import Config
+from agentstream.infra.schema_registry import RegistryClient
+from agentstream.infra.schema_registry.errors import Unauthorized
+from agentstream.schemas import current_schemas
 from tests.integration import test_schema_registry as with_a_users_registry
 from tests.support.karapace import COMMAND_VARIABLE, KarapaceProcess, karapace_command, write_authfile
 from tests.support.schema_registry import register_users_subjects

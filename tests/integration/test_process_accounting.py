@@ -12,9 +12,9 @@ import sys
 import time
 from pathlib import Path
 
-from infra.members import MemberLedger
-from stack.kafka import MAIN_CLASS
-from stack.machine import CpuShare, child_processes, process_cpu_seconds, process_label
+from agentstream.infra.members import MemberLedger
+from agentstream.stack.kafka import MAIN_CLASS
+from agentstream.stack.machine import CpuShare, child_processes, process_cpu_seconds, process_label
 
 
 def test_process_cpu_seconds_of_another_process_and_of_one_gone() -> None:

@@ -9,12 +9,12 @@ import urllib.request
 import openai
 import pytest
 
-from infra.kafka import topic_name
-from infra.security import FEEDBACK_TOKEN_HEADER, feedback_token
-from models import load_model
-from pipeline.proxy import LLMProxy
-from pipeline.publisher import SpanPublisher
-from serving.app import create_app
+from agentstream.infra.kafka import topic_name
+from agentstream.infra.security import FEEDBACK_TOKEN_HEADER, feedback_token
+from agentstream.models import load_model
+from agentstream.pipeline.proxy import LLMProxy
+from agentstream.pipeline.publisher import SpanPublisher
+from agentstream.serving.app import create_app
 from tests.support.http_thread import ServerThread
 from tests.support.readback import read_topic
 from tests.support.servers import assert_exact, scripted
@@ -157,7 +157,7 @@ def test_tool_calls_are_relayed_and_captured(publisher, topics_config, kafka_opt
 
 
 def test_upstream_down_gives_an_openai_error_and_an_error_span(publisher, topics_config, kafka_options):
-    from infra.processes import free_port
+    from agentstream.infra.processes import free_port
 
     proxy = ServerThread(LLMProxy(f"http://127.0.0.1:{free_port()}", publisher).app)
     try:
@@ -206,7 +206,7 @@ def test_late_rewards_and_unattributed_calls(proxy, publisher, topics_config, ka
 
 def test_the_rollout_base_url_attributes_calls_to_rollout_attempt_and_agent(proxy, publisher, topics_config,
                                                                             kafka_options):
-    from pipeline.sdk import Rollout
+    from agentstream.pipeline.sdk import Rollout
 
     owner = Rollout("r-agent", "r-agent-2", "math agent/v2", proxy_url=proxy.url)
     assert owner.llm_base_url() == f"{proxy.url}/rollouts/r-agent/attempts/r-agent-2/agents/math%20agent%2Fv2/v1"

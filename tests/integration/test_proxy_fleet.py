@@ -16,10 +16,10 @@ import aiohttp
 import openai
 import pytest
 
-from deploy.deployments import Routing
-from pipeline.proxy import LLMProxy
-from pipeline.upstreams import HealthSettings, UpstreamPool
-from serving.protocol import Contract
+from agentstream.deploy.deployments import Routing
+from agentstream.pipeline.proxy import LLMProxy
+from agentstream.pipeline.upstreams import HealthSettings, UpstreamPool
+from agentstream.serving.protocol import Contract
 from tests.integration.test_hotswap_reconcile import ModelServerProcess, admin
 from tests.support.http_thread import ServerThread
 from tests.support.servers import HELLO, make_lora
@@ -229,7 +229,7 @@ def test_load_spreads_survives_a_sigkill_and_the_replica_returns(fleet):
 
 
 def test_a_request_refused_by_a_dead_replica_is_retried_stream_or_not(fleet):
-    from infra.processes import free_port
+    from agentstream.infra.processes import free_port
 
     dead = f"http://127.0.0.1:{free_port()}"  # nothing listens there
     alive = fleet.servers[0].url

@@ -1,6 +1,6 @@
 """With ``[security] proxy_keys`` set, the stack's own clients of the proxy present the configured key.
 
-The runner's rollouts of ``examples.arithmetic``, the gate's evaluation and Agent Lightning 0.3 and
+The runner's rollouts of ``agentstream.examples.arithmetic``, the gate's evaluation and Agent Lightning 0.3 and
 1.0 agents run through a keyed proxy to the real dev model server: with the configured key their
 LLM spans land with token ids; with a wrong key, or none, the proxy refuses them (401) and the
 rollouts record the refusal.
@@ -15,21 +15,21 @@ from dataclasses import replace
 import openai
 import pytest
 
+from agentstream.deploy.gate import GATE_AGENT, EvaluationError
 from agentstream.evaluation import EVAL_ATTEMPTS, task_evaluator
-from deploy.gate import GATE_AGENT, EvaluationError
-from examples import arithmetic
-from infra.config import AglConfig, Config, Secret
-from infra.kafka import topic_name
-from infra.security import KeySet
-from models import load_model
-from pipeline import sdk
-from pipeline.access import proxy_client_key
-from pipeline.agl import AgentProcessFailed, adapt_agent
-from pipeline.proxy import LLMProxy
-from pipeline.publisher import SpanPublisher
-from pipeline.runner import Runner, RunnerOptions
-from pipeline.tasks import enqueue, make_task
-from serving.app import create_app
+from agentstream.examples import arithmetic
+from agentstream.infra.config import AglConfig, Config, Secret
+from agentstream.infra.kafka import topic_name
+from agentstream.infra.security import KeySet
+from agentstream.models import load_model
+from agentstream.pipeline import sdk
+from agentstream.pipeline.access import proxy_client_key
+from agentstream.pipeline.agl import AgentProcessFailed, adapt_agent
+from agentstream.pipeline.proxy import LLMProxy
+from agentstream.pipeline.publisher import SpanPublisher
+from agentstream.pipeline.runner import Runner, RunnerOptions
+from agentstream.pipeline.tasks import enqueue, make_task
+from agentstream.serving.app import create_app
 from tests.support import agl_agents
 from tests.support.http_thread import ServerThread
 from tests.support.readback import Landed, read_topic
@@ -94,7 +94,7 @@ def test_the_runner_presents_the_configured_key(client_keys, presents, proxy, pu
 def test_the_gates_evaluation_presents_the_configured_key(proxy, publisher, topics_config, kafka_options, tmp_path):
     tasks = tmp_path / "eval.jsonl"
     tasks.write_text("".join(json.dumps(task) + "\n" for task in arithmetic.all_tasks()[:2]))
-    settings = replace(topics_config.deploy, eval_agent="examples.arithmetic:solve", eval_tasks=str(tasks))
+    settings = replace(topics_config.deploy, eval_agent="agentstream.examples.arithmetic:solve", eval_tasks=str(tasks))
     score = asyncio.run(task_evaluator(replace(keyed(topics_config, PROXY_KEYS), deploy=settings), proxy.url, "tiny",
                                        publisher)(0))
     assert score.tasks == 2

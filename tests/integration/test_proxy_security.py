@@ -23,15 +23,15 @@ import torch
 from aiohttp import web
 
 import agentstream as ags
-from infra.config import Config, Secret
-from infra.kafka import topic_name
-from infra.processes import free_port
-from infra.security import FEEDBACK_TOKEN_HEADER, KeySet, feedback_token
-from models import load_model
-from pipeline.proxy import LLMProxy
-from pipeline.publisher import SpanPublisher
-from serving.app import create_app
-from serving.protocol import Contract
+from agentstream.infra.config import Config, Secret
+from agentstream.infra.kafka import topic_name
+from agentstream.infra.processes import free_port
+from agentstream.infra.security import FEEDBACK_TOKEN_HEADER, KeySet, feedback_token
+from agentstream.models import load_model
+from agentstream.pipeline.proxy import LLMProxy
+from agentstream.pipeline.publisher import SpanPublisher
+from agentstream.serving.app import create_app
+from agentstream.serving.protocol import Contract
 from tests.support.http_thread import ServerThread
 from tests.support.readback import read_topic
 from tests.support.servers import make_lora

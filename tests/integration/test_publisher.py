@@ -18,13 +18,13 @@ from typing import Any
 import pytest
 from aiokafka import AIOKafkaConsumer
 
-from infra import kafka
-from infra.config import Config
-from infra.kafka import client_options, topic_name
-from infra.processes import free_port, wait_for_port
-from pipeline.publisher import PublisherClosed, SpanPublisher
-from schemas import AvroCodec, EncodeError
-from stack.broker import find_tansu, tansu_command
+from agentstream.infra import kafka
+from agentstream.infra.config import Config
+from agentstream.infra.kafka import client_options, topic_name
+from agentstream.infra.processes import free_port, wait_for_port
+from agentstream.pipeline.publisher import PublisherClosed, SpanPublisher
+from agentstream.schemas import AvroCodec, EncodeError
+from agentstream.stack.broker import find_tansu, tansu_command
 
 ROOT = Path(__file__).resolve().parents[2]
 T0 = 1_732_200_000_000_000
@@ -232,7 +232,7 @@ def test_publish_blocks_instead_of_growing_while_the_broker_stalls(topics_config
 
 def test_spans_published_during_an_outage_are_journaled_then_replayed_exactly_once(
         topics_config, private_broker, tmp_path, caplog):
-    caplog.set_level(logging.INFO, logger="pipeline.publisher")
+    caplog.set_level(logging.INFO, logger="agentstream.pipeline.publisher")
     create_topics(topics_config, private_broker.bootstrap)
     journal_dir = tmp_path / "journal"
     publisher = SpanPublisher(topics_config, private_broker.bootstrap, journal_dir=journal_dir, linger_ms=5,
@@ -288,8 +288,8 @@ CRASHING_PUBLISHER = """
 import json, os, signal, sys
 from dataclasses import asdict
 from pathlib import Path
-from infra.config import load_config
-from pipeline.publisher import SpanPublisher
+from agentstream.infra.config import load_config
+from agentstream.pipeline.publisher import SpanPublisher
 from tests.integration.test_publisher import make_event, make_span
 
 journal, prefix, bootstrap, count = sys.argv[1], sys.argv[2], sys.argv[3], int(sys.argv[4])
@@ -317,7 +317,7 @@ def test_a_journal_left_by_a_crashed_process_is_replayed_by_the_next_publisher(
     with left.open("ab") as torn:  # the crash also cut a record short
         torn.write(b"\x40\x00\x00\x00\x01\x02")
 
-    caplog.set_level(logging.INFO, logger="pipeline.publisher")
+    caplog.set_level(logging.INFO, logger="agentstream.pipeline.publisher")
     with SpanPublisher(topics_config, stack.bootstrap_servers, journal_dir=journal_dir) as publisher:
         deadline = time.monotonic() + 20
         while publisher.stats().state != "connected" and time.monotonic() < deadline:
@@ -334,8 +334,8 @@ def test_a_journal_left_by_a_crashed_process_is_replayed_by_the_next_publisher(
 EXITING_PUBLISHER = """
 import sys, time
 from pathlib import Path
-from infra.config import load_config
-from pipeline.publisher import SpanPublisher
+from agentstream.infra.config import load_config
+from agentstream.pipeline.publisher import SpanPublisher
 from tests.integration.test_publisher import make_span
 
 journal, prefix, bootstrap, how = sys.argv[1], sys.argv[2], sys.argv[3], sys.argv[4]

@@ -13,8 +13,8 @@ from pathlib import Path
 
 import pytest
 
-from infra.clickhouse import migrate
-from infra.processes import free_port
+from agentstream.infra.clickhouse import migrate
+from agentstream.infra.processes import free_port
 
 CLI = [sys.executable, "-m", "agentstream"]
 

@@ -13,10 +13,10 @@ import urllib.request
 
 import pytest
 
-from infra.kafka import topic_name
-from infra.processes import free_port
-from pipeline.proxy import LLMProxy
-from pipeline.publisher import SpanPublisher
+from agentstream.infra.kafka import topic_name
+from agentstream.infra.processes import free_port
+from agentstream.pipeline.proxy import LLMProxy
+from agentstream.pipeline.publisher import SpanPublisher
 from tests.support.http_thread import ServerThread
 from tests.support.readback import read_topic
 

@@ -14,11 +14,18 @@ from pathlib import Path
 
 import pytest
 
-from infra.checkpoint_store import MANIFEST, CheckpointNotFound, CheckpointReader, S3Store, open_store, sha256_file
-from infra.config import CHECKPOINT_BUCKET, CheckpointsConfig, Config
-from stack.control import Endpoints
+from agentstream.infra.checkpoint_store import (
+    MANIFEST,
+    CheckpointNotFound,
+    CheckpointReader,
+    S3Store,
+    open_store,
+    sha256_file,
+)
+from agentstream.infra.config import CHECKPOINT_BUCKET, CheckpointsConfig, Config
+from agentstream.stack.control import Endpoints
+from agentstream.trainer.checkpoints import latest_manifest, write_checkpoint
 from tests.support.s3_checkpoints import KEY_ID, LOCATION, SECRET, EmbeddedStore, s3_store, write
-from trainer.checkpoints import latest_manifest, write_checkpoint
 
 
 def test_an_s3_store_without_an_endpoint_uses_the_stacks_object_store(stack_config: Config, stack: Endpoints,
@@ -45,9 +52,9 @@ ROOT = Path(__file__).resolve().parents[2]
 CRASHING_UPLOADER = """
 import sys, time
 from pathlib import Path
-from infra.config import CheckpointsConfig, Secret
-from infra.checkpoint_store import MANIFEST, open_store
-from trainer.checkpoints import write_checkpoint
+from agentstream.infra.config import CheckpointsConfig, Secret
+from agentstream.infra.checkpoint_store import MANIFEST, open_store
+from agentstream.trainer.checkpoints import write_checkpoint
 
 endpoint, home, marker = sys.argv[1], Path(sys.argv[2]), Path(sys.argv[3])
 settings = CheckpointsConfig(s3_endpoint=endpoint, s3_access_key_id=sys.argv[4],

@@ -30,13 +30,13 @@ from confluent_kafka.schema_registry.avro import AvroDeserializer
 from confluent_kafka.schema_registry.common.schema_registry_client import SchemaVersion
 from confluent_kafka.serialization import MessageField, SerializationContext
 
-from infra.config import Config
-from infra.kafka import create_topics, topic_name
-from infra.processes import free_port
-from infra.schema_registry import RegistryClient, RemoteRegistry, use_configured_registry
-from infra.schema_registry.product import schema_json
-from pipeline.publisher import SpanPublisher
-from schemas import (
+from agentstream.infra.config import Config
+from agentstream.infra.kafka import create_topics, topic_name
+from agentstream.infra.processes import free_port
+from agentstream.infra.schema_registry import RegistryClient, RemoteRegistry, use_configured_registry
+from agentstream.infra.schema_registry.product import schema_json
+from agentstream.pipeline.publisher import SpanPublisher
+from agentstream.schemas import (
     ANNOUNCEMENT,
     CHECKPOINT,
     DEAD_LETTER,
@@ -262,7 +262,7 @@ def test_an_incompatible_schema_in_the_users_registry_is_refused_clearly(users_r
 
 def test_the_stack_serves_the_registry(stack_config: Config, stack) -> None:
     """`agentstream up` (the session's stack) started a registry over its broker; status reports it."""
-    from stack.control import Stack
+    from agentstream.stack.control import Stack
 
     url = f"http://{stack_config.stack.host}:{stack_config.schema_registry.port}"
     assert set(current_schemas()) <= set(SchemaRegistryClient({"url": url}).get_subjects())

@@ -10,9 +10,9 @@ import time
 
 import pytest
 
-from infra.kafka import topic_name
-from pipeline.runner import Runner, RunnerOptions
-from pipeline.sdk import (
+from agentstream.infra.kafka import topic_name
+from agentstream.pipeline.runner import Runner, RunnerOptions
+from agentstream.pipeline.sdk import (
     NoRollout,
     emit_message,
     emit_object,
@@ -20,7 +20,7 @@ from pipeline.sdk import (
     rollout,
     span,
 )
-from pipeline.tasks import enqueue, make_task
+from agentstream.pipeline.tasks import enqueue, make_task
 from tests.support.readback import read_topic
 
 

@@ -17,14 +17,14 @@ from pathlib import Path
 
 import pytest
 
-from infra.config import Config, TrainerConfig, load_config
-from infra.kafka import SessionTimeoutRefused, create_topics
-from pipeline.publisher import SpanPublisher
-from pipeline.runner import Runner, RunnerOptions
-from stack.control import Endpoints
+from agentstream.infra.config import Config, TrainerConfig, load_config
+from agentstream.infra.kafka import SessionTimeoutRefused, create_topics
+from agentstream.pipeline.publisher import SpanPublisher
+from agentstream.pipeline.runner import Runner, RunnerOptions
+from agentstream.stack.control import Endpoints
+from agentstream.trainer.worker import TrainerWorker
 from tests.support.kafka_cluster import KafkaCluster
 from tests.support.streams_harness import CliProcess, worker_env
-from trainer.worker import TrainerWorker
 
 pytestmark = pytest.mark.own_broker  # its own node: the second pass (the session broker on Kafka) adds nothing
 

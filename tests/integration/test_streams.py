@@ -10,11 +10,11 @@ import uuid
 import pytest
 from aiokafka import AIOKafkaConsumer, TopicPartition
 
-from infra.clickhouse import connect
-from schemas import TASK, AvroCodec
-from schemas.container_file import container_file
-from schemas.contracts import TRAIN_ATTRIBUTE
-from schemas.span_writer import SpanBatchEncoder
+from agentstream.infra.clickhouse import connect
+from agentstream.schemas import TASK, AvroCodec
+from agentstream.schemas.container_file import container_file
+from agentstream.schemas.contracts import TRAIN_ATTRIBUTE
+from agentstream.schemas.span_writer import SpanBatchEncoder
 from tests.support.streams_harness import (
     CODEC,
     Worker,
@@ -316,14 +316,14 @@ def test_clickhouse_outage_holds_and_retries(setup, stack, stack_config, tmp_pat
     import subprocess
     import sys
 
-    from infra.processes import free_port, wait_for_port
+    from agentstream.infra.processes import free_port, wait_for_port
 
     env, tag, _, workers = setup
     port = free_port()
     data = tmp_path / "outage-ch"
 
     def start_clickhouse():
-        command = [sys.executable, "-m", "stack.chserver", "--port", str(port), "--data-dir", str(data)]
+        command = [sys.executable, "-m", "agentstream.stack.chserver", "--port", str(port), "--data-dir", str(data)]
         process = subprocess.Popen(command, stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL)
         wait_for_port("127.0.0.1", port, 30, process)
         return process

@@ -12,17 +12,17 @@ from pathlib import Path
 import pytest
 from mlflow.tracking import MlflowClient
 
-from infra.config import TrackingConfig, TrainerConfig
-from infra.kafka import create_topics, topic_name
-from models import teacher_forced_logprobs
-from schemas.dataset import DatasetRow, MalformedDatasetRow, json_line
+from agentstream.infra.config import TrackingConfig, TrainerConfig
+from agentstream.infra.kafka import create_topics, topic_name
+from agentstream.models import teacher_forced_logprobs
+from agentstream.schemas.dataset import DatasetRow, MalformedDatasetRow, json_line
+from agentstream.trainer.checkpoints import latest_manifest, open_store
+from agentstream.trainer.metrics import MetricsWriter
+from agentstream.trainer.policy import build_policy, load_weights
+from agentstream.trainer.sft_main import NothingToTrain, run_sft
+from agentstream.trainer.worker import TrainerWorker
 from tests.integration.test_trainer_worker import checkpoint_events, produce, transition
 from tests.support.samples import CALL_1, CALL_2, MASK, PROMPT, TOOL
-from trainer.checkpoints import latest_manifest, open_store
-from trainer.metrics import MetricsWriter
-from trainer.policy import build_policy, load_weights
-from trainer.sft_main import NothingToTrain, run_sft
-from trainer.worker import TrainerWorker
 
 
 def likelihood(config: TrainerConfig, folder: Path | None, pairs: list[tuple[list[int], list[int]]]) -> float:

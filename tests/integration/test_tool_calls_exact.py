@@ -13,13 +13,13 @@ from collections.abc import Iterator
 import openai
 import pytest
 
-from infra.kafka import topic_name
-from models import LoadedModel, load_model
-from pipeline.proxy import LLMProxy
-from pipeline.publisher import SpanPublisher
-from serving.app import create_app
-from serving.protocol import Contract
-from serving.tool_format import canonical_tool_call
+from agentstream.infra.kafka import topic_name
+from agentstream.models import LoadedModel, load_model
+from agentstream.pipeline.proxy import LLMProxy
+from agentstream.pipeline.publisher import SpanPublisher
+from agentstream.serving.app import create_app
+from agentstream.serving.protocol import Contract
+from agentstream.serving.tool_format import canonical_tool_call
 from tests.support.http_thread import ServerThread
 from tests.support.readback import read_topic
 from tests.support.servers import assert_exact

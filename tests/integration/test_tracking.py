@@ -23,14 +23,14 @@ from pathlib import Path
 import pytest
 from mlflow.tracking import MlflowClient
 
-from infra.config import Config, TrackingConfig, TrainerConfig
-from infra.kafka import create_topics, topic_name
-from infra.processes import free_port
+from agentstream.infra.config import Config, TrackingConfig, TrainerConfig
+from agentstream.infra.kafka import create_topics, topic_name
+from agentstream.infra.processes import free_port
+from agentstream.trainer.checkpoints import manifests, open_store
+from agentstream.trainer.tracking import CHECKPOINT_DIR_TAG, HELDOUT_ACCURACY, record_evaluations
+from agentstream.trainer.worker import RunSummary, TrainerWorker
 from tests.integration.test_trainer_worker import produce, transition
 from tests.support.wandb_offline import read_offline_run
-from trainer.checkpoints import manifests, open_store
-from trainer.tracking import CHECKPOINT_DIR_TAG, HELDOUT_ACCURACY, record_evaluations
-from trainer.worker import RunSummary, TrainerWorker
 
 STEPS = 3
 

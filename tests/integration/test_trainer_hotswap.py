@@ -12,19 +12,19 @@ import pytest
 import torch
 from aiohttp import web
 
+from agentstream.deploy.deployments import adapter_name
+from agentstream.infra.config import TrainerConfig
+from agentstream.infra.kafka import create_topics
+from agentstream.infra.processes import free_port
+from agentstream.models import load_model, teacher_forced_logprobs
+from agentstream.serving.app import create_app
+from agentstream.serving.handlers import SERVER
+from agentstream.serving.hotswap import HotSwapError, HotSwapper, Swap
+from agentstream.trainer.batching import Batch, Counts, Sample
+from agentstream.trainer.checkpoints import open_store, write_checkpoint
+from agentstream.trainer.policy import build_policy, save_weights
+from agentstream.trainer.step import train_step
 from bench.scenario import publish
-from deploy.deployments import adapter_name
-from infra.config import TrainerConfig
-from infra.kafka import create_topics
-from infra.processes import free_port
-from models import load_model, teacher_forced_logprobs
-from serving.app import create_app
-from serving.handlers import SERVER
-from serving.hotswap import HotSwapError, HotSwapper, Swap
-from trainer.batching import Batch, Counts, Sample
-from trainer.checkpoints import open_store, write_checkpoint
-from trainer.policy import build_policy, save_weights
-from trainer.step import train_step
 
 MESSAGES = [{"role": "user", "content": "hello"}]
 

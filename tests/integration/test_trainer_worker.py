@@ -11,18 +11,18 @@ import pytest
 import torch
 from aiokafka import AIOKafkaConsumer, AIOKafkaProducer, TopicPartition
 
-from deploy.deployments import Action, DeploymentLog, Routing, decide
-from deploy.rebase import RejectionStreak
-from infra.config import Config, TrainerConfig
-from infra.kafka import create_topics, topic_name
-from models.weights import ADAPTER_WEIGHTS_FILE
-from schemas import CHECKPOINT, TRANSITION, TRANSITION_BATCH, AvroCodec
+from agentstream.deploy.deployments import Action, DeploymentLog, Routing, decide
+from agentstream.deploy.rebase import RejectionStreak
+from agentstream.infra.config import Config, TrainerConfig
+from agentstream.infra.kafka import create_topics, topic_name
+from agentstream.models.weights import ADAPTER_WEIGHTS_FILE
+from agentstream.schemas import CHECKPOINT, TRANSITION, TRANSITION_BATCH, AvroCodec
+from agentstream.trainer.checkpoints import manifests, open_store
+from agentstream.trainer.errors import TrainerConfigError
+from agentstream.trainer.metrics import MetricsWriter
+from agentstream.trainer.worker import TrainerWorker
 from tests.support.streams_harness import CliProcess, worker_env
 from tests.support.trainer_configs import tiny_trainer_toml
-from trainer.checkpoints import manifests, open_store
-from trainer.errors import TrainerConfigError
-from trainer.metrics import MetricsWriter
-from trainer.worker import TrainerWorker
 
 CODEC = AvroCodec()
 

@@ -7,8 +7,8 @@ import uuid
 
 import pytest
 
-from infra.clickhouse import connect
-from schemas.span_writer import SpanBatchEncoder
+from agentstream.infra.clickhouse import connect
+from agentstream.schemas.span_writer import SpanBatchEncoder
 from tests.integration.test_streams import env_path, query, read_all
 from tests.support.streams_harness import (
     CODEC,

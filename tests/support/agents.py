@@ -4,7 +4,7 @@ from __future__ import annotations
 
 import time
 
-from pipeline.sdk import span
+from agentstream.pipeline.sdk import span
 
 
 def slow_agent(task: dict) -> float:

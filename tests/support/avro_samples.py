@@ -6,7 +6,7 @@ import json
 from pathlib import Path
 from typing import Any
 
-from schemas import (
+from agentstream.schemas import (
     ANNOUNCEMENT,
     CHECKPOINT,
     DEAD_LETTER,

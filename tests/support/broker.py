@@ -5,8 +5,8 @@ from __future__ import annotations
 import subprocess
 from pathlib import Path
 
-from infra.processes import free_port, wait_for_port
-from stack.broker import find_tansu, tansu_command
+from agentstream.infra.processes import free_port, wait_for_port
+from agentstream.stack.broker import find_tansu, tansu_command
 
 
 class MemoryBroker:

@@ -10,8 +10,8 @@ from collections import Counter
 
 from aiokafka import AIOKafkaConsumer, TopicPartition
 
-from pipeline.publisher import SpanPublisher
-from schemas import SPAN_BATCH, TRANSITION, TRANSITION_BATCH, AvroCodec
+from agentstream.pipeline.publisher import SpanPublisher
+from agentstream.schemas import SPAN_BATCH, TRANSITION, TRANSITION_BATCH, AvroCodec
 from tests.support.kafka_cluster import KafkaCluster
 
 CODEC = AvroCodec()

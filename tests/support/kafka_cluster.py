@@ -18,8 +18,8 @@ from pathlib import Path
 from aiokafka.admin import AIOKafkaAdminClient
 from aiokafka.errors import KafkaError
 
-from infra.processes import free_port, wait_for_port
-from stack.kafka import (
+from agentstream.infra.processes import free_port, wait_for_port
+from agentstream.stack.kafka import (
     KafkaNode,
     find_java,
     format_storage,

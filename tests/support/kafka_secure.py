@@ -3,7 +3,7 @@
 The node has a PLAINTEXT listener (inter-broker, controller and the test's own admin side, where
 the ``ANONYMOUS`` principal is a super user: it binds loopback only) and a SASL_SSL listener that
 offers SCRAM-SHA-512 and PLAIN, with a server certificate signed by a CA the harness makes in the
-test's folder. Every role of :data:`infra.acls.ROLES` gets its own user and password, as SCRAM
+test's folder. Every role of :data:`agentstream.infra.acls.ROLES` gets its own user and password, as SCRAM
 credentials written at format time and as PLAIN JAAS users; ACLs are granted separately
 (:meth:`SecureKafka.grant`), so a test decides what each principal may do.
 """
@@ -32,10 +32,10 @@ from cryptography.hazmat.primitives import hashes, serialization
 from cryptography.hazmat.primitives.asymmetric import ec
 from cryptography.x509.oid import NameOID
 
-from infra.acls import ROLES, Grant
-from infra.config import Config, KafkaConfig, Secret
-from infra.processes import free_port, wait_for_port
-from stack.kafka import (
+from agentstream.infra.acls import ROLES, Grant
+from agentstream.infra.config import Config, KafkaConfig, Secret
+from agentstream.infra.processes import free_port, wait_for_port
+from agentstream.stack.kafka import (
     KafkaNode,
     find_java,
     format_storage,

@@ -20,7 +20,7 @@ import urllib.request
 from pathlib import Path
 from typing import Any
 
-from infra.processes import ServiceError, free_port
+from agentstream.infra.processes import ServiceError, free_port
 from tests.support.schema_registry import stop_child
 
 COMMAND_VARIABLE = "AGENTSTREAM_KARAPACE"

@@ -9,7 +9,7 @@ from dataclasses import dataclass, field
 
 from aiokafka import AIOKafkaConsumer, TopicPartition
 
-from schemas import AvroCodec
+from agentstream.schemas import AvroCodec
 
 
 @dataclass

@@ -4,11 +4,11 @@ from __future__ import annotations
 
 from pathlib import Path
 
-from infra.checkpoint_store import S3Store, open_store
-from infra.config import CHECKPOINT_BUCKET, CheckpointsConfig, Secret
-from stack.objectstore import ObjectStoreServer
+from agentstream.infra.checkpoint_store import S3Store, open_store
+from agentstream.infra.config import CHECKPOINT_BUCKET, CheckpointsConfig, Secret
+from agentstream.stack.objectstore import ObjectStoreServer
+from agentstream.trainer.checkpoints import write_checkpoint
 from tests.support.http_thread import ServerThread
-from trainer.checkpoints import write_checkpoint
 
 KEY_ID, SECRET = "trainer", "s3cr3t-never-printed"
 LOCATION = f"s3://{CHECKPOINT_BUCKET}/checkpoints"

@@ -2,8 +2,8 @@
 
 from __future__ import annotations
 
-from models import teacher_forced_logprobs
-from trainer.batching import Sample
+from agentstream.models import teacher_forced_logprobs
+from agentstream.trainer.batching import Sample
 
 PROMPT = [5, 6, 7, 8, 9, 10]
 CALL_1, TOOL, CALL_2 = [40, 41, 42, 43], [90, 91, 92], [44, 45, 46]

@@ -8,7 +8,7 @@ from types import SimpleNamespace
 
 import torch
 
-from models import LoadedModel, load_model, teacher_forced_logprobs, tiny_tokenizer
+from agentstream.models import LoadedModel, load_model, teacher_forced_logprobs, tiny_tokenizer
 
 TOLERANCE = 1e-4
 HELLO = [{"role": "user", "content": "Say hello."}]

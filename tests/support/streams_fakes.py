@@ -3,7 +3,7 @@ and span nodes built by hand."""
 
 from __future__ import annotations
 
-from streams.trajectory import SpanNode
+from agentstream.streams.trajectory import SpanNode
 
 
 class Sent:

@@ -11,12 +11,12 @@ from pathlib import Path
 
 from aiokafka import AIOKafkaProducer
 
+from agentstream.infra import kafka
+from agentstream.infra.config import load_config
+from agentstream.infra.processes import free_port
+from agentstream.schemas import ROLLOUT_EVENT, AvroCodec
 from agentstream.session import Child
-from infra import kafka
-from infra.config import load_config
-from infra.processes import free_port
-from schemas import ROLLOUT_EVENT, AvroCodec
-from stack.control import Stack
+from agentstream.stack.control import Stack
 
 CODEC = AvroCodec()
 

@@ -8,6 +8,6 @@ import pytest
 @pytest.fixture(scope="module")
 def tiny():
     """The tiny test model (models.load_model("tiny")), loaded once per test module."""
-    from models import load_model
+    from agentstream.models import load_model
 
     return load_model("tiny")

@@ -15,17 +15,22 @@ import pytest
 import torch
 
 from agentstream.gpu_check import initial_ratio_max_abs_dev
-from infra.config import TrainerConfig
-from models import assign_weights, check_weights, load_model, teacher_forced_logprobs
-from models.precision import INITIAL_RATIO_BOUND, PrecisionError, cast_linears_for_inference, resolve_precision
-from serving.app import create_app
-from serving.generation import BatchRequest, SamplingParams, generate_batch
-from serving.lora import applied, load_lora
+from agentstream.infra.config import TrainerConfig
+from agentstream.models import assign_weights, check_weights, load_model, teacher_forced_logprobs
+from agentstream.models.precision import (
+    INITIAL_RATIO_BOUND,
+    PrecisionError,
+    cast_linears_for_inference,
+    resolve_precision,
+)
+from agentstream.serving.app import create_app
+from agentstream.serving.generation import BatchRequest, SamplingParams, generate_batch
+from agentstream.serving.lora import applied, load_lora
+from agentstream.trainer.batching import Batch, Counts, Sample
+from agentstream.trainer.policy import build_policy
+from agentstream.trainer.step import train_step
 from tests.support.http_thread import ServerThread
 from tests.support.servers import make_lora
-from trainer.batching import Batch, Counts, Sample
-from trainer.policy import build_policy
-from trainer.step import train_step
 
 CUDA = torch.cuda.is_available()
 if os.environ.get("AGENTSTREAM_REQUIRE_CUDA") and not CUDA:

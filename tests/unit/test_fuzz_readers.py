@@ -27,11 +27,11 @@ from aiokafka.structs import ConsumerRecord
 from hypothesis import HealthCheck, given, settings
 from hypothesis import strategies as st
 
-from deploy.checkpoints import checkpoint_of
-from deploy.deployments import Action, Decision, DeploymentFollower, Routing
-from infra.config import load_config
-from pipeline.runner import OffsetTracker, Runner
-from schemas import (
+from agentstream.deploy.checkpoints import checkpoint_of
+from agentstream.deploy.deployments import Action, Decision, DeploymentFollower, Routing
+from agentstream.infra.config import load_config
+from agentstream.pipeline.runner import OffsetTracker, Runner
+from agentstream.schemas import (
     CHECKPOINT,
     DEAD_LETTER,
     DEPLOYMENT,
@@ -47,14 +47,14 @@ from schemas import (
     history_schemas,
     schema_id,
 )
-from schemas.binary import write_long
-from schemas.span_reader import SpanReader
-from schemas.transition_writer import batch_records, draft
-from streams.groups import GroupProcessor
-from streams.processor import SpanProcessor
-from streams.records import RawRecord
-from streams.trajectory import SpanNode
-from trainer.worker import RunSummary, TrainerWorker
+from agentstream.schemas.binary import write_long
+from agentstream.schemas.span_reader import SpanReader
+from agentstream.schemas.transition_writer import batch_records, draft
+from agentstream.streams.groups import GroupProcessor
+from agentstream.streams.processor import SpanProcessor
+from agentstream.streams.records import RawRecord
+from agentstream.streams.trajectory import SpanNode
+from agentstream.trainer.worker import RunSummary, TrainerWorker
 
 RECORDS_PER_READER = 10_000  # mutated records each reader must take (a mutation can leave a seed as it was)
 RECORDS_PER_EXAMPLE = 10
@@ -371,7 +371,7 @@ def test_the_group_processor_reads_every_group_result_or_logs_why_not(reasons):
     def read(batch: list[Record]) -> int:
         decoded = 0
         for offset, (key, value) in enumerate(batch):
-            record, before = RawRecord("agentstream.streams.groups", 0, offset, key, value), len(logged)
+            record, before = RawRecord("streams.groups", 0, offset, key, value), len(logged)
             with bounded(value):
                 results = processor.read([record])  # type: ignore[list-item]
             assert len(results) + len(logged) - before == 1, (value, results)

@@ -1,5 +1,10 @@
 """The packages form layers, imports run down them, and no module imports itself back through others.
 
+The rooms (``pipeline/``, ``schemas/``, ...) are top-level folders of the repository and subpackages of the
+one import package, ``agentstream`` (``agentstream/pipeline`` links to ``../pipeline``): code imports
+``agentstream.pipeline.sdk``, never ``pipeline.sdk``. The checks below name a room's modules by their path
+in the repository (``pipeline.sdk``), so an import is read with its ``agentstream.`` prefix dropped.
+
 agentstream -> {pipeline, serving, streams, trainer, deploy, stack} -> {models, schemas, infra}
 
 Within the middle layer only pipeline and serving may import deploy (routing, the checkpoint
@@ -47,6 +52,14 @@ ONLY = {"stack": {"infra", "schemas"}}
 PRODUCT = tuple(LAYER)
 SUPPORT = "tests.support"
 OTHERS = ("examples", "bench", "tests", SUPPORT)
+ROOMS = (*PRODUCT[1:], "examples")
+"""The folders that an install exposes as subpackages of ``agentstream``."""
+
+
+def in_repository_terms(module: str) -> str:
+    """``agentstream.pipeline.sdk`` is the module at ``pipeline/sdk.py``: the name the checks use for it."""
+    head, _, rest = module.partition(".")
+    return rest if head == "agentstream" and rest.split(".")[0] in ROOMS else module
 
 
 def imported_modules(path: Path) -> set[str]:
@@ -55,9 +68,9 @@ def imported_modules(path: Path) -> set[str]:
     found: set[str] = set()
     for node in ast.walk(tree):
         if isinstance(node, ast.Import):
-            found.update(alias.name for alias in node.names)
+            found.update(in_repository_terms(alias.name) for alias in node.names)
         elif isinstance(node, ast.ImportFrom) and node.level == 0 and node.module:
-            found.add(node.module)
+            found.add(in_repository_terms(node.module))
     return found
 
 
@@ -71,6 +84,12 @@ def node_of(module: str) -> str:
     return SUPPORT if module == SUPPORT or module.startswith(SUPPORT + ".") else module.split(".")[0]
 
 
+def package_files(root: Path, package: str) -> list[Path]:
+    """The Python files of a top-level folder; ``agentstream``'s links to the rooms are the rooms' own files."""
+    return [path for path in (root / package).rglob("*.py")
+            if package != "agentstream" or path.relative_to(root / package).parts[0] not in ROOMS]
+
+
 def module_name(path: Path, root: Path = ROOT) -> str:
     """``a/b/c.py`` is ``a.b.c``; ``a/b/__init__.py`` is ``a.b``."""
     parts = path.relative_to(root).with_suffix("").parts
@@ -79,7 +98,7 @@ def module_name(path: Path, root: Path = ROOT) -> str:
 
 def product_modules(root: Path = ROOT) -> dict[str, Path]:
     """Every module of the product packages, by its dotted name."""
-    return {module_name(path, root): path for package in PRODUCT for path in (root / package).rglob("*.py")}
+    return {module_name(path, root): path for package in PRODUCT for path in package_files(root, package)}
 
 
 def module_imports(path: Path, name: str, known: Mapping[str, Path]) -> set[str]:
@@ -88,9 +107,9 @@ def module_imports(path: Path, name: str, known: Mapping[str, Path]) -> set[str]
     found: set[str] = set()
     for node in ast.walk(ast.parse(path.read_text(), filename=str(path))):
         if isinstance(node, ast.Import):
-            found.update(alias.name for alias in node.names)
+            found.update(in_repository_terms(alias.name) for alias in node.names)
         elif isinstance(node, ast.ImportFrom):
-            base = node.module or ""
+            base = in_repository_terms(node.module or "")
             if node.level:
                 parents = package.split(".")
                 base = ".".join([*parents[:len(parents) - node.level + 1], *([node.module] if node.module else [])])
@@ -107,7 +126,7 @@ def module_graph(root: Path = ROOT) -> dict[str, set[str]]:
 def package_graph(root: Path = ROOT) -> dict[str, set[str]]:
     graph: dict[str, set[str]] = {package: set() for package in (*PRODUCT, *OTHERS)}
     for package in (*PRODUCT, "examples", "bench", "tests"):
-        for path in (root / package).rglob("*.py"):
+        for path in package_files(root, package):
             source = node_of(".".join(path.relative_to(root).with_suffix("").parts))
             graph[source].update({node_of(module) for module in imported_modules(path)} & graph.keys() - {source})
     return graph
@@ -186,7 +205,7 @@ def test_trainer_and_deploy_do_not_import_each_other():
 
 
 def test_only_the_demo_imports_examples():
-    importers = sorted(str(path.relative_to(ROOT)) for package in PRODUCT for path in (ROOT / package).rglob("*.py")
+    importers = sorted(str(path.relative_to(ROOT)) for package in PRODUCT for path in package_files(ROOT, package)
                        if "examples" in imported_packages(path))
     assert all(name.startswith("agentstream/demo/") for name in importers), importers
 
@@ -264,3 +283,34 @@ def test_a_package_init_re_exporting_its_modules_is_no_circle(tmp_path):
     assert find_cycle(graph) is None
     (tmp_path / "schemas" / "codec.py").write_text("from schemas import Bad\n")
     assert find_cycle(module_graph(tmp_path)) == ["schemas", "schemas.codec", "schemas"]
+
+
+def old_top_level_imports(root: Path = ROOT) -> list[str]:
+    """Imports that name a room as a top-level package (``from pipeline.sdk import x``): an install has no such name."""
+    found = []
+    for package in (*PRODUCT, "examples", "bench", "tests"):
+        for path in package_files(root, package):
+            for node in ast.walk(ast.parse(path.read_text(), filename=str(path))):
+                names = [alias.name for alias in node.names] if isinstance(node, ast.Import) else (
+                    [node.module] if isinstance(node, ast.ImportFrom) and node.level == 0 and node.module else [])
+                found += [f"{path.relative_to(root)} imports {name}" for name in names if name.split(".")[0] in ROOMS]
+    return sorted(found)
+
+
+def test_every_import_of_a_room_goes_through_agentstream():
+    assert old_top_level_imports() == []
+
+
+def test_each_room_is_a_subpackage_of_agentstream():
+    """``agentstream/<room>`` is the room's folder, so the checkout imports what a wheel installs."""
+    for room in ROOMS:
+        assert (ROOT / "agentstream" / room).resolve() == ROOT / room, room
+
+
+def test_the_old_name_check_sees_one(tmp_path):
+    for package in (*PRODUCT, "examples", "bench", "tests"):
+        (tmp_path / package).mkdir()
+    (tmp_path / "trainer" / "bad.py").write_text("from models.loading import load\nimport agentstream.models\n")
+    (tmp_path / "bench" / "bad.py").write_text("def f():\n    import schemas.codec\n")
+    assert old_top_level_imports(tmp_path) == ["bench/bad.py imports schemas.codec",
+                                               "trainer/bad.py imports models.loading"]

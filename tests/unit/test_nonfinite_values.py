@@ -11,20 +11,27 @@ from dataclasses import replace
 import pytest
 import torch
 
-from infra.config import CreditRule, TrainerConfig, load_config
-from models import NonFiniteWeights, check_finite, read_weights, verify_finite, write_safetensors
-from schemas import AvroCodec
-from schemas.span_reader import NonFiniteReward
-from streams.credit import DiscountedReturns, FinalReward, GroupNormalized, NonFiniteCredit, RunningBaseline
-from streams.groups import GroupProcessor
-from streams.processor import SpanProcessor
-from streams.records import RawRecord
-from streams.sink import CompletionSink
-from streams.trajectory import SpanNode, assemble
+from agentstream.infra.config import CreditRule, TrainerConfig, load_config
+from agentstream.models import NonFiniteWeights, check_finite, read_weights, verify_finite, write_safetensors
+from agentstream.schemas import AvroCodec
+from agentstream.schemas.span_reader import NonFiniteReward
+from agentstream.streams.credit import DiscountedReturns, FinalReward, GroupNormalized, NonFiniteCredit, RunningBaseline
+from agentstream.streams.groups import GroupProcessor
+from agentstream.streams.processor import SpanProcessor
+from agentstream.streams.records import RawRecord
+from agentstream.streams.sink import CompletionSink
+from agentstream.streams.trajectory import SpanNode, assemble
+from agentstream.trainer.batching import Batch, Counts, NonFiniteTransition, Sample
+from agentstream.trainer.policy import (
+    PolicyError,
+    build_policy,
+    load_weights,
+    restore_last_good,
+    save_weights,
+    save_weights_later,
+)
+from agentstream.trainer.step import train_step
 from tests.support.streams_fakes import Held, Sent
-from trainer.batching import Batch, Counts, NonFiniteTransition, Sample
-from trainer.policy import PolicyError, build_policy, load_weights, restore_last_good, save_weights, save_weights_later
-from trainer.step import train_step
 
 CODEC = AvroCodec()
 NAN, INF = math.nan, math.inf
@@ -209,7 +216,7 @@ def test_a_batch_with_a_non_finite_loss_leaves_weights_and_optimizer_state_uncha
 
 
 def test_skipped_batches_are_counted_in_the_next_train_steps_row_and_its_line(tiny_config):
-    from trainer.metrics import TRAIN_STEP_COLUMNS, StepReport
+    from agentstream.trainer.metrics import TRAIN_STEP_COLUMNS, StepReport
 
     policy = build_policy(tiny_config)
     batch = Batch(samples(1.0), 0, Counts())
@@ -296,10 +303,10 @@ def test_weights_with_a_nan_are_refused_by_every_loader(tmp_path, tiny_config):
 def test_the_dev_server_and_hot_swap_refuse_weights_with_a_nan(tmp_path, tiny_config):
     from safetensors.torch import load_file, save_file
 
-    from models import ADAPTER_WEIGHTS_FILE, load_model, sha256_file
-    from schemas.checkpoint import Checkpoint
-    from serving.app import create_app
-    from serving.hotswap import HotSwapError, HotSwapper
+    from agentstream.models import ADAPTER_WEIGHTS_FILE, load_model, sha256_file
+    from agentstream.schemas.checkpoint import Checkpoint
+    from agentstream.serving.app import create_app
+    from agentstream.serving.hotswap import HotSwapError, HotSwapper
     from tests.support.http_thread import ServerThread, post
     from tests.support.servers import make_lora
 

@@ -7,12 +7,12 @@ import threading
 import fastavro
 import pytest
 
-from infra.config import load_config
-from schemas import SPAN, AvroCodec, NotWireFormat, history_schemas, span_reader
-from schemas.binary import write_long
-from schemas.span_reader import MalformedSpan, compile_reader
-from streams.groups import GroupProcessor
-from streams.records import RawRecord, sort_records
+from agentstream.infra.config import load_config
+from agentstream.schemas import SPAN, AvroCodec, NotWireFormat, history_schemas, span_reader
+from agentstream.schemas.binary import write_long
+from agentstream.schemas.span_reader import MalformedSpan, compile_reader
+from agentstream.streams.groups import GroupProcessor
+from agentstream.streams.records import RawRecord, sort_records
 
 IDS = fastavro.parse_schema({"type": "record", "name": "Ids", "fields": [
     {"name": "ids", "type": {"type": "array", "items": "int"}},
@@ -55,7 +55,7 @@ def test_the_groups_topic_reads_the_current_rollout_result_and_skips_other_recor
               "final_reward": 1.0, "completed_at_us": 1}
     span = {"span_id": "s", "rollout_id": "r", "attempt_id": "a", "name": "chat", "kind": "LLM", "start_time_us": 1,
             "end_time_us": 2}
-    older, other = (RawRecord("agentstream.streams.groups", 0, offset, b"g", value) for offset, value in
+    older, other = (RawRecord("streams.groups", 0, offset, b"g", value) for offset, value in
                     enumerate([codec.encode(history_schemas()[0], result), codec.encode(SPAN, span)]))
     processor = GroupProcessor(load_config(environ={}), None, None, None, codec)  # type: ignore[arg-type]
     (record, read), = processor.read([older, other])

@@ -18,7 +18,7 @@ from agentstream.dataset import (
     pages,
     parse_time,
 )
-from schemas.dataset import DatasetError, check_row, read_rows
+from agentstream.schemas.dataset import DatasetError, check_row, read_rows
 
 
 class Selection:

@@ -3,7 +3,7 @@ the disagreement between a gate and a hot swap that promotes by itself."""
 
 from __future__ import annotations
 
-from deploy.deployments import (
+from agentstream.deploy.deployments import (
     Action,
     Announcement,
     Decision,
@@ -14,7 +14,7 @@ from deploy.deployments import (
     share_of,
     split_adapter_name,
 )
-from schemas import ANNOUNCEMENT, DEPLOYMENT, AvroCodec
+from agentstream.schemas import ANNOUNCEMENT, DEPLOYMENT, AvroCodec
 
 
 def test_adapter_names_round_trip_and_plain_names_have_no_version():

@@ -6,9 +6,17 @@ import asyncio
 
 import pytest
 
-from deploy.gate import EvaluationError, Gate, LiveRewards, Score, best_served, evaluation_verdict, judge_canary
-from deploy.sequential import Verdict
-from infra.config import load_config
+from agentstream.deploy.gate import (
+    EvaluationError,
+    Gate,
+    LiveRewards,
+    Score,
+    best_served,
+    evaluation_verdict,
+    judge_canary,
+)
+from agentstream.deploy.sequential import Verdict
+from agentstream.infra.config import load_config
 
 
 def bernoulli(successes: int, rollouts: int) -> LiveRewards:

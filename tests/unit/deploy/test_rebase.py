@@ -2,8 +2,8 @@
 
 from __future__ import annotations
 
-from deploy.deployments import Action, Routing, decide
-from deploy.rebase import RejectionStreak
+from agentstream.deploy.deployments import Action, Routing, decide
+from agentstream.deploy.rebase import RejectionStreak
 
 
 def test_the_trainer_goes_back_to_the_serving_version_after_a_streak_of_refused_candidates():

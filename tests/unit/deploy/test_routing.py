@@ -4,8 +4,8 @@ from __future__ import annotations
 
 import pytest
 
-from deploy.deployments import Routing
-from deploy.routing import RouteError, resolve_route
+from agentstream.deploy.deployments import Routing
+from agentstream.deploy.routing import RouteError, resolve_route
 
 
 class Table:

@@ -4,7 +4,7 @@ from __future__ import annotations
 
 import pytest
 
-from deploy.sequential import mixture_half_width, t_quantile
+from agentstream.deploy.sequential import mixture_half_width, t_quantile
 
 
 def test_the_bound_is_valid_at_every_look_where_a_fixed_test_is_not():

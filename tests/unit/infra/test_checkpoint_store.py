@@ -9,7 +9,7 @@ from pathlib import Path
 
 import pytest
 
-from infra.checkpoint_store import (
+from agentstream.infra.checkpoint_store import (
     CheckpointCache,
     CheckpointError,
     DigestMismatch,
@@ -18,10 +18,9 @@ from infra.checkpoint_store import (
     StoreUnreachable,
     open_store,
 )
-from infra.config import CheckpointsConfig, ConfigError, Secret, describe, load_config
-from infra.files import sha256_file
-from tests.support.s3_checkpoints import KEY_ID, LOCATION, SECRET, EmbeddedStore, s3_store, settings, write
-from trainer.checkpoints import (
+from agentstream.infra.config import CheckpointsConfig, ConfigError, Secret, describe, load_config
+from agentstream.infra.files import sha256_file
+from agentstream.trainer.checkpoints import (
     checkpoint_name,
     latest_manifest,
     manifests,
@@ -29,6 +28,7 @@ from trainer.checkpoints import (
     read_manifest,
     recent_trained_ids,
 )
+from tests.support.s3_checkpoints import KEY_ID, LOCATION, SECRET, EmbeddedStore, s3_store, settings, write
 
 
 @pytest.fixture

@@ -4,7 +4,7 @@ from __future__ import annotations
 
 import pytest
 
-from infra.clickhouse import UnsupportedClickHouse, check_version
+from agentstream.infra.clickhouse import UnsupportedClickHouse, check_version
 
 
 def test_version_check_refuses_old_servers():

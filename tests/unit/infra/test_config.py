@@ -7,7 +7,7 @@ from pathlib import Path
 
 import pytest
 
-from infra.config import ConfigError, CreditRule, Secret, describe, dump_toml, load_config
+from agentstream.infra.config import ConfigError, CreditRule, Secret, describe, dump_toml, load_config
 
 
 def test_defaults_are_the_embedded_loopback_stack():
@@ -43,7 +43,7 @@ def test_kafka_sasl_and_tls_from_environment():
     assert config.kafka.external
     assert config.kafka.sasl_password.reveal() == "s3cret"
     assert describe(config)["kafka"]["sasl_password"] == "***"
-    from infra.kafka import client_options
+    from agentstream.infra.kafka import client_options
 
     options = client_options(config.kafka, config.kafka.bootstrap_servers)
     assert options["sasl_mechanism"] == "SCRAM-SHA-512" and options["sasl_plain_password"] == "s3cret"
@@ -77,7 +77,7 @@ def test_non_http_clickhouse_url_is_refused():
 
 
 def test_dump_toml_reads_back_to_the_same_configuration(tmp_path):
-    from infra.config import CreditRule, dump_toml
+    from agentstream.infra.config import CreditRule, dump_toml
 
     config = load_config(environ={"CLICKHOUSE_PASSWORD": 'p"w\\x', "DEMO_QUICK": "1", "KAFKA_BOOTSTRAP_SERVERS": "h:1"})
     config = dataclasses.replace(config, credit=(CreditRule(agent="a*", strategy="grpo", group_size=4),

@@ -24,7 +24,7 @@ import pytest
 import yaml
 
 from agentstream.cli import main as cli
-from infra.config import CONFIG_FILE_VARIABLE, ENVIRONMENT, Config, load_config
+from agentstream.infra.config import CONFIG_FILE_VARIABLE, ENVIRONMENT, Config, load_config
 
 pytestmark = pytest.mark.unit
 
@@ -418,7 +418,7 @@ def test_the_checks_refuse_planted_mistakes(tmp_path: Path) -> None:
     config = role_config("[otlp]\nport = 4320\n", {}, tmp_path)
     assert listening_ports(["agentstream", "collector"], config) == {4320, 4317}
     assert listening_ports(["agentstream", "schema-registry", "serve", "--port", "18081"], config) == {18081}
-    from infra.config import ConfigError
+    from agentstream.infra.config import ConfigError
 
     with pytest.raises(ConfigError, match="unknown key"):
         role_config("[proxy]\nupstream = ['http://a:8000']\n", {}, tmp_path)

@@ -2,7 +2,7 @@
 
 from __future__ import annotations
 
-from infra.logreset import LogWatch
+from agentstream.infra.logreset import LogWatch
 
 
 def test_a_position_past_the_log_end_is_a_reset_only_once_it_stays_there():

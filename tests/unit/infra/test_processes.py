@@ -7,7 +7,7 @@ import threading
 import time
 from pathlib import Path
 
-from infra.processes import LOWEST_FREE_PORT, free_port, port_is_free, wait_until_port_is_free
+from agentstream.infra.processes import LOWEST_FREE_PORT, free_port, port_is_free, wait_until_port_is_free
 
 
 def bound_socket(port: int) -> socket.socket:

@@ -6,8 +6,8 @@ import stat
 
 import pytest
 
-from infra.config import Secret, SecurityConfig, load_config
-from infra.security import (
+from agentstream.infra.config import Secret, SecurityConfig, load_config
+from agentstream.infra.security import (
     KeySet,
     OpenBindRefused,
     check_bind,

@@ -5,7 +5,7 @@ from __future__ import annotations
 import pytest
 import torch
 
-from models import ModelLoadError, load_model
+from agentstream.models import ModelLoadError, load_model
 
 
 def test_tiny_model_is_deterministic_and_bad_specs_fail(tiny):

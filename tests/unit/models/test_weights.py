@@ -5,14 +5,14 @@ from __future__ import annotations
 import pytest
 import torch
 
-from models import sha256_file
+from agentstream.models import sha256_file
 
 
 def test_safetensors_written_in_one_pass_read_back_as_safetensors_writes_them(tmp_path):
     from safetensors import safe_open
     from safetensors.torch import load_file
 
-    from models import WeightsError, write_safetensors
+    from agentstream.models import WeightsError, write_safetensors
 
     tensors = {"b.weight": torch.randn(3, 4), "a.norm": torch.randn(5).to(torch.bfloat16), "step": torch.tensor(7),
                "empty": torch.zeros(0, 2), "transposed": torch.arange(6).reshape(2, 3).t(),

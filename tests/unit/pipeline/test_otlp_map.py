@@ -13,9 +13,9 @@ from opentelemetry.sdk.trace import TracerProvider
 from opentelemetry.sdk.trace.export import SimpleSpanProcessor
 from opentelemetry.sdk.trace.export.in_memory_span_exporter import InMemorySpanExporter
 
-from pipeline.otlp import PROTOBUF, Refused, decode_request, status_protobuf
-from pipeline.otlp_map import TraceMapper, unflatten
-from schemas.span_writer import prepare_span
+from agentstream.pipeline.otlp import PROTOBUF, Refused, decode_request, status_protobuf
+from agentstream.pipeline.otlp_map import TraceMapper, unflatten
+from agentstream.schemas.span_writer import prepare_span
 
 
 def export(build, resource: dict | None = None):

@@ -4,9 +4,9 @@ from __future__ import annotations
 
 import pytest
 
-from pipeline import sdk
-from pipeline.sdk import Rollout, build_span, rollout
-from schemas.contracts import TRAIN_ATTRIBUTE
+from agentstream.pipeline import sdk
+from agentstream.pipeline.sdk import Rollout, build_span, rollout
+from agentstream.schemas.contracts import TRAIN_ATTRIBUTE
 from tests.support.sinks import ListSink
 
 

@@ -4,8 +4,8 @@ from __future__ import annotations
 
 import pytest
 
-from infra.config import load_config
-from pipeline.tasks import PacedQueue, TaskFileError, read_task_file
+from agentstream.infra.config import load_config
+from agentstream.pipeline.tasks import PacedQueue, TaskFileError, read_task_file
 
 
 def queue(max_lag: int) -> PacedQueue:

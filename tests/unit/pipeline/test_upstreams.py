@@ -4,8 +4,8 @@ from __future__ import annotations
 
 import pytest
 
-from deploy.deployments import Routing
-from pipeline.upstreams import HealthSettings, UpstreamPool, base_url, holdings_rows
+from agentstream.deploy.deployments import Routing
+from agentstream.pipeline.upstreams import HealthSettings, UpstreamPool, base_url, holdings_rows
 
 
 def pool(count: int = 3, eject_after: int = 2) -> UpstreamPool:

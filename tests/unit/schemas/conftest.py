@@ -4,7 +4,7 @@ from __future__ import annotations
 
 import pytest
 
-from schemas import AvroCodec
+from agentstream.schemas import AvroCodec
 
 
 @pytest.fixture(scope="module")

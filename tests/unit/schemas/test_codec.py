@@ -14,8 +14,8 @@ import avro.io
 import avro.schema
 import pytest
 
-import schemas
-from schemas import (
+import agentstream.schemas as schemas
+from agentstream.schemas import (
     SPAN,
     SPAN_BATCH,
     AvroCodec,

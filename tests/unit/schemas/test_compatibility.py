@@ -8,8 +8,15 @@ import avro.schema
 import pytest
 from avro.compatibility import ReaderWriterCompatibilityChecker, SchemaCompatibilityType
 
-from infra.schema_registry.product import product_schemas, schema_json
-from schemas.compatibility import InvalidSchema, UnknownCompatibilityLevel, can_read, check, check_level, parse
+from agentstream.infra.schema_registry.product import product_schemas, schema_json
+from agentstream.schemas.compatibility import (
+    InvalidSchema,
+    UnknownCompatibilityLevel,
+    can_read,
+    check,
+    check_level,
+    parse,
+)
 
 
 def record(*fields: dict, name: str = "R") -> dict:

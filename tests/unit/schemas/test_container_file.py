@@ -6,8 +6,8 @@ import io
 
 import fastavro
 
-from schemas import AvroCodec
-from schemas.container_file import container_file
+from agentstream.schemas import AvroCodec
+from agentstream.schemas.container_file import container_file
 
 
 def test_container_file_of_raw_bodies_reads_back():

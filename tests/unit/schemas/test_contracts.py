@@ -4,7 +4,7 @@ from __future__ import annotations
 
 import pytest
 
-from schemas.contracts import TRAIN_ATTRIBUTE, TRAIN_HEADER, TrainFlagError, parse_train_flag
+from agentstream.schemas.contracts import TRAIN_ATTRIBUTE, TRAIN_HEADER, TrainFlagError, parse_train_flag
 
 
 def test_contract_names():

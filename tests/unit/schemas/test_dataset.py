@@ -10,7 +10,7 @@ import pyarrow as pa
 import pyarrow.parquet as pq
 import pytest
 
-from schemas.dataset import (
+from agentstream.schemas.dataset import (
     ARROW_SCHEMA,
     FORMAT_VERSION_KEY,
     DatasetError,
@@ -23,7 +23,7 @@ from schemas.dataset import (
     json_line,
     read_rows,
 )
-from schemas.errors import AgentstreamError
+from agentstream.schemas.errors import AgentstreamError
 
 
 def row(rollout_id: str = "r1", **changes: object) -> DatasetRow:

@@ -7,9 +7,9 @@ from typing import Any, get_type_hints
 
 import pytest
 
-from schemas import ROLLOUT_EVENT, SPAN, TASK, AvroCodec, current_schemas
-from schemas.records import RolloutEventRecord, SpanRecord, TaskRecord
-from schemas.span_writer import SpanBatchEncoder
+from agentstream.schemas import ROLLOUT_EVENT, SPAN, TASK, AvroCodec, current_schemas
+from agentstream.schemas.records import RolloutEventRecord, SpanRecord, TaskRecord
+from agentstream.schemas.span_writer import SpanBatchEncoder
 
 PRIMITIVES: dict[str, type] = {"string": str, "int": int, "long": int, "float": float, "double": float,
                                "boolean": bool}

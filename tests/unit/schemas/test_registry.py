@@ -12,7 +12,7 @@ import fastavro
 import pytest
 from fastavro.schema import to_parsing_canonical_form
 
-from schemas import (
+from agentstream.schemas import (
     SPAN,
     TASK,
     AvroCodec,

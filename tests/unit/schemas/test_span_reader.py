@@ -9,11 +9,11 @@ import random
 import fastavro
 import pytest
 
-from schemas import TRANSITION, AvroCodec, current_schemas
-from schemas.contracts import TRAIN_ATTRIBUTE
-from schemas.span_reader import MalformedSpan, SpanReader
-from schemas.transition_writer import ONE_CALL, draft
-from streams.trajectory import SpanNode
+from agentstream.schemas import TRANSITION, AvroCodec, current_schemas
+from agentstream.schemas.contracts import TRAIN_ATTRIBUTE
+from agentstream.schemas.span_reader import MalformedSpan, SpanReader
+from agentstream.schemas.transition_writer import ONE_CALL, draft
+from agentstream.streams.trajectory import SpanNode
 from tests.support.spans import random_span
 
 CODEC = AvroCodec()

@@ -15,7 +15,7 @@ import avro.schema
 import numpy as np
 import pytest
 
-from schemas import (
+from agentstream.schemas import (
     SPAN,
     SPAN_BATCH,
     AvroCodec,
@@ -23,8 +23,8 @@ from schemas import (
     current_schemas,
     self_contained,
 )
-from schemas.binary import write_long
-from schemas.span_writer import (
+from agentstream.schemas.binary import write_long
+from agentstream.schemas.span_writer import (
     NBYTES,
     SpanBatchEncoder,
     prepare_span,
@@ -325,8 +325,8 @@ def test_prepared_span_reports_the_memory_it_holds() -> None:
 
 def test_the_encoder_refuses_a_span_schema_it_does_not_write(monkeypatch) -> None:
     """prepare_span writes the Span fields by hand: a changed schema must stop the encoder, not produce garbage."""
-    from schemas import span_writer
+    from agentstream.schemas import span_writer
 
     monkeypatch.setattr(span_writer, "SPAN_SCHEMA_ID", span_writer.SPAN_SCHEMA_ID + 1)
-    with pytest.raises(EncodeError, match=r"update schemas\.span_writer"):
+    with pytest.raises(EncodeError, match=r"update agentstream\.schemas\.span_writer"):
         SpanBatchEncoder()

@@ -6,11 +6,11 @@ import random
 
 import pytest
 
-from schemas import TRANSITION_BATCH, AvroCodec
-from schemas.container_file import read_container
-from schemas.span_reader import SpanReader
-from schemas.transition_writer import RECORD_BYTES, batch_records, draft, transitions_container
-from streams.trajectory import SpanNode
+from agentstream.schemas import TRANSITION_BATCH, AvroCodec
+from agentstream.schemas.container_file import read_container
+from agentstream.schemas.span_reader import SpanReader
+from agentstream.schemas.transition_writer import RECORD_BYTES, batch_records, draft, transitions_container
+from agentstream.streams.trajectory import SpanNode
 from tests.support.spans import random_span
 
 CODEC = AvroCodec()
@@ -36,15 +36,15 @@ def test_transition_records_are_bounded_and_the_container_reads_back():
 
 def test_transitions_refuse_a_transition_schema_they_do_not_write(monkeypatch):
     """draft() writes the Transition fields by hand: a changed schema must stop it, not produce garbage."""
-    from schemas import EncodeError
-    from schemas import transition_writer as transitions
+    from agentstream.schemas import EncodeError
+    from agentstream.schemas import transition_writer as transitions
 
     transitions.check_layout.cache_clear()
     transitions.check_layout()  # the bundled schema is the layout written
     monkeypatch.setattr(transitions, "TRANSITION_SCHEMA_ID", transitions.TRANSITION_SCHEMA_ID + 1)
     transitions.check_layout.cache_clear()
     try:
-        with pytest.raises(EncodeError, match=r"update schemas\.transition_writer"):
+        with pytest.raises(EncodeError, match=r"update agentstream\.schemas\.transition_writer"):
             transitions.transitions_container([])
     finally:
         transitions.check_layout.cache_clear()

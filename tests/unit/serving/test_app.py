@@ -8,10 +8,10 @@ import urllib.request
 
 import pytest
 
-from infra.security import KeySet
-from serving.app import create_app
-from serving.handlers import SERVER
-from serving.protocol import Contract
+from agentstream.infra.security import KeySet
+from agentstream.serving.app import create_app
+from agentstream.serving.handlers import SERVER
+from agentstream.serving.protocol import Contract
 from tests.support.http_thread import ServerThread
 from tests.support.servers import HELLO, make_lora
 

@@ -7,9 +7,9 @@ import copy
 import torch
 from transformers import LlamaConfig, LlamaForCausalLM
 
-from models import LoadedModel, load_model, tiny_tokenizer
-from serving.attention import GROUPED_SDPA, use_grouped_attention
-from serving.generation import BatchRequest, SamplingParams, generate_batch
+from agentstream.models import LoadedModel, load_model, tiny_tokenizer
+from agentstream.serving.attention import GROUPED_SDPA, use_grouped_attention
+from agentstream.serving.generation import BatchRequest, SamplingParams, generate_batch
 from tests.support.servers import assert_exact
 
 

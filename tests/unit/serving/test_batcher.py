@@ -7,14 +7,14 @@ import time
 
 import pytest
 
-from serving.generation import SamplingParams
+from agentstream.serving.generation import SamplingParams
 
 
 @pytest.mark.parametrize("linger_s", [0.0, 1.0])
 def test_clients_that_resubmit_at_once_merge_into_one_batch_when_the_batcher_lingers(tiny, linger_s):
     """Runners send a rollout's request right after its last one finished; a late cohort joins the early one."""
-    from serving.batcher import Batcher, Job
-    from serving.protocol import Output
+    from agentstream.serving.batcher import Batcher, Job
+    from agentstream.serving.protocol import Output
 
     batcher = Batcher(tiny, set(), 0, lambda adapter: 0, linger_s=linger_s)
     output = Output(return_token_ids=True, logprobs=False, stream=False, include_usage=False)

@@ -5,8 +5,8 @@ from __future__ import annotations
 import pytest
 import torch
 
-from models import tiny_tokenizer
-from serving.generation import BatchRequest, SamplingParams, SequenceState, draw, generate_batch, truncate
+from agentstream.models import tiny_tokenizer
+from agentstream.serving.generation import BatchRequest, SamplingParams, SequenceState, draw, generate_batch, truncate
 from tests.support.servers import TOLERANCE
 
 

@@ -14,9 +14,9 @@ import openai
 import pytest
 import torch
 
-from models import LoadedModel, load_model
-from serving.app import create_app
-from serving.tool_format import render_prompt
+from agentstream.models import LoadedModel, load_model
+from agentstream.serving.app import create_app
+from agentstream.serving.tool_format import render_prompt
 from tests.support.http_thread import ServerThread, post
 from tests.support.servers import HELLO, TOLERANCE, WEATHER_TOOL, assert_exact, make_lora, scripted
 
@@ -98,7 +98,7 @@ def test_seed_reproduces_and_differs_across_seeds(client):
 
 def test_concurrent_requests_are_batched_and_each_gets_what_it_would_alone(server, tiny):
     """A burst of different prompts, sampling settings, n and stops runs as one batch with per-request results."""
-    from serving.handlers import SERVER
+    from agentstream.serving.handlers import SERVER
 
     requests = [dict(messages=[{"role": "user", "content": f"Count to {i}."}], max_tokens=8 + i, temperature=0)
                 for i in range(6)]

@@ -8,18 +8,18 @@ from pathlib import Path
 
 import pytest
 
-from deploy.deployments import Action, Routing, decide
-from infra.checkpoint_store import S3Store, open_store
-from infra.config import CHECKPOINT_BUCKET, CheckpointsConfig, Config, Secret, TrainerConfig
-from infra.files import sha256_file
-from models import load_model
-from serving.app import create_app
-from serving.handlers import SERVER
-from serving.hotswap import HotSwapError, HotSwapper
-from stack.objectstore import ObjectStoreServer
+from agentstream.deploy.deployments import Action, Routing, decide
+from agentstream.infra.checkpoint_store import S3Store, open_store
+from agentstream.infra.config import CHECKPOINT_BUCKET, CheckpointsConfig, Config, Secret, TrainerConfig
+from agentstream.infra.files import sha256_file
+from agentstream.models import load_model
+from agentstream.serving.app import create_app
+from agentstream.serving.handlers import SERVER
+from agentstream.serving.hotswap import HotSwapError, HotSwapper
+from agentstream.stack.objectstore import ObjectStoreServer
+from agentstream.trainer.checkpoints import write_checkpoint
+from agentstream.trainer.policy import build_policy, save_weights
 from tests.support.http_thread import ServerThread
-from trainer.checkpoints import write_checkpoint
-from trainer.policy import build_policy, save_weights
 
 
 def test_an_s3_checkpoint_reaches_the_server_as_a_checked_local_folder(tmp_path: Path):

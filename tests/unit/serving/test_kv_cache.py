@@ -4,8 +4,8 @@ from __future__ import annotations
 
 from transformers.cache_utils import Cache
 
-from serving.generation import BatchRequest, SamplingParams, generate_batch
-from serving.kv_cache import ROOM, decoding_cache
+from agentstream.serving.generation import BatchRequest, SamplingParams, generate_batch
+from agentstream.serving.kv_cache import ROOM, decoding_cache
 from tests.support.servers import assert_exact
 
 

@@ -4,12 +4,12 @@ from __future__ import annotations
 
 import torch
 
-from models import load_model
+from agentstream.models import load_model
 from tests.support.servers import make_lora
 
 
 def test_an_adapter_runs_on_merged_weights_made_again_when_the_base_weights_change(tmp_path):
-    from serving.lora import applied, load_lora
+    from agentstream.serving.lora import applied, load_lora
 
     model = load_model("tiny").model
     reference = make_lora(tmp_path / "adapter")

@@ -15,11 +15,11 @@ import pytest
 from click.testing import CliRunner
 
 from agentstream.cli import main
-from infra.config import ConfigError, ServerConfig
-from models import load_model
-from schemas.contracts import POLICY_VERSION_HEADER
-from serving.app import create_app
-from serving.protocol import Contract
+from agentstream.infra.config import ConfigError, ServerConfig
+from agentstream.models import load_model
+from agentstream.schemas.contracts import POLICY_VERSION_HEADER
+from agentstream.serving.app import create_app
+from agentstream.serving.protocol import Contract
 from tests.support.http_thread import ServerThread
 from tests.support.servers import HELLO, assert_exact, make_lora
 

@@ -6,8 +6,8 @@ import json
 
 import pytest
 
-from models import tiny_tokenizer
-from serving.tool_format import (
+from agentstream.models import tiny_tokenizer
+from agentstream.serving.tool_format import (
     ToolStreamFilter,
     canonical_tool_call,
     parse_tool_calls,

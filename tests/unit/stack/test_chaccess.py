@@ -7,8 +7,8 @@ import base64
 
 import pytest
 
-from infra.config import ConfigError, load_config
-from stack.chaccess import Access, Credentials, Users, cross_site, parse_readers, presented
+from agentstream.infra.config import ConfigError, load_config
+from agentstream.stack.chaccess import Access, Credentials, Users, cross_site, parse_readers, presented
 
 
 def test_users_come_from_the_configuration() -> None:

@@ -5,7 +5,7 @@ from __future__ import annotations
 import os
 import time
 
-from stack.machine import calibrate, cpu_model, process_cpu_seconds
+from agentstream.stack.machine import calibrate, cpu_model, process_cpu_seconds
 
 
 def test_process_cpu_seconds_counts_this_process_work() -> None:

@@ -11,7 +11,7 @@ from xml.etree import ElementTree
 import httpx
 import pytest
 
-from stack.objectstore import ObjectStoreServer, S3Error
+from agentstream.stack.objectstore import ObjectStoreServer, S3Error
 from tests.support.http_thread import ServerThread
 
 NS = "{http://s3.amazonaws.com/doc/2006-03-01/}"

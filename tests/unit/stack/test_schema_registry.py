@@ -28,19 +28,19 @@ from confluent_kafka.schema_registry import (
 from confluent_kafka.schema_registry.common.schema_registry_client import SchemaVersion
 from confluent_kafka.schema_registry.error import SchemaRegistryError
 
-from infra.config import load_config
-from infra.schema_registry import (
+from agentstream.infra.config import load_config
+from agentstream.infra.schema_registry import (
     IncompatibleSchemaVersion,
     RegistryClient,
     RemoteRegistry,
     register_product_schemas,
 )
-from infra.schema_registry.errors import Unauthorized, error_for
-from infra.schema_registry.product import product_schemas, schema_json
-from infra.security import KeySet
-from schemas import TASK, AvroCodec, current_schemas, schema_id
-from stack.schema_registry import MemoryLog, RegistryService, RegistryState, create_app
-from stack.schema_registry.service import registry_client
+from agentstream.infra.schema_registry.errors import Unauthorized, error_for
+from agentstream.infra.schema_registry.product import product_schemas, schema_json
+from agentstream.infra.security import KeySet
+from agentstream.schemas import TASK, AvroCodec, current_schemas, schema_id
+from agentstream.stack.schema_registry import MemoryLog, RegistryService, RegistryState, create_app
+from agentstream.stack.schema_registry.service import registry_client
 from tests.support.avro_samples import ROOT
 from tests.support.http_thread import ServerThread
 

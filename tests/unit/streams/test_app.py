@@ -6,9 +6,9 @@ from __future__ import annotations
 import asyncio
 from typing import Any
 
-from infra.config import load_config
-from streams.app import Ingestion
-from streams.records import RawRecord
+from agentstream.infra.config import load_config
+from agentstream.streams.app import Ingestion
+from agentstream.streams.records import RawRecord
 
 
 class Store:
@@ -59,7 +59,7 @@ def test_the_agent_waits_only_once_the_queued_bytes_reach_the_bound() -> None:
 
 
 def test_the_streams_worker_keeps_its_state_under_the_stack_home(tmp_path, monkeypatch):
-    from streams.app import create_app
+    from agentstream.streams.app import create_app
 
     monkeypatch.chdir(tmp_path)
     config = load_config(environ={"AGENTSTREAM_HOME": str(tmp_path / "home")})

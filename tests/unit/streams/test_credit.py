@@ -4,9 +4,9 @@ from __future__ import annotations
 
 import pytest
 
-from infra.config import CreditRule
-from streams.credit import DiscountedReturns, FinalReward, GroupNormalized, matching_rule
-from streams.trajectory import SpanNode, Trajectory, assemble
+from agentstream.infra.config import CreditRule
+from agentstream.streams.credit import DiscountedReturns, FinalReward, GroupNormalized, matching_rule
+from agentstream.streams.trajectory import SpanNode, Trajectory, assemble
 from tests.support.streams_fakes import node
 
 
@@ -83,7 +83,7 @@ def test_discount_edges(gamma):
 
 
 def test_the_running_baseline_centres_online_rewards_per_agent():
-    from streams.credit import RunningBaseline, strategy_for
+    from agentstream.streams.credit import RunningBaseline, strategy_for
 
     rule = CreditRule(strategy="baseline")
     assert strategy_for(rule) is strategy_for(rule)  # one stateful object per rule

@@ -20,8 +20,8 @@ from aiokafka.consumer.group_coordinator import GroupCoordinator
 from faust.transport.drivers.aiokafka import AIOKafkaConsumerThread, Consumer
 from faust.types import TP, Message
 
-from streams import dependency_adapters
-from streams.transport import StreamsTransport
+from agentstream.streams import dependency_adapters
+from agentstream.streams.transport import StreamsTransport
 
 ADAPTER = "streams/dependency_adapters.py"
 

@@ -8,11 +8,11 @@ from dataclasses import replace
 
 import pytest
 
-from infra.config import CreditRule, load_config
-from schemas import AvroCodec
-from streams.groups import GroupProcessor
-from streams.records import RawRecord
-from streams.sink import CompletionSink
+from agentstream.infra.config import CreditRule, load_config
+from agentstream.schemas import AvroCodec
+from agentstream.streams.groups import GroupProcessor
+from agentstream.streams.records import RawRecord
+from agentstream.streams.sink import CompletionSink
 from tests.support.streams_fakes import Held, Sent
 
 

@@ -2,8 +2,8 @@
 
 from __future__ import annotations
 
-from streams.lifecycle import RolloutTracker
-from streams.records import RawRecord
+from agentstream.streams.lifecycle import RolloutTracker
+from agentstream.streams.records import RawRecord
 from tests.support.streams_fakes import node
 
 

@@ -7,9 +7,9 @@ import random
 
 import pytest
 
-from infra.config import CreditRule
-from streams.processor import STORED_SPANS_SQL, sample_point, training_choice
-from streams.trajectory import SpanNode, assemble
+from agentstream.infra.config import CreditRule
+from agentstream.streams.processor import STORED_SPANS_SQL, sample_point, training_choice
+from agentstream.streams.trajectory import SpanNode, assemble
 
 
 def test_the_stored_spans_query_brings_back_the_flag():

@@ -5,12 +5,12 @@ from __future__ import annotations
 import asyncio
 import random
 
-from infra.config import load_config
-from schemas import AvroCodec
-from schemas.span_reader import SpanReader
-from schemas.transition_writer import draft
-from streams.stage import Stage, Transitions
-from streams.trajectory import SpanNode
+from agentstream.infra.config import load_config
+from agentstream.schemas import AvroCodec
+from agentstream.schemas.span_reader import SpanReader
+from agentstream.schemas.transition_writer import draft
+from agentstream.streams.stage import Stage, Transitions
+from agentstream.streams.trajectory import SpanNode
 from tests.support.spans import random_span
 
 CODEC = AvroCodec()

@@ -2,7 +2,7 @@
 
 from __future__ import annotations
 
-from streams.trajectory import assemble
+from agentstream.streams.trajectory import assemble
 from tests.support.streams_fakes import node
 
 

@@ -10,19 +10,19 @@ from dataclasses import replace
 import fastavro
 import pytest
 
-from infra.config import CreditRule, load_config
-from schemas import TRANSITION, AvroCodec, current_schemas
-from schemas.binary import write_long
-from schemas.span_reader import SpanReader
-from schemas.span_writer import SpanBatchEncoder
-from schemas.transition_writer import array, draft
-from streams.credit import DiscountedReturns, FinalReward
-from streams.groups import GroupProcessor
-from streams.processor import SpanProcessor
-from streams.records import RawRecord
-from streams.sink import CompletionSink
-from streams.trajectory import SpanNode, Trajectory, assemble
-from streams.trajectory_samples import UnreadableTokens, call_arrays, trajectory_samples, varint_count
+from agentstream.infra.config import CreditRule, load_config
+from agentstream.schemas import TRANSITION, AvroCodec, current_schemas
+from agentstream.schemas.binary import write_long
+from agentstream.schemas.span_reader import SpanReader
+from agentstream.schemas.span_writer import SpanBatchEncoder
+from agentstream.schemas.transition_writer import array, draft
+from agentstream.streams.credit import DiscountedReturns, FinalReward
+from agentstream.streams.groups import GroupProcessor
+from agentstream.streams.processor import SpanProcessor
+from agentstream.streams.records import RawRecord
+from agentstream.streams.sink import CompletionSink
+from agentstream.streams.trajectory import SpanNode, Trajectory, assemble
+from agentstream.streams.trajectory_samples import UnreadableTokens, call_arrays, trajectory_samples, varint_count
 from tests.support.streams_fakes import Held, Sent
 
 CODEC = AvroCodec()

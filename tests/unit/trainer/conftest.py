@@ -4,7 +4,7 @@ from __future__ import annotations
 
 import pytest
 
-from infra.config import TrainerConfig
+from agentstream.infra.config import TrainerConfig
 
 
 @pytest.fixture(scope="module")

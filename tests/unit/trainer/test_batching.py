@@ -10,10 +10,9 @@ from pathlib import Path
 
 import pytest
 
-from infra.config import ConfigError, TrainerConfig
-from schemas import TRANSITION, AvroCodec
-from tests.support.samples import CALL_1, CALL_2, MASK, PROMPT, TOOL, record
-from trainer.batching import (
+from agentstream.infra.config import ConfigError, TrainerConfig
+from agentstream.schemas import TRANSITION, AvroCodec
+from agentstream.trainer.batching import (
     Batcher,
     MicroBatch,
     NonFiniteTransition,
@@ -24,10 +23,11 @@ from trainer.batching import (
     collate,
     token_weights,
 )
-from trainer.errors import TrainerConfigError
-from trainer.loss import TokenStats
-from trainer.metrics import StepReport
-from trainer.step import StepResult
+from agentstream.trainer.errors import TrainerConfigError
+from agentstream.trainer.loss import TokenStats
+from agentstream.trainer.metrics import StepReport
+from agentstream.trainer.step import StepResult
+from tests.support.samples import CALL_1, CALL_2, MASK, PROMPT, TOOL, record
 
 
 def sample(tid: str, version: int = 0, prompt: int = 3, response: int = 2, advantage: float = 1.0,

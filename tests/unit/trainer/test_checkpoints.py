@@ -4,7 +4,7 @@ from __future__ import annotations
 
 import pytest
 
-from trainer.checkpoints import (
+from agentstream.trainer.checkpoints import (
     CheckpointError,
     FolderStore,
     UnsupportedStore,

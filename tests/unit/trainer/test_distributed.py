@@ -4,9 +4,9 @@ from __future__ import annotations
 
 import pytest
 
-from infra.config import ConfigError, TrainerConfig
-from trainer.batching import Sample, token_weights
-from trainer.distributed import Ranks, backend_for, rank_config, shard_batch
+from agentstream.infra.config import ConfigError, TrainerConfig
+from agentstream.trainer.batching import Sample, token_weights
+from agentstream.trainer.distributed import Ranks, backend_for, rank_config, shard_batch
 
 
 def sample(name: str, rollout: str, prompt: list[int], response_tokens: int) -> Sample:

@@ -8,9 +8,9 @@ import math
 import pytest
 import torch
 
+from agentstream.trainer.batching import Sample, collate
+from agentstream.trainer.loss import policy_loss
 from tests.support.samples import record
-from trainer.batching import Sample, collate
-from trainer.loss import policy_loss
 
 
 def test_each_branch_of_the_dual_clip_surrogate_by_hand():

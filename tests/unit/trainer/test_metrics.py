@@ -7,11 +7,11 @@ from dataclasses import replace
 
 import pytest
 
+from agentstream.trainer.batching import Batch, Counts, Sample
+from agentstream.trainer.loss import TokenStats
+from agentstream.trainer.metrics import TRAIN_STEP_COLUMNS, StepReport, write_logged
+from agentstream.trainer.step import StepResult
 from tests.support.samples import record
-from trainer.batching import Batch, Counts, Sample
-from trainer.loss import TokenStats
-from trainer.metrics import TRAIN_STEP_COLUMNS, StepReport, write_logged
-from trainer.step import StepResult
 
 
 def test_the_train_steps_row_counts_calls_per_sample_and_prefix_breaks():

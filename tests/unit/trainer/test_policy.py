@@ -7,22 +7,22 @@ from dataclasses import replace
 import pytest
 import torch
 
-from infra.config import ConfigError, load_config
-from models import sha256_file
-from tests.support.samples import generated
-from trainer.batching import Batch, Counts
-from trainer.checkpoints import (
+from agentstream.infra.config import ConfigError, load_config
+from agentstream.models import sha256_file
+from agentstream.trainer.batching import Batch, Counts
+from agentstream.trainer.checkpoints import (
     FolderStore,
     latest_manifest,
     open_store,
     write_checkpoint,
 )
-from trainer.policy import build_policy, load_weights, save_weights, save_weights_later
-from trainer.step import train_step
+from agentstream.trainer.policy import build_policy, load_weights, save_weights, save_weights_later
+from agentstream.trainer.step import train_step
+from tests.support.samples import generated
 
 
 def test_full_weights_checkpoint_round_trips_and_fits_the_dev_server(tmp_path, tiny_config):
-    from models import check_weights, load_model, read_weights
+    from agentstream.models import check_weights, load_model, read_weights
 
     policy = build_policy(tiny_config)
     train_step(policy, Batch(generated(policy, 2, 1.0), 0, Counts()), tiny_config)
@@ -67,7 +67,7 @@ def test_weights_saved_later_are_the_ones_copied_before_the_next_step(tmp_path, 
 
 
 def test_bfloat16_checkpoints_hold_the_weights_rounded_and_a_resumed_trainer_says_so(tmp_path, tiny_config, caplog):
-    from models import check_weights, load_model, read_weights
+    from agentstream.models import check_weights, load_model, read_weights
 
     config = replace(tiny_config, checkpoint_dtype="bfloat16")
     policy = build_policy(config)
@@ -81,7 +81,7 @@ def test_bfloat16_checkpoints_hold_the_weights_rounded_and_a_resumed_trainer_say
     served = load_model("tiny", threads=None)
     check_weights(served.model, state)
     restored = build_policy(tiny_config)
-    with caplog.at_level("WARNING", logger="trainer.policy"):
+    with caplog.at_level("WARNING", logger="agentstream.trainer.policy"):
         load_weights(restored, tmp_path)
     assert "rounded" in caplog.text and "torch.bfloat16" in caplog.text
     for name, tensor in full.items():
@@ -91,8 +91,8 @@ def test_bfloat16_checkpoints_hold_the_weights_rounded_and_a_resumed_trainer_say
 
 
 def test_lora_checkpoint_is_a_peft_adapter_the_dev_server_loads(tmp_path, tiny_config):
-    from models import load_model
-    from serving.lora import load_lora
+    from agentstream.models import load_model
+    from agentstream.serving.lora import load_lora
 
     config = replace(tiny_config, lora=True, lora_r=4, lora_alpha=8, lr=1e-2)
     policy = build_policy(config)

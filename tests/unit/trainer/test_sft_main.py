@@ -6,12 +6,12 @@ from dataclasses import replace
 
 import pytest
 
-from infra.config import load_config
-from infra.kafka import KafkaUnreachable
-from infra.processes import free_port
-from schemas.dataset import DatasetRow, json_line
+from agentstream.infra.config import load_config
+from agentstream.infra.kafka import KafkaUnreachable
+from agentstream.infra.processes import free_port
+from agentstream.schemas.dataset import DatasetRow, json_line
+from agentstream.trainer.sft_main import SftSummary, dataset_samples, run_sft
 from tests.support.samples import CALL_1, MASK, PROMPT, TOOL
-from trainer.sft_main import SftSummary, dataset_samples, run_sft
 
 
 def row(rollout_id: str, response: list[int]) -> DatasetRow:

@@ -9,10 +9,9 @@ from dataclasses import replace
 import pytest
 import torch
 
-from infra.config import TrainerConfig
-from models import teacher_forced_logprobs
-from tests.support.samples import CALL_1, CALL_2, MASK, PROMPT, TOOL, generated, record
-from trainer.batching import (
+from agentstream.infra.config import TrainerConfig
+from agentstream.models import teacher_forced_logprobs
+from agentstream.trainer.batching import (
     Batch,
     Batcher,
     Counts,
@@ -21,8 +20,9 @@ from trainer.batching import (
     SeenIds,
     collate,
 )
-from trainer.policy import build_policy
-from trainer.step import StepResult, token_logprobs, train_step
+from agentstream.trainer.policy import build_policy
+from agentstream.trainer.step import StepResult, token_logprobs, train_step
+from tests.support.samples import CALL_1, CALL_2, MASK, PROMPT, TOOL, generated, record
 
 
 @pytest.mark.parametrize("lora", [False, True])

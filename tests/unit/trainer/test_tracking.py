@@ -11,9 +11,9 @@ from typing import Any
 
 import pytest
 
-from infra.config import TrackingConfig, TrainerConfig, describe, load_config
-from infra.processes import free_port
-from trainer.tracking import (
+from agentstream.infra.config import TrackingConfig, TrainerConfig, describe, load_config
+from agentstream.infra.processes import free_port
+from agentstream.trainer.tracking import (
     Channel,
     RunStart,
     Tracker,

@@ -8,10 +8,10 @@ import pytest
 
 import agentstream as ags
 from agentstream.demo.demonstrations import demonstration_calls, publish_demonstrations
-from examples import calculator_agent
-from models import load_model
-from schemas import SPAN, AvroCodec
-from serving.tool_format import parse_tool_calls
+from agentstream.examples import calculator_agent
+from agentstream.models import load_model
+from agentstream.schemas import SPAN, AvroCodec
+from agentstream.serving.tool_format import parse_tool_calls
 from tests.support.sinks import ListSink
 
 

@@ -5,7 +5,7 @@ from __future__ import annotations
 from dataclasses import replace
 
 from agentstream.demo.training import AGENTS, demo_config
-from infra.config import load_config
+from agentstream.infra.config import load_config
 
 
 def test_the_demo_trains_each_agent_at_its_level_and_steps_on_its_samples_per_step(tmp_path):

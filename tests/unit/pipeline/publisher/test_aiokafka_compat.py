@@ -19,7 +19,7 @@ import pytest
 from aiokafka import AIOKafkaProducer
 from aiokafka.errors import KafkaError
 
-from pipeline.publisher import aiokafka_compat
+from agentstream.pipeline.publisher import aiokafka_compat
 
 ADAPTER = "pipeline/publisher/aiokafka_compat.py"
 NOBODY = "127.0.0.1:9"  # nothing listens there; the producer never gets that far anyway

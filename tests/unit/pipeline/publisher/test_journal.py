@@ -2,7 +2,7 @@
 
 from __future__ import annotations
 
-from pipeline.publisher.journal import Journal, Record
+from agentstream.pipeline.publisher.journal import Journal, Record
 
 
 def test_journal_round_trip_lock_and_torn_tail(tmp_path):
