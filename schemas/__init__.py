@@ -30,7 +30,7 @@ from .errors import (
     UnknownRecordName,
     UnknownSchemaId,
 )
-from .registry import BundledRegistry, SchemaRegistry, default_registry, id_of_canonical_form, schema_id, use_registry
+from .schema_ids import BundledRegistry, SchemaRegistry, default_registry, id_of_canonical_form, schema_id, use_registry
 
 __all__ = [
     "ANNOUNCEMENT",

@@ -11,7 +11,7 @@ import struct
 
 from .catalog import current_schemas
 from .errors import EncodeError
-from .registry import schema_id
+from .schema_ids import schema_id
 
 NULL = b"\x00"
 """Union branch 0: the null of every ``["null", X]`` field of Span and Transition."""

@@ -20,7 +20,7 @@ from fastavro.validation import ValidationError, validate
 from .catalog import SPAN_BATCH, Schema, current_schemas, full_name, self_contained
 from .errors import EncodeError, IncompatibleSchema, MalformedRecord, NotWireFormat, UnknownRecordName
 from .records import SpanRecord
-from .registry import SchemaRegistry, default_registry, schema_id
+from .schema_ids import SchemaRegistry, default_registry, schema_id
 from .unions import BranchTagger, branch_tagger
 
 MAGIC_BYTE = 0

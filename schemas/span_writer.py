@@ -32,7 +32,7 @@ from .catalog import SPAN, SPAN_BATCH, current_schemas
 from .codec import MAGIC_BYTE
 from .errors import EncodeError
 from .records import SpanRecord
-from .registry import SchemaRegistry, default_registry
+from .schema_ids import SchemaRegistry, default_registry
 
 # The Span layout the functions below write, field by field. A different bundled Span schema
 # has a different content address, and the encoder refuses to run rather than write wrong bytes.

@@ -193,7 +193,7 @@ def test_no_import_cycle_between_modules():
 def test_the_module_graph_sees_the_process_mains():
     """The walk reads the real tree: the CLI's lazy imports of each process's main are edges."""
     graph = module_graph()
-    assert {"pipeline.proxy_main", "trainer.worker_main", "deploy.gate_main"} <= graph["agentstream.cli"]
+    assert {"pipeline.proxy.main", "trainer.worker_main", "deploy.gate_main"} <= graph["agentstream.cli"]
     assert "agentstream.cli" not in graph["agentstream.schema_registry"]
 
 
@@ -314,3 +314,54 @@ def test_the_old_name_check_sees_one(tmp_path):
     (tmp_path / "bench" / "bad.py").write_text("def f():\n    import schemas.codec\n")
     assert old_top_level_imports(tmp_path) == ["bench/bad.py imports schemas.codec",
                                                "trainer/bad.py imports models.loading"]
+
+
+PIPELINE_ARROWS = {
+    "sdk": set(),
+    "publisher": {"sdk"},
+    "proxy": {"sdk", "publisher"},
+    "collector": {"sdk", "publisher"},
+    "runner": {"sdk", "publisher", "proxy.access"},
+}
+"""The rooms inside ``pipeline/`` and what each may import of the others: the SDK at the bottom, the publisher
+above it, the three processes (proxy, collector, runner) on top and apart; the runner mints the proxy's feedback
+tokens with ``proxy.access`` and imports nothing else of the proxy."""
+
+
+def pipeline_room(module: str) -> str | None:
+    parts = module.split(".")
+    return parts[1] if parts[0] == "pipeline" and len(parts) > 1 else None
+
+
+def pipeline_crossings(graph: dict[str, set[str]]) -> list[str]:
+    """Imports between ``pipeline/``'s rooms that PIPELINE_ARROWS does not allow."""
+    found = []
+    for module, targets in graph.items():
+        room = pipeline_room(module)
+        for target in targets:
+            other = pipeline_room(target)
+            if room and other and other != room:
+                allowed = PIPELINE_ARROWS.get(room, set())
+                if other not in allowed and ".".join(target.split(".")[1:3]) not in allowed:
+                    found.append(f"{module} imports {target}")
+    return sorted(found)
+
+
+def test_the_rooms_of_the_pipeline_import_down_only():
+    rooms = {pipeline_room(module) for module in module_graph()} - {None}
+    assert rooms == set(PIPELINE_ARROWS)
+    assert pipeline_crossings(module_graph()) == []
+
+
+def test_the_pipeline_check_sees_a_crossing(tmp_path):
+    for package in PRODUCT:
+        (tmp_path / package).mkdir()
+    for room in ("proxy", "collector", "runner"):
+        (tmp_path / "pipeline" / room).mkdir()
+        for name in ("__init__", "server", "access", "receiver", "pool"):
+            (tmp_path / "pipeline" / room / f"{name}.py").write_text("")
+    (tmp_path / "pipeline" / "runner" / "pool.py").write_text(
+        "from agentstream.pipeline.proxy.access import feedback_token\nimport agentstream.pipeline.proxy.server\n")
+    (tmp_path / "pipeline" / "collector" / "receiver.py").write_text("from agentstream.pipeline.proxy import access\n")
+    assert pipeline_crossings(module_graph(tmp_path)) == ["pipeline.collector.receiver imports pipeline.proxy.access",
+                                                          "pipeline.runner.pool imports pipeline.proxy.server"]

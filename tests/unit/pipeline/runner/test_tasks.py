@@ -1,0 +1,55 @@
+"""Task files (JSONL, JSON, CSV) and task waves paced by the policy version the model server holds (no broker)."""
+
+from __future__ import annotations
+
+import pytest
+
+from agentstream.infra.config import load_config
+from agentstream.pipeline.runner.tasks import PacedQueue, TaskFileError, read_task_file
+
+
+def queue(max_lag: int) -> PacedQueue:
+    return PacedQueue(load_config(environ={}), "127.0.0.1:9", iter(()), max_lag=max_lag, stall_s=30.0)
+
+
+def test_generation_runs_at_most_max_lag_versions_ahead():
+    assert queue(0).waves_due(0, 0, 0.0) == 1  # lag 0: one wave, then wait for the version it trains
+    assert queue(0).waves_due(5, 0, 0.0) == 6
+    assert queue(3).waves_due(0, 0, 0.0) == 4
+    assert queue(3).waves_due(2, 0, 0.0) == 6
+
+
+def test_a_wave_that_made_no_version_lets_one_more_out_after_the_stall_time():
+    paced = queue(1)
+    paced.enqueued_tasks = 64
+    assert paced.waves_due(4, 64, 0.0) == 6
+    assert paced.waves_due(4, 63, 40.0) == 6  # a task still running: the trainer may yet step
+    assert paced.waves_due(4, 64, 29.0) == 6  # every task finished, but not stalled for long
+    assert paced.waves_due(4, 64, 40.0) == 7  # stalled: one more wave, and the valve waits again
+    assert paced.waves_due(4, 64, 50.0) == 7
+    assert paced.waves_due(5, 64, 51.0) == 8  # the extra wave stays counted: it made no version
+
+
+def test_a_wave_of_flat_groups_lets_one_more_out_once_settled():
+    paced = queue(2)
+    paced._unsettled = [{"a", "b"}, {"c", "d"}, {"e", "f"}]  # what top_up records for three waves of two groups
+    assert paced.waves_due(3, 0, 0.0) == 6
+    assert paced.settle({"a": True, "b": False, "c": True}) == 0  # wave 1 had signal; wave 2 is not finished
+    assert paced.unsettled_groups() == {"c", "d", "e", "f"}
+    assert paced.settle({"c": True, "d": True, "e": True, "f": True}) == 2  # both flat: two more waves
+    assert paced.waves_due(3, 0, 1.0) == 8
+    assert paced.unsettled_groups() == set() and paced.settle({"a": True}) == 0
+
+
+def test_task_files_in_jsonl_json_and_csv(tmp_path):
+    (tmp_path / "t.jsonl").write_text('{"id": 1}\n\n{"id": 2}\n')
+    (tmp_path / "t.json").write_text('[{"id": 1}, {"id": 2}]')
+    (tmp_path / "d.json").write_text('{"data": [{"id": 1}, {"id": 2}]}')
+    (tmp_path / "t.csv").write_text("id,question\n1,\"a, b\"\n2,c\n")
+    assert read_task_file(tmp_path / "t.jsonl") == [{"id": 1}, {"id": 2}]
+    assert read_task_file(tmp_path / "t.json") == [{"id": 1}, {"id": 2}]
+    assert read_task_file(tmp_path / "d.json") == [{"id": 1}, {"id": 2}]
+    assert read_task_file(tmp_path / "t.csv") == [{"id": "1", "question": "a, b"}, {"id": "2", "question": "c"}]
+    (tmp_path / "bad.json").write_text("[1]")
+    with pytest.raises(TaskFileError, match="item 0"):
+        read_task_file(tmp_path / "bad.json")
