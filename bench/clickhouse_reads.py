@@ -1,6 +1,6 @@
 """How long the workers' inserts wait behind a long read on the embedded ClickHouse front.
 
-Starts ``python -m stack.chserver`` on a fresh data folder (the one on ``PYTHONPATH``, so the same
+Starts ``python -m agentstream.stack.chserver`` on a fresh data folder (the one on ``PYTHONPATH``, so the same
 script measures another checkout's server), times batches of 1,000 rows inserted over HTTP as
 the ClickHouse sink sends them, first alone, then while a read-only query that scans for
 ``--read-s`` seconds runs (as a dashboard's 90-day page does), and prints each as JSON lines.

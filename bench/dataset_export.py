@@ -1,6 +1,6 @@
 """`agentstream dataset export` speed and memory: rollouts/s and the command's peak RSS over synthetic rollouts.
 
-Starts the embedded ClickHouse front (``python -m stack.chserver``) on a fresh data folder, creates
+Starts the embedded ClickHouse front (``python -m agentstream.stack.chserver``) on a fresh data folder, creates
 the product's tables, inserts ``--rollouts`` synthetic rollouts (three LLM calls each, a growing
 multi-turn prompt of 200-400 token ids, 50 response ids with logprobs, chat messages in the span
 attributes, and one trajectory-level sample), then runs the CLI export to Parquet and to JSON

@@ -1,4 +1,4 @@
-"""Write the shipped task files: ``python -m examples.make_tasks [--out DIR]``.
+"""Write the shipped task files: ``python -m agentstream.examples.make_tasks [--out DIR]``.
 
 ``examples/tasks/{agent}-train.jsonl`` and ``{agent}-heldout.jsonl`` hold each example agent's
 seeded split (``examples.arithmetic.split()``, ``examples.calculator_agent.split()``), one
@@ -38,7 +38,7 @@ def write(out: Path = TASKS_DIR) -> dict[str, Path]:
 
 
 def main(argv: list[str] | None = None) -> None:
-    parser = argparse.ArgumentParser(prog="python -m examples.make_tasks",
+    parser = argparse.ArgumentParser(prog="python -m agentstream.examples.make_tasks",
                                      description="Write the example agents' train and held-out task files (JSONL).")
     parser.add_argument("--out", type=Path, default=TASKS_DIR, help=f"output folder (default: {TASKS_DIR})")
     args = parser.parse_args(argv)

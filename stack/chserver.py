@@ -16,7 +16,7 @@ through this server. Statements run in parallel on pooled chdb sessions (chdb ru
 different connections concurrently and releases the GIL), so a long dashboard read never holds
 the workers' inserts; each session serves one statement at a time.
 
-Run it with ``python -m stack.chserver --port 8123 --data-dir PATH [--config FILE]``.
+Run it with ``python -m agentstream.stack.chserver --port 8123 --data-dir PATH [--config FILE]``.
 """
 
 from __future__ import annotations

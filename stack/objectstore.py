@@ -28,7 +28,7 @@ one plain file at ``<root>/<bucket>/<key>``; temporary files live in ``<root>/.t
 the MD5 of the content, as S3's for single-part uploads. A key that would need a file and a
 folder of the same name (``a`` and ``a/b``) is refused; tansu never writes such pairs.
 
-Run it with ``python -m stack.objectstore --port 9000 --root PATH --bucket tansu``.
+Run it with ``python -m agentstream.stack.objectstore --port 9000 --root PATH --bucket tansu``.
 """
 
 from __future__ import annotations

@@ -1,4 +1,5 @@
-"""``python -m stack.schema_registry``: serve the Schema Registry API over the configured Kafka (what ``up`` starts)."""
+"""``python -m agentstream.stack.registry_server``: serve the Schema Registry API over the configured Kafka
+(what ``up`` starts)."""
 
 from __future__ import annotations
 
@@ -42,7 +43,7 @@ def run(config: Config, bootstrap_servers: str, host: str, port: int, topic: str
 
 
 def main(argv: list[str] | None = None) -> None:
-    parser = argparse.ArgumentParser(prog="python -m stack.schema_registry", description=__doc__)
+    parser = argparse.ArgumentParser(prog="python -m agentstream.stack.registry_server", description=__doc__)
     parser.add_argument("--config", type=Path, default=None, help="TOML config file (else the usual lookup)")
     parser.add_argument("--host", default=None)
     parser.add_argument("--port", type=int, default=None)

@@ -9,7 +9,7 @@ and permanent deletes, compatibility tests, levels (``/config``), modes (``/mode
 as password, as ``basic.auth.user.info = name:key`` sends it, or ``Authorization: Bearer``), else
 401 with ``error_code`` 40101; reads stay open.
 
-Run it with ``agentstream schema-registry`` or ``python -m stack.schema_registry``.
+Run it with ``agentstream schema-registry`` or ``python -m agentstream.stack.registry_server``.
 """
 
 from __future__ import annotations

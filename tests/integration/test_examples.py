@@ -285,7 +285,7 @@ def test_task_files_are_the_seeded_split(tmp_path, agent):
     for name, tasks in (("train", train), ("heldout", heldout)):
         committed = make_tasks.TASKS_DIR / f"{stem}-{name}.jsonl"
         assert committed.read_text() == written[f"{stem}-{name}"].read_text(), (
-            f"{committed} is stale: python -m examples.make_tasks")
+            f"{committed} is stale: python -m agentstream.examples.make_tasks")
         assert read_task_file(committed) == tasks
     assert len(heldout) == agent.HELDOUT_SIZE
     assert {t["id"] for t in train}.isdisjoint(t["id"] for t in heldout)

@@ -1,5 +1,6 @@
 """Servers started as processes refuse to listen beyond loopback without keys, in one line on stderr:
-the dev model server (`agentstream serve-model`) and the Schema Registry (`python -m stack.schema_registry`).
+the dev model server (`agentstream serve-model`) and the Schema Registry
+(`python -m agentstream.stack.registry_server`).
 """
 
 from __future__ import annotations

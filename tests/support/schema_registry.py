@@ -1,4 +1,5 @@
-"""A Schema Registry server process (``python -m stack.schema_registry``) on a free loopback port, for tests."""
+"""A Schema Registry server process (``python -m agentstream.stack.registry_server``) on a free loopback port,
+for tests."""
 
 from __future__ import annotations
 
