@@ -19,6 +19,9 @@ It lives in infra, beside the Kafka and ClickHouse clients, so that the trainer 
 and serving's hot swap (which reads) both reach it. The S3 client is boto3 (credential chain,
 retries, multipart uploads, signatures that AWS, MinIO, GCS's XML API and the stack's embedded
 store all accept), imported only where an ``s3://`` store is opened.
+
+It is one module of about 500 lines on purpose: both stores and the cache keep one rule (a checkpoint without
+its manifest does not exist, every file is checked against the manifest's digests), which reads best in one place.
 """
 
 from __future__ import annotations

@@ -14,6 +14,9 @@ Span fields, which is how rollouts that wait for a late reward get their spans b
 Of the ``attributes`` map only one entry matters here, the rollout's training choice
 (``agentstream.train``): the reader steps over the map comparing key bytes only where a key has
 that length, and decodes nothing else.
+
+It is one module of about 500 lines on purpose: the compiled readers and the layout checks they rely on change
+together, with the Span schema.
 """
 
 from __future__ import annotations

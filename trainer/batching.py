@@ -13,6 +13,9 @@ demonstration never goes stale: the bound keeps importance ratios against old be
 in check, and a demonstration has none (a warm start's scripted trajectories train at any version).
 A batch is then cut into micro-batches (``collate``), at most ``micro_batch_tokens`` padded tokens
 each where that is set, and its samples' loss masks and token weights go into the tensors.
+
+It is one module of about 500 lines on purpose: dedupe, staleness, closing and collation decide together which
+transitions a step sees, and each rule refers to the others.
 """
 
 from __future__ import annotations

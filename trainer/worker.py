@@ -19,6 +19,9 @@ last good ones; with no checkpoint to go back to, the worker stops with that err
 With a ``group`` (``trainer/distributed.py``) this worker is rank 0 of data-parallel ranks: it
 alone reads Kafka and writes checkpoints, and each step runs on every rank; after each load of
 weights (resume, rebase, back to the last good ones) the other ranks get rank 0's copy.
+
+It is one module of about 500 lines on purpose: the order of consume, step, checkpoint, announce and commit is
+the trainer's argument for exactly-once training, and it reads best in one place.
 """
 
 from __future__ import annotations

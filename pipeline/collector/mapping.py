@@ -32,6 +32,9 @@ What is recognised, and what it becomes:
 Nothing is dropped: every attribute is kept (values as text, arrays and maps as JSON), resource
 attributes as ``otel.resource.<key>``, the scope as ``otel.scope.name``/``version``, the OTel span kind,
 trace id and trace state, links as ``otel.links`` and the events that are not rewards as ``otel.events``.
+
+It is one module of about 500 lines on purpose: the table above is one contract, and the code below implements
+it line by line.
 """
 
 from __future__ import annotations

@@ -16,6 +16,9 @@ is sent, then deleted.
 A refusal is not an outage: when the cluster refuses the login or the topic's ACL refuses the
 principal (:class:`~infra.kafka.KafkaRefused`), what is not acknowledged is journaled, the loop
 stops, and ``start``, ``publish`` and ``flush`` raise that named error from then on.
+
+It is one module of about 500 lines on purpose: the wave loop, the hand-off to the journal and the probe share
+one thread's state and one ordering argument.
 """
 
 from __future__ import annotations
