@@ -9,7 +9,6 @@ status print.
 from __future__ import annotations
 
 import dataclasses
-import math
 import os
 import re
 import tomllib
@@ -19,35 +18,8 @@ from pathlib import Path
 from typing import Any, get_type_hints
 from urllib.parse import unquote, urlsplit, urlunsplit
 
-from agentstream.schemas.errors import AgentstreamError
-
-
-class ConfigError(AgentstreamError, ValueError):
-    """The configuration file or an environment variable holds a value we cannot use."""
-
-
-class Secret:
-    """A string that hides itself from repr/str so it cannot leak into logs."""
-
-    __slots__ = ("_value",)
-
-    def __init__(self, value: str) -> None:
-        self._value = value
-
-    def reveal(self) -> str:
-        return self._value
-
-    def __repr__(self) -> str:
-        return "Secret('***')"
-
-    __str__ = __repr__
-
-    def __eq__(self, other: object) -> bool:
-        return isinstance(other, Secret) and other._value == self._value
-
-    def __hash__(self) -> int:
-        return hash(self._value)
-
+from agentstream.infra.config.checks import Checks, spelled
+from agentstream.infra.config.errors import ConfigError, Secret
 
 IDEMPOTENCE = ("auto", "on", "off")
 
@@ -82,10 +54,9 @@ class KafkaConfig:
     idempotence: str = "auto"
 
     def __post_init__(self) -> None:
-        if self.idempotence not in IDEMPOTENCE:
-            raise ConfigError(f"kafka.idempotence must be one of {', '.join(IDEMPOTENCE)}, got {self.idempotence!r}")
-        if self.fetch_max_wait_ms < 1:
-            raise ConfigError(f"kafka.fetch_max_wait_ms must be >= 1 (got {self.fetch_max_wait_ms})")
+        check = Checks("kafka", self)
+        check.one_of("idempotence", IDEMPOTENCE)
+        check.at_least("fetch_max_wait_ms", 1)
 
     @property
     def external(self) -> bool:
@@ -148,16 +119,11 @@ class StackConfig:
     kafka_heap_mb: int = 512
 
     def __post_init__(self) -> None:
-        if self.broker not in BROKERS:
-            raise ConfigError(f"stack.broker must be one of {', '.join(BROKERS)}, got {self.broker!r}")
-        if self.kafka_heap_mb < 128:
-            raise ConfigError(f"stack.kafka_heap_mb must be >= 128 (got {self.kafka_heap_mb})")
-        if self.broker_storage not in BROKER_STORAGES:
-            raise ConfigError(f"stack.broker_storage must be one of {', '.join(BROKER_STORAGES)}, "
-                              f"got {self.broker_storage!r}")
-        if not 0 <= self.objectstore_port < 65536:
-            raise ConfigError(f"stack.objectstore_port must be a TCP port (1-65535) or 0 (any free port), "
-                              f"got {self.objectstore_port}")
+        check = Checks("stack", self)
+        check.one_of("broker", BROKERS)
+        check.at_least("kafka_heap_mb", 128)
+        check.one_of("broker_storage", BROKER_STORAGES)
+        check.port("objectstore_port", zero="any free port")
 
 
 @dataclass(frozen=True)
@@ -190,8 +156,7 @@ class RunnerConfig:
     shutdown_grace_s: float = 30.0
 
     def __post_init__(self) -> None:
-        if self.shutdown_grace_s <= 0:
-            raise ConfigError("runner.shutdown_grace_s must be > 0")
+        Checks("runner", self).above("shutdown_grace_s", 0)
 
 
 @dataclass(frozen=True)
@@ -337,37 +302,32 @@ class TrainerConfig:
     supervised_min_reward: float = 1.0
 
     def __post_init__(self) -> None:
-        checks = {
-            "device must be auto, cpu or cuda[:N]": self.device in ("auto", "cpu") or self.device.startswith("cuda"),
-            "dtype must be auto, float32 or bfloat16": self.dtype in ("auto", "float32", "bfloat16"),
-            "weights_dtype must be float32 or bfloat16": self.weights_dtype in ("float32", "bfloat16"),
-            "checkpoint_dtype must be auto, float32 or bfloat16": self.checkpoint_dtype in ("auto", "float32",
-                                                                                            "bfloat16"),
-            "attention must be auto, eager or sdpa": self.attention in ("auto", "eager", "sdpa"),
-            "lr must be > 0": self.lr > 0,
-            "clip_eps must be within (0, 1)": 0 < self.clip_eps < 1,
-            "importance_cap must be > 1": self.importance_cap > 1,
-            "temperature must be > 0": self.temperature > 0,
-            "accumulation_steps must be >= 1": self.accumulation_steps >= 1,
-            "batch_transitions and batch_tokens must be >= 0, and one of them > 0":
-                min(self.batch_transitions, self.batch_tokens) >= 0
-                and max(self.batch_transitions, self.batch_tokens) > 0,
-            "micro_batch_tokens must be >= 0": self.micro_batch_tokens >= 0,
-            "max_policy_lag must be >= 0": self.max_policy_lag >= 0,
-            "checkpoint_every_steps must be >= 1": self.checkpoint_every_steps >= 1,
-            "optimizer_state_every must be >= 0": self.optimizer_state_every >= 0,
-            "lora_r must be >= 1": self.lora_r >= 1,
-            "rebase_after_rejections must be >= 0": self.rebase_after_rejections >= 0,
-            "loss_normalization must be token, transition or rollout":
-                self.loss_normalization in ("token", "transition", "rollout"),
-            "distributed_backend must be auto, gloo or nccl": self.distributed_backend in ("auto", "gloo", "nccl"),
-            "distributed_timeout_s must be > 0": self.distributed_timeout_s > 0,
-            "objective must be policy_gradient or supervised": self.objective in ("policy_gradient", "supervised"),
-            "supervised_min_reward must be a finite number": math.isfinite(self.supervised_min_reward),
-        }
-        for message, ok in checks.items():
-            if not ok:
-                raise ConfigError(f"trainer.{message}")
+        check = Checks("trainer", self)
+        check.device("device")
+        check.one_of("dtype", ("auto", "float32", "bfloat16"))
+        check.one_of("weights_dtype", ("float32", "bfloat16"))
+        check.one_of("checkpoint_dtype", ("auto", "float32", "bfloat16"))
+        check.one_of("attention", ("auto", "eager", "sdpa"))
+        check.above("lr", 0)
+        check.within("clip_eps", "(0, 1)")
+        check.above("importance_cap", 1)
+        check.above("temperature", 0)
+        check.at_least("accumulation_steps", 1)
+        check.at_least("batch_transitions", 0)
+        check.at_least("batch_tokens", 0)
+        check.that(max(self.batch_transitions, self.batch_tokens) > 0,
+                   "batch_transitions and batch_tokens are both 0: one of them must be > 0")
+        check.at_least("micro_batch_tokens", 0)
+        check.at_least("max_policy_lag", 0)
+        check.at_least("checkpoint_every_steps", 1)
+        check.at_least("optimizer_state_every", 0)
+        check.at_least("lora_r", 1)
+        check.at_least("rebase_after_rejections", 0)
+        check.one_of("loss_normalization", ("token", "transition", "rollout"))
+        check.one_of("distributed_backend", ("auto", "gloo", "nccl"))
+        check.above("distributed_timeout_s", 0)
+        check.one_of("objective", ("policy_gradient", "supervised"))
+        check.finite("supervised_min_reward")
 
 
 CHECKPOINT_BUCKET = "agentstream"
@@ -407,12 +367,12 @@ class CheckpointsConfig:
     cache_max_versions: int = 4
 
     def __post_init__(self) -> None:
-        if self.s3_endpoint is not None and not self.s3_endpoint.startswith(("http://", "https://")):
-            raise ConfigError(f"checkpoints.s3_endpoint must start with http:// or https://, got {self.s3_endpoint!r}")
-        if self.s3_multipart_mb < 0 or self.cache_max_gb < 0 or self.cache_max_versions < 0:
-            raise ConfigError("checkpoints.s3_multipart_mb, cache_max_gb and cache_max_versions must be >= 0")
-        if 0 < self.s3_multipart_mb < 5:
-            raise ConfigError("checkpoints.s3_multipart_mb must be 0 (one PUT) or >= 5 (S3's smallest part)")
+        check = Checks("checkpoints", self)
+        check.http_url("s3_endpoint")
+        check.must("s3_multipart_mb", self.s3_multipart_mb == 0 or self.s3_multipart_mb >= 5,
+                   "be 0 (one PUT) or >= 5 (S3's smallest part)")
+        check.at_least("cache_max_gb", 0)
+        check.at_least("cache_max_versions", 0)
 
 
 @dataclass(frozen=True)
@@ -433,16 +393,12 @@ class ServerConfig:
     max_tokens: int = 1024  # a chat request that names no max_tokens generates at most this many (0: up to the context)
 
     def __post_init__(self) -> None:
-        if self.max_tokens < 0:
-            raise ConfigError("server.max_tokens must be >= 0 (0: no default limit)")
-        if not (self.device in ("auto", "cpu") or self.device.startswith("cuda")):
-            raise ConfigError("server.device must be auto, cpu or cuda[:N]")
-        if self.dtype not in ("auto", "float32", "bfloat16"):
-            raise ConfigError("server.dtype must be auto, float32 or bfloat16")
-        if self.threads < 0:
-            raise ConfigError("server.threads must be >= 0")
-        if self.contract not in ("dev", "vllm"):
-            raise ConfigError("server.contract must be dev or vllm")
+        check = Checks("server", self)
+        check.at_least("max_tokens", 0, " (0: no default limit)")
+        check.device("device")
+        check.one_of("dtype", ("auto", "float32", "bfloat16"))
+        check.at_least("threads", 0)
+        check.one_of("contract", ("dev", "vllm"))
 
 
 def server_urls_problem(urls: Sequence[str]) -> str | None:
@@ -472,14 +428,13 @@ class ProxyConfig:
     eject_after: int = 3
 
     def __post_init__(self) -> None:
-        if self.max_tokens < 0:
-            raise ConfigError("proxy.max_tokens must be >= 0 (0: no default limit)")
-        if problem := server_urls_problem(self.upstreams):
-            raise ConfigError(f"proxy.upstreams: {problem}")
-        if self.health_interval_s <= 0 or self.health_timeout_s <= 0:
-            raise ConfigError("proxy.health_interval_s and proxy.health_timeout_s must be > 0")
-        if self.eject_after < 1:
-            raise ConfigError("proxy.eject_after must be >= 1")
+        check = Checks("proxy", self)
+        check.at_least("max_tokens", 0, " (0: no default limit)")
+        problem = server_urls_problem(self.upstreams)
+        check.that(problem is None, f"upstreams: {problem}")
+        check.above("health_interval_s", 0)
+        check.above("health_timeout_s", 0)
+        check.at_least("eject_after", 1)
 
 
 @dataclass(frozen=True)
@@ -503,10 +458,10 @@ class AglConfig:
     env_map: str = ""
 
     def __post_init__(self) -> None:
-        if self.prompt_engine not in ("f-string", "jinja", "poml"):
-            raise ConfigError("agl.prompt_engine must be f-string, jinja or poml")
-        if self.temperature < 0 or not 0 < self.top_p <= 1:
-            raise ConfigError("agl.temperature must be >= 0 and agl.top_p within (0, 1]")
+        check = Checks("agl", self)
+        check.one_of("prompt_engine", ("f-string", "jinja", "poml"))
+        check.at_least("temperature", 0)
+        check.within("top_p", "(0, 1]")
 
 
 @dataclass(frozen=True)
@@ -554,19 +509,16 @@ class DeployConfig:
     reconcile_s: float = 10.0
 
     def __post_init__(self) -> None:
-        checks = {
-            "tolerance must be > 0 (the margin of non-inferiority)": self.tolerance > 0,
-            "canary_share must be within (0, 1]": 0 < self.canary_share <= 1,
-            "canary_min_s must be >= 0 and canary_max_s >= canary_min_s":
-                0 <= self.canary_min_s <= self.canary_max_s,
-            "canary_min_rollouts must be >= 2": self.canary_min_rollouts >= 2,
-            "confidence must be within (0.5, 1)": 0.5 < self.confidence < 1,
-            "eval_limit must be >= 0 and eval_concurrency >= 1": self.eval_limit >= 0 and self.eval_concurrency >= 1,
-            "reconcile_s must be >= 0 (0: never re-check the server)": self.reconcile_s >= 0,
-        }
-        for message, ok in checks.items():
-            if not ok:
-                raise ConfigError(f"deploy.{message}")
+        check = Checks("deploy", self)
+        check.above("tolerance", 0, " (the margin of non-inferiority)")
+        check.within("canary_share", "(0, 1]")
+        check.at_least("canary_min_s", 0)
+        check.at_least("canary_max_s", self.canary_min_s, " (canary_min_s)")
+        check.at_least("canary_min_rollouts", 2)
+        check.within("confidence", "(0.5, 1)")
+        check.at_least("eval_limit", 0)
+        check.at_least("eval_concurrency", 1)
+        check.at_least("reconcile_s", 0, " (0: never re-check the server)")
 
 
 @dataclass(frozen=True)
@@ -647,20 +599,19 @@ class DemoConfig:
         return self.quick_seconds if self.quick else self.seconds
 
     def __post_init__(self) -> None:
-        if min(self.seconds, self.quick_seconds, self.eval_every_s) <= 0 or self.group_size < 2:
-            raise ConfigError("demo: seconds, quick_seconds and eval_every_s must be > 0 and group_size >= 2")
-        if self.max_policy_lag < 0:
-            raise ConfigError("demo: max_policy_lag must be >= 0")
-        if not 0 < self.heldout_tasks < 400:
-            raise ConfigError("demo: heldout_tasks must be between 1 and 399 (the arithmetic task set has 400)")
-        if self.warm_start_demonstrations < 1:
-            raise ConfigError("demo: warm_start_demonstrations must be >= 1")
-        if self.dtype not in ("auto", "float32", "bfloat16"):
-            raise ConfigError("demo: dtype must be auto, float32 or bfloat16")
-        if self.online_tolerance <= 0 or not 0.5 < self.online_confidence < 1:
-            raise ConfigError("demo: online_tolerance must be > 0 and online_confidence within (0.5, 1)")
-        if self.online_model_servers < 1:
-            raise ConfigError("demo: online_model_servers must be >= 1")
+        check = Checks("demo", self)
+        check.above("seconds", 0)
+        check.above("quick_seconds", 0)
+        check.above("eval_every_s", 0)
+        check.at_least("group_size", 2)
+        check.at_least("max_policy_lag", 0)
+        check.must("heldout_tasks", 0 < self.heldout_tasks < 400,
+                   "be between 1 and 399 (the arithmetic task set has 400)")
+        check.at_least("warm_start_demonstrations", 1)
+        check.one_of("dtype", ("auto", "float32", "bfloat16"))
+        check.above("online_tolerance", 0)
+        check.within("online_confidence", "(0.5, 1)")
+        check.at_least("online_model_servers", 1)
 
 
 SCHEMA_REGISTRY_IDS = ("fingerprint", "sequential")
@@ -692,17 +643,13 @@ class SchemaRegistryConfig:
     timeout_s: float = 10.0
 
     def __post_init__(self) -> None:
-        if self.url is not None and not self.url.startswith(("http://", "https://")):
-            raise ConfigError(f"schema_registry.url must start with http:// or https://, got {self.url!r}")
-        if not 0 < self.port < 65536:
-            raise ConfigError(f"schema_registry.port must be a TCP port (1-65535), got {self.port}")
-        if self.ids not in SCHEMA_REGISTRY_IDS:
-            raise ConfigError(f"schema_registry.ids must be one of {', '.join(SCHEMA_REGISTRY_IDS)}, got {self.ids!r}")
-        if self.compatibility.upper() not in COMPATIBILITY_LEVELS:
-            raise ConfigError(f"schema_registry.compatibility must be one of {', '.join(COMPATIBILITY_LEVELS)}, "
-                              f"got {self.compatibility!r}")
-        if self.timeout_s <= 0:
-            raise ConfigError("schema_registry.timeout_s must be > 0")
+        check = Checks("schema_registry", self)
+        check.http_url("url")
+        check.port("port")
+        check.one_of("ids", SCHEMA_REGISTRY_IDS)
+        check.must("compatibility", self.compatibility.upper() in COMPATIBILITY_LEVELS,
+                   f"be {spelled(COMPATIBILITY_LEVELS)}")
+        check.above("timeout_s", 0)
 
     @property
     def external(self) -> bool:
@@ -733,16 +680,12 @@ class OtlpConfig:
     max_body_mb: int = 32
 
     def __post_init__(self) -> None:
-        if not 0 < self.port < 65536:
-            raise ConfigError(f"otlp.port must be a TCP port (1-65535), got {self.port}")
-        if not 0 <= self.grpc_port < 65536:
-            raise ConfigError(f"otlp.grpc_port must be a TCP port (1-65535) or 0 (no gRPC receiver), "
-                              f"got {self.grpc_port}")
-        if self.grpc_port == self.port:
-            raise ConfigError(f"otlp.grpc_port and otlp.port are both {self.port}: OTLP/gRPC and OTLP/HTTP "
-                              "need a port each")
-        if self.max_body_mb < 1:
-            raise ConfigError("otlp.max_body_mb must be >= 1")
+        check = Checks("otlp", self)
+        check.port("port")
+        check.port("grpc_port", zero="no gRPC receiver")
+        check.that(self.grpc_port != self.port,
+                   f"grpc_port and otlp.port are both {self.port}: OTLP/gRPC and OTLP/HTTP need a port each")
+        check.at_least("max_body_mb", 1)
 
 
 MLFLOW_SCHEMES = ("file", "http", "https", "databricks", "sqlite", "postgresql", "mysql", "mssql")
@@ -791,27 +734,22 @@ class TrackingConfig:
     finish_timeout_s: float = 15.0
 
     def __post_init__(self) -> None:
-        if self.mlflow_uri != self.mlflow_uri.strip():
-            raise ConfigError(f"tracking.mlflow_uri {self.mlflow_uri!r} has spaces around it (a blank one would turn "
-                              f"tracking on into a folder of that name); leave it empty for off")
-        typo = re.match(r"(https?)/", self.mlflow_uri, re.IGNORECASE)
-        if typo:  # a folder path to MLflow: the runs would go to ./http/host:port
-            raise ConfigError(f"tracking.mlflow_uri {self.mlflow_uri!r} lacks the colon of "
-                              f"{typo.group(1).lower()}://")
-        scheme = uri_scheme(self.mlflow_uri)
-        if scheme.split("+", 1)[0] not in ("", *MLFLOW_SCHEMES):  # postgresql+psycopg2: the driver follows a +
-            raise ConfigError(f"tracking.mlflow_uri: MLflow cannot take the scheme {scheme!r} of "
-                              f"{self.mlflow_uri!r}; use a folder, file:, http(s)://, databricks or a database URI")
-        if self.mlflow_uri and not self.mlflow_experiment:
-            raise ConfigError("tracking.mlflow_experiment must name an experiment")
-        if self.wandb_mode not in WANDB_MODES:
-            raise ConfigError(f"tracking.wandb_mode must be offline, online or empty (off), got {self.wandb_mode!r}")
-        if self.wandb_mode and not self.wandb_project:
-            raise ConfigError("tracking.wandb_project must name a project")
-        if self.queue_size < 1:
-            raise ConfigError(f"tracking.queue_size must be >= 1, got {self.queue_size}")
-        if self.timeout_s <= 0 or self.finish_timeout_s < 0:
-            raise ConfigError("tracking.timeout_s must be > 0 and tracking.finish_timeout_s >= 0")
+        check = Checks("tracking", self)
+        uri = self.mlflow_uri
+        check.that(uri == uri.strip(), f"mlflow_uri {uri!r} has spaces around it (a blank one would turn tracking "
+                                       f"on into a folder of that name); leave it empty for off")
+        typo = re.match(r"(https?)/", uri, re.IGNORECASE)  # a folder path to MLflow: runs in ./http/host:port
+        check.that(not typo, f"mlflow_uri {uri!r} lacks the colon of {typo.group(1).lower() if typo else ''}://")
+        scheme = uri_scheme(uri)
+        check.that(scheme.split("+", 1)[0] in ("", *MLFLOW_SCHEMES),  # postgresql+psycopg2: the driver follows a +
+                   f"mlflow_uri: MLflow cannot take the scheme {scheme!r} of {uri!r}; use a folder, file:, "
+                   f"http(s)://, databricks or a database URI")
+        check.that(not uri or bool(self.mlflow_experiment), "mlflow_experiment must name an experiment")
+        check.must("wandb_mode", self.wandb_mode in WANDB_MODES, "be offline, online or empty (off)")
+        check.that(not self.wandb_mode or bool(self.wandb_project), "wandb_project must name a project")
+        check.at_least("queue_size", 1)
+        check.above("timeout_s", 0)
+        check.at_least("finish_timeout_s", 0)
 
     @property
     def enabled(self) -> bool:
@@ -1053,23 +991,17 @@ def _normalise(config: Config) -> Config:
             netloc = f"{netloc}:{parts.port}"
         updates["url"] = urlunsplit((parts.scheme, netloc, parts.path, parts.query, ""))
         config = replace(config, clickhouse=replace(ch, **updates))
-    for port_name in ("broker_port", "clickhouse_port"):
-        port = getattr(config.stack, port_name)
-        if not 0 < port < 65536:
-            raise ConfigError(f"stack.{port_name} must be a TCP port (1-65535), got {port}")
-    if config.topics.partitions < 1:
-        raise ConfigError(f"topics.partitions must be >= 1, got {config.topics.partitions}")
+    stack = Checks("stack", config.stack)
+    stack.port("broker_port")
+    stack.port("clickhouse_port")
+    Checks("topics", config.topics).at_least("partitions", 1)
     for index, rule in enumerate(config.credit):
-        if rule.strategy not in STRATEGIES:
-            raise ConfigError(f"credit[{index}].strategy must be one of {', '.join(STRATEGIES)}, got {rule.strategy!r}")
-        if rule.strategy == "grpo" and rule.group_size < 2:
-            raise ConfigError(f"credit[{index}]: grpo needs group_size >= 2, got {rule.group_size}")
-        if not 0.0 <= rule.gamma <= 1.0:
-            raise ConfigError(f"credit[{index}].gamma must be within [0, 1], got {rule.gamma}")
-        if not 0.0 <= rule.sample_rate <= 1.0:
-            raise ConfigError(f"credit[{index}].sample_rate must be within [0, 1], got {rule.sample_rate}")
-        if rule.level not in LEVELS:
-            raise ConfigError(f"credit[{index}].level must be one of {', '.join(LEVELS)}, got {rule.level!r}")
+        credit = Checks(f"credit[{index}]", rule)
+        credit.one_of("strategy", STRATEGIES)
+        credit.must("group_size", rule.strategy != "grpo" or rule.group_size >= 2, "be >= 2 for grpo")
+        credit.within("gamma", "[0, 1]")
+        credit.within("sample_rate", "[0, 1]")
+        credit.one_of("level", LEVELS)
     return config
 
 
