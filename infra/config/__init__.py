@@ -7,13 +7,14 @@ status print.
 
 The package: ``loader`` reads the file and the environment (and writes the file back out),
 ``environment`` names the variables, ``sections`` holds :class:`Config`, a module per section (or
-small family of sections) holds its dataclass and its checks, stated with ``checks``.
+small family of sections) holds its dataclass and its checks, stated with ``checks``. The demos'
+``[demo]`` is defined with the demos (``agentstream.demo.settings``), which add it (``add_section``).
 """
 
 from agentstream.infra.config.checkpoints import CHECKPOINT_BUCKET, OBJECTSTORE_SERVICE, CheckpointsConfig
+from agentstream.infra.config.checks import Checks
 from agentstream.infra.config.clickhouse import ClickHouseConfig
 from agentstream.infra.config.credit import LEVELS, STRATEGIES, CreditRule
-from agentstream.infra.config.demo import DemoConfig
 from agentstream.infra.config.deploy import DeployConfig
 from agentstream.infra.config.environment import CONFIG_FILE_VARIABLE, ENVIRONMENT
 from agentstream.infra.config.errors import ConfigError, Secret
@@ -22,7 +23,7 @@ from agentstream.infra.config.loader import describe, dump_toml, load_config
 from agentstream.infra.config.otlp import OtlpConfig
 from agentstream.infra.config.runner import AglConfig, RunnerConfig
 from agentstream.infra.config.schema_registry import COMPATIBILITY_LEVELS, SCHEMA_REGISTRY_IDS, SchemaRegistryConfig
-from agentstream.infra.config.sections import RULE_LISTS, SECTIONS, Config
+from agentstream.infra.config.sections import RULE_LISTS, SECTIONS, Config, add_section
 from agentstream.infra.config.security import SecurityConfig
 from agentstream.infra.config.serving import ProxyConfig, ServerConfig, server_urls_problem
 from agentstream.infra.config.stack import BROKER_STORAGES, BROKERS, StackConfig
@@ -48,11 +49,11 @@ __all__ = [
     "WANDB_MODES",
     "AglConfig",
     "CheckpointsConfig",
+    "Checks",
     "ClickHouseConfig",
     "Config",
     "ConfigError",
     "CreditRule",
-    "DemoConfig",
     "DeployConfig",
     "KafkaConfig",
     "OtlpConfig",
@@ -67,6 +68,7 @@ __all__ = [
     "TopicsConfig",
     "TrackingConfig",
     "TrainerConfig",
+    "add_section",
     "describe",
     "dump_toml",
     "load_config",

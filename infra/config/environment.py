@@ -5,7 +5,8 @@ from __future__ import annotations
 CONFIG_FILE_VARIABLE = "AGENTSTREAM_CONFIG"
 """The environment variable that names the TOML file (the one variable besides :data:`ENVIRONMENT`'s)."""
 
-# Environment variable -> (section, field). The one place environment names are defined.
+# Environment variable -> (section, field). The one place infra's environment names are defined; a section
+# added from above (sections.add_section) adds its own here when its module is imported (DEMO_QUICK, DEMO_SECONDS).
 ENVIRONMENT: dict[str, tuple[str, str]] = {
     "KAFKA_BOOTSTRAP_SERVERS": ("kafka", "bootstrap_servers"),
     "KAFKA_SECURITY_PROTOCOL": ("kafka", "security_protocol"),
@@ -51,8 +52,6 @@ ENVIRONMENT: dict[str, tuple[str, str]] = {
     "AGENTSTREAM_ALLOW_OPEN_BIND": ("security", "allow_open_bind"),
     "AWS_ENDPOINT_URL_S3": ("checkpoints", "s3_endpoint"),
     "AGENTSTREAM_CHECKPOINT_CACHE": ("checkpoints", "cache_dir"),
-    "DEMO_QUICK": ("demo", "quick"),
-    "DEMO_SECONDS": ("demo", "seconds"),
     "AGENTSTREAM_MLFLOW_URI": ("tracking", "mlflow_uri"),
     "AGENTSTREAM_MLFLOW_EXPERIMENT": ("tracking", "mlflow_experiment"),
     "AGENTSTREAM_WANDB_MODE": ("tracking", "wandb_mode"),

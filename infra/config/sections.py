@@ -1,14 +1,21 @@
-"""The whole configuration (Config, a field per section) and which class reads each table of the file (SECTIONS)."""
+"""The whole configuration (Config, a field per section) and which class reads each table of the file (SECTIONS).
+
+One section is defined above infra: the demos' ``[demo]`` (``agentstream.demo.settings``). Config keeps
+its field, and :func:`add_section` names its class, so the loader reads, checks, describes and dumps it
+like infra's own sections without importing the layer that defines it.
+"""
 
 from __future__ import annotations
 
-from dataclasses import dataclass, field
+from collections.abc import Callable, Mapping
+from dataclasses import dataclass, field, fields
+from typing import Any
 
 from agentstream.infra.config.checkpoints import CheckpointsConfig
 from agentstream.infra.config.clickhouse import ClickHouseConfig
 from agentstream.infra.config.credit import CreditRule
-from agentstream.infra.config.demo import DemoConfig
 from agentstream.infra.config.deploy import DeployConfig
+from agentstream.infra.config.environment import ENVIRONMENT
 from agentstream.infra.config.kafka import KafkaConfig, TopicsConfig
 from agentstream.infra.config.otlp import OtlpConfig
 from agentstream.infra.config.runner import AglConfig, RunnerConfig
@@ -38,7 +45,7 @@ class Config:
     proxy: ProxyConfig = field(default_factory=ProxyConfig)
     agl: AglConfig = field(default_factory=AglConfig)
     deploy: DeployConfig = field(default_factory=DeployConfig)
-    demo: DemoConfig = field(default_factory=DemoConfig)
+    demo: Any = field(default_factory=lambda: _added_default("demo"))  # agentstream.demo.settings.DemoConfig
     schema_registry: SchemaRegistryConfig = field(default_factory=SchemaRegistryConfig)
     otlp: OtlpConfig = field(default_factory=OtlpConfig)
     security: SecurityConfig = field(default_factory=SecurityConfig)
@@ -58,10 +65,34 @@ SECTIONS: dict[str, type] = {
     "proxy": ProxyConfig,
     "agl": AglConfig,
     "deploy": DeployConfig,
-    "demo": DemoConfig,
     "schema_registry": SchemaRegistryConfig,
     "otlp": OtlpConfig,
     "security": SecurityConfig,
     "tracking": TrackingConfig,
 }
 RULE_LISTS: dict[str, type] = {"credit": CreditRule}
+
+
+def add_section(name: str, cls: type, environment: Mapping[str, str]) -> None:
+    """Make ``cls`` (a frozen dataclass) the section ``Config.<name>`` holds and ``[<name>]`` is read into.
+
+    For a section defined above infra (the demos' ``[demo]``), added when its module is imported:
+    ``environment`` maps each of its variables to the field it sets (``DEMO_QUICK`` -> ``quick``).
+    Its table is read, its unknown keys refused and its values coerced and checked like any section's.
+    """
+    order = [f.name for f in fields(Config)]
+    if name not in order or name in RULE_LISTS:
+        raise ValueError(f"Config has no field for a section {name!r}")
+    held = SECTIONS.get(name)
+    if held is not None and (held.__module__, held.__qualname__) != (cls.__module__, cls.__qualname__):
+        raise ValueError(f"section {name!r} is {held.__module__}.{held.__qualname__} already")
+    sections = {**SECTIONS, name: cls}
+    SECTIONS.clear()
+    SECTIONS.update((section, sections[section]) for section in order if section in sections)  # Config's order
+    ENVIRONMENT.update((variable, (name, key)) for variable, key in environment.items())
+
+
+def _added_default(name: str) -> Any:
+    """The default of a section added from above: its class's defaults, or None while none is added."""
+    cls: Callable[[], Any] | None = SECTIONS.get(name)
+    return cls() if cls is not None else None

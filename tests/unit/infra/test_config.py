@@ -98,15 +98,6 @@ def test_trainer_config_section_is_typed_and_validated(tmp_path):
         load_config(path, environ={})
 
 
-def test_demo_heldout_tasks_are_bounded_by_the_task_set(tmp_path):
-    path = tmp_path / "agentstream.toml"
-    path.write_text('[demo]\nheldout_tasks = 160\n')
-    assert load_config(path, environ={}).demo.heldout_tasks == 160
-    path.write_text('[demo]\nheldout_tasks = 400\n')
-    with pytest.raises(ConfigError, match="heldout_tasks must be between 1 and 399"):
-        load_config(path, environ={})
-
-
 def _config_with(tmp_path, rule: str):
     path = tmp_path / "agentstream.toml"
     path.write_text(f"[[credit]]\nagent = \"*\"\n{rule}\n")

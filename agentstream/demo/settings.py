@@ -1,10 +1,18 @@
-"""The [demo] section: the settings of the training and online demos."""
+"""The demos' settings, the config file's ``[demo]``: defined with the demos, read by infra's loader like its own.
+
+Importing this module adds the section to the configuration (``add_section``); ``agentstream``'s
+``__init__`` imports it, so every process that loads a configuration reads ``[demo]``, ``DEMO_QUICK``
+and ``DEMO_SECONDS``, and ``agentstream config`` shows them, while infra never imports the demos.
+"""
 
 from __future__ import annotations
 
 from dataclasses import dataclass
 
-from agentstream.infra.config.checks import Checks
+from agentstream.infra.config import Checks, add_section
+
+ENVIRONMENT = {"DEMO_QUICK": "quick", "DEMO_SECONDS": "seconds"}
+"""The demos' environment variables, each the field it sets (``DEMO_QUICK=1 make demo``)."""
 
 
 @dataclass(frozen=True)
@@ -98,3 +106,6 @@ class DemoConfig:
         check.above("online_tolerance", 0)
         check.within("online_confidence", "(0.5, 1)")
         check.at_least("online_model_servers", 1)
+
+
+add_section("demo", DemoConfig, ENVIRONMENT)
