@@ -1,4 +1,4 @@
-"""The environment variables the loader reads, each the name of one section's field; the one place they are named."""
+"""The environment variables the loader reads, each setting one field of a section; the one place infra names them."""
 
 from __future__ import annotations
 
