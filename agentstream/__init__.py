@@ -18,6 +18,7 @@ the same call, made again later, may succeed (a broker or server outage, a full 
 (bad input).
 """
 
+from agentstream.demo import settings as _demo_settings  # noqa: F401  (adds [demo] to the configuration)
 from agentstream.infra.config import ConfigError
 from agentstream.pipeline.proxy.feedback import feedback_token, feedback_url
 from agentstream.pipeline.publisher import FlushTimeout, PublisherClosed, PublisherError, PublisherFull, SpanPublisher

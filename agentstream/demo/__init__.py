@@ -1,6 +1,28 @@
-"""The demos: the only place product code runs an example agent (examples/)."""
+"""The demos: the only place product code runs an example agent (examples/); their settings are the config's [demo].
 
-from agentstream.demo.online import OnlineReport, run_online_demo
-from agentstream.demo.training import DemoReport, run_demo
+``import agentstream`` imports ``settings`` (which adds ``[demo]`` to the configuration), not the demos
+themselves: ``run_demo`` and the rest load on first use, so a process that never runs a demo never
+imports what they need.
+"""
 
-__all__ = ["DemoReport", "OnlineReport", "run_demo", "run_online_demo"]
+from __future__ import annotations
+
+import importlib
+from typing import TYPE_CHECKING, Any
+
+from agentstream.demo.settings import DemoConfig
+
+if TYPE_CHECKING:
+    from agentstream.demo.online import OnlineReport, run_online_demo
+    from agentstream.demo.training import DemoReport, run_demo
+
+__all__ = ["DemoConfig", "DemoReport", "OnlineReport", "run_demo", "run_online_demo"]
+
+_MODULES = {"OnlineReport": "online", "run_online_demo": "online", "DemoReport": "training", "run_demo": "training"}
+
+
+def __getattr__(name: str) -> Any:
+    """``run_demo``, ``run_online_demo`` and their reports, imported from their module when first asked for."""
+    if name not in _MODULES:
+        raise AttributeError(f"module {__name__!r} has no attribute {name!r}")
+    return getattr(importlib.import_module(f"agentstream.demo.{_MODULES[name]}"), name)

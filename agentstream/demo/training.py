@@ -168,7 +168,7 @@ class DemoReport:
 
 def compute_dtype(config: Config) -> str:
     """The demo's compute dtype for its server and trainer (``[demo] dtype``, see
-    ``agentstream.infra.config.DemoConfig``)."""
+    ``agentstream.demo.settings.DemoConfig``)."""
     if config.demo.dtype != "auto":
         return config.demo.dtype
     return "bfloat16" if native_bfloat16(config.trainer.device) else "float32"

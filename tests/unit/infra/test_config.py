@@ -55,7 +55,7 @@ def test_kafka_sasl_and_tls_from_environment():
     ("[stack]\nbrokr_port = 1\n", "unknown key"),
     ("[stack]\nbroker_port = 'abc'\n", "cannot use 'abc'"),
     ("[stack]\nbroker_port = 70000\n", "must be a TCP port"),
-    ("[stack]\nbroker_storage = 'disk'\n", "broker_storage must be one of durable, memory"),
+    ("[stack]\nbroker_storage = 'disk'\n", "broker_storage must be durable or memory, got 'disk'"),
     ("[stack]\nobjectstore_port = 70000\n", "objectstore_port must be a TCP port"),
     ("[topics\n", "not valid TOML"),
 ])
@@ -95,15 +95,6 @@ def test_trainer_config_section_is_typed_and_validated(tmp_path):
         ("tiny", 0.002, True, 32)
     path.write_text('[trainer]\nclip_eps = 1.5\n')
     with pytest.raises(ConfigError, match="clip_eps"):
-        load_config(path, environ={})
-
-
-def test_demo_heldout_tasks_are_bounded_by_the_task_set(tmp_path):
-    path = tmp_path / "agentstream.toml"
-    path.write_text('[demo]\nheldout_tasks = 160\n')
-    assert load_config(path, environ={}).demo.heldout_tasks == 160
-    path.write_text('[demo]\nheldout_tasks = 400\n')
-    with pytest.raises(ConfigError, match="heldout_tasks must be between 1 and 399"):
         load_config(path, environ={})
 
 
@@ -192,12 +183,12 @@ def test_tracking_takes_what_mlflow_takes(uri):
 def test_kafka_idempotence_is_one_of_auto_on_off():
     assert load_config(environ={}).kafka.idempotence == "auto"
     assert load_config(environ={"KAFKA_IDEMPOTENCE": "off"}).kafka.idempotence == "off"
-    with pytest.raises(ConfigError, match=r"kafka\.idempotence must be one of auto, on, off"):
+    with pytest.raises(ConfigError, match=r"kafka\.idempotence must be auto, on or off, got 'yes'"):
         load_config(environ={"KAFKA_IDEMPOTENCE": "yes"})
 
 
 def test_stack_broker_is_tansu_or_kafka():
     assert load_config(environ={}).stack.broker == "tansu"
     assert load_config(environ={"AGENTSTREAM_BROKER": "kafka"}).stack.broker == "kafka"
-    with pytest.raises(ConfigError, match=r"stack\.broker must be one of tansu, kafka"):
+    with pytest.raises(ConfigError, match=r"stack\.broker must be tansu or kafka, got 'redpanda'"):
         load_config(environ={"AGENTSTREAM_BROKER": "redpanda"})

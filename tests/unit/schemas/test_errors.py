@@ -114,7 +114,7 @@ def test_the_retriable_errors_are_the_transient_ones(classes):
 
 
 def test_builtin_bases_that_callers_catch_are_kept(classes):
-    assert issubclass(classes["agentstream.infra.config.ConfigError"], ValueError)
+    assert issubclass(classes["agentstream.infra.config.errors.ConfigError"], ValueError)
     assert issubclass(classes["agentstream.pipeline.runner.errors.AgentLoadError"], ImportError)
     assert issubclass(classes["agentstream.schemas.contracts.RewardError"], ValueError)
     assert issubclass(classes["agentstream.pipeline.publisher.errors.PublisherError"], RuntimeError)

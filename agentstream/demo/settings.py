@@ -1,0 +1,111 @@
+"""The demos' settings, the config file's ``[demo]``: defined with the demos, read by infra's loader like its own.
+
+Importing this module adds the section to the configuration (``add_section``); ``agentstream``'s
+``__init__`` imports it, so every process that loads a configuration reads ``[demo]``, ``DEMO_QUICK``
+and ``DEMO_SECONDS``, and ``agentstream config`` shows them, while infra never imports the demos.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+from agentstream.infra.config import Checks, add_section
+
+ENVIRONMENT = {"DEMO_QUICK": "quick", "DEMO_SECONDS": "seconds"}
+"""The demos' environment variables, each the field it sets (``DEMO_QUICK=1 make demo``)."""
+
+
+@dataclass(frozen=True)
+class DemoConfig:
+    """The training demo (``make demo``) and ``make bench-learning``: how long, how often to evaluate, how wide.
+
+    ``seconds`` bounds the training phase (``quick_seconds`` when ``quick``, i.e. ``DEMO_QUICK=1``);
+    held-out greedy accuracy is measured before, every ``eval_every_s`` and after. ``concurrency``
+    rollouts run at once (``prompts_per_wave`` GRPO groups of ``group_size``). ``target`` is the
+    held-out accuracy bench-learning times (``time_to_85pct_s``); ``stop_at_target`` ends a run there.
+    The trainer steps once per wave (its flat groups counted) and drops transitions more than
+    ``max_policy_lag`` versions old; waves are paced so that generation runs at most that many
+    versions ahead (0: generate, then train, then generate, as a plain loop does). ``heldout_tasks``
+    of the 400 arithmetic tasks are held out (``agentstream.examples.arithmetic.split``). ``dtype`` is the
+    compute dtype of the demo's server and trainer: ``auto`` is bfloat16 autocast where the device
+    multiplies bfloat16 natively (CUDA, or a CPU with AMX), which trains SmolLM2 about twice as fast
+    there, and float32 elsewhere. ``warm_start_demonstrations`` is how many correct conversations
+    the calculator demo (``agentstream demo --agent calculator``) sends through the pipeline as its
+    warm start, the supervised steps before RL.
+
+    ``online_*`` set the online demo (``agentstream demo --online``): seconds of live traffic, the
+    users' request rate (per second), the longest feedback delay and the share of answers never
+    rated, the service's sampling temperature (SmolLM2 answers about a third right at 0.2 and 0.3,
+    a twentieth at 1.0; at 0.2 live success rose faster, 31% -> 80% against 26% -> 72% at 0.3
+    in otherwise equal runs), the LoRA learning rate (adapters on every linear layer), batch
+    (transitions) and optimizer steps per checkpoint (each checkpoint is a candidate; the gate
+    takes the newest when it is free), the trainer's lag bound in checkpoints (the stable version
+    trails the trainer by a gate cycle of about five checkpoints; a bound of 8 dropped half the
+    transitions as stale), the gate's
+    evaluation size, canary share and minimum canary window, the gate's tolerance and confidence
+    (a lenient gate, 0.2 at 90%, so that a demo of a quarter hour shows promotions: at the
+    production defaults, 0.05 at 95%, a half-share canary at two users a second would need about
+    half an hour of traffic to show "no worse"; with these, ``bench.gate``'s simulation of 50% 0/1
+    rewards needs a median 80 rated canary rollouts when the candidate is as good, 39 when it is 10
+    points better, about two minutes at two users a second; docs/gate.md), and after how many
+    refused candidates in a row the trainer goes back to the serving version. The online demo runs
+    ``online_model_servers`` model servers behind its proxy, and keeps its checkpoints in the
+    object store (``[checkpoints] s3_endpoint``, else the stack's embedded one) where there is one.
+    """
+
+    quick: bool = False
+    seconds: float = 900.0
+    quick_seconds: float = 240.0
+    eval_every_s: float = 180.0
+    group_size: int = 8
+    prompts_per_wave: int = 4
+    lr: float = 1e-5
+    target: float = 0.85
+    stop_at_target: bool = False
+    server_threads: int = 1
+    trainer_threads: int = 1  # beside the server's thread; 2 made a step 7-8 s instead of 5-6 s on two cores
+    max_policy_lag: int = 2  # lags 0-4 measured (docs/measured.md): 2 is as fast as 3 and 4, with the freshest data
+    heldout_tasks: int = 64
+    dtype: str = "auto"
+    warm_start_demonstrations: int = 128
+    output_dir: str = "demo-output"
+    report_path: str = "demo-report.json"
+    online_seconds: float = 1020.0
+    online_rate: float = 2.0
+    online_feedback_max_delay_s: float = 60.0
+    online_silent_share: float = 0.1
+    online_temperature: float = 0.2
+    online_lr: float = 5e-4
+    online_batch: int = 16
+    online_steps_per_checkpoint: int = 1
+    online_max_policy_lag: int = 20
+    online_eval_tasks: int = 32
+    online_rebase_after_rejections: int = 3
+    online_canary_share: float = 0.5
+    online_canary_s: float = 30.0
+    online_tolerance: float = 0.2
+    online_confidence: float = 0.9
+    online_model_servers: int = 2
+    online_report_path: str = "online-report.json"
+
+    @property
+    def training_seconds(self) -> float:
+        return self.quick_seconds if self.quick else self.seconds
+
+    def __post_init__(self) -> None:
+        check = Checks("demo", self)
+        check.above("seconds", 0)
+        check.above("quick_seconds", 0)
+        check.above("eval_every_s", 0)
+        check.at_least("group_size", 2)
+        check.at_least("max_policy_lag", 0)
+        check.must("heldout_tasks", 0 < self.heldout_tasks < 400,
+                   "be between 1 and 399 (the arithmetic task set has 400)")
+        check.at_least("warm_start_demonstrations", 1)
+        check.one_of("dtype", ("auto", "float32", "bfloat16"))
+        check.above("online_tolerance", 0)
+        check.within("online_confidence", "(0.5, 1)")
+        check.at_least("online_model_servers", 1)
+
+
+add_section("demo", DemoConfig, ENVIRONMENT)

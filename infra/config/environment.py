@@ -1,0 +1,60 @@
+"""The environment variables the loader reads, each setting one field of a section; the one place infra names them."""
+
+from __future__ import annotations
+
+CONFIG_FILE_VARIABLE = "AGENTSTREAM_CONFIG"
+"""The environment variable that names the TOML file (the one variable besides :data:`ENVIRONMENT`'s)."""
+
+# Environment variable -> (section, field). The one place infra's environment names are defined; a section
+# added from above (sections.add_section) adds its own here when its module is imported (DEMO_QUICK, DEMO_SECONDS).
+ENVIRONMENT: dict[str, tuple[str, str]] = {
+    "KAFKA_BOOTSTRAP_SERVERS": ("kafka", "bootstrap_servers"),
+    "KAFKA_SECURITY_PROTOCOL": ("kafka", "security_protocol"),
+    "KAFKA_SASL_MECHANISM": ("kafka", "sasl_mechanism"),
+    "KAFKA_SASL_USERNAME": ("kafka", "sasl_username"),
+    "KAFKA_SASL_PASSWORD": ("kafka", "sasl_password"),
+    "KAFKA_SSL_CAFILE": ("kafka", "ssl_cafile"),
+    "KAFKA_SSL_CERTFILE": ("kafka", "ssl_certfile"),
+    "KAFKA_SSL_KEYFILE": ("kafka", "ssl_keyfile"),
+    "KAFKA_IDEMPOTENCE": ("kafka", "idempotence"),
+    "AGENTSTREAM_TOPIC_PREFIX": ("topics", "prefix"),
+    "AGENTSTREAM_TOPIC_PARTITIONS": ("topics", "partitions"),
+    "AGENTSTREAM_TOPIC_RETENTION_MS": ("topics", "retention_ms"),
+    "AGENTSTREAM_TOPIC_REPLICATION_FACTOR": ("topics", "replication_factor"),
+    "CLICKHOUSE_URL": ("clickhouse", "url"),
+    "CLICKHOUSE_DATABASE": ("clickhouse", "database"),
+    "CLICKHOUSE_USER": ("clickhouse", "username"),
+    "CLICKHOUSE_PASSWORD": ("clickhouse", "password"),
+    "AGENTSTREAM_HOME": ("stack", "home"),
+    "AGENTSTREAM_HOST": ("stack", "host"),
+    "AGENTSTREAM_BROKER_PORT": ("stack", "broker_port"),
+    "AGENTSTREAM_CLICKHOUSE_PORT": ("stack", "clickhouse_port"),
+    "TANSU_BIN": ("stack", "tansu_bin"),
+    "AGENTSTREAM_BROKER_STORAGE": ("stack", "broker_storage"),
+    "AGENTSTREAM_OBJECTSTORE_PORT": ("stack", "objectstore_port"),
+    "AGENTSTREAM_BROKER": ("stack", "broker"),
+    "AGENTSTREAM_KAFKA_JARS": ("stack", "kafka_jars"),
+    "SCHEMA_REGISTRY_URL": ("schema_registry", "url"),
+    "SCHEMA_REGISTRY_USERNAME": ("schema_registry", "username"),
+    "SCHEMA_REGISTRY_PASSWORD": ("schema_registry", "password"),
+    "AGENTSTREAM_SCHEMA_REGISTRY_PORT": ("schema_registry", "port"),
+    "AGENTSTREAM_OTLP_HOST": ("otlp", "host"),
+    "AGENTSTREAM_OTLP_PORT": ("otlp", "port"),
+    "AGENTSTREAM_OTLP_GRPC_PORT": ("otlp", "grpc_port"),
+    "AGENTSTREAM_PROXY_KEYS": ("security", "proxy_keys"),
+    "AGENTSTREAM_PROXY_UPSTREAMS": ("proxy", "upstreams"),
+    "AGENTSTREAM_COLLECTOR_KEYS": ("security", "collector_keys"),
+    "AGENTSTREAM_REGISTRY_KEYS": ("security", "registry_keys"),
+    "AGENTSTREAM_DASHBOARD_KEYS": ("security", "dashboard_keys"),
+    "AGENTSTREAM_ADMIN_TOKEN": ("security", "admin_token"),
+    "AGENTSTREAM_CLICKHOUSE_READERS": ("security", "clickhouse_readers"),
+    "AGENTSTREAM_FEEDBACK_SECRET": ("security", "feedback_secret"),
+    "AGENTSTREAM_ALLOW_OPEN_BIND": ("security", "allow_open_bind"),
+    "AWS_ENDPOINT_URL_S3": ("checkpoints", "s3_endpoint"),
+    "AGENTSTREAM_CHECKPOINT_CACHE": ("checkpoints", "cache_dir"),
+    "AGENTSTREAM_MLFLOW_URI": ("tracking", "mlflow_uri"),
+    "AGENTSTREAM_MLFLOW_EXPERIMENT": ("tracking", "mlflow_experiment"),
+    "AGENTSTREAM_WANDB_MODE": ("tracking", "wandb_mode"),
+    "AGENTSTREAM_WANDB_PROJECT": ("tracking", "wandb_project"),
+    "AGENTSTREAM_WANDB_DIR": ("tracking", "wandb_dir"),
+}
