@@ -19,9 +19,10 @@ the same call, made again later, may succeed (a broker or server outage, a full 
 """
 
 from agentstream.infra.config import ConfigError
-from agentstream.pipeline.errors import AgentLoadError
-from agentstream.pipeline.feedback import feedback_token, feedback_url
+from agentstream.pipeline.proxy.feedback import feedback_token, feedback_url
 from agentstream.pipeline.publisher import FlushTimeout, PublisherClosed, PublisherError, PublisherFull, SpanPublisher
+from agentstream.pipeline.runner.errors import AgentLoadError
+from agentstream.pipeline.runner.tasks import TaskFileError
 from agentstream.pipeline.sdk import (
     NoRollout,
     NoSink,
@@ -37,7 +38,6 @@ from agentstream.pipeline.sdk import (
     set_sink,
     span,
 )
-from agentstream.pipeline.tasks import TaskFileError
 from agentstream.schemas.contracts import RewardError
 from agentstream.schemas.errors import AgentstreamError, CodecError, EncodeError
 

@@ -3,10 +3,10 @@
 The names an Agent Lightning 0.3 agent file uses, for users who do not want its dependency tree
 (``pip install 'agentstream[agl]'``). The same agent file runs unchanged on the real package
 (``pip install 'agentstream[agentlightning]'``): ``agentstream run``/``train`` adapt either.
-The implementation lives in ``pipeline/agl.py``.
+The implementation lives in ``pipeline/runner/agl.py``.
 """
 
-from agentstream.pipeline.agl import (
+from agentstream.pipeline.runner.agl import (
     LLM,
     Attempt,
     AttemptedRollout,

@@ -1,6 +1,6 @@
 """The `agentstream` command line: it parses options, resolves the configuration and calls what does the work.
 
-A long-running process's `main` lives in the package of what it does (``pipeline/proxy_main.py``,
+A long-running process's `main` lives in the package of what it does (``pipeline/proxy/main.py``,
 ``trainer/worker_main.py``, ``deploy/gate_main.py``, ...); here it only gets its options.
 """
 
@@ -21,9 +21,9 @@ from agentstream.infra.clickhouse import ClickHouseError, connect, server_messag
 from agentstream.infra.config import AglConfig, Config, ConfigError, describe, server_urls_problem
 from agentstream.infra.kafka import KafkaSetupError
 from agentstream.infra.processes import ServiceError
-from agentstream.infra.schema_registry.errors import RegistryError, RegistryUnavailable
-from agentstream.pipeline.runner import AgentLoadError
-from agentstream.pipeline.tasks import TaskFileError
+from agentstream.infra.registry_client.errors import RegistryError, RegistryUnavailable
+from agentstream.pipeline.runner.pool import AgentLoadError
+from agentstream.pipeline.runner.tasks import TaskFileError
 from agentstream.schema_registry import schema_registry_command
 from agentstream.stack.control import Stack
 
@@ -99,7 +99,7 @@ def status(ctx: click.Context) -> None:
         click.echo(f"  table {config.clickhouse.database}.{table:<24} rows {rows:>10}" if rows >= 0
                    else f"  table {config.clickhouse.database}.{table:<24} missing (run `agentstream up`)")
     if "schema-registry" in report.services:
-        from agentstream.stack.schema_registry.service import registry_url
+        from agentstream.stack.registry_server.service import registry_url
 
         click.echo(f"schemas     {registry_url(config)}  [{report.services['schema-registry']}]")
     if not (report.broker_reachable and report.clickhouse_version):
@@ -326,7 +326,7 @@ def proxy_command(ctx: click.Context, upstreams: tuple[str, ...], host: str, por
     model servers it sends each request to the least busy healthy one that holds the version asked
     for, and a request that failed on one before its first byte to another.
     """
-    from agentstream.pipeline.proxy_main import ProxyOptions, run_proxy
+    from agentstream.pipeline.proxy.main import ProxyOptions, run_proxy
 
     config = _config(ctx)
     upstreams = upstreams or config.proxy.upstreams
@@ -361,7 +361,7 @@ def collector_command(ctx: click.Context, host: str | None, port: int | None, gr
     cannot keep up, exports get 503 + Retry-After (gRPC: UNAVAILABLE + RetryInfo), which the
     exporters retry.
     """
-    from agentstream.pipeline.collector_main import run_collector
+    from agentstream.pipeline.collector.main import run_collector
 
     config = _config(ctx)
     run_collector(config, Stack(config).endpoints().bootstrap_servers, host=host, port=port, grpc_port=grpc_port)
@@ -380,8 +380,8 @@ def collector_command(ctx: click.Context, host: str | None, port: int | None, gr
 def run_command(ctx: click.Context, agent: str, concurrency: int, group_id: str, proxy_url: str | None,
                 max_tasks: int | None, session_timeout_ms: int) -> None:
     """Run AGENT (module:function) on tasks from the tasks topic, as one member of a runner pool."""
-    from agentstream.pipeline.runner import RunnerOptions
-    from agentstream.pipeline.runner_main import run_runner
+    from agentstream.pipeline.runner.main import run_runner
+    from agentstream.pipeline.runner.pool import RunnerOptions
 
     config = _config(ctx)
     options = RunnerOptions(concurrency=concurrency, group_id=group_id, proxy_url=proxy_url,
@@ -410,7 +410,7 @@ def _agl_settings(config: Config) -> AglConfig:
 def enqueue_command(ctx: click.Context, task_file: Path, group_size: int, agent_name: str | None,
                     max_attempts: int, timeout_s: float) -> None:
     """Put the tasks of a JSONL file (one JSON object per line) on the tasks topic."""
-    from agentstream.pipeline.tasks import enqueue, grouped_tasks, read_task_file
+    from agentstream.pipeline.runner.tasks import enqueue, grouped_tasks, read_task_file
 
     config = _config(ctx)
     tasks = grouped_tasks(read_task_file(task_file), group_size=group_size, agent_name=agent_name,
@@ -424,7 +424,7 @@ def enqueue_command(ctx: click.Context, task_file: Path, group_size: int, agent_
 @click.pass_context
 def streams_command(ctx: click.Context, loglevel: str) -> None:
     """Run a stream-processing worker (spans -> ClickHouse, trajectories, credit, transitions); run more to scale."""
-    from agentstream.streams.worker_main import run_streams_worker
+    from agentstream.streams.main import run_streams_worker
 
     config = _config(ctx)
     endpoints = Stack(config).endpoints()
@@ -507,8 +507,8 @@ def train_command(ctx: click.Context, agent: str, task_file: Path, agent_name: s
                   server_url: str | None, runners: int, concurrency: int, strategy: str, group_size: int,
                   epochs: int, max_steps: int | None, val_file: Path | None) -> None:
     """Train an agent on a task file with one command: enqueue, run, train, hot-swap, until done."""
-    from agentstream.pipeline.runner import AgentLoadError, load_agent
-    from agentstream.pipeline.tasks import TaskFileError
+    from agentstream.pipeline.runner.pool import AgentLoadError, load_agent
+    from agentstream.pipeline.runner.tasks import TaskFileError
     from agentstream.session import ChildFailed
     from agentstream.train import TrainRequest, run_training
 
@@ -610,7 +610,7 @@ def train_worker_command(ctx: click.Context, model_spec: str | None, max_steps: 
     from agentstream.deploy.rebase import RejectionStreak
 
     try:
-        from agentstream.trainer.checkpoints import CheckpointError
+        from agentstream.trainer.checkpoint_writer import CheckpointError
         from agentstream.trainer.distributed import Ranks
         from agentstream.trainer.policy import PolicyError
         from agentstream.trainer.worker_main import run_train_follower, run_train_worker
@@ -655,7 +655,7 @@ def sft_command(ctx: click.Context, dataset: str, min_reward: float | None, epoc
     from agentstream.schemas.dataset import DatasetError
 
     try:
-        from agentstream.trainer.checkpoints import CheckpointError
+        from agentstream.trainer.checkpoint_writer import CheckpointError
         from agentstream.trainer.policy import PolicyError
         from agentstream.trainer.sft_main import NothingToTrain, run_supervised
         from agentstream.trainer.tracking import TrackerMissing
@@ -740,7 +740,7 @@ def deployments_command(ctx: click.Context, model_name: str | None, history: int
     from agentstream.deploy.deployments import DeploymentError, read_routes
     from agentstream.deploy.manual import RECENT_DECISIONS_SQL
     from agentstream.infra.clickhouse import connect, server_message
-    from agentstream.pipeline.upstreams import holdings_rows, survey
+    from agentstream.pipeline.proxy.upstreams import holdings_rows, survey
 
     config = _config(ctx)
     endpoints = Stack(config).endpoints()

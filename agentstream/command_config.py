@@ -8,7 +8,7 @@ from __future__ import annotations
 import click
 
 from agentstream.infra.config import Config, load_config
-from agentstream.infra.schema_registry.client import use_configured_registry
+from agentstream.infra.registry_client.client import use_configured_registry
 
 
 def command_config(ctx: click.Context) -> Config:

@@ -17,10 +17,10 @@ from typing import Any
 from agentstream.deploy.deployments import DeploymentError, adapter_name
 from agentstream.deploy.gate import GATE_AGENT, Evaluate, EvaluationError, Score
 from agentstream.infra.config import Config
-from agentstream.pipeline.access import proxy_client_key
-from agentstream.pipeline.runner import call_agent, load_agent
+from agentstream.pipeline.proxy.access import proxy_client_key
+from agentstream.pipeline.runner.pool import call_agent, load_agent
+from agentstream.pipeline.runner.tasks import read_task_file
 from agentstream.pipeline.sdk import SpanSink, emit_reward, rollout
-from agentstream.pipeline.tasks import read_task_file
 
 log = logging.getLogger("agentstream.gate")
 

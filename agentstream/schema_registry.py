@@ -5,7 +5,7 @@ from __future__ import annotations
 import click
 
 from agentstream.command_config import command_config as _config
-from agentstream.stack.schema_registry.service import registry_client, registry_url
+from agentstream.stack.registry_server.service import registry_client, registry_url
 
 
 @click.group("schema-registry")
@@ -25,7 +25,7 @@ def serve_command(ctx: click.Context, host: str | None, port: int | None, topic:
                   memory: bool) -> None:
     """Serve the registry in the foreground on the configured Kafka (what `agentstream up` starts)."""
     from agentstream.stack.control import Stack
-    from agentstream.stack.schema_registry.__main__ import run
+    from agentstream.stack.registry_server.__main__ import run
 
     config = _config(ctx)
     bootstrap = Stack(config).endpoints().bootstrap_servers
@@ -37,7 +37,7 @@ def serve_command(ctx: click.Context, host: str | None, port: int | None, topic:
 @click.pass_context
 def register_command(ctx: click.Context) -> None:
     """Register every current agentstream schema (after the compatibility check) and print the ids in use."""
-    from agentstream.infra.schema_registry import RemoteRegistry, register_product_schemas
+    from agentstream.infra.registry_client import RemoteRegistry, register_product_schemas
 
     config = _config(ctx)
     settings = config.schema_registry

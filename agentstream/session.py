@@ -21,7 +21,7 @@ from pathlib import Path
 from agentstream.infra.config import Config, dump_toml
 from agentstream.infra.processes import free_port, wait_for_port
 from agentstream.models import model_display_name
-from agentstream.pipeline.access import proxy_client_key
+from agentstream.pipeline.proxy.access import proxy_client_key
 from agentstream.schemas.errors import AgentstreamError
 from agentstream.stack.control import Endpoints
 

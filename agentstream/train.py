@@ -16,7 +16,7 @@ from pathlib import Path
 from agentstream.infra.clickhouse import connect
 from agentstream.infra.config import Config, CreditRule
 from agentstream.models import model_display_name
-from agentstream.pipeline.tasks import enqueue, grouped_tasks, read_task_file
+from agentstream.pipeline.runner.tasks import enqueue, grouped_tasks, read_task_file
 from agentstream.session import SessionPlan, TrainingSession
 from agentstream.stack.control import Stack
 

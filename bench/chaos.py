@@ -306,7 +306,7 @@ class TaskFeeder(threading.Thread):
         from aiokafka import AIOKafkaProducer
 
         from agentstream.examples.arithmetic import split
-        from agentstream.pipeline.tasks import grouped_tasks
+        from agentstream.pipeline.runner.tasks import grouped_tasks
 
         payloads, _ = split()
         codec = AvroCodec()

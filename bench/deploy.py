@@ -34,13 +34,13 @@ from agentstream.infra.config import Config, TrainerConfig
 from agentstream.infra.kafka import create_topics
 from agentstream.infra.processes import free_port
 from agentstream.models import load_model
-from agentstream.pipeline.proxy import LLMProxy, serve_proxy
+from agentstream.pipeline.proxy.server import LLMProxy, serve_proxy
 from agentstream.pipeline.publisher import SpanPublisher
 from agentstream.serving.app import create_app
 from agentstream.serving.hotswap import HotSwapper
 from agentstream.serving.protocol import Contract
 from agentstream.stack.control import Endpoints
-from agentstream.trainer.checkpoints import checkpoint_name, open_store, read_manifest
+from agentstream.trainer.checkpoint_writer import checkpoint_name, open_store, read_manifest
 from bench.common import emit, private_stack
 from bench.streams import start_worker, wait_ready
 from tests.support.deploy_scenario import EXACT_AGENT, Users, lora_checkpoint, publish, serve_app, wait_until

@@ -15,7 +15,7 @@ from pathlib import Path
 import httpx
 
 from agentstream.models import load_model
-from agentstream.pipeline.proxy import LLMProxy
+from agentstream.pipeline.proxy.server import LLMProxy
 from agentstream.pipeline.publisher import SpanPublisher
 from agentstream.serving.app import create_app
 from bench.common import emit, percentile, private_stack

@@ -33,8 +33,8 @@ from agentstream.demo.training import AGENTS, DATABASE, demo_config, evaluate, s
 from agentstream.infra.clickhouse import connect
 from agentstream.infra.config import Config
 from agentstream.pipeline.publisher import SpanPublisher
+from agentstream.pipeline.runner.tasks import enqueue, grouped_tasks
 from agentstream.pipeline.sdk import set_sink
-from agentstream.pipeline.tasks import enqueue, grouped_tasks
 from agentstream.session import SessionPlan, TrainingSession
 from agentstream.stack.machine import calibrate
 from bench.common import emit, private_stack

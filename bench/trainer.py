@@ -41,7 +41,7 @@ from agentstream.infra.processes import free_port
 from agentstream.schemas import TRANSITION, AvroCodec
 from agentstream.stack.control import Stack
 from agentstream.trainer.batching import Batcher, Sample, SeenIds
-from agentstream.trainer.checkpoints import CheckpointAnnouncer, open_store, write_checkpoint
+from agentstream.trainer.checkpoint_writer import CheckpointAnnouncer, open_store, write_checkpoint
 from agentstream.trainer.metrics import MetricsWriter
 from agentstream.trainer.policy import build_policy, save_weights
 from agentstream.trainer.step import train_step

@@ -2,7 +2,7 @@
 
 One definition of the checkpoints topic's Avro record (``schemas/avro/checkpoint.avsc``) and of
 the ClickHouse ``checkpoints`` row, in both directions. The trainer writes it
-(``trainer/checkpoints.py``); ``deploy`` (the gate, a person's promotion) and ``serving`` (hot
+(``trainer/checkpoint_writer.py``); ``deploy`` (the gate, a person's promotion) and ``serving`` (hot
 swap) read it. Trainer and deploy may not import each other, so the record lives here, with the
 other wire contracts both sides import.
 """

@@ -55,7 +55,7 @@ class RolloutEventRecord(TypedDict):
 
 
 class TaskRecord(TypedDict):
-    """One Task record (``schemas/avro/task.avsc``): ``agentstream.pipeline.tasks`` puts it on the tasks topic, a
+    """One Task record (``schemas/avro/task.avsc``): ``agentstream.pipeline.runner.tasks`` puts it on the tasks topic, a
     runner runs it."""
 
     task_id: str

@@ -39,7 +39,7 @@ from typing import Any
 
 import aiohttp
 
-from agentstream.deploy.checkpoints import CheckpointFollower
+from agentstream.deploy.checkpoint_follower import CheckpointFollower
 from agentstream.deploy.deployments import (
     Action,
     Decision,

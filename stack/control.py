@@ -44,7 +44,7 @@ from agentstream.stack.kafka import (
     write_properties,
 )
 from agentstream.stack.objectstore import HOST as OBJECTSTORE_HOST
-from agentstream.stack.schema_registry.service import SCHEMA_REGISTRY, registry_state, start_registry
+from agentstream.stack.registry_server.service import SCHEMA_REGISTRY, registry_state, start_registry
 
 BROKER = "broker"
 CLICKHOUSE = "clickhouse"

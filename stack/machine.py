@@ -114,7 +114,7 @@ def process_label(pid: int) -> str | None:
         return None
     for module, label in (("agentstream.stack.chserver", "clickhouse"),
                           ("agentstream.stack.objectstore", "objectstore"),
-                          ("agentstream.stack.schema_registry", "schema-registry")):
+                          ("agentstream.stack.registry_server", "schema-registry")):
         if module in argv:
             return label
     if Path(argv[0]).name == "tansu" or MAIN_CLASS in argv:  # tansu, or Apache Kafka's JVM

@@ -39,6 +39,7 @@ from agentstream.infra.kafka import (
     topic_name,
 )
 from agentstream.infra.members import MemberLedger, evict_dead_members, member_id
+from agentstream.streams.clickhouse_io import Warehouse
 from agentstream.streams.dependency_adapters import kafka_consumer
 from agentstream.streams.groups import GroupProcessor
 from agentstream.streams.processor import SpanProcessor
@@ -46,7 +47,6 @@ from agentstream.streams.records import RawRecord
 from agentstream.streams.sink import CompletionSink, gather
 from agentstream.streams.stage import Stage
 from agentstream.streams.transport import StreamsConsumer, StreamsTransport
-from agentstream.streams.warehouse import Warehouse
 
 log = logging.getLogger("agentstream.streams")
 

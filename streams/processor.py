@@ -42,6 +42,7 @@ from agentstream.schemas.container_file import container_file, read_container
 from agentstream.schemas.records import RolloutEventRecord
 from agentstream.schemas.span_reader import MalformedSpan, SpanReader
 from agentstream.schemas.transition_writer import Draft, draft
+from agentstream.streams.clickhouse_io import RejectedData, Warehouse
 from agentstream.streams.credit import Credit, NonFiniteCredit, matching_rule, strategy_for
 from agentstream.streams.lifecycle import OpenRollout, RolloutTracker
 from agentstream.streams.records import RawRecord, sort_records
@@ -49,7 +50,6 @@ from agentstream.streams.sink import ROLLOUT_COLUMNS, Completion, CompletionSink
 from agentstream.streams.stage import Emitter, Holder, Stage, Transitions, now_us
 from agentstream.streams.trajectory import SpanNode, Trajectory, assemble
 from agentstream.streams.trajectory_samples import TrajectorySamples, trajectory_samples
-from agentstream.streams.warehouse import RejectedData, Warehouse
 
 log = logging.getLogger("agentstream.streams")
 

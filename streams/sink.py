@@ -16,8 +16,8 @@ from dataclasses import dataclass, field
 from typing import NamedTuple, Protocol
 
 from agentstream.schemas.transition_writer import transitions_container
+from agentstream.streams.clickhouse_io import Warehouse
 from agentstream.streams.records import RawRecord
-from agentstream.streams.warehouse import Warehouse
 
 
 class RolloutRow(NamedTuple):

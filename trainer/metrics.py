@@ -11,7 +11,7 @@ from typing import TypeVar
 
 from agentstream.schemas.checkpoint import CHECKPOINT_COLUMNS
 from agentstream.trainer.batching import Batch
-from agentstream.trainer.checkpoints import Manifest
+from agentstream.trainer.checkpoint_writer import Manifest
 from agentstream.trainer.step import StepResult
 
 log = logging.getLogger("agentstream.trainer")

@@ -31,7 +31,13 @@ from agentstream.infra.kafka import KafkaUnreachable
 from agentstream.schemas.dataset import DatasetRow, read_rows
 from agentstream.schemas.errors import AgentstreamError
 from agentstream.trainer.batching import Batch, Batcher, Sample, SeenIds, TransitionError
-from agentstream.trainer.checkpoints import CheckpointAnnouncer, Manifest, latest_manifest, open_store, write_checkpoint
+from agentstream.trainer.checkpoint_writer import (
+    CheckpointAnnouncer,
+    Manifest,
+    latest_manifest,
+    open_store,
+    write_checkpoint,
+)
 from agentstream.trainer.metrics import MetricsWriter, StepReport, write_logged
 from agentstream.trainer.policy import Policy, build_policy, load_weights, save_weights_later
 from agentstream.trainer.step import train_step

@@ -33,7 +33,7 @@ from typing import Any, Literal, Protocol
 
 from agentstream.infra.config import Secret, TrackingConfig, TrainerConfig, masked_uris, uri_scheme
 from agentstream.schemas.errors import AgentstreamError
-from agentstream.trainer.checkpoints import Manifest
+from agentstream.trainer.checkpoint_writer import Manifest
 from agentstream.trainer.metrics import StepReport
 
 log = logging.getLogger("agentstream.trainer.tracking")

@@ -43,7 +43,7 @@ from agentstream.infra.members import MemberLedger, evict_dead_members, member_i
 from agentstream.models import NonFiniteWeights
 from agentstream.schemas import TRANSITION, TRANSITION_BATCH, AvroCodec, CodecError
 from agentstream.trainer.batching import Batch, Batcher, Sample, SeenIds, TransitionError
-from agentstream.trainer.checkpoints import (
+from agentstream.trainer.checkpoint_writer import (
     CheckpointAnnouncer,
     CheckpointError,
     CheckpointStore,

@@ -30,7 +30,7 @@ from aiohttp import web
 from agentstream.dashboard import queries
 from agentstream.dashboard.kafka_state import DEAD_LETTER_COLUMNS, LAG_COLUMNS, KafkaReader
 from agentstream.dashboard.queries import Chart
-from agentstream.dashboard.warehouse import Warehouse, WarehouseError
+from agentstream.dashboard.readonly_client import Warehouse, WarehouseError
 from agentstream.infra.config import Config
 from agentstream.infra.security import KeySet, check_bind
 from agentstream.schemas.errors import AgentstreamError

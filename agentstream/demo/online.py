@@ -36,7 +36,7 @@ from agentstream.infra.clickhouse import connect, migrate
 from agentstream.infra.config import CHECKPOINT_BUCKET, Config, CreditRule
 from agentstream.infra.processes import free_port
 from agentstream.infra.security import FEEDBACK_TOKEN_HEADER
-from agentstream.pipeline.feedback import feedback_url
+from agentstream.pipeline.proxy.feedback import feedback_url
 from agentstream.pipeline.publisher import SpanPublisher
 from agentstream.pipeline.sdk import rollout, set_sink
 from agentstream.session import SessionPlan, TrainingSession

@@ -43,13 +43,13 @@ from agentstream.infra.config import Config, CreditRule
 from agentstream.models import local_path, model_display_name, smollm2_tokenizer
 from agentstream.models.precision import native_bfloat16
 from agentstream.pipeline.publisher import SpanPublisher
+from agentstream.pipeline.runner.tasks import PacedQueue, grouped_tasks
 from agentstream.pipeline.sdk import emit_reward, rollout, set_sink
-from agentstream.pipeline.tasks import PacedQueue, grouped_tasks
 from agentstream.schemas.contracts import POLICY_VERSION_HEADER
 from agentstream.session import SessionPlan, TrainingSession
 from agentstream.stack.control import Stack
 from agentstream.stack.machine import calibrate
-from agentstream.trainer.checkpoints import find_version, keep_only_newest, open_store
+from agentstream.trainer.checkpoint_writer import find_version, keep_only_newest, open_store
 from agentstream.trainer.policy import OPTIMIZER_STATE
 from agentstream.trainer.tracking import record_evaluations
 

@@ -12,9 +12,9 @@ import pytest
 from agentstream.infra.config import AglConfig
 from agentstream.models import load_model
 from agentstream.pipeline import sdk
-from agentstream.pipeline.agl import run_subprocess_agent
-from agentstream.pipeline.proxy import LLMProxy
+from agentstream.pipeline.proxy.server import LLMProxy
 from agentstream.pipeline.publisher import SpanPublisher
+from agentstream.pipeline.runner.agl import run_subprocess_agent
 from agentstream.serving.app import create_app
 from tests.integration.test_proxy import spans_of
 from tests.support.http_thread import ServerThread

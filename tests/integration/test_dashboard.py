@@ -25,7 +25,7 @@ from pathlib import Path
 import pytest
 
 from agentstream.dashboard import queries
-from agentstream.dashboard.warehouse import Warehouse, WarehouseError
+from agentstream.dashboard.readonly_client import Warehouse, WarehouseError
 from agentstream.infra.clickhouse import migrate
 from agentstream.infra.processes import free_port
 from tests.support.streams_harness import worker_env

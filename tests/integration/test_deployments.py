@@ -27,12 +27,12 @@ from agentstream.infra.config import TrainerConfig
 from agentstream.infra.kafka import create_topics, topic_name
 from agentstream.infra.processes import free_port
 from agentstream.models import load_model
-from agentstream.pipeline.proxy import LLMProxy, serve_proxy
+from agentstream.pipeline.proxy.server import LLMProxy, serve_proxy
 from agentstream.serving.app import create_app
 from agentstream.serving.handlers import SERVER
 from agentstream.serving.hotswap import HotSwapper
 from agentstream.serving.protocol import Contract
-from agentstream.trainer.checkpoints import open_store
+from agentstream.trainer.checkpoint_writer import open_store
 from agentstream.trainer.metrics import MetricsWriter
 from agentstream.trainer.worker import TrainerWorker
 from tests.integration.test_trainer_hotswap import trained_policy

@@ -33,7 +33,7 @@ from agentstream.infra.config import TrainerConfig
 from agentstream.infra.kafka import create_topics, topic_name
 from agentstream.infra.processes import free_port
 from agentstream.trainer.batching import Batch, Counts, Sample, token_weights
-from agentstream.trainer.checkpoints import manifests, open_store
+from agentstream.trainer.checkpoint_writer import manifests, open_store
 from agentstream.trainer.distributed import Group, Ranks, Shard, join, leave, shard_batch
 from agentstream.trainer.policy import Policy, build_policy
 from agentstream.trainer.step import train_step

@@ -36,9 +36,9 @@ from agentstream.infra.config import load_config
 from agentstream.infra.kafka import topic_name
 from agentstream.infra.processes import free_port
 from agentstream.models import tiny_tokenizer
-from agentstream.pipeline.proxy import LLMProxy
+from agentstream.pipeline.proxy.server import LLMProxy
+from agentstream.pipeline.runner.tasks import enqueue, grouped_tasks, read_task_file
 from agentstream.pipeline.sdk import Rollout
-from agentstream.pipeline.tasks import enqueue, grouped_tasks, read_task_file
 from agentstream.serving.app import create_app
 from tests.support.http_thread import ServerThread
 from tests.support.readback import read_topic

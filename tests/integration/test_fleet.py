@@ -37,8 +37,8 @@ from agentstream.deploy.deployments import read_routes
 from agentstream.infra.checkpoint_store import MANIFEST, sha256_file
 from agentstream.infra.config import CHECKPOINT_BUCKET, load_config
 from agentstream.infra.processes import free_port
-from agentstream.pipeline.tasks import enqueue, grouped_tasks
-from agentstream.pipeline.upstreams import missing, survey
+from agentstream.pipeline.proxy.upstreams import missing, survey
+from agentstream.pipeline.runner.tasks import enqueue, grouped_tasks
 from agentstream.serving.protocol import Contract
 from tests.integration.test_hotswap_reconcile import TOKEN, ModelServerProcess
 from tests.support.s3_checkpoints import KEY_ID, SECRET, EmbeddedStore

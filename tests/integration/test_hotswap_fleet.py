@@ -21,8 +21,8 @@ from clickhouse_connect.driver.exceptions import DatabaseError
 
 from agentstream.deploy.deployments import Action, DeploymentFollower, DeploymentLog
 from agentstream.infra.processes import free_port
-from agentstream.pipeline.proxy import LLMProxy, serve_proxy
-from agentstream.pipeline.upstreams import HealthSettings, holdings_rows, survey
+from agentstream.pipeline.proxy.server import LLMProxy, serve_proxy
+from agentstream.pipeline.proxy.upstreams import HealthSettings, holdings_rows, survey
 from agentstream.serving.hotswap import HotSwapper
 from agentstream.serving.hotswap_main import fleet_swappers, run_fleet
 from agentstream.serving.protocol import Contract

@@ -33,7 +33,7 @@ from agentstream.serving.app import create_app
 from agentstream.serving.handlers import SERVER
 from agentstream.serving.hotswap import AdminTokenRefused, HotSwapper
 from agentstream.serving.protocol import Contract
-from agentstream.trainer.checkpoints import checkpoint_name, open_store, write_checkpoint
+from agentstream.trainer.checkpoint_writer import checkpoint_name, open_store, write_checkpoint
 from agentstream.trainer.policy import save_weights
 from tests.integration.test_trainer_hotswap import assert_served_by, trained_policy
 from tests.support.deploy_scenario import publish, serve_app

@@ -35,7 +35,7 @@ from agentstream.infra.clickhouse import connect
 from agentstream.infra.config import Config, load_config
 from agentstream.infra.kafka import TopicSpec, client_options, ensure_topics, topic_name, topic_partitions
 from agentstream.schemas.transition_writer import transition_id
-from agentstream.trainer.checkpoints import manifests, open_store
+from agentstream.trainer.checkpoint_writer import manifests, open_store
 from tests.support.cluster_load import Load, beyond_first, busiest_leader, first_ack_after, ids_on_topic
 from tests.support.kafka_cluster import KafkaCluster
 from tests.support.span_ledger import LEDGER_ENV, LedgeredPublisher, LedgerReader, LedgerState

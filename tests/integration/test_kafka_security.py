@@ -17,7 +17,7 @@ import pytest
 from aiokafka import AIOKafkaConsumer, AIOKafkaProducer
 from aiokafka.admin import AIOKafkaAdminClient
 
-from agentstream.deploy.checkpoints import CheckpointFollower
+from agentstream.deploy.checkpoint_follower import CheckpointFollower
 from agentstream.deploy.deployments import DeploymentFollower, announce
 from agentstream.infra.acls import RUNNER_GROUP, TRAINER_GROUP_PREFIX, Grant, kafka_acls_commands, role_grants
 from agentstream.infra.clickhouse import connect
@@ -33,12 +33,12 @@ from agentstream.infra.kafka import (
     product_topics,
     topic_name,
 )
-from agentstream.pipeline.otlp import KafkaDeadLetters
+from agentstream.pipeline.collector.receiver import KafkaDeadLetters
 from agentstream.pipeline.publisher import SpanPublisher
 from agentstream.schemas import AvroCodec
 from agentstream.stack.control import Endpoints
 from agentstream.streams.app import internal_topics
-from agentstream.trainer.checkpoints import CheckpointAnnouncer
+from agentstream.trainer.checkpoint_writer import CheckpointAnnouncer
 from tests.support.kafka_secure import SecureKafka
 from tests.support.streams_harness import CliProcess, Worker, wait_for, worker_env
 
@@ -163,7 +163,7 @@ def test_a_principal_without_write_on_spans_is_refused_and_journals(kafka: Secur
 
 
 def test_runner_reads_tasks_in_its_group_only(kafka: SecureKafka, base: Config) -> None:
-    """The runner's consumer (as pipeline/runner.py makes it) joins its group; another group is refused."""
+    """The runner's consumer (as pipeline/runner/pool.py makes it) joins its group; another group is refused."""
     options = consumer_options(kafka.config(base, "runner").kafka, kafka.secure)
 
     async def join(group: str) -> None:

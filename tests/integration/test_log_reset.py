@@ -19,9 +19,9 @@ from agentstream.infra.clickhouse import connect
 from agentstream.infra.config import load_config
 from agentstream.infra.kafka import create_topics, topic_name
 from agentstream.pipeline.publisher import SpanPublisher
-from agentstream.pipeline.runner import Runner, RunnerOptions
-from agentstream.pipeline.tasks import enqueue, make_task
-from agentstream.trainer.checkpoints import manifests, open_store
+from agentstream.pipeline.runner.pool import Runner, RunnerOptions
+from agentstream.pipeline.runner.tasks import enqueue, make_task
+from agentstream.trainer.checkpoint_writer import manifests, open_store
 from tests.integration.test_trainer_worker import produce as produce_transitions
 from tests.integration.test_trainer_worker import transition
 from tests.support.broker import MemoryBroker

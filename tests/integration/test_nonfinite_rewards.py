@@ -28,7 +28,7 @@ from agentstream.infra.kafka import create_topics as create_kafka_topics
 from agentstream.infra.kafka import topic_name
 from agentstream.models import NonFiniteWeights
 from agentstream.schemas import AvroCodec
-from agentstream.trainer.checkpoints import manifests, open_store
+from agentstream.trainer.checkpoint_writer import manifests, open_store
 from agentstream.trainer.metrics import MetricsWriter
 from agentstream.trainer.worker import TrainerWorker
 from tests.integration.test_trainer_worker import produce as produce_transitions

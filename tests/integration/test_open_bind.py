@@ -25,7 +25,7 @@ def test_serve_model_refuses_to_listen_beyond_loopback_without_an_admin_token(tm
 
 def test_the_registry_refuses_an_open_bind_in_one_line() -> None:
     environment = {k: v for k, v in os.environ.items() if not k.startswith(("AGENTSTREAM_", "SCHEMA_REGISTRY_"))}
-    result = subprocess.run([sys.executable, "-m", "agentstream.stack.schema_registry", "--host", "0.0.0.0",
+    result = subprocess.run([sys.executable, "-m", "agentstream.stack.registry_server", "--host", "0.0.0.0",
                              "--memory"],
                             env=environment, capture_output=True, text=True, timeout=60, check=False)
     assert result.returncode == 1

@@ -36,10 +36,10 @@ from agentstream.infra.clickhouse import connect
 from agentstream.infra.config import load_config
 from agentstream.infra.kafka import client_options, topic_name
 from agentstream.models import load_model
-from agentstream.pipeline.otlp import KafkaDeadLetters, OtlpReceiver
-from agentstream.pipeline.otlp_grpc import serve_grpc
-from agentstream.pipeline.otlp_http import OtlpHttp
-from agentstream.pipeline.proxy import LLMProxy
+from agentstream.pipeline.collector.grpc_front import serve_grpc
+from agentstream.pipeline.collector.http_front import OtlpHttp
+from agentstream.pipeline.collector.receiver import KafkaDeadLetters, OtlpReceiver
+from agentstream.pipeline.proxy.server import LLMProxy
 from agentstream.pipeline.publisher import SpanPublisher
 from agentstream.schemas import AvroCodec
 from agentstream.serving.app import create_app

@@ -25,9 +25,9 @@ from opentelemetry.proto.collector.trace.v1.trace_service_pb2_grpc import TraceS
 
 from agentstream.infra import kafka
 from agentstream.infra.kafka import client_options, topic_name
-from agentstream.pipeline.otlp import OtlpReceiver
-from agentstream.pipeline.otlp_grpc import serve_grpc
-from agentstream.pipeline.otlp_http import OtlpHttp
+from agentstream.pipeline.collector.grpc_front import serve_grpc
+from agentstream.pipeline.collector.http_front import OtlpHttp
+from agentstream.pipeline.collector.receiver import OtlpReceiver
 from agentstream.pipeline.publisher import SpanPublisher
 from tests.support.broker import MemoryBroker
 from tests.support.http_thread import ServerThread

@@ -21,9 +21,9 @@ from agentstream.infra.config import load_config
 from agentstream.infra.kafka import client_options, topic_name
 from agentstream.infra.processes import free_port, wait_for_port
 from agentstream.infra.security import KeySet
-from agentstream.pipeline.otlp import OtlpReceiver
-from agentstream.pipeline.otlp_grpc import serve_grpc
-from agentstream.pipeline.otlp_http import OtlpHttp
+from agentstream.pipeline.collector.grpc_front import serve_grpc
+from agentstream.pipeline.collector.http_front import OtlpHttp
+from agentstream.pipeline.collector.receiver import OtlpReceiver
 from tests.support.http_thread import ServerThread
 from tests.support.readback import read_topic
 from tests.support.streams_harness import create_topics, worker_env

@@ -18,8 +18,8 @@ from pathlib import Path
 import pytest
 
 from agentstream.infra.config import Config
-from agentstream.infra.schema_registry import RegistryClient
-from agentstream.infra.schema_registry.errors import Unauthorized
+from agentstream.infra.registry_client import RegistryClient
+from agentstream.infra.registry_client.errors import Unauthorized
 from agentstream.schemas import current_schemas
 from tests.integration import test_schema_registry as with_a_users_registry
 from tests.support.karapace import COMMAND_VARIABLE, KarapaceProcess, karapace_command, write_authfile

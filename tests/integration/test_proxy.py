@@ -12,7 +12,7 @@ import pytest
 from agentstream.infra.kafka import topic_name
 from agentstream.infra.security import FEEDBACK_TOKEN_HEADER, feedback_token
 from agentstream.models import load_model
-from agentstream.pipeline.proxy import LLMProxy
+from agentstream.pipeline.proxy.server import LLMProxy
 from agentstream.pipeline.publisher import SpanPublisher
 from agentstream.serving.app import create_app
 from tests.support.http_thread import ServerThread

@@ -17,8 +17,8 @@ import openai
 import pytest
 
 from agentstream.deploy.deployments import Routing
-from agentstream.pipeline.proxy import LLMProxy
-from agentstream.pipeline.upstreams import HealthSettings, UpstreamPool
+from agentstream.pipeline.proxy.server import LLMProxy
+from agentstream.pipeline.proxy.upstreams import HealthSettings, UpstreamPool
 from agentstream.serving.protocol import Contract
 from tests.integration.test_hotswap_reconcile import ModelServerProcess, admin
 from tests.support.http_thread import ServerThread

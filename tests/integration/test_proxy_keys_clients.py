@@ -23,12 +23,12 @@ from agentstream.infra.kafka import topic_name
 from agentstream.infra.security import KeySet
 from agentstream.models import load_model
 from agentstream.pipeline import sdk
-from agentstream.pipeline.access import proxy_client_key
-from agentstream.pipeline.agl import AgentProcessFailed, adapt_agent
-from agentstream.pipeline.proxy import LLMProxy
+from agentstream.pipeline.proxy.access import proxy_client_key
+from agentstream.pipeline.proxy.server import LLMProxy
 from agentstream.pipeline.publisher import SpanPublisher
-from agentstream.pipeline.runner import Runner, RunnerOptions
-from agentstream.pipeline.tasks import enqueue, make_task
+from agentstream.pipeline.runner.agl import AgentProcessFailed, adapt_agent
+from agentstream.pipeline.runner.pool import Runner, RunnerOptions
+from agentstream.pipeline.runner.tasks import enqueue, make_task
 from agentstream.serving.app import create_app
 from tests.support import agl_agents
 from tests.support.http_thread import ServerThread

@@ -28,7 +28,7 @@ from agentstream.infra.kafka import topic_name
 from agentstream.infra.processes import free_port
 from agentstream.infra.security import FEEDBACK_TOKEN_HEADER, KeySet, feedback_token
 from agentstream.models import load_model
-from agentstream.pipeline.proxy import LLMProxy
+from agentstream.pipeline.proxy.server import LLMProxy
 from agentstream.pipeline.publisher import SpanPublisher
 from agentstream.serving.app import create_app
 from agentstream.serving.protocol import Contract

@@ -15,7 +15,7 @@ import uuid
 from agentstream.infra.clickhouse import connect
 from agentstream.infra.config import load_config
 from agentstream.infra.kafka import create_topics, topic_name
-from agentstream.pipeline.tasks import enqueue, make_task
+from agentstream.pipeline.runner.tasks import enqueue, make_task
 from agentstream.stack.machine import calibrate
 from tests.support.broker import MemoryBroker
 from tests.support.streams_harness import CliProcess, Worker, produce, rollout_records, wait_for, worker_env

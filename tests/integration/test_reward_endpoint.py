@@ -15,7 +15,7 @@ import pytest
 
 from agentstream.infra.kafka import topic_name
 from agentstream.infra.processes import free_port
-from agentstream.pipeline.proxy import LLMProxy
+from agentstream.pipeline.proxy.server import LLMProxy
 from agentstream.pipeline.publisher import SpanPublisher
 from tests.support.http_thread import ServerThread
 from tests.support.readback import read_topic

@@ -24,7 +24,7 @@ from agentstream.infra.checkpoint_store import (
 )
 from agentstream.infra.config import CHECKPOINT_BUCKET, CheckpointsConfig, Config
 from agentstream.stack.control import Endpoints
-from agentstream.trainer.checkpoints import latest_manifest, write_checkpoint
+from agentstream.trainer.checkpoint_writer import latest_manifest, write_checkpoint
 from tests.support.s3_checkpoints import KEY_ID, LOCATION, SECRET, EmbeddedStore, s3_store, write
 
 
@@ -54,7 +54,7 @@ import sys, time
 from pathlib import Path
 from agentstream.infra.config import CheckpointsConfig, Secret
 from agentstream.infra.checkpoint_store import MANIFEST, open_store
-from agentstream.trainer.checkpoints import write_checkpoint
+from agentstream.trainer.checkpoint_writer import write_checkpoint
 
 endpoint, home, marker = sys.argv[1], Path(sys.argv[2]), Path(sys.argv[3])
 settings = CheckpointsConfig(s3_endpoint=endpoint, s3_access_key_id=sys.argv[4],

@@ -33,8 +33,8 @@ from confluent_kafka.serialization import MessageField, SerializationContext
 from agentstream.infra.config import Config
 from agentstream.infra.kafka import create_topics, topic_name
 from agentstream.infra.processes import free_port
-from agentstream.infra.schema_registry import RegistryClient, RemoteRegistry, use_configured_registry
-from agentstream.infra.schema_registry.product import schema_json
+from agentstream.infra.registry_client import RegistryClient, RemoteRegistry, use_configured_registry
+from agentstream.infra.registry_client.product import schema_json
 from agentstream.pipeline.publisher import SpanPublisher
 from agentstream.schemas import (
     ANNOUNCEMENT,

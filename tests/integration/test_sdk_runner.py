@@ -11,7 +11,8 @@ import time
 import pytest
 
 from agentstream.infra.kafka import topic_name
-from agentstream.pipeline.runner import Runner, RunnerOptions
+from agentstream.pipeline.runner.pool import Runner, RunnerOptions
+from agentstream.pipeline.runner.tasks import enqueue, make_task
 from agentstream.pipeline.sdk import (
     NoRollout,
     emit_message,
@@ -20,7 +21,6 @@ from agentstream.pipeline.sdk import (
     rollout,
     span,
 )
-from agentstream.pipeline.tasks import enqueue, make_task
 from tests.support.readback import read_topic
 
 

@@ -20,7 +20,7 @@ import pytest
 from agentstream.infra.config import Config, TrainerConfig, load_config
 from agentstream.infra.kafka import SessionTimeoutRefused, create_topics
 from agentstream.pipeline.publisher import SpanPublisher
-from agentstream.pipeline.runner import Runner, RunnerOptions
+from agentstream.pipeline.runner.pool import Runner, RunnerOptions
 from agentstream.stack.control import Endpoints
 from agentstream.trainer.worker import TrainerWorker
 from tests.support.kafka_cluster import KafkaCluster

@@ -16,7 +16,7 @@ from agentstream.infra.config import TrackingConfig, TrainerConfig
 from agentstream.infra.kafka import create_topics, topic_name
 from agentstream.models import teacher_forced_logprobs
 from agentstream.schemas.dataset import DatasetRow, MalformedDatasetRow, json_line
-from agentstream.trainer.checkpoints import latest_manifest, open_store
+from agentstream.trainer.checkpoint_writer import latest_manifest, open_store
 from agentstream.trainer.metrics import MetricsWriter
 from agentstream.trainer.policy import build_policy, load_weights
 from agentstream.trainer.sft_main import NothingToTrain, run_sft

@@ -15,7 +15,7 @@ import pytest
 
 from agentstream.infra.kafka import topic_name
 from agentstream.models import LoadedModel, load_model
-from agentstream.pipeline.proxy import LLMProxy
+from agentstream.pipeline.proxy.server import LLMProxy
 from agentstream.pipeline.publisher import SpanPublisher
 from agentstream.serving.app import create_app
 from agentstream.serving.protocol import Contract

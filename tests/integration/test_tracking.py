@@ -26,7 +26,7 @@ from mlflow.tracking import MlflowClient
 from agentstream.infra.config import Config, TrackingConfig, TrainerConfig
 from agentstream.infra.kafka import create_topics, topic_name
 from agentstream.infra.processes import free_port
-from agentstream.trainer.checkpoints import manifests, open_store
+from agentstream.trainer.checkpoint_writer import manifests, open_store
 from agentstream.trainer.tracking import CHECKPOINT_DIR_TAG, HELDOUT_ACCURACY, record_evaluations
 from agentstream.trainer.worker import RunSummary, TrainerWorker
 from tests.integration.test_trainer_worker import produce, transition

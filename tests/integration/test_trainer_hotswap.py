@@ -21,7 +21,7 @@ from agentstream.serving.app import create_app
 from agentstream.serving.handlers import SERVER
 from agentstream.serving.hotswap import HotSwapError, HotSwapper, Swap
 from agentstream.trainer.batching import Batch, Counts, Sample
-from agentstream.trainer.checkpoints import open_store, write_checkpoint
+from agentstream.trainer.checkpoint_writer import open_store, write_checkpoint
 from agentstream.trainer.policy import build_policy, save_weights
 from agentstream.trainer.step import train_step
 from tests.support.deploy_scenario import publish

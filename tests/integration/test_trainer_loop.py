@@ -18,7 +18,7 @@ import uuid
 
 from agentstream.infra.config import load_config
 from agentstream.infra.processes import free_port
-from agentstream.pipeline.tasks import enqueue, grouped_tasks
+from agentstream.pipeline.runner.tasks import enqueue, grouped_tasks
 from tests.support.streams_harness import CliProcess, Worker, create_topics, worker_env
 
 MAX_TOKENS = 12

@@ -17,7 +17,7 @@ from agentstream.infra.config import Config, TrainerConfig
 from agentstream.infra.kafka import create_topics, topic_name
 from agentstream.models.weights import ADAPTER_WEIGHTS_FILE
 from agentstream.schemas import CHECKPOINT, TRANSITION, TRANSITION_BATCH, AvroCodec
-from agentstream.trainer.checkpoints import manifests, open_store
+from agentstream.trainer.checkpoint_writer import manifests, open_store
 from agentstream.trainer.errors import TrainerConfigError
 from agentstream.trainer.metrics import MetricsWriter
 from agentstream.trainer.worker import TrainerWorker

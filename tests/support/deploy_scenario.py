@@ -14,7 +14,7 @@ from aiohttp import web
 
 from agentstream.infra.processes import free_port
 from agentstream.pipeline.sdk import emit_reward, rollout
-from agentstream.trainer.checkpoints import CheckpointAnnouncer, write_checkpoint
+from agentstream.trainer.checkpoint_writer import CheckpointAnnouncer, write_checkpoint
 from agentstream.trainer.policy import build_policy, save_weights
 
 EXACT_AGENT = f"{__name__}:exact_agent"

@@ -7,7 +7,7 @@ from pathlib import Path
 from agentstream.infra.checkpoint_store import S3Store, open_store
 from agentstream.infra.config import CHECKPOINT_BUCKET, CheckpointsConfig, Secret
 from agentstream.stack.objectstore import ObjectStoreServer
-from agentstream.trainer.checkpoints import write_checkpoint
+from agentstream.trainer.checkpoint_writer import write_checkpoint
 from tests.support.http_thread import ServerThread
 
 KEY_ID, SECRET = "trainer", "s3cr3t-never-printed"

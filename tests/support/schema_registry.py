@@ -10,7 +10,7 @@ import sys
 from pathlib import Path
 
 from agentstream.infra.processes import free_port, wait_for_port
-from agentstream.infra.schema_registry import RegistryClient
+from agentstream.infra.registry_client import RegistryClient
 
 
 class RegistryProcess:
@@ -25,7 +25,7 @@ class RegistryProcess:
         self.process: subprocess.Popen[bytes] | None = None
 
     def start(self, timeout_s: float = 30.0) -> RegistryProcess:
-        command = [sys.executable, "-m", "agentstream.stack.schema_registry", "--host", "127.0.0.1",
+        command = [sys.executable, "-m", "agentstream.stack.registry_server", "--host", "127.0.0.1",
                    "--port", str(self.port),
                    "--bootstrap-servers", self.bootstrap_servers, "--topic", self.topic, "--ids", self.ids]
         if not self.seed:

@@ -27,10 +27,10 @@ from aiokafka.structs import ConsumerRecord
 from hypothesis import HealthCheck, given, settings
 from hypothesis import strategies as st
 
-from agentstream.deploy.checkpoints import checkpoint_of
+from agentstream.deploy.checkpoint_follower import checkpoint_of
 from agentstream.deploy.deployments import Action, Decision, DeploymentFollower, Routing
 from agentstream.infra.config import load_config
-from agentstream.pipeline.runner import OffsetTracker, Runner
+from agentstream.pipeline.runner.pool import OffsetTracker, Runner
 from agentstream.schemas import (
     CHECKPOINT,
     DEAD_LETTER,

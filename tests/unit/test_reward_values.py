@@ -14,8 +14,8 @@ from opentelemetry.proto.common.v1.common_pb2 import AnyValue, KeyValue
 import agentstream as ags
 import agentstream.agl as agl
 from agentstream.pipeline import sdk
-from agentstream.pipeline.agl import forward_span
-from agentstream.pipeline.otlp_map import TraceMapper
+from agentstream.pipeline.collector.mapping import TraceMapper
+from agentstream.pipeline.runner.agl import forward_span
 from agentstream.schemas.contracts import RewardError, resolve_reward
 from tests.support.sinks import ListSink
 
@@ -115,7 +115,9 @@ def test_agent_lightning_reward_annotations_are_checked(value):
 
 
 def test_an_agent_returning_nan_fails_its_attempt_with_a_reward_error():
-    from agentstream.pipeline.runner import emit_reward  # the runner records a returned number through the SDK's check
+    from agentstream.pipeline.runner.pool import (
+        emit_reward,  # the runner records a returned number through the SDK's check
+    )
 
     sink = ListSink()
     with sdk.rollout("agent", rollout_id="r-return", sink=sink), pytest.raises(RewardError, match="finite"):

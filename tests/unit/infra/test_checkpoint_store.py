@@ -20,7 +20,7 @@ from agentstream.infra.checkpoint_store import (
 )
 from agentstream.infra.config import CheckpointsConfig, ConfigError, Secret, describe, load_config
 from agentstream.infra.files import sha256_file
-from agentstream.trainer.checkpoints import (
+from agentstream.trainer.checkpoint_writer import (
     checkpoint_name,
     latest_manifest,
     manifests,

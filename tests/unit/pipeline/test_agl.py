@@ -10,8 +10,8 @@ import pytest
 import agentstream.agl as agl
 from agentstream.infra.config import AglConfig
 from agentstream.pipeline import sdk
-from agentstream.pipeline.agl import adapt_agent, forward_span, install_tracer, is_agl1_agent, task_environment
-from agentstream.pipeline.runner import call_agent, load_agent
+from agentstream.pipeline.runner.agl import adapt_agent, forward_span, install_tracer, is_agl1_agent, task_environment
+from agentstream.pipeline.runner.pool import call_agent, load_agent
 from tests.support.sinks import ListSink
 
 SETTINGS = AglConfig(model="tiny", temperature=0.7, prompt_template="Solve {question}")

@@ -4,8 +4,8 @@ from __future__ import annotations
 
 import json
 
-from agentstream.pipeline.otlp import decode_request
-from agentstream.pipeline.otlp_map import TraceMapper
+from agentstream.pipeline.collector.mapping import TraceMapper
+from agentstream.pipeline.collector.receiver import decode_request
 
 
 def test_otlp_json_with_hex_ids_decodes():

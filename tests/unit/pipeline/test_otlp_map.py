@@ -13,8 +13,8 @@ from opentelemetry.sdk.trace import TracerProvider
 from opentelemetry.sdk.trace.export import SimpleSpanProcessor
 from opentelemetry.sdk.trace.export.in_memory_span_exporter import InMemorySpanExporter
 
-from agentstream.pipeline.otlp import PROTOBUF, Refused, decode_request, status_protobuf
-from agentstream.pipeline.otlp_map import TraceMapper, unflatten
+from agentstream.pipeline.collector.mapping import TraceMapper, unflatten
+from agentstream.pipeline.collector.receiver import PROTOBUF, Refused, decode_request, status_protobuf
 from agentstream.schemas.span_writer import prepare_span
 
 

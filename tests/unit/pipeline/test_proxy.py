@@ -2,7 +2,7 @@
 
 from __future__ import annotations
 
-from agentstream.pipeline.proxy import trace_context
+from agentstream.pipeline.proxy.server import trace_context
 
 
 def test_traceparent_and_baggage_parsing():

@@ -5,7 +5,7 @@ from __future__ import annotations
 import pytest
 
 from agentstream.infra.config import load_config
-from agentstream.pipeline.tasks import PacedQueue, TaskFileError, read_task_file
+from agentstream.pipeline.runner.tasks import PacedQueue, TaskFileError, read_task_file
 
 
 def queue(max_lag: int) -> PacedQueue:

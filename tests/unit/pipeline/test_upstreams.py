@@ -5,7 +5,7 @@ from __future__ import annotations
 import pytest
 
 from agentstream.deploy.deployments import Routing
-from agentstream.pipeline.upstreams import HealthSettings, UpstreamPool, base_url, holdings_rows
+from agentstream.pipeline.proxy.upstreams import HealthSettings, UpstreamPool, base_url, holdings_rows
 
 
 def pool(count: int = 3, eject_after: int = 2) -> UpstreamPool:

@@ -6,10 +6,10 @@ import dataclasses
 import datetime
 from types import SimpleNamespace
 
-from agentstream.deploy.checkpoints import checkpoint_of
+from agentstream.deploy.checkpoint_follower import checkpoint_of
 from agentstream.schemas import CHECKPOINT, AvroCodec, current_schemas
 from agentstream.schemas.checkpoint import CHECKPOINT_COLUMNS, Checkpoint
-from agentstream.trainer.checkpoints import Manifest
+from agentstream.trainer.checkpoint_writer import Manifest
 
 CODEC = AvroCodec()
 CHECKPOINT_RECORD = Checkpoint(model="m", version=3, uri="file:///ckpt/m/v00000003", sha256="ab" * 32, step=7,

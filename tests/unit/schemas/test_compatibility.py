@@ -8,7 +8,7 @@ import avro.schema
 import pytest
 from avro.compatibility import ReaderWriterCompatibilityChecker, SchemaCompatibilityType
 
-from agentstream.infra.schema_registry.product import product_schemas, schema_json
+from agentstream.infra.registry_client.product import product_schemas, schema_json
 from agentstream.schemas.compatibility import (
     InvalidSchema,
     UnknownCompatibilityLevel,

@@ -24,11 +24,11 @@ RETRIABLE = {
     "agentstream.infra.checkpoint_store.StoreUnreachable",
     "agentstream.infra.clickhouse.ClickHouseUnreachable",
     "agentstream.infra.kafka.KafkaUnreachable",
-    "agentstream.infra.schema_registry.errors.RegistryUnavailable",
-    "agentstream.infra.schema_registry.errors.StoreError",
-    "agentstream.infra.schema_registry.errors.StoreTimeout",
-    "agentstream.pipeline.otlp.Busy",
-    "agentstream.pipeline.proxy.UpstreamError",
+    "agentstream.infra.registry_client.errors.RegistryUnavailable",
+    "agentstream.infra.registry_client.errors.StoreError",
+    "agentstream.infra.registry_client.errors.StoreTimeout",
+    "agentstream.pipeline.collector.receiver.Busy",
+    "agentstream.pipeline.proxy.server.UpstreamError",
     "agentstream.pipeline.publisher.errors.FlushTimeout",
     "agentstream.pipeline.publisher.errors.PublisherFull",
     "agentstream.serving.hotswap.StoreNotReachable",
@@ -81,7 +81,7 @@ def test_the_walk_finds_the_product_exceptions(classes):
     assert len(classes) > 80
     for name in ("agentstream.schemas.errors.CodecError", "agentstream.pipeline.sdk.NoRollout",
                  "agentstream.trainer.policy.PolicyError",
-                 "agentstream.infra.schema_registry.errors.StoreTimeout", *PRIVATE_EXEMPT, *RETRIABLE):
+                 "agentstream.infra.registry_client.errors.StoreTimeout", *PRIVATE_EXEMPT, *RETRIABLE):
         assert name in classes
 
 
@@ -115,7 +115,7 @@ def test_the_retriable_errors_are_the_transient_ones(classes):
 
 def test_builtin_bases_that_callers_catch_are_kept(classes):
     assert issubclass(classes["agentstream.infra.config.ConfigError"], ValueError)
-    assert issubclass(classes["agentstream.pipeline.errors.AgentLoadError"], ImportError)
+    assert issubclass(classes["agentstream.pipeline.runner.errors.AgentLoadError"], ImportError)
     assert issubclass(classes["agentstream.schemas.contracts.RewardError"], ValueError)
     assert issubclass(classes["agentstream.pipeline.publisher.errors.PublisherError"], RuntimeError)
 

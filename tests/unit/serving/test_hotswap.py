@@ -17,7 +17,7 @@ from agentstream.serving.app import create_app
 from agentstream.serving.handlers import SERVER
 from agentstream.serving.hotswap import HotSwapError, HotSwapper
 from agentstream.stack.objectstore import ObjectStoreServer
-from agentstream.trainer.checkpoints import write_checkpoint
+from agentstream.trainer.checkpoint_writer import write_checkpoint
 from agentstream.trainer.policy import build_policy, save_weights
 from tests.support.http_thread import ServerThread
 

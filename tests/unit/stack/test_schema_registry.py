@@ -29,18 +29,18 @@ from confluent_kafka.schema_registry.common.schema_registry_client import Schema
 from confluent_kafka.schema_registry.error import SchemaRegistryError
 
 from agentstream.infra.config import load_config
-from agentstream.infra.schema_registry import (
+from agentstream.infra.registry_client import (
     IncompatibleSchemaVersion,
     RegistryClient,
     RemoteRegistry,
     register_product_schemas,
 )
-from agentstream.infra.schema_registry.errors import Unauthorized, error_for
-from agentstream.infra.schema_registry.product import product_schemas, schema_json
+from agentstream.infra.registry_client.errors import Unauthorized, error_for
+from agentstream.infra.registry_client.product import product_schemas, schema_json
 from agentstream.infra.security import KeySet
 from agentstream.schemas import TASK, AvroCodec, current_schemas, schema_id
-from agentstream.stack.schema_registry import MemoryLog, RegistryService, RegistryState, create_app
-from agentstream.stack.schema_registry.service import registry_client
+from agentstream.stack.registry_server import MemoryLog, RegistryService, RegistryState, create_app
+from agentstream.stack.registry_server.service import registry_client
 from tests.support.avro_samples import ROOT
 from tests.support.http_thread import ServerThread
 

@@ -4,7 +4,7 @@ from __future__ import annotations
 
 import pytest
 
-from agentstream.trainer.checkpoints import (
+from agentstream.trainer.checkpoint_writer import (
     CheckpointError,
     FolderStore,
     UnsupportedStore,

@@ -10,7 +10,7 @@ import torch
 from agentstream.infra.config import ConfigError, load_config
 from agentstream.models import sha256_file
 from agentstream.trainer.batching import Batch, Counts
-from agentstream.trainer.checkpoints import (
+from agentstream.trainer.checkpoint_writer import (
     FolderStore,
     latest_manifest,
     open_store,

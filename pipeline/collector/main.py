@@ -9,9 +9,9 @@ from agentstream.infra.grace import until_signalled
 from agentstream.infra.kafka import client_options, topic_name
 from agentstream.infra.processes import ServiceError
 from agentstream.infra.security import KeySet, check_bind
-from agentstream.pipeline.otlp import KafkaDeadLetters, OtlpReceiver
-from agentstream.pipeline.otlp_grpc import serve_grpc
-from agentstream.pipeline.otlp_http import serve_http
+from agentstream.pipeline.collector.grpc_front import serve_grpc
+from agentstream.pipeline.collector.http_front import serve_http
+from agentstream.pipeline.collector.receiver import KafkaDeadLetters, OtlpReceiver
 from agentstream.pipeline.publisher import process_publisher
 
 

@@ -13,8 +13,8 @@ from collections.abc import Callable
 
 from agentstream.infra.config import Config, dump_toml
 from agentstream.infra.processes import ServiceDirectory
-from agentstream.infra.schema_registry.client import RegistryClient, configured_registry, register_product_schemas
-from agentstream.infra.schema_registry.errors import RegistryError, RegistryUnavailable
+from agentstream.infra.registry_client.client import RegistryClient, configured_registry, register_product_schemas
+from agentstream.infra.registry_client.errors import RegistryError, RegistryUnavailable
 from agentstream.infra.security import KeySet
 
 SCHEMA_REGISTRY = "schema-registry"
@@ -55,7 +55,7 @@ def start_registry(config: Config, services: ServiceDirectory, bootstrap_servers
                  f"({settings.compatibility.upper()} checked)")
         return url
     settings_file = services.private_file("schema-registry.toml", dump_toml(config))
-    command = [sys.executable, "-m", "agentstream.stack.schema_registry", "--config", str(settings_file),
+    command = [sys.executable, "-m", "agentstream.stack.registry_server", "--config", str(settings_file),
                "--bootstrap-servers", bootstrap_servers]
     record = services.start(SCHEMA_REGISTRY, command, config.stack.host, settings.port, timeout_s)
     progress(f"schemas     registry pid {record.pid} on http://{record.address} "

@@ -23,7 +23,7 @@ from typing import Any
 
 from aiohttp import web
 
-from agentstream.infra.schema_registry.errors import (
+from agentstream.infra.registry_client.errors import (
     AssociationNotFound,
     BadRequest,
     NotServed,
@@ -33,10 +33,10 @@ from agentstream.infra.schema_registry.errors import (
     SubjectNotFound,
     Unauthorized,
 )
-from agentstream.infra.schema_registry.product import product_schemas, schema_json
+from agentstream.infra.registry_client.product import product_schemas, schema_json
 from agentstream.infra.security import KeySet
 from agentstream.schemas.catalog import Schema
-from agentstream.stack.schema_registry.state import (
+from agentstream.stack.registry_server.state import (
     MAX_VERSION,
     Candidate,
     RegistryState,
@@ -48,7 +48,7 @@ from agentstream.stack.schema_registry.state import (
     mode_key,
     schema_key,
 )
-from agentstream.stack.schema_registry.store import SchemaLog
+from agentstream.stack.registry_server.store import SchemaLog
 
 log = logging.getLogger("agentstream.schema_registry")
 

@@ -14,7 +14,7 @@ Log records use the layout of Confluent's ``_schemas`` topic: JSON keys
 first submitted; its canonical form decides ids.
 
 Ids are either ``fingerprint`` (a schema's id is the content address agentstream's codec
-writes, :func:`agentstream.schemas.registry.id_of_canonical_form`, so producers need no round trip) or
+writes, :func:`agentstream.schemas.schema_ids.id_of_canonical_form`, so producers need no round trip) or
 ``sequential`` (1, 2, 3, ... as Confluent assigns them). Either way one schema has one id
 across all subjects, and schemas are the same when their Avro Parsing Canonical Forms are.
 """
@@ -29,7 +29,7 @@ from typing import Any
 
 from fastavro.schema import to_parsing_canonical_form
 
-from agentstream.infra.schema_registry.errors import (
+from agentstream.infra.registry_client.errors import (
     IncompatibleSchemaVersion,
     InvalidCompatibilityLevel,
     InvalidMode,
@@ -56,7 +56,7 @@ from agentstream.schemas.compatibility import (
     check_level,
 )
 from agentstream.schemas.compatibility import parse as parse_avro
-from agentstream.schemas.registry import id_of_canonical_form
+from agentstream.schemas.schema_ids import id_of_canonical_form
 
 ID_STRATEGIES = ("fingerprint", "sequential")
 MAX_VERSION = 2**31 - 1

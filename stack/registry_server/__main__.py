@@ -10,9 +10,9 @@ from pathlib import Path
 from agentstream.infra.config import Config, ConfigError, load_config
 from agentstream.infra.kafka import client_options
 from agentstream.infra.security import KeySet, check_bind
-from agentstream.stack.schema_registry.server import RegistryService, serve
-from agentstream.stack.schema_registry.state import ID_STRATEGIES, RegistryState
-from agentstream.stack.schema_registry.store import KafkaLog, MemoryLog, SchemaLog
+from agentstream.stack.registry_server.server import RegistryService, serve
+from agentstream.stack.registry_server.state import ID_STRATEGIES, RegistryState
+from agentstream.stack.registry_server.store import KafkaLog, MemoryLog, SchemaLog
 from agentstream.stack.signals import stop_on_signals
 
 

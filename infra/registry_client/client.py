@@ -21,7 +21,7 @@ import urllib.request
 from typing import Any
 
 from agentstream.infra.config import Config, SchemaRegistryConfig
-from agentstream.infra.schema_registry.errors import (
+from agentstream.infra.registry_client.errors import (
     IncompatibleSchemaVersion,
     RegistryError,
     RegistryUnavailable,
@@ -31,11 +31,11 @@ from agentstream.infra.schema_registry.errors import (
     VersionNotFound,
     error_for,
 )
-from agentstream.infra.schema_registry.product import product_schemas, schema_json, subject_of
+from agentstream.infra.registry_client.product import product_schemas, schema_json, subject_of
 from agentstream.schemas.catalog import Schema, self_contained
 from agentstream.schemas.compatibility import check, parse
 from agentstream.schemas.errors import UnknownSchemaId
-from agentstream.schemas.registry import BundledRegistry, schema_id, use_registry
+from agentstream.schemas.schema_ids import BundledRegistry, schema_id, use_registry
 
 CONTENT_TYPE = "application/vnd.schemaregistry.v1+json"
 CREDENTIALS_FROM = "[schema_registry] username and password (SCHEMA_REGISTRY_USERNAME, SCHEMA_REGISTRY_PASSWORD)"

@@ -9,7 +9,7 @@ import uvloop
 from agentstream.infra.config import AglConfig, Config
 from agentstream.infra.grace import ShutdownDeadline, until_signalled
 from agentstream.pipeline.publisher import process_publisher
-from agentstream.pipeline.runner import Runner, RunnerOptions, load_agent
+from agentstream.pipeline.runner.pool import Runner, RunnerOptions, load_agent
 from agentstream.pipeline.sdk import set_sink
 
 

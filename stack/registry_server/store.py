@@ -22,8 +22,8 @@ from aiokafka.admin import AIOKafkaAdminClient
 
 from agentstream.infra.config import KafkaConfig
 from agentstream.infra.kafka import KafkaSetupError, TopicSpec, ensure_topics, start_producer, topic_partitions
-from agentstream.infra.schema_registry.errors import StoreError, StoreTimeout
-from agentstream.stack.schema_registry.state import NOOP_KEY, LogKey, LogValue
+from agentstream.infra.registry_client.errors import StoreError, StoreTimeout
+from agentstream.stack.registry_server.state import NOOP_KEY, LogKey, LogValue
 
 log = logging.getLogger("agentstream.schema_registry")
 

@@ -1,4 +1,4 @@
-"""OTLP/gRPC in front of :class:`agentstream.pipeline.otlp.OtlpReceiver`: TraceService, LogsService and
+"""OTLP/gRPC in front of :class:`agentstream.pipeline.collector.receiver.OtlpReceiver`: TraceService, LogsService and
 MetricsService ``Export``.
 
 Served by grpc.aio on the caller's event loop, beside OTLP/HTTP on the same receiver. The services
@@ -23,7 +23,7 @@ import grpc
 from multidict import CIMultiDict
 
 from agentstream.infra.processes import ServiceError
-from agentstream.pipeline.otlp import (
+from agentstream.pipeline.collector.receiver import (
     PROTOBUF,
     SIGNALS,
     Busy,

@@ -29,11 +29,11 @@ from agentstream.infra.config import AglConfig, Config
 from agentstream.infra.kafka import client_options, consumer_options, session_timeout_checked, topic_name
 from agentstream.infra.logreset import ConsumerLogWatch
 from agentstream.infra.members import MemberLedger, evict_dead_members, member_id
-from agentstream.pipeline.access import proxy_client_key
-from agentstream.pipeline.agl import adapt_agent
-from agentstream.pipeline.errors import AgentLoadError
+from agentstream.pipeline.proxy.access import proxy_client_key
+from agentstream.pipeline.runner.agl import adapt_agent
+from agentstream.pipeline.runner.errors import AgentLoadError
+from agentstream.pipeline.runner.tasks import enqueue
 from agentstream.pipeline.sdk import Rollout, SpanSink, emit_exception, emit_reward, new_id, rollout
-from agentstream.pipeline.tasks import enqueue
 from agentstream.schemas import TASK, AvroCodec, CodecError
 from agentstream.schemas.records import TaskRecord
 
@@ -46,7 +46,7 @@ def load_agent(spec: str, agl: AglConfig | None = None) -> AgentFunction:
     """Import ``module:function`` (the current directory is importable, as users expect).
 
     An Agent Lightning agent (``@rollout``, a ``LitAgent``, a 1.0 agent class) comes back adapted
-    to the runner's calling convention, with ``agl``'s resources (``pipeline/agl.py``).
+    to the runner's calling convention, with ``agl``'s resources (``pipeline/runner/agl.py``).
     """
     module_name, _, attribute = spec.partition(":")
     if not module_name or not attribute:

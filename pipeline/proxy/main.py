@@ -13,10 +13,10 @@ from agentstream.deploy.deployments import DeploymentFollower
 from agentstream.infra.config import Config
 from agentstream.infra.grace import until_signalled
 from agentstream.infra.security import KeySet, check_bind
-from agentstream.pipeline.feedback import proxy_feedback_secret
-from agentstream.pipeline.proxy import LLMProxy, serve_proxy
+from agentstream.pipeline.proxy.feedback import proxy_feedback_secret
+from agentstream.pipeline.proxy.server import LLMProxy, serve_proxy
+from agentstream.pipeline.proxy.upstreams import HealthSettings
 from agentstream.pipeline.publisher import process_publisher
-from agentstream.pipeline.upstreams import HealthSettings
 
 
 @dataclass(frozen=True)

@@ -1,10 +1,10 @@
 """The OTLP receiver behind ``agentstream collector``, shared by its OTLP/HTTP and OTLP/gRPC fronts.
 
-What the OpenTelemetry SDKs and the Collector send, as they send it (:mod:`agentstream.pipeline.otlp_http`:
-``POST /v1/traces``, ``/v1/logs``, ``/v1/metrics``, protobuf or JSON, gzip; :mod:`agentstream.pipeline.otlp_grpc`:
+What the OpenTelemetry SDKs and the Collector send, as they send it (:mod:`agentstream.pipeline.collector.http_front`:
+``POST /v1/traces``, ``/v1/logs``, ``/v1/metrics``, protobuf or JSON, gzip; :mod:`agentstream.pipeline.collector.grpc_front`:
 TraceService, LogsService and MetricsService, gzip too):
 
-* **traces** become Span records on the spans topic (:mod:`agentstream.pipeline.otlp_map` says what each OTel
+* **traces** become Span records on the spans topic (:mod:`agentstream.pipeline.collector.mapping` says what each OTel
   span becomes), handed to the span publisher, which batches them per rollout and journals them on
   local disk while the broker is away: a success means "taken", not "in ClickHouse".
 * **logs and metrics** are decoded, counted (``/health``, the collector's exit line) and answered,
@@ -43,7 +43,7 @@ from opentelemetry.proto.collector.trace.v1.trace_service_pb2 import (
 from agentstream.infra.config import KafkaConfig
 from agentstream.infra.kafka import start_producer
 from agentstream.infra.security import KeySet
-from agentstream.pipeline.otlp_map import Mapped, TraceMapper
+from agentstream.pipeline.collector.mapping import Mapped, TraceMapper
 from agentstream.pipeline.publisher import PublisherClosed, PublisherFull
 from agentstream.pipeline.sdk import now_us
 from agentstream.schemas import DEAD_LETTER, AvroCodec, EncodeError

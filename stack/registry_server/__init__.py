@@ -4,12 +4,12 @@
 - :mod:`.state` / :mod:`.store`: what it knows, rebuilt from its log (Kafka or memory);
 - :mod:`.service`: the registry as a service of the local stack (``up``, ``status``, ``down``).
 
-Its client and errors live in :mod:`agentstream.infra.schema_registry`, since every process uses them.
+Its client and errors live in :mod:`agentstream.infra.registry_client`, since every process uses them.
 """
 
-from agentstream.stack.schema_registry.server import RegistryService, create_app, serve
-from agentstream.stack.schema_registry.state import RegistryState
-from agentstream.stack.schema_registry.store import KafkaLog, MemoryLog
+from agentstream.stack.registry_server.server import RegistryService, create_app, serve
+from agentstream.stack.registry_server.state import RegistryState
+from agentstream.stack.registry_server.store import KafkaLog, MemoryLog
 
 __all__ = [
     "KafkaLog",

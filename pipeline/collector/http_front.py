@@ -1,4 +1,4 @@
-"""OTLP/HTTP in front of :class:`agentstream.pipeline.otlp.OtlpReceiver`: ``POST /v1/traces``, ``/v1/logs``,
+"""OTLP/HTTP in front of :class:`agentstream.pipeline.collector.receiver.OtlpReceiver`: ``POST /v1/traces``, ``/v1/logs``,
 ``/v1/metrics``.
 
 Bodies are protobuf (``application/x-protobuf``) or JSON, with any ``Content-Encoding`` aiohttp
@@ -17,7 +17,7 @@ from aiohttp.web_protocol import RequestPayloadError
 from google.protobuf import json_format
 from google.protobuf.message import Message
 
-from agentstream.pipeline.otlp import (
+from agentstream.pipeline.collector.receiver import (
     INVALID_ARGUMENT,
     JSON,
     PROTOBUF,

@@ -9,7 +9,7 @@ records one span per returned choice with the ids exactly as generated, and stri
 whatever the client did not ask for, so the client sees what it would have seen without the proxy. Streams are
 relayed chunk by chunk as they arrive. Late rewards arrive at ``POST /rollouts/{id}/reward``.
 
-It faces untrusted users, so it forwards only what they may call (``pipeline/access.py``): POST
+It faces untrusted users, so it forwards only what they may call (``pipeline/proxy/access.py``): POST
 ``chat/completions`` and ``completions``, GET ``models`` (and ``models/{id}``) and POST ``embeddings``
 under each prefix; any other method or path (a model server's admin routes included) gets the proxy's
 own 404 and never reaches the model server. With API keys (``[security] proxy_keys``) every route but
@@ -50,7 +50,7 @@ from aiohttp import web
 from agentstream.deploy.deployments import split_adapter_name
 from agentstream.deploy.routing import Route, RouteError, RoutingTable, resolve_route
 from agentstream.infra.security import FEEDBACK_TOKEN_HEADER, KeySet, feedback_token
-from agentstream.pipeline.access import (
+from agentstream.pipeline.proxy.access import (
     HEALTH_ROUTE,
     MODEL_ROUTES,
     REWARD_ROUTE,
@@ -59,8 +59,8 @@ from agentstream.pipeline.access import (
     not_served,
     upstream_headers,
 )
+from agentstream.pipeline.proxy.upstreams import RELIST_GAP_S, HealthSettings, Replica, UpstreamPool
 from agentstream.pipeline.sdk import Rollout, SpanSink, build_span, new_id, now_us
-from agentstream.pipeline.upstreams import RELIST_GAP_S, HealthSettings, Replica, UpstreamPool
 from agentstream.schemas.contracts import (
     AGENT_HEADER,
     ATTEMPT_HEADER,
@@ -353,7 +353,7 @@ def served_version(headers, capture: CallCapture) -> int | None:
 class LLMProxy:
     """The proxy application: routes, attribution, relay and capture.
 
-    ``upstream``: one model server's URL, or several (a fleet: ``pipeline/upstreams.py`` picks one per
+    ``upstream``: one model server's URL, or several (a fleet: ``pipeline/proxy/upstreams.py`` picks one per
     request and ``health`` says how it checks them). ``keys``: the API keys callers must present
     (empty or None: any caller). ``feedback_secret``: what feedback tokens are made with (None:
     tokens off, the reward endpoint takes any caller); the CLI builds both from ``[security]``.
