@@ -355,13 +355,11 @@ def render_csv(sections: Sequence[Section]) -> str:
 
 def print_tables(sections: Sequence[Section], file: TextIO | None = None) -> None:
     """Each section as a rich table; an empty one says ``(no rows)``. Off a terminal, lines are never wrapped."""
-    from rich.console import Console
     from rich.table import Table
 
-    target = file or sys.stdout
-    console = Console(file=target, highlight=False)
-    if not console.is_terminal:  # a pipe or a file: no colours, and full width so no cell is cut or folded
-        console = Console(file=target, highlight=False, width=10_000, no_color=True)
+    from agentstream.console import product_console
+
+    console = product_console(file or sys.stdout)  # off a terminal: no colours, and no cell cut or folded
     for section in sections:
         table = Table(title=section.title, title_justify="left", caption="(no rows)" if not section.rows else None,
                       caption_justify="left")

@@ -10,7 +10,7 @@ six, in a seeded order), SIGKILLs it and restarts it after a few seconds, or SIG
 SIGCONTs it later (a kind's first fault picks one at random, its next ones alternate, so every
 kind meets both from its second fault on), then waits until that component is processing again.
 
-The producers write a ledger of what was acknowledged to them (``bench/chaos_ledger.py``). At
+The producers write a ledger of what was acknowledged to them (``tests/support/span_ledger.py``). At
 the end the load stops, the pipeline drains, and the ledger is checked against ClickHouse
 (``FINAL``) and the trainer's manifests: acknowledged spans and rollouts missing, transitions
 missing (expected from acknowledged rollouts, or on the transitions topic) and transitions
@@ -39,7 +39,7 @@ import threading
 import time
 import urllib.request
 from collections import Counter, defaultdict
-from dataclasses import dataclass, field, replace
+from dataclasses import dataclass, replace
 from pathlib import Path
 
 from clickhouse_connect.driver.client import Client
@@ -53,6 +53,7 @@ from agentstream.schemas.transition_writer import transition_id
 from agentstream.stack.control import BROKER, CLICKHOUSE, Stack
 from bench.common import emit, percentile, private_environ
 from tests.support.kafka_cluster import KafkaCluster
+from tests.support.span_ledger import LedgerReader, LedgerState
 
 BENCH = "chaos"
 ROOT = Path(__file__).resolve().parents[1]
@@ -189,49 +190,6 @@ class ClusterNode:
 
 
 # ---------------------------------------------------------------------------------------------- what we watch
-
-
-@dataclass
-class LedgerState:
-    """Everything the ledger files said so far, read incrementally."""
-
-    spans: dict[str, tuple[str, str, str, str, str, bool, float]] = field(default_factory=dict)
-    """span id -> (producer, rollout, attempt, kind, model, has token ids, acknowledged at)"""
-    events: dict[str, list[tuple[str, str, float]]] = field(default_factory=lambda: defaultdict(list))
-    """rollout id -> [(attempt, event, acknowledged at)]"""
-    producer_of_rollout: dict[str, str] = field(default_factory=dict)
-    last_round: dict[str, float] = field(default_factory=dict)  # producer -> time of its newest ledger round
-    dropped: dict[str, int] = field(default_factory=dict)  # ledger file -> records the publisher dropped (max seen)
-
-
-class LedgerReader:
-    def __init__(self, folder: Path) -> None:
-        self.folder = folder
-        self.offsets: dict[Path, int] = {}
-        self.state = LedgerState()
-
-    def poll(self) -> LedgerState:
-        for path in sorted(self.folder.glob("*.ledger")):
-            producer = path.stem
-            with open(path, "rb") as handle:
-                handle.seek(self.offsets.get(path, 0))
-                data = handle.read()
-            end = data.rfind(b"\n") + 1  # a line cut short by a kill (no newline yet) waits
-            self.offsets[path] = self.offsets.get(path, 0) + end
-            at = 0.0
-            for line in data[:end].decode(errors="replace").splitlines():
-                parts = line.split("\t")
-                if parts[0] == "T" and len(parts) == 3:
-                    at = float(parts[1])
-                    self.state.last_round[producer] = max(self.state.last_round.get(producer, 0.0), at)
-                elif parts[0] == "S" and len(parts) == 7:
-                    self.state.spans[parts[1]] = (producer, parts[2], parts[3], parts[4], parts[5], parts[6] == "1", at)
-                elif parts[0] == "E" and len(parts) == 4:
-                    self.state.events[parts[1]].append((parts[2], parts[3], at))
-                    self.state.producer_of_rollout.setdefault(parts[1], producer)
-                elif parts[0] == "D" and len(parts) == 2:
-                    self.state.dropped[producer] = max(self.state.dropped.get(producer, 0), int(parts[1]))
-        return self.state
 
 
 class TopicWatcher(threading.Thread):

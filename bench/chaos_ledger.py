@@ -1,20 +1,8 @@
 """The chaos soak's ledger: which span ids and rollout events each producer process had acknowledged.
 
-The publisher reports acknowledgement through ``flush()``: when it returns, every span and event
-published before the call is acknowledged by the broker (acks=all) or fsynced to the publisher's
-journal, which the next publisher on the same directory replays. There is no per-span callback,
-so :class:`LedgeredPublisher` (a SpanPublisher subclass, installed into an unmodified
-``agentstream`` command by this module's launcher) remembers the ids it was handed and, twice a
-second, calls ``flush()`` and then appends the ids published before that call to a ledger file
-(fsynced). A process SIGKILLed between an acknowledgement and its ledger line only makes the
-ledger smaller: every line in it was acknowledged to its producer.
-
-Ledger lines (tab-separated; a line cut short by a kill has no newline and is ignored):
-
-- ``T  <unix time>  <pid>``: the time a flush returned, before the ids it settled;
-- ``S  <span id>  <rollout id>  <attempt id>  <kind>  <model>  <1 if it has token ids>``;
-- ``E  <rollout id>  <attempt id>  <event>`` (STARTED, SUCCEEDED, FAILED, ...);
-- ``D  <records dropped so far>``: the publisher's count of records the broker refused for good.
+The soak's producers, each writing the ledger file ``--ledger`` names: an unmodified ``agentstream`` command with
+:class:`tests.support.span_ledger.LedgeredPublisher` installed in place of every SpanPublisher it creates, or a
+direct load through one. The ledger's format, its writer and its reader are tests/support/span_ledger.py's.
 
 Run as::
 
@@ -31,107 +19,14 @@ import signal
 import sys
 import threading
 import time
-from collections.abc import Mapping
 from pathlib import Path
-from typing import Any
 
-from agentstream.pipeline.publisher import FlushTimeout, PublisherClosed, SpanPublisher
 from bench.common import llm_span
+from tests.support.span_ledger import LEDGER_ENV, LedgeredPublisher
 
-LEDGER_ENV = "AGENTSTREAM_CHAOS_LEDGER"
 DIRECT_MODEL = "chaos-direct"  # not the trained model: the trainer skips these transitions (their token ids are random)
 DIRECT_AGENT = "chaos-direct"
 LLM_SPANS_PER_ROLLOUT = 15
-
-
-class LedgerFile:
-    """Appends lines to the ledger and fsyncs them (one process per file at a time; O_APPEND keeps lines whole)."""
-
-    def __init__(self, path: Path) -> None:
-        self.fd = os.open(path, os.O_WRONLY | os.O_APPEND | os.O_CREAT, 0o644)
-
-    def write(self, lines: list[str]) -> None:
-        data = ("".join(line + "\n" for line in lines)).encode()
-        written = 0
-        while written < len(data):
-            written += os.write(self.fd, data[written:])
-        os.fsync(self.fd)
-
-
-class LedgeredPublisher(SpanPublisher):
-    """A SpanPublisher that writes what it acknowledged to the ledger named by $AGENTSTREAM_CHAOS_LEDGER."""
-
-    ledger_interval_s = 0.5
-
-    def __init__(self, *args: Any, **kwargs: Any) -> None:
-        super().__init__(*args, **kwargs)
-        self._ledger = LedgerFile(Path(os.environ[LEDGER_ENV]))
-        self._unsettled: list[str] = []
-        self._ledger_lock = threading.Lock()
-        self._ledger_stop = threading.Event()
-        self._ledger_thread: threading.Thread | None = None
-
-    def start(self):
-        super().start()
-        if self._ledger_thread is None:
-            self._ledger_thread = threading.Thread(target=self._record_loop, name="chaos-ledger", daemon=True)
-            self._ledger_thread.start()
-        return self
-
-    def publish(self, span: Mapping[str, Any]) -> None:
-        super().publish(span)
-        self._remember(_span_line(span))
-
-    async def publish_async(self, span: Mapping[str, Any]) -> None:
-        await super().publish_async(span)
-        self._remember(_span_line(span))
-
-    def publish_event(self, event: Mapping[str, Any]) -> None:
-        super().publish_event(event)
-        self._remember(f"E\t{event['rollout_id']}\t{event.get('attempt_id') or ''}\t{event['event']}")
-
-    def close(self, timeout_s: float | None = None) -> None:
-        self._ledger_stop.set()
-        if self._ledger_thread is not None:
-            self._ledger_thread.join(60)
-        super().close(timeout_s)
-        if self.stats().buffered_bytes == 0:  # everything was acknowledged or journaled on the way out
-            self._record(self._take())
-
-    def _remember(self, line: str) -> None:
-        with self._ledger_lock:
-            self._unsettled.append(line)
-
-    def _take(self) -> list[str]:
-        with self._ledger_lock:
-            lines, self._unsettled = self._unsettled, []
-        return lines
-
-    def _record_loop(self) -> None:
-        while not self._ledger_stop.wait(self.ledger_interval_s):
-            lines = self._take()
-            if not lines:
-                continue
-            try:
-                self.flush(120)
-            except FlushTimeout:
-                with self._ledger_lock:  # not settled yet: try again with the next round
-                    self._unsettled[:0] = lines
-                continue
-            except PublisherClosed:
-                return
-            self._record(lines)
-
-    def _record(self, lines: list[str]) -> None:
-        if lines:
-            self._ledger.write([f"T\t{time.time():.3f}\t{os.getpid()}", *lines,
-                                f"D\t{self.stats().records_dropped}"])
-
-
-def _span_line(span: Mapping[str, Any]) -> str:
-    tokens = 1 if span.get("response_token_ids") else 0
-    return (f"S\t{span['span_id']}\t{span['rollout_id']}\t{span.get('attempt_id') or ''}\t{span.get('kind') or ''}"
-            f"\t{span.get('model') or ''}\t{tokens}")
 
 
 def install() -> None:

@@ -42,8 +42,8 @@ from agentstream.serving.protocol import Contract
 from agentstream.stack.control import Endpoints
 from agentstream.trainer.checkpoint_writer import checkpoint_name, open_store, read_manifest
 from bench.common import emit, private_stack
-from bench.scenario import Users, lora_checkpoint, publish, serve_app, wait_until
 from bench.streams import start_worker, wait_ready
+from tests.support.deploy_scenario import EXACT_AGENT, Users, lora_checkpoint, publish, serve_app, wait_until
 
 PROMPTS = [f"Say something about the number {n}." for n in range(8)]
 
@@ -70,7 +70,7 @@ async def run(config: Config, endpoints: Endpoints, workdir: Path, promotions: i
                                                            contract=Contract.VLLM))
     tasks = await expected_replies(server_url, name)
     (workdir / "eval.jsonl").write_text("\n".join(json.dumps(t) for t in tasks))
-    config = replace(config, deploy=replace(config.deploy, gate=gated, eval_agent="bench.scenario:exact_agent",
+    config = replace(config, deploy=replace(config.deploy, gate=gated, eval_agent=EXACT_AGENT,
                                             eval_tasks=str(workdir / "eval.jsonl"), canary_share=0.5,
                                             canary_min_s=10.0, canary_min_rollouts=10, canary_max_s=120.0))
     decisions: list[Decision] = []

@@ -1,7 +1,7 @@
 """Spans written twice by producer retries on the three-broker cluster, with and without the idempotent producer.
 
 A three-node Apache Kafka cluster (tests/support/kafka_cluster.py: RF 3, min.insync.replicas 2) and, per run, a
-fresh spans topic of 6 partitions that a ledgered SpanPublisher (bench/chaos_ledger.py) fills with rollouts at a
+fresh spans topic of 6 partitions that a ledgered SpanPublisher (tests/support/span_ledger.py) fills with rollouts at a
 steady pace. Mid-load a fault: ``leader`` SIGKILLs the node leading the most spans partitions and restarts it
 ``--down-s`` later; ``two-down`` stops (SIGTERM) two nodes and restarts them. Then the load stops, the publisher
 closes, and the topic is read back. Per run one JSON line: spans acknowledged (the ledger), acknowledged spans not on
@@ -24,11 +24,10 @@ from pathlib import Path
 
 from agentstream.infra.config import Config, load_config
 from agentstream.infra.kafka import client_options, create_topics, topic_name
-from bench.chaos import LedgerReader
-from bench.chaos_ledger import LEDGER_ENV, LedgeredPublisher
 from bench.common import emit, private_environ
 from tests.support.cluster_load import Load, beyond_first, busiest_leader, first_ack_after, ids_on_topic
 from tests.support.kafka_cluster import KafkaCluster
+from tests.support.span_ledger import LEDGER_ENV, LedgeredPublisher, LedgerReader
 
 BENCH = "leader_kill"
 

@@ -25,7 +25,6 @@ from __future__ import annotations
 
 import argparse
 import copy
-import math
 import random
 import shutil
 import signal
@@ -52,6 +51,7 @@ from agentstream.trainer.batching import Batch, Counts, Sample
 from agentstream.trainer.policy import build_policy
 from agentstream.trainer.step import train_step
 from bench.common import emit
+from tests.support.intervals import wilson_interval
 
 TARGETS = (0.65, 0.75)  # besides demo.target
 SNAPSHOTS = Path("bench-output/snapshots")
@@ -92,13 +92,6 @@ class Run:
     @property
     def after(self) -> float:
         return self.evaluations[-1][2]
-
-
-def wilson_interval(accuracy: float, tasks: int, z: float = 1.96) -> list[float]:
-    """The 95% Wilson score interval of a success rate measured on ``tasks`` tasks."""
-    centre = (accuracy + z * z / (2 * tasks)) / (1 + z * z / tasks)
-    half = z * math.sqrt(accuracy * (1 - accuracy) / tasks + z * z / (4 * tasks * tasks)) / (1 + z * z / tasks)
-    return [round(max(0.0, centre - half), 4), round(min(1.0, centre + half), 4)]
 
 
 def task_prompt(tokenizer, native_tools: bool, task: dict) -> list[int]:

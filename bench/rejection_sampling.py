@@ -38,7 +38,7 @@ from agentstream.pipeline.sdk import set_sink
 from agentstream.session import SessionPlan, TrainingSession
 from agentstream.stack.machine import calibrate
 from bench.common import emit, private_stack
-from bench.learning import wilson_interval
+from tests.support.intervals import wilson_interval
 
 AGENT = AGENTS["arithmetic"]
 BENCH = "rejection_sampling"

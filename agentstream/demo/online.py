@@ -27,6 +27,7 @@ from aiohttp import web
 from rich.console import Console
 from rich.table import Table
 
+from agentstream.console import product_console
 from agentstream.dashboard.server import start_beside
 from agentstream.demo.training import compute_dtype
 from agentstream.deploy.deployments import DeploymentFollower, split_adapter_name
@@ -370,7 +371,7 @@ async def serve_traffic(session: TrainingSession, config: Config, endpoints, con
 
 def run_online_demo(config: Config, console: Console | None = None) -> OnlineReport:
     """The whole online demo; returns (and writes) its report."""
-    console = console or Console()
+    console = console or product_console()
     started = time.monotonic()
     run_id = uuid.uuid4().hex[:8]
     workdir = config.stack.home.resolve() / "online" / run_id

@@ -34,6 +34,7 @@ from rich.console import Console
 from rich.live import Live
 from rich.table import Table
 
+from agentstream.console import product_console
 from agentstream.dashboard.server import start_beside
 from agentstream.demo.demonstrations import publish_demonstrations
 from agentstream.examples import arithmetic, calculator_agent
@@ -53,6 +54,8 @@ from agentstream.trainer.policy import OPTIMIZER_STATE
 from agentstream.trainer.tracking import record_evaluations
 
 DATABASE = "agentstream_demo"
+EXPLORE_COMMAND = f"agentstream up && CLICKHOUSE_DATABASE={DATABASE} agentstream report"
+"""What the demo's last line gives the user to paste: the stack back up, the run's numbers read from it."""
 RATE_WINDOW_S = 30.0
 PACE_EVERY_S = 0.2  # how soon a new policy version lets the next wave out (a /health call a time)
 SNAPSHOT_EVERY_S = 3.0  # the live numbers from ClickHouse
@@ -518,7 +521,7 @@ def run_demo(config: Config, console: Console | None = None, snapshots: Path | N
     ``snapshots``: a folder for the served weights over time.
     """
     agent = AGENTS[agent] if isinstance(agent, str) else agent
-    console = console or Console()
+    console = console or product_console()
     started = time.monotonic()
     run_id = uuid.uuid4().hex[:8]
     workdir = config.stack.home.resolve() / "demo" / run_id
@@ -549,7 +552,7 @@ def run_demo(config: Config, console: Console | None = None, snapshots: Path | N
             train_and_watch(session, config, endpoints, client, console, started, snapshots, agent))
         if config.tracking.mlflow_uri:  # into the trainer's run, beside its per-step metrics
             console.print(record_evaluations(config.tracking, config.trainer.checkpoint_dir,
-                                             [(e.policy_version, e.accuracy) for e in evaluations]), soft_wrap=True)
+                                             [(e.policy_version, e.accuracy) for e in evaluations]))
         dashboard = Dashboard(client, console, demo.training_seconds, agent)
         numbers = dashboard.snapshot()
         reached = [e.seconds for e in evaluations if e.seconds >= 0 and e.accuracy >= demo.target]
@@ -591,5 +594,5 @@ def run_demo(config: Config, console: Console | None = None, snapshots: Path | N
                   f"({report.seconds:.0f} s in all)")
     console.print(f"wrote {demo.report_path}, {output / 'report.md'}, {output / 'reward_per_version.png'}; "
                   f"logs in {workdir}")
-    console.print(f"explore the run: agentstream up && CLICKHOUSE_DATABASE={DATABASE} agentstream report")
+    console.print(f"explore the run: {EXPLORE_COMMAND}")
     return report

@@ -10,8 +10,14 @@ from pathlib import Path
 import pytest
 from mlflow.tracking import MlflowClient
 
+from agentstream.demo.training import EXPLORE_COMMAND
 from tests.conftest import stack_environment
 from tests.support.wandb_offline import read_offline_run
+
+
+def flat(out: str) -> str:
+    """Printed text with each run of whitespace one space: assertions on what it says, not on where lines break."""
+    return " ".join(out.split())
 
 
 def processes_mentioning(text: str) -> list[int]:
@@ -29,13 +35,16 @@ def processes_mentioning(text: str) -> list[int]:
 @pytest.mark.timeout(600)
 def test_the_demo_trains_evaluates_reports_and_stops_everything(tmp_path, monkeypatch):
     home = tmp_path / "home"
-    env = stack_environment(home)
+    env = {**stack_environment(home), "COLUMNS": "40"}  # a narrow terminal's width, with the output a pipe
     (tmp_path / "agentstream.toml").write_text('[demo]\neval_every_s = 25\n[tracking]\nmlflow_uri = "file:./mlruns"\n'
                                                'wandb_mode = "offline"\nwandb_dir = "wandb-runs"\n')
     result = subprocess.run([sys.executable, "-m", "agentstream", "demo", "--seconds", "45"], env=env, cwd=tmp_path,
                             capture_output=True, text=True, timeout=540)
     assert result.returncode == 0, result.stdout[-4000:] + result.stderr[-4000:]
-    out = result.stdout
+    lines = result.stdout.splitlines()
+    assert f"explore the run: {EXPLORE_COMMAND}" in lines, "the command to paste is printed whole, on one line"
+    assert any(line.startswith("machine: ") and line.endswith("in the same minutes)") for line in lines)
+    out = flat(result.stdout)
     assert "held-out before training:" in out and "held-out after training:" in out
     assert "dashboard: http://127.0.0.1:" in out  # up while the demo ran
     assert " rollouts (" in out and "policy v" in out  # the progress lines
@@ -87,7 +96,7 @@ def test_the_calculator_demo_warm_starts_from_demonstrations_then_trains_multi_s
     result = subprocess.run([sys.executable, "-m", "agentstream", "demo", "--agent", "calculator", "--seconds", "150"],
                             env=env, cwd=tmp_path, capture_output=True, text=True, timeout=540)
     assert result.returncode == 0, result.stdout[-4000:] + result.stderr[-4000:]
-    out = result.stdout
+    out = flat(result.stdout)
     assert "warm start: 32 demonstrations (64 LLM calls) published" in out and "warm start done in" in out
     assert "held-out after the warm start:" in out and "held-out after training:" in out
     assert "T=0.5, 2 rollouts per task" in out
@@ -113,7 +122,7 @@ def test_the_online_demo_serves_users_gates_a_candidate_reports_and_stops_everyt
     result = subprocess.run([sys.executable, "-m", "agentstream", "demo", "--online", "--seconds", "150"], env=env,
                             cwd=tmp_path, capture_output=True, text=True, timeout=540)
     assert result.returncode == 0, result.stdout[-4000:] + result.stderr[-4000:]
-    out = result.stdout
+    out = flat(result.stdout)
     assert "requests (0 failed), last minute" in out and "live success" in out
     assert "dashboard: http://127.0.0.1:" in out
     report = json.loads((tmp_path / "online-report.json").read_text())

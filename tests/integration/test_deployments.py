@@ -35,8 +35,16 @@ from agentstream.serving.protocol import Contract
 from agentstream.trainer.checkpoint_writer import open_store
 from agentstream.trainer.metrics import MetricsWriter
 from agentstream.trainer.worker import TrainerWorker
-from bench.scenario import Users, lora_checkpoint, publish, serve_app, wait_until
 from tests.integration.test_trainer_hotswap import trained_policy
+from tests.support.deploy_scenario import (
+    EXACT_AGENT,
+    LENIENT_AGENT,
+    Users,
+    lora_checkpoint,
+    publish,
+    serve_app,
+    wait_until,
+)
 from tests.support.readback import read_topic
 
 MESSAGES = [{"role": "user", "content": "hello"}]
@@ -179,7 +187,7 @@ def test_the_gate_rejects_a_broken_checkpoint_rolls_back_a_bad_canary_and_promot
                 tasks.append({"id": f"t{number}", "prompt": prompt, "expected": reply, "model": name})
         task_file = tmp_path / "eval.jsonl"
         task_file.write_text("\n".join(json.dumps(t) for t in tasks))
-        gated = replace(base, deploy=replace(base.deploy, gate=True, eval_agent="bench.scenario:exact_agent",
+        gated = replace(base, deploy=replace(base.deploy, gate=True, eval_agent=EXACT_AGENT,
                                              eval_tasks=str(task_file), tolerance=0.05, canary_share=0.5,
                                              canary_min_s=3.0, canary_max_s=90.0, canary_min_rollouts=8))
         stop = asyncio.Event()
@@ -213,7 +221,7 @@ def test_the_gate_rejects_a_broken_checkpoint_rolls_back_a_bad_canary_and_promot
             assert (follower.routing(name) or Routing(name)).stable_version == 0
 
             # An evaluation that cannot see the damage lets v2 through to the canary; live rewards catch it.
-            lenient = replace(gated, deploy=replace(gated.deploy, eval_agent="bench.scenario:lenient_agent"))
+            lenient = replace(gated, deploy=replace(gated.deploy, eval_agent=LENIENT_AGENT))
             lenient_stop, lenient_gate = gate_with(lenient)
             await publish(gated, stack.bootstrap_servers, lora_checkpoint(gated, broken=True), 2, store)
             await wait_until(lambda: (2, "ROLLED_BACK") in seen, 150, "v2 rolled back during its canary")
@@ -429,7 +437,7 @@ def test_an_evaluation_that_cannot_run_rejects_the_candidate_as_failed_not_as_sc
     task_file = tmp_path / "eval.jsonl"
     task_file.write_text("\n".join(json.dumps({"id": f"t{n}", "prompt": f"Count to {n}.", "expected": "x",
                                                "model": name}) for n in range(4)))
-    gated = replace(base, deploy=replace(base.deploy, gate=True, eval_agent="bench.scenario:exact_agent",
+    gated = replace(base, deploy=replace(base.deploy, gate=True, eval_agent=EXACT_AGENT,
                                          eval_tasks=str(task_file)))
     dead_proxy = f"http://127.0.0.1:{free_port()}"
 

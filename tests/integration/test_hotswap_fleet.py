@@ -26,7 +26,6 @@ from agentstream.pipeline.proxy.upstreams import HealthSettings, holdings_rows, 
 from agentstream.serving.hotswap import HotSwapper
 from agentstream.serving.hotswap_main import fleet_swappers, run_fleet
 from agentstream.serving.protocol import Contract
-from bench.scenario import publish
 from tests.integration.test_hotswap_reconcile import (  # noqa: F401 (reconcile_setup is a fixture)
     RESTORE_BOUND_S,
     ModelServerProcess,
@@ -35,6 +34,7 @@ from tests.integration.test_hotswap_reconcile import (  # noqa: F401 (reconcile_
     until,
 )
 from tests.integration.test_trainer_hotswap import trained_policy
+from tests.support.deploy_scenario import publish
 from tests.support.servers import HELLO
 from tests.support.sinks import ListSink
 

@@ -35,8 +35,8 @@ from agentstream.serving.hotswap import AdminTokenRefused, HotSwapper
 from agentstream.serving.protocol import Contract
 from agentstream.trainer.checkpoint_writer import checkpoint_name, open_store, write_checkpoint
 from agentstream.trainer.policy import save_weights
-from bench.scenario import publish, serve_app
 from tests.integration.test_trainer_hotswap import assert_served_by, trained_policy
+from tests.support.deploy_scenario import publish, serve_app
 from tests.support.servers import make_lora
 
 TOKEN = "admin-s3cret"

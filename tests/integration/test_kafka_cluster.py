@@ -1,8 +1,8 @@
 """The whole loop on a three-broker Apache Kafka cluster (RF 3, min.insync.replicas 2, acks=all) that loses brokers.
 
-A ledgered SpanPublisher (bench/chaos_ledger.py: a span id is in the ledger only once ``flush()`` said the cluster
-acknowledged it or the journal holds it) publishes rollouts at a steady pace; a real `agentstream streams` worker
-writes spans, rollouts and transitions to ClickHouse (the session's, a database of its own) and publishes
+A ledgered SpanPublisher (tests/support/span_ledger.py: a span id is in the ledger only once ``flush()`` said the
+cluster acknowledged it or the journal holds it) publishes rollouts at a steady pace; a real `agentstream streams`
+worker writes spans, rollouts and transitions to ClickHouse (the session's, a database of its own) and publishes
 transitions; a real tiny `train-worker` trains on them. Then:
 
 - the broker that leads most spans partitions is SIGKILLed mid-load: no acknowledged span is missing from
@@ -36,10 +36,9 @@ from agentstream.infra.config import Config, load_config
 from agentstream.infra.kafka import TopicSpec, client_options, ensure_topics, topic_name, topic_partitions
 from agentstream.schemas.transition_writer import transition_id
 from agentstream.trainer.checkpoint_writer import manifests, open_store
-from bench.chaos import LedgerReader, LedgerState
-from bench.chaos_ledger import LEDGER_ENV, LedgeredPublisher
 from tests.support.cluster_load import Load, beyond_first, busiest_leader, first_ack_after, ids_on_topic
 from tests.support.kafka_cluster import KafkaCluster
+from tests.support.span_ledger import LEDGER_ENV, LedgeredPublisher, LedgerReader, LedgerState
 from tests.support.streams_harness import CliProcess, Worker, create_topics, wait_for, worker_env
 from tests.support.trainer_configs import tiny_trainer_toml
 

@@ -24,7 +24,7 @@ from agentstream.trainer.batching import Batch, Counts, Sample
 from agentstream.trainer.checkpoint_writer import open_store, write_checkpoint
 from agentstream.trainer.policy import build_policy, save_weights
 from agentstream.trainer.step import train_step
-from bench.scenario import publish
+from tests.support.deploy_scenario import publish
 
 MESSAGES = [{"role": "user", "content": "hello"}]
 

@@ -112,6 +112,6 @@ def busiest_leader(cluster: KafkaCluster, topic: str) -> int:
 
 def first_ack_after(spans: dict[str, tuple], rollout_id: str) -> float:
     """When a chaos ledger (its ``spans``: span id -> (producer, rollout id, ..., acknowledged at)) first acknowledged
-    a span of a rollout at or after ``rollout_id`` (ids sort in order). Takes the mapping, not bench's LedgerState,
-    since tests/support may not import bench."""
+    a span of a rollout at or after ``rollout_id`` (ids sort in order). ``spans`` is a
+    :class:`~tests.support.span_ledger.LedgerState`'s, or any mapping of that shape."""
     return min(at for _producer, rollout, *_rest, at in spans.values() if rollout >= rollout_id)

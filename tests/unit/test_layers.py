@@ -11,7 +11,8 @@ Within the middle layer only pipeline and serving may import deploy (routing, th
 follower); trainer and deploy sit side by side and talk through Kafka, never by import. In the
 bottom layer models may import infra (local files and their digests), never the other way.
 stack (the one-command stack's embedded servers) imports only infra and schemas, and of the product
-packages only agentstream (the CLI, the demos) imports it. bench may use tests/support, not the tests.
+packages only agentstream (the CLI, the demos) imports it. bench may use tests/support, not the tests, and
+nothing under tests/ imports bench: what the two share (scenario parts, the span ledger) lives in tests/support.
 
 The same rules hold for each module, and the modules of the product form no circle, within a
 package or across packages. An edge of the module graph is an import as written, anywhere in
@@ -213,6 +214,34 @@ def test_only_the_demo_imports_examples():
 def test_bench_imports_only_the_support_of_tests():
     """bench may run the harnesses in tests/support (an HTTP app on a thread), never a test module."""
     assert "tests" not in package_graph()["bench"]
+
+
+def bench_imports_in_tests(root: Path = ROOT) -> list[str]:
+    """The files under tests/ (support included) that import bench, and what they import of it."""
+    return sorted(f"{path.relative_to(root)} imports {name}" for path in package_files(root, "tests")
+                  for name in imported_modules(path) if name.split(".")[0] == "bench")
+
+
+def test_nothing_under_tests_imports_bench():
+    """Tests and benches share harnesses through tests/support; a test never runs a bench's module."""
+    assert bench_imports_in_tests() == []
+    graph = package_graph()
+    assert "bench" not in graph["tests"] and "bench" not in graph["tests.support"]
+
+
+def test_the_bench_check_sees_a_test_importing_bench(tmp_path):
+    for package in (*PRODUCT, "examples", "bench", "tests"):
+        (tmp_path / package).mkdir()
+    (tmp_path / "tests" / "support").mkdir()
+    (tmp_path / "tests" / "integration").mkdir()
+    (tmp_path / "tests" / "integration" / "bad.py").write_text("from bench.scenario import publish\n")
+    (tmp_path / "tests" / "support" / "bad.py").write_text("def f():\n    import bench.gate\n")
+    (tmp_path / "tests" / "integration" / "ok.py").write_text("from tests.support.deploy_scenario import publish\n")
+    (tmp_path / "bench" / "ok.py").write_text("from tests.support.gate_simulation import simulate_canaries\n")
+    assert bench_imports_in_tests(tmp_path) == ["tests/integration/bad.py imports bench.scenario",
+                                                "tests/support/bad.py imports bench.gate"]
+    graph = package_graph(tmp_path)
+    assert graph["tests"] == {"bench", "tests.support"} and graph["tests.support"] == {"bench"}
 
 
 def test_the_runner_side_does_not_need_torch():

@@ -9,7 +9,7 @@ from agentstream.deploy.sequential import mixture_half_width, t_quantile
 
 def test_the_bound_is_valid_at_every_look_where_a_fixed_test_is_not():
     """Looked at after every canary rollout up to 2,000, at a true difference of exactly -tolerance."""
-    from bench.gate import simulate_canaries
+    from tests.support.gate_simulation import simulate_canaries
 
     sequential = simulate_canaries(difference=-0.05, canaries=400, horizon=2000, seed=1)
     assert sequential.promoted <= 0.05 * 400 + 8  # at most alpha, with room for the sampling noise of 400 runs

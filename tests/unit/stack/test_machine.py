@@ -28,7 +28,7 @@ def test_calibration_names_the_machine_and_times_both_workloads() -> None:
 
 
 def test_wilson_interval_brackets_the_rate_and_narrows_with_more_tasks() -> None:
-    from bench.learning import wilson_interval
+    from tests.support.intervals import wilson_interval
 
     low, high = wilson_interval(0.75, 64)
     assert low < 0.75 < high and low > 0.6 and high < 0.86

@@ -1,7 +1,7 @@
-"""A deployment scenario's parts, shared by bench/deploy.py and tests: a server, checkpoints, users, judges.
+"""A deployment scenario's parts, shared by tests and bench/deploy.py: a server, checkpoints, users, judges.
 
-The agents here are what the gate evaluates with (``bench.scenario:exact_agent``): a judge that
-rewards the base model's own greedy reply, and one that rewards any reply.
+The agents here are what the gate evaluates with (``[deploy] eval_agent`` = :data:`EXACT_AGENT`): a judge that
+rewards the base model's own greedy reply, and one that rewards any reply (:data:`LENIENT_AGENT`).
 """
 
 from __future__ import annotations
@@ -16,6 +16,9 @@ from agentstream.infra.processes import free_port
 from agentstream.pipeline.sdk import emit_reward, rollout
 from agentstream.trainer.checkpoint_writer import CheckpointAnnouncer, write_checkpoint
 from agentstream.trainer.policy import build_policy, save_weights
+
+EXACT_AGENT = f"{__name__}:exact_agent"
+LENIENT_AGENT = f"{__name__}:lenient_agent"
 
 
 async def greedy_reply(task: dict, state) -> str:
