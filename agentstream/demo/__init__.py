@@ -14,11 +14,12 @@ from agentstream.demo.settings import DemoConfig
 
 if TYPE_CHECKING:
     from agentstream.demo.online import OnlineReport, run_online_demo
-    from agentstream.demo.training import DemoReport, run_demo
+    from agentstream.demo.results import DemoReport
+    from agentstream.demo.training import run_demo
 
 __all__ = ["DemoConfig", "DemoReport", "OnlineReport", "run_demo", "run_online_demo"]
 
-_MODULES = {"OnlineReport": "online", "run_online_demo": "online", "DemoReport": "training", "run_demo": "training"}
+_MODULES = {"OnlineReport": "online", "run_online_demo": "online", "DemoReport": "results", "run_demo": "training"}
 
 
 def __getattr__(name: str) -> Any:

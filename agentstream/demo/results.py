@@ -1,0 +1,105 @@
+"""What a demo run reports: the records of ``demo-report.json``, its reward-per-version plot and its markdown page."""
+
+from __future__ import annotations
+
+from dataclasses import dataclass, field
+from pathlib import Path
+
+
+@dataclass
+class Evaluation:
+    """Held-out success of the policy version the server held (greedy, or as the agent's ``judged`` says)."""
+
+    seconds: float  # since training started (negative: before)
+    policy_version: int
+    accuracy: float
+    correct: int
+    total: int
+
+
+@dataclass
+class Snapshot:
+    """The weights the server held ``seconds`` after training started (``weights`` empty: the base model's)."""
+
+    seconds: float
+    policy_version: int
+    weights: str
+
+
+@dataclass
+class DemoReport:
+    """What ``demo-report.json`` holds."""
+
+    heldout_before: float
+    heldout_after: float
+    policy_versions: int
+    seconds: float
+    training_seconds: float
+    time_to_target_s: float | None
+    target: float
+    agent: str = "arithmetic"
+    judged: str = "greedy"  # how held-out success was measured
+    heldout_warm_start: float | None = None  # after the warm start, before RL (agents with one)
+    warm_start_seconds: float | None = None
+    llm_calls_per_rollout: float | None = None  # train rollouts of the last policy versions
+    prefix_merges: int = 0
+    prefix_breaks: int = 0
+    train_tokens_per_s: float | None = None  # tokens forwarded per second of optimizer steps
+    evaluations: list[Evaluation] = field(default_factory=list)
+    reward_per_version: list[dict] = field(default_factory=list)
+    rollouts: int = 0
+    spans: int = 0
+    train_steps: int = 0
+    quick: bool = False
+    machine: dict = field(default_factory=dict)  # stack.machine.Calibration: compare runs on different machines
+    snapshots: list[Snapshot] = field(default_factory=list)
+
+
+def write_plot(path: Path, report: DemoReport, title: str) -> None:
+    """Sampled reward per policy version, with the held-out evaluations on top."""
+    import matplotlib
+
+    matplotlib.use("Agg")
+    import matplotlib.pyplot as plt
+
+    figure, axis = plt.subplots(figsize=(8, 4.5))
+    versions = [row["policy_version"] for row in report.reward_per_version]
+    axis.plot(versions, [row["reward_mean"] for row in report.reward_per_version], marker=".",
+              label="sampled reward (train rollouts, T=1)")
+    axis.plot([e.policy_version for e in report.evaluations], [e.accuracy for e in report.evaluations],
+              marker="o", label=f"held-out {report.judged} accuracy")
+    axis.axhline(report.target, color="grey", linestyle=":", label=f"target {report.target:.0%}")
+    axis.set_xlabel("policy version")
+    axis.set_ylabel("reward / accuracy")
+    axis.set_ylim(0, 1.02)
+    axis.set_title(f"SmolLM2-135M-Instruct learning {title} online through agentstream")
+    axis.legend(loc="lower right")
+    figure.tight_layout()
+    figure.savefig(path, dpi=110)
+    plt.close(figure)
+
+
+def write_markdown(path: Path, report: DemoReport) -> None:
+    reached = "not reached" if report.time_to_target_s is None else f"{report.time_to_target_s:.0f} s"
+    lines = ["# agentstream demo report", "",
+             f"- agent: {report.agent}",
+             (f"- held-out success ({report.judged}): {report.heldout_before:.1%} before, "
+              f"{report.heldout_warm_start:.1%} after "
+              f"the warm start ({report.warm_start_seconds:.0f} s), {report.heldout_after:.1%} after RL"
+              if report.heldout_warm_start is not None else
+              f"- held-out {report.judged} accuracy: {report.heldout_before:.1%} before -> "
+              f"{report.heldout_after:.1%} after"),
+             *([f"- LLM calls per train rollout at the end: {report.llm_calls_per_rollout:.2f}; prefix merges "
+                f"{report.prefix_merges}, breaks {report.prefix_breaks}"]
+               if report.llm_calls_per_rollout is not None else []),
+             (f"- {report.policy_versions} policy versions in {report.training_seconds:.0f} s of training "
+              f"({report.seconds:.0f} s in all); {report.rollouts} train rollouts, {report.spans} spans"),
+             f"- time to {report.target:.0%} held-out: {reached}",
+             *([f"- machine: {report.machine['cpu_model']}, {report.machine['cores']} cores; calibration "
+                f"python_loop_s {report.machine['python_loop_s']}, numpy_matmul_s {report.machine['numpy_matmul_s']}"]
+               if report.machine else []),
+             "", "| seconds | policy version | held-out accuracy |", "|---|---|---|",
+             *(f"| {e.seconds:.0f} | v{e.policy_version} | {e.accuracy:.1%} ({e.correct}/{e.total}) |"
+               for e in report.evaluations),
+             "", "![reward per policy version](reward_per_version.png)", ""]
+    path.write_text("\n".join(lines))
