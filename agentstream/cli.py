@@ -738,8 +738,7 @@ def gate_command(ctx: click.Context, model_name: str, server_url: str, proxy_url
 def deployments_command(ctx: click.Context, model_name: str | None, history: int, server_urls: tuple[str, ...]) -> None:
     """What serves what, per trained model, what each model server holds, and the latest deployment decisions."""
     from agentstream.deploy.deployments import DeploymentError, read_routes
-    from agentstream.deploy.manual import RECENT_DECISIONS_SQL
-    from agentstream.infra.clickhouse import connect, server_message
+    from agentstream.deploy.manual import recent_decisions
     from agentstream.pipeline.proxy.upstreams import holdings_rows, survey
 
     config = _config(ctx)
@@ -762,20 +761,10 @@ def deployments_command(ctx: click.Context, model_name: str | None, history: int
         servers = holdings_rows(asyncio.run(survey(server_urls)), routes.values(), model_name)
         click.echo("\nmodel servers:")
         click.echo(render(["server", "up", "weights", "holds", "missing"], servers, "table"))
-    if history > 0:
-        database = config.clickhouse.database
-        client = connect(config.clickhouse, endpoints.clickhouse_url, readonly=True)
-        try:
-            recent = client.query(RECENT_DECISIONS_SQL.replace("{database}", database),
-                                  parameters={"model": model_name or "", "limit": history}).result_rows
-        except Exception as error:  # a database `agentstream up` never migrated has no deployments table
-            raise click.ClickException(f"cannot read {database}.deployments: {server_message(error)} "
-                                       "(run `agentstream up` to create the tables)") from None
-        finally:
-            client.close()
-        if recent:
-            click.echo("\nlatest decisions:")
-            click.echo(render(["decided_at", "model", "version", "action", "by", "reason"], recent, "table"))
+    recent = recent_decisions(config, endpoints.clickhouse_url, model_name, history) if history > 0 else []
+    if recent:
+        click.echo("\nlatest decisions:")
+        click.echo(render(["decided_at", "model", "version", "action", "by", "reason"], recent, "table"))
 
 
 @main.command("promote")
@@ -784,22 +773,15 @@ def deployments_command(ctx: click.Context, model_name: str | None, history: int
 @click.pass_context
 def promote_command(ctx: click.Context, model_name: str, version: int) -> None:
     """Serve VERSION of MODEL to all traffic now (ends its canary or candidacy); recorded as a manual decision."""
-    from agentstream.deploy.deployments import DeploymentError, Routing, read_routes
-    from agentstream.deploy.manual import promotion, read_checkpoint, record_decision
-    from agentstream.infra.clickhouse import connect
+    from agentstream.deploy.deployments import DeploymentError
+    from agentstream.deploy.manual import promote_by_hand
 
     config = _config(ctx)
     endpoints = Stack(config).endpoints()
-    client = connect(config.clickhouse, endpoints.clickhouse_url)
     try:
-        routing = asyncio.run(read_routes(config, endpoints.bootstrap_servers)).get(model_name, Routing(model_name))
-        info = read_checkpoint(client, config.clickhouse.database, model_name, version) if version else None
-        decision = promotion(routing, version, info)
-        asyncio.run(record_decision(config, endpoints.bootstrap_servers, client, decision))
+        decision = promote_by_hand(config, endpoints.bootstrap_servers, endpoints.clickhouse_url, model_name, version)
     except DeploymentError as error:
         raise click.ClickException(str(error)) from None
-    finally:
-        client.close()
     click.echo(f"{model_name}: serving {decision.routing.describe()}")
 
 
@@ -808,25 +790,15 @@ def promote_command(ctx: click.Context, model_name: str, version: int) -> None:
 @click.pass_context
 def rollback_command(ctx: click.Context, model_name: str) -> None:
     """End MODEL's canary, or (without one) serve the version that served before the stable one again."""
-    from agentstream.deploy.deployments import DeploymentError, read_routes
-    from agentstream.deploy.manual import previous_stable, record_decision, rollback
-    from agentstream.infra.clickhouse import connect
+    from agentstream.deploy.deployments import DeploymentError
+    from agentstream.deploy.manual import roll_back_by_hand
 
     config = _config(ctx)
     endpoints = Stack(config).endpoints()
-    client = connect(config.clickhouse, endpoints.clickhouse_url)
     try:
-        routing = asyncio.run(read_routes(config, endpoints.bootstrap_servers)).get(model_name)
-        if routing is None:
-            raise DeploymentError(f"model {model_name!r} has no deployments: nothing to roll back")
-        previous = None if routing.canary_version is not None else previous_stable(
-            client, config.clickhouse.database, routing)
-        decision = rollback(routing, previous)
-        asyncio.run(record_decision(config, endpoints.bootstrap_servers, client, decision))
+        decision = roll_back_by_hand(config, endpoints.bootstrap_servers, endpoints.clickhouse_url, model_name)
     except DeploymentError as error:
         raise click.ClickException(str(error)) from None
-    finally:
-        client.close()
     click.echo(f"{model_name}: serving {decision.routing.describe()}")
 
 
