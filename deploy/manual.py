@@ -10,8 +10,6 @@ from __future__ import annotations
 import asyncio
 from typing import Any
 
-from clickhouse_connect.driver.exceptions import OperationalError
-
 from agentstream.deploy.deployments import (
     Action,
     Decision,
@@ -21,7 +19,7 @@ from agentstream.deploy.deployments import (
     decide,
     read_routes,
 )
-from agentstream.infra.clickhouse import ClickHouseError, ClickHouseUnreachable, connect, server_message
+from agentstream.infra.clickhouse import ClickHouseError, connect, query_error
 from agentstream.infra.config import Config
 from agentstream.schemas.checkpoint import CHECKPOINT_COLUMNS, Checkpoint
 
@@ -141,9 +139,9 @@ def recent_decisions(config: Config, clickhouse_url: str, model: str | None, lim
         return [tuple(row) for row in warehouse.query(RECENT_DECISIONS_SQL.replace("{database}", database),
                                                       parameters={"model": model or "", "limit": limit}).result_rows]
     except Exception as error:  # clickhouse-connect raises several types; the server's text says why
-        unreachable = isinstance(error, OperationalError)
-        raise (ClickHouseUnreachable if unreachable else ClickHouseError)(
-            f"cannot read {database}.deployments: {server_message(error)}"
-            + ("" if unreachable else " (run `agentstream up` to create the tables)")) from None
+        failed = query_error(error, f"cannot read {database}.deployments: ")
+        if not failed.retriable:  # ClickHouse answered: most likely a database `agentstream up` never migrated
+            failed = ClickHouseError(f"{failed} (run `agentstream up` to create the tables)")
+        raise failed from None
     finally:
         warehouse.close()

@@ -17,6 +17,7 @@ from urllib.parse import urlsplit
 
 import clickhouse_connect
 from clickhouse_connect.driver.client import Client
+from clickhouse_connect.driver.exceptions import OperationalError
 
 from agentstream.infra.config import ClickHouseConfig
 from agentstream.schemas.errors import AgentstreamError
@@ -193,6 +194,13 @@ def server_message(error: Exception) -> str:
     if marker in text:
         text = text[text.index(marker) + len(marker):]
     return re.sub(r"\s*\(for url [^)]*\)\s*$", "", text)
+
+
+def query_error(error: Exception, prefix: str = "") -> ClickHouseError:
+    """A clickhouse-connect exception from a statement as our error, ``prefix`` before the server's message:
+    :class:`ClickHouseUnreachable` (retriable) when the connection failed or broke, else :class:`ClickHouseError`."""
+    kind = ClickHouseUnreachable if isinstance(error, OperationalError) else ClickHouseError
+    return kind(prefix + server_message(error))
 
 
 def _first_line(error: Exception) -> str:
