@@ -23,19 +23,15 @@ def gate_command(ctx: click.Context, model_name: str, server_url: str, proxy_url
     hot swap must run with deploy.gate = true so that it loads what the gate names (each refuses to
     start beside the other otherwise). The rule and its error rates: docs/gate.md.
     """
-    from agentstream.deploy.deployments import DeploymentError
     from agentstream.deploy.gate_main import run_gate
     from agentstream.evaluation import task_evaluator
     from agentstream.pipeline.publisher import process_publisher
 
     config = _config(ctx)
     endpoints = Stack(config).endpoints()
-    try:
-        with process_publisher(config, endpoints.bootstrap_servers, "gate") as publisher:
-            run_gate(config, endpoints.bootstrap_servers, endpoints.clickhouse_url, model_name, server_url,
-                     evaluate=task_evaluator(config, proxy_url, model_name, publisher), proxy_url=proxy_url)
-    except DeploymentError as error:
-        raise click.ClickException(str(error)) from None
+    with process_publisher(config, endpoints.bootstrap_servers, "gate") as publisher:
+        run_gate(config, endpoints.bootstrap_servers, endpoints.clickhouse_url, model_name, server_url,
+                 evaluate=task_evaluator(config, proxy_url, model_name, publisher), proxy_url=proxy_url)
 
 
 @click.command("deployments")
@@ -46,16 +42,13 @@ def gate_command(ctx: click.Context, model_name: str, server_url: str, proxy_url
 @click.pass_context
 def deployments_command(ctx: click.Context, model_name: str | None, history: int, server_urls: tuple[str, ...]) -> None:
     """What serves what, per trained model, what each model server holds, and the latest deployment decisions."""
-    from agentstream.deploy.deployments import DeploymentError, read_routes
+    from agentstream.deploy.deployments import read_routes
     from agentstream.deploy.manual import recent_decisions
     from agentstream.pipeline.proxy.upstreams import holdings_rows, survey
 
     config = _config(ctx)
     endpoints = Stack(config).endpoints()
-    try:
-        routes = asyncio.run(read_routes(config, endpoints.bootstrap_servers))
-    except DeploymentError as error:
-        raise click.ClickException(str(error)) from None
+    routes = asyncio.run(read_routes(config, endpoints.bootstrap_servers))
     rows = [[r.model, r.stable_version, r.canary_version if r.canary_version is not None else "",
              f"{r.canary_share:.0%}" if r.canary_version is not None else "",
              r.candidate_version if r.candidate_version is not None else "", r.format]
@@ -82,15 +75,11 @@ def deployments_command(ctx: click.Context, model_name: str | None, history: int
 @click.pass_context
 def promote_command(ctx: click.Context, model_name: str, version: int) -> None:
     """Serve VERSION of MODEL to all traffic now (ends its canary or candidacy); recorded as a manual decision."""
-    from agentstream.deploy.deployments import DeploymentError
     from agentstream.deploy.manual import promote_by_hand
 
     config = _config(ctx)
     endpoints = Stack(config).endpoints()
-    try:
-        decision = promote_by_hand(config, endpoints.bootstrap_servers, endpoints.clickhouse_url, model_name, version)
-    except DeploymentError as error:
-        raise click.ClickException(str(error)) from None
+    decision = promote_by_hand(config, endpoints.bootstrap_servers, endpoints.clickhouse_url, model_name, version)
     click.echo(f"{model_name}: serving {decision.routing.describe()}")
 
 
@@ -99,15 +88,11 @@ def promote_command(ctx: click.Context, model_name: str, version: int) -> None:
 @click.pass_context
 def rollback_command(ctx: click.Context, model_name: str) -> None:
     """End MODEL's canary, or (without one) serve the version that served before the stable one again."""
-    from agentstream.deploy.deployments import DeploymentError
     from agentstream.deploy.manual import roll_back_by_hand
 
     config = _config(ctx)
     endpoints = Stack(config).endpoints()
-    try:
-        decision = roll_back_by_hand(config, endpoints.bootstrap_servers, endpoints.clickhouse_url, model_name)
-    except DeploymentError as error:
-        raise click.ClickException(str(error)) from None
+    decision = roll_back_by_hand(config, endpoints.bootstrap_servers, endpoints.clickhouse_url, model_name)
     click.echo(f"{model_name}: serving {decision.routing.describe()}")
 
 

@@ -5,14 +5,13 @@ from __future__ import annotations
 import asyncio
 import logging
 import math
-import sys
 from pathlib import Path
 
 import click
 
 from agentstream.cli.common import command_config as _config
 from agentstream.cli.common import render
-from agentstream.infra.clickhouse import ClickHouseError, connect, server_message
+from agentstream.infra.clickhouse import connect, query_error
 from agentstream.stack.control import Stack
 
 
@@ -34,8 +33,8 @@ def sql(ctx: click.Context, query: str | None, query_file, output_format: str, w
                      database=config.clickhouse.database, readonly=not write)
     try:
         result = client.query(query)
-    except Exception as error:
-        raise ClickHouseError(server_message(error)) from None
+    except Exception as error:  # clickhouse-connect raises several types; the server's text says why
+        raise query_error(error) from None
     click.echo(render(result.column_names, result.result_rows, output_format), nl=False)
 
 
@@ -120,7 +119,6 @@ def dataset_export(ctx: click.Context, out: Path, file_format: str | None, where
     """Write the selected rollouts, one row each (conversation, LLM calls' token ids, training samples), to OUT as
     JSON Lines or Parquet that Hugging Face datasets loads; streamed page by page, renamed into place at the end."""
     from agentstream import dataset
-    from agentstream.schemas.dataset import DatasetError
 
     if version is not None and (min_version is not None or max_version is not None):
         raise click.UsageError("give --version or --min-version/--max-version, not both")
@@ -141,9 +139,6 @@ def dataset_export(ctx: click.Context, out: Path, file_format: str | None, where
     try:
         result = dataset.export(client, out, filters, format=file_format, batch_rollouts=batch_rollouts,
                                 progress=lambda done: click.echo(dataset.progress_line(done), err=True))
-    except DatasetError as error:
-        click.secho(f"error: {error}", fg="red", err=True)
-        sys.exit(1)
     finally:
         client.close()
     click.echo(dataset.summary_line(result), err=True)
@@ -158,7 +153,7 @@ def dataset_export(ctx: click.Context, out: Path, file_format: str | None, where
 @click.pass_context
 def dashboard_command(ctx: click.Context, host: str, port: int, database: str | None, no_kafka: bool) -> None:
     """A live web dashboard over ClickHouse (read-only): throughput, learning, LLM calls, rollouts."""
-    from agentstream.dashboard.server import DashboardError, serve
+    from agentstream.dashboard.server import serve
 
     config = _config(ctx)
     endpoints = Stack(config).endpoints()
@@ -166,10 +161,7 @@ def dashboard_command(ctx: click.Context, host: str, port: int, database: str | 
         asyncio.run(serve(config, endpoints.clickhouse_url, None if no_kafka else endpoints.bootstrap_servers,
                           host=host, port=port, database=database,
                           started=lambda url: click.echo(f"dashboard: {url}  (Ctrl-C stops it)")))
-    except DashboardError as error:
-        click.secho(f"error: {error}", fg="red", err=True)
-        sys.exit(1)
-    except KeyboardInterrupt:
+    except KeyboardInterrupt:  # how it stops: nothing to report
         pass
 
 

@@ -10,6 +10,7 @@ import click
 
 from agentstream.cli.common import command_config as _config
 from agentstream.cli.common import server_urls
+from agentstream.cli.errors import requires_extra
 from agentstream.infra.config import AglConfig, Config
 from agentstream.stack.control import Stack
 
@@ -164,20 +165,13 @@ def serve_model_command(ctx: click.Context, model_spec: str, host: str, port: in
                         device: str | None, dtype: str | None, threads: int | None, max_tokens: int | None,
                         contract: str | None) -> None:
     """Serve a model with vLLM's OpenAI-compatible API (token ids, logprobs, LoRA and weight updates)."""
-    try:
-        from agentstream.models import ModelLoadError
-        from agentstream.models.precision import PrecisionError
+    with requires_extra("train", "serve-model"):
         from agentstream.serving.model_server_main import ModelServerOptions, run_model_server
-    except ImportError as error:
-        raise click.ClickException(f"serve-model needs {error.name}: pip install 'agentstream[train]'") from None
 
     options = ModelServerOptions(model_spec=model_spec, host=host, port=port, served_model_name=served_model_name,
                                  device=device, dtype=dtype, threads=threads, max_tokens=max_tokens,
                                  contract=contract)
-    try:
-        run_model_server(_config(ctx), options)
-    except (ModelLoadError, PrecisionError) as error:
-        raise click.ClickException(str(error)) from None
+    run_model_server(_config(ctx), options)
 
 
 @click.command("hotswap")
@@ -191,16 +185,12 @@ def hotswap_command(ctx: click.Context, server_urls: tuple[str, ...], model_name
 
     Each server is reconciled on its own: one that restarts gets the deployed versions back.
     """
-    from agentstream.deploy.deployments import DeploymentError
     from agentstream.serving.hotswap_main import run_hotswap
 
     config = _config(ctx)
     endpoints = Stack(config).endpoints()
-    try:
-        run_hotswap(config, endpoints.bootstrap_servers, endpoints.clickhouse_url, server_urls, model_name,
-                    verify=not no_verify)
-    except DeploymentError as error:  # e.g. a gate runs for this model and deploy.gate is false here
-        raise click.ClickException(str(error)) from None
+    run_hotswap(config, endpoints.bootstrap_servers, endpoints.clickhouse_url, server_urls, model_name,
+                verify=not no_verify)
 
 
 COMMANDS = [proxy_command, collector_command, run_command, enqueue_command, streams_command, serve_model_command,

@@ -8,6 +8,7 @@ from pathlib import Path
 import click
 
 from agentstream.cli.common import command_config as _config
+from agentstream.cli.errors import Interrupted, requires_extra
 from agentstream.stack.control import Stack
 
 
@@ -34,8 +35,8 @@ def demo(ctx: click.Context, quick: bool | None, seconds: float | None, online: 
     """
     from dataclasses import replace
 
-    from agentstream.demo import run_demo, run_online_demo
-    from agentstream.session import ChildFailed
+    with requires_extra("train,examples", "demo"):
+        from agentstream.demo import run_demo, run_online_demo
 
     config = _config(ctx)
     if online and agent_name != "arithmetic":
@@ -53,10 +54,8 @@ def demo(ctx: click.Context, quick: bool | None, seconds: float | None, online: 
             run_online_demo(config)
         else:
             run_demo(config, agent=agent_name)
-    except ChildFailed as error:
-        raise click.ClickException(str(error)) from None
     except KeyboardInterrupt:
-        raise click.ClickException("interrupted; the processes the demo started were stopped") from None
+        raise Interrupted("interrupted; the processes the demo started were stopped") from None
 
 
 def _interrupt(signum: int, frame) -> None:
@@ -88,23 +87,18 @@ def train_command(ctx: click.Context, agent: str, task_file: Path, agent_name: s
                   epochs: int, max_steps: int | None, val_file: Path | None) -> None:
     """Train an agent on a task file with one command: enqueue, run, train, hot-swap, until done."""
     from agentstream.pipeline.runner.pool import AgentLoadError, load_agent
-    from agentstream.pipeline.runner.tasks import TaskFileError
-    from agentstream.session import ChildFailed
     from agentstream.train import TrainRequest, run_training
 
     try:
         function = load_agent(agent)
-    except AgentLoadError as error:
+    except AgentLoadError as error:  # a usage error (status 2), like any option click refuses
         raise click.BadParameter(str(error), param_hint="--agent") from None
     config = _config(ctx)
     request = TrainRequest(agent=agent, tasks=task_file, agent_name=agent_name or function.__name__,
                            model=model_spec or config.trainer.model, server_url=server_url, runners=runners,
                            concurrency=concurrency, group_size=group_size, strategy=strategy, epochs=epochs,
                            max_steps=max_steps, val_tasks=val_file)
-    try:
-        run_training(config, request, progress=click.echo)
-    except (ChildFailed, TaskFileError, ValueError) as error:
-        raise click.ClickException(str(error)) from None
+    run_training(config, request, progress=click.echo)
 
 
 @click.command("train-worker")
@@ -122,13 +116,9 @@ def train_worker_command(ctx: click.Context, model_spec: str | None, max_steps: 
 
     from agentstream.deploy.rebase import RejectionStreak
 
-    try:
-        from agentstream.trainer.checkpoint_writer import CheckpointError
+    with requires_extra("train", "train-worker"):
         from agentstream.trainer.distributed import Ranks
-        from agentstream.trainer.policy import PolicyError
         from agentstream.trainer.worker_main import run_train_follower, run_train_worker
-    except ImportError as error:
-        raise click.ClickException(f"train-worker needs {error.name}: pip install 'agentstream[train]'") from None
     config = _config(ctx)
     if model_spec:
         config = replace(config, trainer=replace(config.trainer, model=model_spec))
@@ -137,11 +127,8 @@ def train_worker_command(ctx: click.Context, model_spec: str | None, max_steps: 
         run_train_follower(config, ranks)
         return
     endpoints = Stack(config).endpoints()
-    try:
-        run_train_worker(config, endpoints.bootstrap_servers, endpoints.clickhouse_url, max_steps=max_steps,
-                         rebase=RejectionStreak, ranks=ranks)
-    except (CheckpointError, PolicyError) as error:
-        raise click.ClickException(str(error)) from None
+    run_train_worker(config, endpoints.bootstrap_servers, endpoints.clickhouse_url, max_steps=max_steps,
+                     rebase=RejectionStreak, ranks=ranks)
 
 
 @click.command("sft")
@@ -161,32 +148,21 @@ def sft_command(ctx: click.Context, dataset: str, min_reward: float | None, epoc
     steps and checkpoint are train_steps and checkpoints rows, and a run where [tracking] says.
     """
     from dataclasses import replace
-    from pathlib import Path
 
-    from agentstream.infra.clickhouse import ClickHouseError
     from agentstream.infra.config import ConfigError
-    from agentstream.schemas.dataset import DatasetError
 
-    try:
-        from agentstream.trainer.checkpoint_writer import CheckpointError
-        from agentstream.trainer.policy import PolicyError
-        from agentstream.trainer.sft_main import NothingToTrain, run_supervised
-        from agentstream.trainer.tracking import TrackerMissing
-    except ImportError as error:
-        raise click.ClickException(f"sft needs {error.name}: pip install 'agentstream[train]'") from None
+    with requires_extra("train", "sft"):
+        from agentstream.trainer.sft_main import run_supervised
     config = _config(ctx)
     try:
         config = replace(config, trainer=replace(
             config.trainer, model=model_spec or config.trainer.model,
             supervised_min_reward=config.trainer.supervised_min_reward if min_reward is None else min_reward))
-    except ConfigError as error:
+    except ConfigError as error:  # the option's value is what the configuration refuses: a usage error (status 2)
         raise click.BadParameter(str(error)) from None
     endpoints = Stack(config).endpoints()
-    try:
-        run_supervised(config, endpoints.bootstrap_servers, endpoints.clickhouse_url, Path(dataset), epochs=epochs,
-                       progress=click.echo)
-    except (CheckpointError, PolicyError, DatasetError, NothingToTrain, TrackerMissing, ClickHouseError) as error:
-        raise click.ClickException(str(error)) from None
+    run_supervised(config, endpoints.bootstrap_servers, endpoints.clickhouse_url, Path(dataset), epochs=epochs,
+                   progress=click.echo)
 
 
 COMMANDS = [train_command, train_worker_command, sft_command, demo]
