@@ -1,5 +1,4 @@
-"""The pipeline's long-running processes: ``proxy``, ``collector``, ``run`` (and ``enqueue``), ``streams``,
-``serve-model`` and ``hotswap``; each command parses its options and calls the process's main."""
+"""Pipeline processes: ``proxy``, ``collector``, ``run``, ``enqueue``, ``streams``, ``serve-model`` and ``hotswap``."""
 
 from __future__ import annotations
 
