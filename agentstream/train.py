@@ -16,7 +16,7 @@ from pathlib import Path
 from agentstream.infra.clickhouse import connect
 from agentstream.infra.config import Config, CreditRule
 from agentstream.models import model_display_name
-from agentstream.pipeline.runner.tasks import enqueue, grouped_tasks, read_task_file
+from agentstream.pipeline.runner.tasks import TaskFileError, enqueue, grouped_tasks, read_task_file
 from agentstream.session import SessionPlan, TrainingSession
 from agentstream.stack.control import Stack
 
@@ -109,10 +109,10 @@ def run_training(config: Config, request: TrainRequest, progress=print) -> Train
     """Run one training session over the task file; returns what it did."""
     payloads = read_task_file(request.tasks)
     if not payloads:
-        raise ValueError(f"{request.tasks}: no tasks")
+        raise TaskFileError(f"{request.tasks}: no tasks")
     val_payloads = read_task_file(request.val_tasks) if request.val_tasks else []
     if request.val_tasks and not val_payloads:
-        raise ValueError(f"{request.val_tasks}: no tasks")
+        raise TaskFileError(f"{request.val_tasks}: no tasks")
     started = time.monotonic()
     since_us = time.time_ns() // 1000
     workdir = config.stack.home.resolve() / "train" / time.strftime("%Y%m%d-%H%M%S")

@@ -1,14 +1,25 @@
 """A person's deployment decisions: what ``agentstream promote``/``rollback`` decide, and the recent decisions.
 
-The CLI (``agentstream/cli.py``) parses the options and calls these; the decisions are recorded
-with :class:`agentstream.deploy.deployments.DeploymentLog` like the gate's.
+The CLI only parses the options, calls :func:`promote_by_hand`, :func:`roll_back_by_hand` and
+:func:`recent_decisions` (and :func:`agentstream.deploy.deployments.read_routes`) and prints; the
+decisions are recorded with :class:`agentstream.deploy.deployments.DeploymentLog` like the gate's.
 """
 
 from __future__ import annotations
 
+import asyncio
 from typing import Any
 
-from agentstream.deploy.deployments import Action, Decision, DeploymentError, DeploymentLog, Routing, decide
+from agentstream.deploy.deployments import (
+    Action,
+    Decision,
+    DeploymentError,
+    DeploymentLog,
+    Routing,
+    decide,
+    read_routes,
+)
+from agentstream.infra.clickhouse import ClickHouseError, connect, query_error
 from agentstream.infra.config import Config
 from agentstream.schemas.checkpoint import CHECKPOINT_COLUMNS, Checkpoint
 
@@ -69,6 +80,7 @@ def previous_stable(warehouse: Any, database: str, routing: Routing) -> tuple[in
 
 
 async def record_decision(config: Config, bootstrap_servers: str, warehouse: Any, decision: Decision) -> None:
+    """Write one decision to the deployments topic and table."""
     log_ = DeploymentLog(config, bootstrap_servers, warehouse)
     await log_.start()
     try:
@@ -84,3 +96,52 @@ WHERE {model:String} = '' OR model = {model:String}
 ORDER BY decided_at DESC
 LIMIT {limit:UInt32}
 """
+
+
+def promote_by_hand(config: Config, bootstrap_servers: str, clickhouse_url: str, model: str,
+                    version: int) -> Decision:
+    """``agentstream promote``: serve ``version`` of ``model`` (0: the base model) to all traffic, recorded."""
+    warehouse = connect(config.clickhouse, clickhouse_url)
+    try:
+        routing = asyncio.run(read_routes(config, bootstrap_servers)).get(model, Routing(model))
+        checkpoint = read_checkpoint(warehouse, config.clickhouse.database, model, version) if version else None
+        decision = promotion(routing, version, checkpoint)
+        asyncio.run(record_decision(config, bootstrap_servers, warehouse, decision))
+    finally:
+        warehouse.close()
+    return decision
+
+
+def roll_back_by_hand(config: Config, bootstrap_servers: str, clickhouse_url: str, model: str) -> Decision:
+    """``agentstream rollback``: end ``model``'s canary, or serve the stable version before the current one again."""
+    warehouse = connect(config.clickhouse, clickhouse_url)
+    try:
+        routing = asyncio.run(read_routes(config, bootstrap_servers)).get(model)
+        if routing is None:
+            raise DeploymentError(f"model {model!r} has no deployments: nothing to roll back")
+        previous = None if routing.canary_version is not None else previous_stable(
+            warehouse, config.clickhouse.database, routing)
+        decision = rollback(routing, previous)
+        asyncio.run(record_decision(config, bootstrap_servers, warehouse, decision))
+    finally:
+        warehouse.close()
+    return decision
+
+
+def recent_decisions(config: Config, clickhouse_url: str, model: str | None, limit: int) -> list[tuple[Any, ...]]:
+    """The latest ``limit`` decisions (of ``model``, or of every model): decided_at, model, version, action, by, reason.
+
+    A database `agentstream up` never migrated has no deployments table: the error says to run it.
+    """
+    database = config.clickhouse.database
+    warehouse = connect(config.clickhouse, clickhouse_url, readonly=True)
+    try:
+        return [tuple(row) for row in warehouse.query(RECENT_DECISIONS_SQL.replace("{database}", database),
+                                                      parameters={"model": model or "", "limit": limit}).result_rows]
+    except Exception as error:  # clickhouse-connect raises several types; the server's text says why
+        failed = query_error(error, f"cannot read {database}.deployments: ")
+        if not failed.retriable:  # ClickHouse answered: most likely a database `agentstream up` never migrated
+            failed = ClickHouseError(f"{failed} (run `agentstream up` to create the tables)")
+        raise failed from None
+    finally:
+        warehouse.close()

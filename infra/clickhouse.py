@@ -17,6 +17,7 @@ from urllib.parse import urlsplit
 
 import clickhouse_connect
 from clickhouse_connect.driver.client import Client
+from clickhouse_connect.driver.exceptions import DatabaseError, OperationalError
 
 from agentstream.infra.config import ClickHouseConfig
 from agentstream.schemas.errors import AgentstreamError
@@ -88,6 +89,9 @@ def connect(config: ClickHouseConfig, url: str, *, database: str | None = None, 
             settings=settings,
         )
     except Exception as error:  # clickhouse-connect raises several types for "cannot reach"
+        if isinstance(error, DatabaseError) and not isinstance(error, OperationalError):
+            # the server answered and refused (an unknown database, a wrong password): asking again will not help
+            raise ClickHouseError(f"ClickHouse at {url} refused the connection: {_first_line(error)}") from None
         raise ClickHouseUnreachable(f"cannot reach ClickHouse at {url}: {_first_line(error)}") from None
     assert client.server_version is not None  # get_client connects, which reads the version
     check_version(client.server_version, url)
@@ -193,6 +197,13 @@ def server_message(error: Exception) -> str:
     if marker in text:
         text = text[text.index(marker) + len(marker):]
     return re.sub(r"\s*\(for url [^)]*\)\s*$", "", text)
+
+
+def query_error(error: Exception, prefix: str = "") -> ClickHouseError:
+    """A clickhouse-connect exception from a statement as our error, ``prefix`` before the server's message:
+    :class:`ClickHouseUnreachable` (retriable) when the connection failed or broke, else :class:`ClickHouseError`."""
+    kind = ClickHouseUnreachable if isinstance(error, OperationalError) else ClickHouseError
+    return kind(prefix + server_message(error))
 
 
 def _first_line(error: Exception) -> str:

@@ -392,7 +392,7 @@ def test_a_gate_and_a_hot_swap_that_promotes_by_itself_refuse_to_run_side_by_sid
                                               "--model", name)
             why = refused.stderr.strip().splitlines()[-1]  # one line says why
             assert refused.returncode == 1
-            assert why.startswith(f"Error: hot swap for {name} runs with deploy.gate = false")
+            assert why.startswith(f"error: hot swap for {name} runs with deploy.gate = false")
             gate_stop.set()
             await gate
             await wait_until(lambda: announced("gate", live=False) and not announced("gate"), 30,

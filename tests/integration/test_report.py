@@ -246,7 +246,7 @@ def test_unreachable_clickhouse_is_a_one_line_error(tmp_path):
     url = f"http://127.0.0.1:{free_port()}"
     started = time.monotonic()
     result = report(cli_env(tmp_path, url, "agentstream"))
-    assert result.returncode == 1 and result.stdout == ""
+    assert result.returncode == 75 and result.stdout == "", "retriable: EX_TEMPFAIL (agentstream/cli/errors.py)"
     lines = result.stderr.strip().splitlines()
     assert len(lines) == 1 and lines[0].startswith(f"error: cannot reach ClickHouse at {url}"), result.stderr
     assert time.monotonic() - started < 60

@@ -194,8 +194,9 @@ def test_no_import_cycle_between_modules():
 def test_the_module_graph_sees_the_process_mains():
     """The walk reads the real tree: the CLI's lazy imports of each process's main are edges."""
     graph = module_graph()
-    assert {"pipeline.proxy.main", "trainer.worker_main", "deploy.gate_main"} <= graph["agentstream.cli"]
-    assert "agentstream.cli" not in graph["agentstream.schema_registry"]
+    cli = set().union(*(targets for module, targets in graph.items() if module.startswith("agentstream.cli.")))
+    assert {"pipeline.proxy.main", "trainer.worker_main", "deploy.gate_main"} <= cli
+    assert "agentstream.cli" not in graph["agentstream.cli.schema_registry"]
 
 
 def test_trainer_and_deploy_do_not_import_each_other():

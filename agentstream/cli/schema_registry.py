@@ -4,7 +4,7 @@ from __future__ import annotations
 
 import click
 
-from agentstream.command_config import command_config as _config
+from agentstream.cli.common import command_config as _config
 from agentstream.stack.registry_server.service import registry_client, registry_url
 
 

@@ -1,0 +1,168 @@
+"""Training: ``train`` (one command, end to end), ``train-worker``, ``sft`` and the ``demo``."""
+
+from __future__ import annotations
+
+import signal
+from pathlib import Path
+
+import click
+
+from agentstream.cli.common import command_config as _config
+from agentstream.cli.errors import Interrupted, requires_extra
+from agentstream.stack.control import Stack
+
+
+@click.command()
+@click.option("--quick", is_flag=True, default=None, help="The quick mode (same as DEMO_QUICK=1).")
+@click.option("--seconds", type=float, default=None,
+              help="Seconds of training (default: demo.seconds, 900), or of live traffic with --online "
+              "(demo.online_seconds, 1020).")
+@click.option("--online", is_flag=True, help="The production demo: a service, its users' late feedback, the gate, "
+              "canaries and rollbacks, on the vLLM contract.")
+@click.option("--agent", "agent_name", type=click.Choice(["arithmetic", "calculator"]), default="arithmetic",
+              show_default=True, help="The example agent to train: 'Compute a+b.' in one LLM call, or the "
+              "multi-step calculator agent ('Compute a*b+d.' with a tool), warm-started on demonstrations and "
+              "trained at trajectory level.")
+@click.pass_context
+def demo(ctx: click.Context, quick: bool | None, seconds: float | None, online: bool, agent_name: str) -> None:
+    """Train SmolLM2-135M-Instruct online on an example agent and show that it learned.
+
+    Starts the stack, the dev model server, proxy, streams, trainer, hot swap and runners;
+    measures held-out success before, during and after (greedy; the calculator agent at T=0.5,
+    also after its warm start); writes demo-report.json, a plot and a report under demo-output/;
+    stops everything it started. With --online: a service answering users, learning from their
+    feedback behind the gate (online-report.json).
+    """
+    from dataclasses import replace
+
+    with requires_extra("train,examples", "demo"):
+        from agentstream.demo import run_demo, run_online_demo
+
+    config = _config(ctx)
+    if online and agent_name != "arithmetic":
+        raise click.UsageError("--online runs its own service agent; --agent is for the training demo")
+    if online and seconds:
+        config = replace(config, demo=replace(config.demo, online_seconds=seconds))
+    elif quick is not None or seconds is not None:
+        demo_config = replace(config.demo, quick=bool(quick) or config.demo.quick)
+        if seconds:
+            demo_config = replace(demo_config, seconds=seconds, quick_seconds=seconds)
+        config = replace(config, demo=demo_config)
+    signal.signal(signal.SIGTERM, _interrupt)  # stop like Ctrl-C: everything the demo started goes down
+    try:
+        if online:
+            run_online_demo(config)
+        else:
+            run_demo(config, agent=agent_name)
+    except KeyboardInterrupt:
+        raise Interrupted("interrupted; the processes the demo started were stopped") from None
+
+
+def _interrupt(signum: int, frame) -> None:
+    raise KeyboardInterrupt
+
+
+@click.command("train")
+@click.option("--agent", required=True, help="The agent to train, as module:function (called with task, rollout), "
+              "or an Agent Lightning agent (@rollout, a LitAgent, a 1.0 agent class).")
+@click.option("--tasks", "task_file", required=True, type=click.Path(exists=True, dir_okay=False, path_type=Path),
+              help="Task payloads: JSON lines, a JSON list, or CSV with a header row.")
+@click.option("--agent-name", default=None, help="Agent name on its rollouts (default: the function's name).")
+@click.option("--model", "model_spec", default=None, help="Model to serve and train: tiny, smollm2 or a HF folder "
+              "(default: trainer.model).")
+@click.option("--server", "server_url", default=None,
+              help="Use this running model server (vLLM) instead of starting one.")
+@click.option("--runners", default=1, show_default=True, help="Runner processes.")
+@click.option("--concurrency", default=8, show_default=True, help="Rollouts at once per runner.")
+@click.option("--strategy", type=click.Choice(["grpo", "final", "discounted"]), default="grpo", show_default=True)
+@click.option("--group-size", default=8, show_default=True, help="Rollouts per task, compared as a group (grpo).")
+@click.option("--epochs", default=1, show_default=True, help="Passes over the task file.")
+@click.option("--max-steps", default=None, type=int, help="Stop after this many optimizer steps.")
+@click.option("--val-tasks", "val_file", default=None, type=click.Path(exists=True, dir_okay=False, path_type=Path),
+              help="Evaluation tasks (JSONL, JSON or CSV), run before and after training as AGENT_NAME-eval, "
+              "never trained on (Agent Lightning's val_dataset).")
+@click.pass_context
+def train_command(ctx: click.Context, agent: str, task_file: Path, agent_name: str | None, model_spec: str | None,
+                  server_url: str | None, runners: int, concurrency: int, strategy: str, group_size: int,
+                  epochs: int, max_steps: int | None, val_file: Path | None) -> None:
+    """Train an agent on a task file with one command: enqueue, run, train, hot-swap, until done."""
+    from agentstream.pipeline.runner.pool import AgentLoadError, load_agent
+    from agentstream.train import TrainRequest, run_training
+
+    try:
+        function = load_agent(agent)
+    except AgentLoadError as error:  # a usage error (status 2), like any option click refuses
+        raise click.BadParameter(str(error), param_hint="--agent") from None
+    config = _config(ctx)
+    request = TrainRequest(agent=agent, tasks=task_file, agent_name=agent_name or function.__name__,
+                           model=model_spec or config.trainer.model, server_url=server_url, runners=runners,
+                           concurrency=concurrency, group_size=group_size, strategy=strategy, epochs=epochs,
+                           max_steps=max_steps, val_tasks=val_file)
+    run_training(config, request, progress=click.echo)
+
+
+@click.command("train-worker")
+@click.option("--model", "model_spec", default=None, help="Model spec to train (overrides trainer.model).")
+@click.option("--max-steps", default=None, type=int,
+              help="Stop after this many optimizer steps (default: run until SIGTERM).")
+@click.pass_context
+def train_worker_command(ctx: click.Context, model_spec: str | None, max_steps: int | None) -> None:
+    """Train one model from the transitions topic; checkpoints go to the store and the checkpoints topic.
+
+    Under torchrun (`torchrun --nproc-per-node N -m agentstream train-worker`) it runs as N
+    data-parallel ranks: rank 0 reads Kafka and writes checkpoints, the others follow it.
+    """
+    from dataclasses import replace
+
+    from agentstream.deploy.rebase import RejectionStreak
+
+    with requires_extra("train", "train-worker"):
+        from agentstream.trainer.distributed import Ranks
+        from agentstream.trainer.worker_main import run_train_follower, run_train_worker
+    config = _config(ctx)
+    if model_spec:
+        config = replace(config, trainer=replace(config.trainer, model=model_spec))
+    ranks = Ranks.from_env()  # set by torchrun: data-parallel ranks, rank 0 reads Kafka
+    if ranks is not None and not ranks.leader:
+        run_train_follower(config, ranks)
+        return
+    endpoints = Stack(config).endpoints()
+    run_train_worker(config, endpoints.bootstrap_servers, endpoints.clickhouse_url, max_steps=max_steps,
+                     rebase=RejectionStreak, ranks=ranks)
+
+
+@click.command("sft")
+@click.option("--dataset", "dataset", required=True, type=click.Path(exists=True, dir_okay=False),
+              help="A file of `agentstream dataset export` (.jsonl, .jsonl.gz or .parquet).")
+@click.option("--min-reward", default=None, type=float,
+              help="Train only rollouts whose reward is at least this (default: trainer.supervised_min_reward).")
+@click.option("--epochs", default=1, type=click.IntRange(min=1), help="Passes over the file.")
+@click.option("--model", "model_spec", default=None, help="Model spec to train (overrides trainer.model).")
+@click.pass_context
+def sft_command(ctx: click.Context, dataset: str, min_reward: float | None, epochs: int,
+                model_spec: str | None) -> None:
+    """Supervised steps on a dataset's good rollouts (rejection sampling); the result is the model's next checkpoint.
+
+    It starts from the model's latest checkpoint and announces the new one on the checkpoints
+    topic: hot swap loads it and `train-worker` resumes from it (a warm start before RL). Its
+    steps and checkpoint are train_steps and checkpoints rows, and a run where [tracking] says.
+    """
+    from dataclasses import replace
+
+    from agentstream.infra.config import ConfigError
+
+    with requires_extra("train", "sft"):
+        from agentstream.trainer.sft_main import run_supervised
+    config = _config(ctx)
+    try:
+        config = replace(config, trainer=replace(
+            config.trainer, model=model_spec or config.trainer.model,
+            supervised_min_reward=config.trainer.supervised_min_reward if min_reward is None else min_reward))
+    except ConfigError as error:  # the option's value is what the configuration refuses: a usage error (status 2)
+        raise click.BadParameter(str(error)) from None
+    endpoints = Stack(config).endpoints()
+    run_supervised(config, endpoints.bootstrap_servers, endpoints.clickhouse_url, Path(dataset), epochs=epochs,
+                   progress=click.echo)
+
+
+COMMANDS = [train_command, train_worker_command, sft_command, demo]
