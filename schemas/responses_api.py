@@ -176,7 +176,7 @@ def _chat_tool(tool: Any, index: int) -> dict[str, Any]:
         kind = tool.get("type") if isinstance(tool, Mapping) else None
         raise ResponsesRequestError(f"tools of type '{kind}' are not supported here: only function tools, which "
                                     "the agent runs itself", f"{where}.type", "unsupported_value")
-    function = {"name": _field(tool, "name", where)}
+    function: dict[str, Any] = {"name": _field(tool, "name", where)}
     if tool.get("description") is not None:
         function["description"] = tool["description"]
     function["parameters"] = tool.get("parameters") or {"type": "object", "properties": {}}
@@ -191,7 +191,8 @@ def _chat_tool_choice(choice: Any) -> tuple[Any, set[str] | None]:
         return {"type": "function", "function": {"name": choice["name"]}}, None
     if isinstance(choice, Mapping) and choice.get("type") == "allowed_tools" and choice.get("mode") in ("auto",
                                                                                                      "required"):
-        return choice["mode"], {tool.get("name") for tool in choice.get("tools") or [] if isinstance(tool, Mapping)}
+        tools = [tool for tool in choice.get("tools") or [] if isinstance(tool, Mapping)]
+        return choice["mode"], {str(tool.get("name")) for tool in tools}
     raise ResponsesRequestError("'tool_choice' must be auto, none, required, a function tool or allowed function "
                                 "tools", "tool_choice", "unsupported_value")
 
