@@ -15,6 +15,7 @@ from __future__ import annotations
 
 import json
 import secrets
+import time
 from collections.abc import Iterator, Mapping
 from typing import Any
 
@@ -392,3 +393,34 @@ def sse(event: Mapping[str, Any]) -> bytes:
 
 def sse_stream(events: Iterator[Mapping[str, Any]]) -> bytes:
     return b"".join(sse(event) for event in events)
+
+
+class ResponsesAnswer:
+    """What a Responses client reads of one chat call: the whole Response, or its stream's events as SSE bytes."""
+
+    def __init__(self, request: Mapping[str, Any]) -> None:
+        self.request = request
+        self.response_id = new_id("resp")
+        self.created_at = int(time.time())
+        self.stream = ResponsesStream(request, self.response_id, self.created_at)
+        self.closed = False
+
+    def whole(self, chat: Mapping[str, Any]) -> dict[str, Any]:
+        return response_object(chat, self.request, self.response_id, self.created_at)
+
+    def opening(self) -> bytes:
+        return sse_stream(iter(self.stream.start()))
+
+    def chunk(self, chat_chunk: Mapping[str, Any]) -> bytes:
+        return sse_stream(iter(self.stream.feed(chat_chunk)))
+
+    def closing(self) -> bytes:
+        """The events that end the stream, once (at the chat stream's ``[DONE]``, or when it ended without one)."""
+        if self.closed:
+            return b""
+        self.closed = True
+        return sse_stream(iter(self.stream.finish()))
+
+    def broken(self, message: str) -> bytes:
+        self.closed = True
+        return sse_stream(iter([self.stream.error(message)]))

@@ -42,6 +42,7 @@ class ModelRoute:
 MODEL_ROUTES = (
     ModelRoute("POST", "chat/completions", "chat"),
     ModelRoute("POST", "completions", "completions"),
+    ModelRoute("POST", "responses", "responses"),
     ModelRoute("GET", "models", "models"),
     ModelRoute("GET", "models/{model_id:.+}", "model"),
     ModelRoute("POST", "embeddings", "embeddings"),
@@ -60,7 +61,8 @@ def refusal(status: int, message: str, code: str | int, headers: dict[str, str] 
 def not_served(request: web.Request) -> web.Response:
     """The proxy's own 404 for anything outside the allowlist."""
     return refusal(404, f"{request.method} {request.path} is not served by this proxy: it serves POST "
-                        "chat/completions, POST completions, GET models and POST embeddings under /v1", 404)
+                        "chat/completions, POST completions, POST responses, GET models and POST embeddings under /v1",
+                   404)
 
 
 def access_guard(keys: KeySet) -> Middleware:

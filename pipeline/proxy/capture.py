@@ -15,6 +15,7 @@ from agentstream.deploy.routing import Route
 from agentstream.pipeline.proxy.trace_context import TraceContext
 from agentstream.pipeline.sdk import Rollout, build_span
 from agentstream.schemas.records import SpanRecord
+from agentstream.schemas.responses_api import ResponsesAnswer
 
 
 @dataclass
@@ -49,6 +50,7 @@ class CallCapture:
     trace: TraceContext | None = None
     upstream: str | None = None  # the model server that answered (set when the proxy fronts several)
     retried: bool = False  # it failed on one model server before its first byte and went to another
+    answer: ResponsesAnswer | None = None  # the client called /v1/responses: what it reads is reshaped
 
     def choice(self, index: int) -> ChoiceCapture:
         return self.choices.setdefault(index, ChoiceCapture(index))

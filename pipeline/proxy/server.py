@@ -86,6 +86,7 @@ from agentstream.schemas.contracts import (
     resolve_reward,
 )
 from agentstream.schemas.errors import AgentstreamError
+from agentstream.schemas.responses_api import ResponsesAnswer, ResponsesRequestError, chat_request
 
 log = logging.getLogger("agentstream.proxy")
 
@@ -156,8 +157,8 @@ class LLMProxy:
         self.app.router.add_get("/health", self.health, name=HEALTH_ROUTE, allow_head=False)
         self.app.router.add_post("/rollouts/{rollout_id}/reward", self.reward, name=REWARD_ROUTE)
         self.app.router.add_post(AGL_EVENTS, self.agl_event)
-        handlers = {"chat": self.chat, "completions": self.completions, "models": self.models, "model": self.model,
-                    "embeddings": self.embeddings}
+        handlers = {"chat": self.chat, "completions": self.completions, "responses": self.responses,
+                    "models": self.models, "model": self.model, "embeddings": self.embeddings}
         for prefix in PREFIXES:
             for route in MODEL_ROUTES:
                 self.app.router.add_route(route.method, f"{prefix}/v1/{route.path}", handlers[route.name])
@@ -280,6 +281,20 @@ class LLMProxy:
         """POST chat/completions, captured."""
         return await self._relay(request, "chat", "chat/completions")
 
+    async def responses(self, request: web.Request) -> web.StreamResponse:
+        """POST responses: relayed upstream as chat completions (captured as one), answered as a Response."""
+        try:
+            body = await request.json()
+            if not isinstance(body, dict):
+                raise ValueError
+        except (json.JSONDecodeError, UnicodeDecodeError, ValueError):
+            return openai_error(400, "request body must be a JSON object", "invalid_request_error")
+        try:
+            chat = chat_request(body)
+        except ResponsesRequestError as error:
+            return web.json_response(error.body(), status=400)
+        return await self._relay(request, "chat", "chat/completions", chat, ResponsesAnswer(body))
+
     async def completions(self, request: web.Request) -> web.StreamResponse:
         """POST completions, captured."""
         return await self._relay(request, "text_completion", "completions")
@@ -299,13 +314,15 @@ class LLMProxy:
         """POST embeddings, forwarded (nothing to train on)."""
         return await self._forward(request, "embeddings")
 
-    async def _relay(self, request: web.Request, operation: str, path: str) -> web.StreamResponse:
-        try:
-            body = await request.json()
-            if not isinstance(body, dict):
-                raise ValueError
-        except (json.JSONDecodeError, UnicodeDecodeError, ValueError):
-            return openai_error(400, "request body must be a JSON object", "invalid_request_error")
+    async def _relay(self, request: web.Request, operation: str, path: str, body: dict[str, Any] | None = None,
+                     answer: ResponsesAnswer | None = None) -> web.StreamResponse:
+        if body is None:
+            try:
+                body = await request.json()
+                if not isinstance(body, dict):
+                    raise ValueError
+            except (json.JSONDecodeError, UnicodeDecodeError, ValueError):
+                return openai_error(400, "request body must be a JSON object", "invalid_request_error")
         trace = trace_context(request.headers)
         try:
             owner = self._owner(request, trace)
@@ -315,7 +332,7 @@ class LLMProxy:
                 and body.get("max_completion_tokens") is None:
             body["max_tokens"] = self.max_tokens
         await self._resolve_auto_model(body)
-        capture = CallCapture(operation, body, owner, now_us(), trace=trace)
+        capture = CallCapture(operation, body, owner, now_us(), trace=trace, answer=answer)
         try:
             capture.route = resolve_route(self.deployments, body.get("model"), request.headers.get(VERSION_HEADER),
                                           capture.owner.rollout_id)
@@ -433,7 +450,8 @@ class LLMProxy:
             return self._upstream_failed(capture, replica, error), _broken(error)
         self.pool.succeeded(replica)
         absorb(capture, payload, streamed=False)
-        return web.json_response(client_view(payload, capture.request, capture.operation),
+        view = client_view(payload, capture.request, capture.operation)
+        return web.json_response(capture.answer.whole(view) if capture.answer else view,
                                  headers=self._response_headers(capture)), False
 
     async def _relay_stream(self, request: web.Request, replica: Replica, url: str, headers: dict[str, str],
@@ -456,6 +474,8 @@ class LLMProxy:
             response = web.StreamResponse(headers={"Content-Type": "text/event-stream", "Cache-Control": "no-cache",
                                                    **self._response_headers(capture)})
             await response.prepare(request)  # from here on, what fails is the client's to see
+            if capture.answer:
+                await response.write(capture.answer.opening())
             try:
                 async for line in upstream.content:
                     out = self._stream_line(line, capture, wants_usage)
@@ -464,11 +484,15 @@ class LLMProxy:
             except (aiohttp.ClientError, TimeoutError) as error:
                 capture.error = f"upstream stream broke: {error}"
                 self.pool.failed(replica, capture.error)
+                if capture.answer:
+                    await response.write(capture.answer.broken(capture.error))
             except ConnectionResetError:
                 capture.error = "client disconnected before the stream ended"
                 return response, False
             else:
                 self.pool.succeeded(replica)
+                if capture.answer:
+                    await response.write(capture.answer.closing())
             await response.write_eof()
             return response, False
 
@@ -478,7 +502,7 @@ class LLMProxy:
             return line if text else None
         data = text[5:].strip()
         if data == b"[DONE]":
-            return b"data: [DONE]\n\n"
+            return capture.answer.closing() if capture.answer else b"data: [DONE]\n\n"
         try:
             chunk = json.loads(data)
         except ValueError:
@@ -490,6 +514,8 @@ class LLMProxy:
         if not wants_usage and "usage" in chunk and chunk.get("choices"):
             chunk.pop("usage", None)
         view = client_view(chunk, capture.request, capture.operation)
+        if capture.answer:
+            return capture.answer.chunk(view)
         return b"data: " + json.dumps(view, separators=(",", ":")).encode() + b"\n\n"
 
     def _upstream_failed(self, capture: CallCapture, replica: Replica, error: BaseException) -> web.Response:
