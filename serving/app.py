@@ -42,6 +42,7 @@ from agentstream.serving.handlers import (
     list_models,
     load_lora_adapter,
     load_weights,
+    responses,
     unload_lora_adapter,
 )
 from agentstream.serving.protocol import Contract, RequestError, error_type_of
@@ -106,6 +107,7 @@ def _routes(contract: Contract, admin: KeySet) -> list[web.RouteDef]:
     return [
         web.post("/v1/chat/completions", chat_completions),
         web.post("/v1/completions", completions),
+        web.post("/v1/responses", responses),
         web.get("/v1/models", list_models),
         web.get("/health", health),
         *(web.post(path, _admin_only(handler, admin, contract)) for path, handler in admin_handlers.items()),

@@ -29,6 +29,7 @@ from aiohttp import web
 
 from agentstream.models import WeightsError, assign_weights, check_weights, read_weights
 from agentstream.schemas.contracts import openai_error_body
+from agentstream.schemas.responses_api import ResponsesAnswer, ResponsesRequestError, chat_request
 from agentstream.serving.batcher import Job
 from agentstream.serving.engine import ModelServer
 from agentstream.serving.generation import Delta, SequenceState
@@ -73,13 +74,18 @@ def _sse(payload: dict[str, Any] | str) -> bytes:
 
 
 async def _stream(request: web.Request, server: ModelServer, job: Job, *, name: str, frame: Frame,
-                  choice: Callable[[Delta], dict[str, Any]],
-                  opening: Sequence[dict[str, Any]] = ()) -> web.StreamResponse:
+                  choice: Callable[[Delta], dict[str, Any]], opening: Sequence[dict[str, Any]] = (),
+                  answer: ResponsesAnswer | None = None) -> web.StreamResponse:
     """Stream a job as SSE: ``opening`` events, one event per choice per generated token, usage, then [DONE].
 
     The headers go out when the job's batch starts, once the policy version it runs with is
     noted. A failure before that is a plain error response; after it, vLLM's in-band error event.
+    With ``answer`` (a ``/v1/responses`` call) the same chunks go out as the Responses API's events.
     """
+
+    def event(payload: dict[str, Any]) -> bytes:
+        return answer.chunk(payload) if answer is not None else _sse(payload)
+
     response: web.StreamResponse | None = None
     completion_tokens = 0
     try:
@@ -90,23 +96,26 @@ async def _stream(request: web.Request, server: ModelServer, job: Job, *, name: 
                     response = web.StreamResponse(headers={"Content-Type": "text/event-stream",
                                                            "Cache-Control": "no-cache"})
                     await response.prepare(request)
-                    for event in opening:
-                        await response.write(_sse(event))
+                    if answer is not None:
+                        await response.write(answer.opening())
+                    for opened in opening:
+                        await response.write(event(opened))
                 for delta in deltas:
                     completion_tokens += len(delta.token_ids)
-                    await response.write(_sse(frame([choice(delta)])))
+                    await response.write(event(frame([choice(delta)])))
         if response is None:
             raise RuntimeError("the generation produced no tokens")
         if job.output.include_usage:
-            await response.write(_sse(frame([], usage=server.usage(job, completion_tokens))))
+            await response.write(event(frame([], usage=server.usage(job, completion_tokens))))
     except Exception as error:
         if response is None:  # nothing sent yet: a plain error response
             raise
         if isinstance(error, ConnectionResetError):  # the client is gone
             return response
         log.exception("%s stream failed", name)  # headers are sent: report in-band, as vLLM does
-        await response.write(_sse(openai_error_body(str(error), "InternalServerError", 500)))
-    await response.write(_sse("[DONE]"))
+        await response.write(answer.broken(str(error)) if answer is not None else
+                             _sse(openai_error_body(str(error), "InternalServerError", 500)))
+    await response.write(answer.closing() if answer is not None else _sse("[DONE]"))
     await response.write_eof()
     return response
 
@@ -116,8 +125,22 @@ async def _stream(request: web.Request, server: ModelServer, job: Job, *, name: 
 
 async def chat_completions(request: web.Request) -> web.StreamResponse:
     """POST /v1/chat/completions."""
-    server = request.app[SERVER]
+    return await _chat(request, await json_body(request))
+
+
+async def responses(request: web.Request) -> web.StreamResponse:
+    """POST /v1/responses: the chat completion of the translated request, answered as a Response or its events."""
     body = await json_body(request)
+    try:
+        chat = chat_request(body)
+    except ResponsesRequestError as error:
+        return web.json_response(error.body(), status=400)
+    return await _chat(request, chat, ResponsesAnswer(body))
+
+
+async def _chat(request: web.Request, body: dict[str, Any], answer: ResponsesAnswer | None = None
+                ) -> web.StreamResponse:
+    server = request.app[SERVER]
     adapter = server.adapter(body.get("model"))
     messages = body.get("messages")
     if not isinstance(messages, list) or not messages or not all(
@@ -145,7 +168,7 @@ async def chat_completions(request: web.Request) -> web.StreamResponse:
               output=output_options(body, logprobs))
     parse_tools = bool(tools) and tool_choice != "none"
     if job.output.stream:
-        return await _stream_chat(request, server, job, parse_tools)
+        return await _stream_chat(request, server, job, parse_tools, answer)
     sequences = await server.complete(job)
     choices = [_chat_choice(server, job, sequence, parse_tools) for sequence in sequences]
     response = {"id": f"chatcmpl-{uuid.uuid4().hex}", "object": "chat.completion", "created": int(time.time()),
@@ -154,7 +177,7 @@ async def chat_completions(request: web.Request) -> web.StreamResponse:
     if job.output.return_token_ids:
         response["prompt_token_ids"] = job.prompt_ids
     request[SERVED_VERSION] = job.version
-    return web.json_response(response)
+    return web.json_response(answer.whole(response) if answer is not None else response)
 
 
 def _chat_choice(server: ModelServer, job: Job, sequence: SequenceState, parse_tools: bool) -> dict[str, Any]:
@@ -174,7 +197,8 @@ def _chat_choice(server: ModelServer, job: Job, sequence: SequenceState, parse_t
     return choice
 
 
-async def _stream_chat(request: web.Request, server: ModelServer, job: Job, parse_tools: bool) -> web.StreamResponse:
+async def _stream_chat(request: web.Request, server: ModelServer, job: Job, parse_tools: bool,
+                       answer: ResponsesAnswer | None = None) -> web.StreamResponse:
     """SSE chat.completion.chunk events: each choice's role first, then one per choice per generated token."""
     completion_id, created = f"chatcmpl-{uuid.uuid4().hex}", int(time.time())
 
@@ -192,7 +216,8 @@ async def _stream_chat(request: web.Request, server: ModelServer, job: Job, pars
     def choice(delta: Delta) -> dict[str, Any]:
         return _chat_stream_choice(server, job, delta, filters[delta.index] if filters else None)
 
-    return await _stream(request, server, job, name="chat", frame=chunk, choice=choice, opening=opening)
+    return await _stream(request, server, job, name="chat", frame=chunk, choice=choice, opening=opening,
+                         answer=answer)
 
 
 def _chat_stream_choice(server: ModelServer, job: Job, delta: Delta,

@@ -1,6 +1,7 @@
-"""The Responses API through the proxy, driven by the official openai SDK: ``client.responses.create``, plain and
-streamed, a tool loop of function_call / function_call_output items, and a refused parameter, with the spans read
-back from Kafka carrying the ids the dev server generated."""
+"""The Responses API through the proxy and on the dev server, driven by the official openai SDK:
+``client.responses.create``, plain and streamed, ``responses.stream``, a tool loop of function_call /
+function_call_output items, and refused parameters, with the spans read back from Kafka carrying the ids the dev
+server generated."""
 
 from __future__ import annotations
 
@@ -13,6 +14,7 @@ from agentstream.models import load_model
 from agentstream.pipeline.proxy.server import LLMProxy
 from agentstream.pipeline.publisher import SpanPublisher
 from agentstream.serving.app import create_app
+from agentstream.serving.protocol import Contract
 from tests.integration.test_proxy import spans_of
 from tests.support.http_thread import ServerThread
 from tests.support.servers import assert_exact, scripted
@@ -130,3 +132,23 @@ def test_what_needs_state_gets_a_responses_shaped_400(proxy):
     with pytest.raises(openai.BadRequestError) as refused:
         client.responses.create(model="tiny", input="hi", tools=[{"type": "web_search_preview"}])
     assert refused.value.param == "tools[0].type"
+
+
+@pytest.mark.parametrize("contract", [Contract.DEV, Contract.VLLM])
+def test_the_dev_server_serves_the_responses_api_itself(contract):
+    """Without the proxy: the same translation around the server's own chat handler, in both contracts."""
+    loaded = scripted(CALL)
+    server = ServerThread(create_app(loaded, contract=contract))
+    try:
+        client = openai.OpenAI(base_url=f"{server.url}/v1", api_key="unused", max_retries=0)
+        response = client.responses.create(model="scripted", input="Weather in Paris?", tools=[WEATHER])
+        assert [item.type for item in response.output] == ["message", "function_call"]
+        assert json.loads(response.output[1].arguments) == {"city": "Paris"}
+        with client.responses.stream(model="scripted", input="Weather in Paris?", tools=[WEATHER]) as stream:
+            streamed = stream.get_final_response()
+        assert streamed.output[1].name == "get_weather" and streamed.usage.output_tokens > 0
+        with pytest.raises(openai.BadRequestError) as refused:
+            client.responses.create(model="scripted", input="hi", conversation="conv_1")
+        assert refused.value.param == "conversation"
+    finally:
+        server.stop()
