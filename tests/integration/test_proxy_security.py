@@ -152,7 +152,7 @@ def test_admin_routes_never_reach_the_model_server(server, proxy, weights):
               ("GET", "/v1/models/%2e%2e"), ("GET", "/v1/models/../load_weights"), ("GET", "/v1/models/a//b"),
               ("PUT", "/v1/chat/completions"), ("DELETE", "/v1/models"), ("GET", "/v1/chat/completions"),
               ("PATCH", "/rollouts/r-1/v1/completions"), ("POST", "/v1/models"), ("HEAD", "/v1/models"),
-              ("OPTIONS", "/v1/chat/completions"), ("POST", "/v1/responses"), ("GET", "/metrics"),
+              ("OPTIONS", "/v1/chat/completions"), ("GET", "/v1/responses"), ("GET", "/metrics"),
               ("POST", "/load_lora_adapter"), ("GET", "/v1")]
     for method, target in tricks:
         status, body = raw_request(proxy.url, method, target, b'{"lora_name": "stable"}')
@@ -160,6 +160,9 @@ def test_admin_routes_never_reach_the_model_server(server, proxy, weights):
             assert status == 404 and not body, (target, status)
         else:
             assert_not_served(status, body)
+    # /v1/responses is served, and an admin body sent there is an unknown parameter, refused before any relay
+    status, body = raw_request(proxy.url, "POST", "/v1/responses", b'{"lora_name": "stable"}')
+    assert status == 400 and json.loads(body)["error"]["code"] == "unknown_parameter"
     assert server.seen == [], "nothing but allowed routes may reach the model server"
     assert server.state() == before, "the served adapters and policy version are unchanged"
 
