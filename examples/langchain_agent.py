@@ -42,11 +42,12 @@ def http_clients() -> tuple[httpx.Client, httpx.AsyncClient]:
     return _sync_http[0], _async_http[loop]
 
 
-def chat_model(base_url: str, api_key: str, *, model: str, temperature: float = 1.0) -> ChatOpenAI:
+def chat_model(base_url: str, api_key: str, *, model: str, temperature: float = 1.0,
+               max_tokens: int = MAX_TOKENS) -> ChatOpenAI:
     """A ChatOpenAI for one rollout, talking to ``base_url`` with the proxy's ``api_key``."""
     sync_http, async_http = http_clients()
     return ChatOpenAI(  # type: ignore[call-arg]  # max_tokens is the field's alias, which pydantic's stubs do not list
-        model=model, base_url=base_url, api_key=SecretStr(api_key), temperature=temperature, max_tokens=MAX_TOKENS,
+        model=model, base_url=base_url, api_key=SecretStr(api_key), temperature=temperature, max_tokens=max_tokens,
         max_retries=2, use_responses_api=False, http_client=sync_http, http_async_client=async_http)
 
 

@@ -17,7 +17,7 @@ import uuid
 
 import pytest
 
-from agentstream.examples import calculator_agent, calculator_agents_sdk
+from agentstream.examples import calculator_agent, calculator_agents_sdk, calculator_langgraph, calculator_pydantic_ai
 from agentstream.infra.kafka import topic_name
 from agentstream.pipeline.proxy.server import LLMProxy
 from agentstream.pipeline.sdk import Rollout
@@ -48,13 +48,17 @@ def rollout_spans(agent, proxy_url: str, publisher, topics_config, kafka_options
     return score, sorted(landed.of(rollout_id)[0], key=lambda span: span["start_time_us"])
 
 
-def test_the_openai_agents_sdk_calculator_is_captured_on_the_responses_api(publisher, topics_config,
-                                                                            kafka_options):
+FRAMEWORKS = {"agents-sdk": calculator_agents_sdk, "langgraph": calculator_langgraph,
+              "pydantic-ai": calculator_pydantic_ai}
+
+
+@pytest.mark.parametrize("framework", FRAMEWORKS)
+def test_a_framework_calculator_is_captured_call_by_call(framework, publisher, topics_config, kafka_options):
     loaded = scripted(CALL)
     upstream = ServerThread(create_app(loaded))
-    proxy = ServerThread(LLMProxy(upstream.url, publisher, agent_name="calc-agents-sdk").app)
+    proxy = ServerThread(LLMProxy(upstream.url, publisher, agent_name=f"calc-{framework}").app)
     try:
-        score, spans = rollout_spans(calculator_agents_sdk, proxy.url, publisher, topics_config, kafka_options)
+        score, spans = rollout_spans(FRAMEWORKS[framework], proxy.url, publisher, topics_config, kafka_options)
         _, plain = rollout_spans(calculator_agent, proxy.url, publisher, topics_config, kafka_options)
     finally:
         proxy.stop()
@@ -62,7 +66,7 @@ def test_the_openai_agents_sdk_calculator_is_captured_on_the_responses_api(publi
     assert score == 0.0, "the scripted model only ever calls the tool, so the agent runs out of turns"
     assert [span["kind"] for span in spans] == ["LLM"] * calculator_agent.MAX_TURNS
     for span in spans:
-        assert span["agent_name"] == "calc-agents-sdk"
+        assert span["agent_name"] == f"calc-{framework}"
         assert loaded.tokenizer.decode(span["response_token_ids"], skip_special_tokens=True) == CALL
         assert "calculator" in span["attributes"]["gen_ai.tool.definitions"]
     sent = json.loads(spans[1]["attributes"]["gen_ai.input.messages"])
@@ -74,4 +78,4 @@ def test_the_openai_agents_sdk_calculator_is_captured_on_the_responses_api(publi
                for a, b in itertools.pairwise(spans) for index in [first_difference(a, b)]]
     plain_departs = [(index - len(a["prompt_token_ids"])) if index is not None else None
                      for a, b in itertools.pairwise(plain) for index in [first_difference(a, b)]]
-    assert departs == plain_departs, "the Agents SDK's turns break or merge exactly where the plain SDK's do"
+    assert departs == plain_departs, f"{framework}'s turns break or merge exactly where the plain SDK's do"
