@@ -11,7 +11,15 @@ from __future__ import annotations
 
 import json
 
-from agents import Agent, MaxTurnsExceeded, ModelSettings, Runner, function_tool, set_tracing_disabled
+from agents import (
+    Agent,
+    MaxTurnsExceeded,
+    ModelBehaviorError,
+    ModelSettings,
+    Runner,
+    function_tool,
+    set_tracing_disabled,
+)
 from agents.models.openai_responses import OpenAIResponsesModel
 
 from agentstream.examples.arithmetic import client, model_name, reward
@@ -41,4 +49,6 @@ async def solve(task: dict, rollout, *, temperature: float = 1.0) -> float:
         result = await Runner.run(agent, task["prompt"], max_turns=MAX_TURNS)
     except MaxTurnsExceeded:
         return 0.0  # still calling tools after its last turn: no answer
+    except ModelBehaviorError:
+        return 0.0  # cut at max_output_tokens: the SDK ends the run with no answer, as it does on OpenAI
     return reward(str(result.final_output or ""), int(task["answer"]))
