@@ -8,6 +8,10 @@ the next prompt starts with the previous prompt and response ids, so trajectory-
 break rate, generated tokens per rollout, the mean reward, and why the breaks happened: the tokens the
 previous call generated against the tokens the next prompt has at the first place they differ.
 
+An untrained SmolLM2-135M does not call the tool (one call per rollout, nothing to merge), so drift is
+measured on a warm-started checkpoint, as the calculator demo makes one: ``--weights`` names its folder (or
+its ``model.safetensors``), full weights as the trainer writes them.
+
 Prints the machine's calibration, then one JSON line per figure and framework.
 """
 
@@ -18,6 +22,7 @@ import asyncio
 import time
 from collections import Counter
 from itertools import pairwise
+from pathlib import Path
 from typing import Any
 
 from agentstream.examples import (
@@ -26,7 +31,8 @@ from agentstream.examples import (
     calculator_langgraph,
     calculator_pydantic_ai,
 )
-from agentstream.models import LoadedModel, load_model
+from agentstream.models import FULL_WEIGHTS_FILE, LoadedModel, load_model
+from agentstream.models.weights import assign_weights, read_weights
 from agentstream.pipeline.proxy.server import LLMProxy
 from agentstream.pipeline.sdk import Rollout
 from agentstream.serving.app import create_app
@@ -107,10 +113,16 @@ def main() -> None:
     parser.add_argument("--tasks", type=int, default=32, help="Held-out calculator tasks each framework runs.")
     parser.add_argument("--frameworks", nargs="+", choices=sorted(FRAMEWORKS), default=list(FRAMEWORKS))
     parser.add_argument("--concurrency", type=int, default=8, help="Rollouts of one framework at a time.")
+    parser.add_argument("--weights", type=Path, default=None,
+                        help=f"A checkpoint folder (or its {FULL_WEIGHTS_FILE}) to serve instead of the base weights.")
     args = parser.parse_args()
     calibration = calibrate()
     emit(BENCH, "machine_calibration", calibration.python_loop_s, "s", **calibration.as_dict())
     loaded = load_model(args.model)
+    if args.weights is not None:
+        folder = args.weights if args.weights.is_dir() else args.weights.parent
+        assign_weights(loaded.model, read_weights(folder))
+        emit(BENCH, "weights", None, "", folder=str(folder))
     server = ServerThread(create_app(loaded))
     try:
         _, heldout = calculator_agent.split()
