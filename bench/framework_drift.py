@@ -19,18 +19,14 @@ from __future__ import annotations
 
 import argparse
 import asyncio
+import importlib
 import time
 from collections import Counter
 from itertools import pairwise
 from pathlib import Path
 from typing import Any
 
-from agentstream.examples import (
-    calculator_agent,
-    calculator_agents_sdk,
-    calculator_langgraph,
-    calculator_pydantic_ai,
-)
+from agentstream.examples import CALCULATOR_FRAMEWORKS, calculator_agent
 from agentstream.models import FULL_WEIGHTS_FILE, LoadedModel, load_model
 from agentstream.models.weights import assign_weights, read_weights
 from agentstream.pipeline.proxy.server import LLMProxy
@@ -42,8 +38,6 @@ from tests.support.http_thread import ServerThread
 from tests.support.sinks import ListSink
 
 BENCH = "framework_drift"
-FRAMEWORKS = {"openai": calculator_agent, "agents-sdk": calculator_agents_sdk, "langgraph": calculator_langgraph,
-              "pydantic-ai": calculator_pydantic_ai}
 REASON_TOKENS = 3
 
 
@@ -111,7 +105,8 @@ def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     parser.add_argument("--model", default="smollm2", help="The dev server's model (smollm2, or tiny for a smoke run).")
     parser.add_argument("--tasks", type=int, default=32, help="Held-out calculator tasks each framework runs.")
-    parser.add_argument("--frameworks", nargs="+", choices=sorted(FRAMEWORKS), default=list(FRAMEWORKS))
+    parser.add_argument("--frameworks", nargs="+", choices=list(CALCULATOR_FRAMEWORKS),
+                        default=list(CALCULATOR_FRAMEWORKS))
     parser.add_argument("--concurrency", type=int, default=8, help="Rollouts of one framework at a time.")
     parser.add_argument("--weights", type=Path, default=None,
                         help=f"A checkpoint folder (or its {FULL_WEIGHTS_FILE}) to serve instead of the base weights.")
@@ -132,7 +127,8 @@ def main() -> None:
             tasks = [{**task, "framework": framework, "model": loaded.name} for task in heldout[:args.tasks]]
             started = time.monotonic()
             try:
-                rewards = asyncio.run(run_framework(FRAMEWORKS[framework], tasks, proxy.url, args.concurrency))
+                agent = importlib.import_module(CALCULATOR_FRAMEWORKS[framework])
+                rewards = asyncio.run(run_framework(agent, tasks, proxy.url, args.concurrency))
             finally:
                 proxy.stop()
             report(framework, loaded, sink.spans, rewards, time.monotonic() - started)

@@ -9,6 +9,7 @@ import click
 
 from agentstream.cli.common import command_config as _config
 from agentstream.cli.errors import Interrupted, requires_extra
+from agentstream.examples import CALCULATOR_FRAMEWORKS
 from agentstream.stack.control import Stack
 
 
@@ -23,8 +24,13 @@ from agentstream.stack.control import Stack
               show_default=True, help="The example agent to train: 'Compute a+b.' in one LLM call, or the "
               "multi-step calculator agent ('Compute a*b+d.' with a tool), warm-started on demonstrations and "
               "trained at trajectory level.")
+@click.option("--framework", type=click.Choice(list(CALCULATOR_FRAMEWORKS)), default="openai", show_default=True,
+              help="What the calculator agent is written on: the plain OpenAI SDK, the OpenAI Agents SDK "
+              "(Responses API), LangGraph (a ReAct graph over ChatOpenAI) or PydanticAI (Responses API): "
+              "examples/calculator_*.py.")
 @click.pass_context
-def demo(ctx: click.Context, quick: bool | None, seconds: float | None, online: bool, agent_name: str) -> None:
+def demo(ctx: click.Context, quick: bool | None, seconds: float | None, online: bool, agent_name: str,
+         framework: str) -> None:
     """Train SmolLM2-135M-Instruct online on an example agent and show that it learned.
 
     Starts the stack, the dev model server, proxy, streams, trainer, hot swap and runners;
@@ -41,6 +47,8 @@ def demo(ctx: click.Context, quick: bool | None, seconds: float | None, online: 
     config = _config(ctx)
     if online and agent_name != "arithmetic":
         raise click.UsageError("--online runs its own service agent; --agent is for the training demo")
+    if framework != "openai" and agent_name != "calculator":
+        raise click.UsageError("--framework is for --agent calculator: the other agents are written on the OpenAI SDK")
     if online and seconds:
         config = replace(config, demo=replace(config.demo, online_seconds=seconds))
     elif quick is not None or seconds is not None:
@@ -53,7 +61,7 @@ def demo(ctx: click.Context, quick: bool | None, seconds: float | None, online: 
         if online:
             run_online_demo(config)
         else:
-            run_demo(config, agent=agent_name)
+            run_demo(config, agent=agent_name, framework=framework)
     except KeyboardInterrupt:
         raise Interrupted("interrupted; the processes the demo started were stopped") from None
 

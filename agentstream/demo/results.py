@@ -38,6 +38,7 @@ class DemoReport:
     time_to_target_s: float | None
     target: float
     agent: str = "arithmetic"
+    framework: str = "openai"  # what the agent is written on (the calculator agent has several)
     judged: str = "greedy"  # how held-out success was measured
     heldout_warm_start: float | None = None  # after the warm start, before RL (agents with one)
     warm_start_seconds: float | None = None
@@ -82,7 +83,7 @@ def write_plot(path: Path, report: DemoReport, title: str) -> None:
 def write_markdown(path: Path, report: DemoReport) -> None:
     reached = "not reached" if report.time_to_target_s is None else f"{report.time_to_target_s:.0f} s"
     lines = ["# agentstream demo report", "",
-             f"- agent: {report.agent}",
+             f"- agent: {report.agent}, written on {report.framework}",
              (f"- held-out success ({report.judged}): {report.heldout_before:.1%} before, "
               f"{report.heldout_warm_start:.1%} after "
               f"the warm start ({report.warm_start_seconds:.0f} s), {report.heldout_after:.1%} after RL"

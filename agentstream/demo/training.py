@@ -18,6 +18,7 @@ Writes ``demo-report.json``, a plot and a Markdown report, then stops what it st
 from __future__ import annotations
 
 import asyncio
+import importlib
 import json
 import os
 import random
@@ -25,6 +26,7 @@ import time
 import urllib.request
 import uuid
 from collections import deque
+from collections.abc import Awaitable, Callable
 from contextlib import nullcontext
 from dataclasses import asdict, dataclass, replace
 from pathlib import Path
@@ -38,7 +40,7 @@ from agentstream.console import product_console
 from agentstream.dashboard.server import start_beside
 from agentstream.demo.demonstrations import publish_demonstrations
 from agentstream.demo.results import DemoReport, Evaluation, Snapshot, write_markdown, write_plot
-from agentstream.examples import arithmetic, calculator_agent
+from agentstream.examples import CALCULATOR_FRAMEWORKS, arithmetic, calculator_agent
 from agentstream.infra.clickhouse import ROLLOUT_POLICY_VERSION, connect, migrate
 from agentstream.infra.config import Config, CreditRule
 from agentstream.models import local_path, model_display_name, smollm2_tokenizer
@@ -60,6 +62,7 @@ EXPLORE_COMMAND = f"agentstream up && CLICKHOUSE_DATABASE={DATABASE} agentstream
 RATE_WINDOW_S = 30.0
 PACE_EVERY_S = 0.2  # how soon a new policy version lets the next wave out (a /health call a time)
 SNAPSHOT_EVERY_S = 3.0  # the live numbers from ClickHouse
+TOOLS_WAIT_S = 60.0  # for the first evaluation's spans to reach ClickHouse: seconds at most, minutes never
 LAST_VERSIONS = 5  # the policy versions whose train rollouts say how many LLM calls a rollout makes at the end
 
 
@@ -75,7 +78,8 @@ class DemoAgent:
     ``samples_per_step`` is the trainer's ``batch_transitions`` (0: one wave, ``group_size`` ×
     ``prompts_per_wave``).
     Train rollouts sample at ``temperature`` (the trainer's too); held-out success is measured at
-    ``eval_temperature`` (0: greedy) with ``eval_samples`` rollouts per task.
+    ``eval_temperature`` (0: greedy) with ``eval_samples`` rollouts per task. ``framework`` names what the
+    agent is written on (:func:`on_framework`): its runners run that ``entry`` and evaluations its ``solver``.
     """
 
     name: str
@@ -91,6 +95,13 @@ class DemoAgent:
     temperature: float = 1.0
     eval_temperature: float = 0.0
     eval_samples: int = 1
+    framework: str = "openai"
+    solver: Callable[..., Awaitable[float]] | None = None
+
+    @property
+    def solve(self) -> Callable[..., Awaitable[float]]:
+        """What a held-out evaluation runs: the framework's ``solve`` (the module's own by default)."""
+        return self.solver or self.module.solve
 
     @property
     def eval_name(self) -> str:
@@ -119,6 +130,23 @@ AGENTS = {
                             # SmolLM2 answers greedily right nearly always but at T=1 almost never (docs/multistep.md).
                             temperature=0.5, eval_temperature=0.5, eval_samples=2),
 }
+
+
+def on_framework(agent: DemoAgent, framework: str) -> DemoAgent:
+    """The calculator agent as written on ``framework`` (a name of :data:`CALCULATOR_FRAMEWORKS`).
+
+    Its runners and evaluations run that framework's agent; the tasks, tool, reward, warm start and
+    recipe stay the plain agent's, so the frameworks' results compare.
+    """
+    if framework == agent.framework:
+        return agent
+    if agent.name != "calculator":
+        raise ValueError(f"only the calculator agent is written on other frameworks, not {agent.name!r}")
+    if framework not in CALCULATOR_FRAMEWORKS:
+        raise ValueError(f"unknown framework {framework!r}: one of {', '.join(CALCULATOR_FRAMEWORKS)}")
+    module = CALCULATOR_FRAMEWORKS[framework]
+    return replace(agent, entry=f"{module}:solve", solver=importlib.import_module(module).solve,
+                   framework=framework, title=f"{agent.title} on {framework}")
 
 
 def compute_dtype(config: Config) -> str:
@@ -177,7 +205,7 @@ async def evaluate(agent: DemoAgent, tasks: list[dict], proxy_url: str, proxy_ke
 
     async def one(task: dict) -> float:
         async with rollout(agent.eval_name, task_id=task["id"], proxy_url=proxy_url, proxy_key=proxy_key) as state:
-            reward = await agent.module.solve(task, state, temperature=agent.eval_temperature)
+            reward = await agent.solve(task, state, temperature=agent.eval_temperature)
             emit_reward(reward)  # so held-out accuracy per policy version is queryable too
             return reward
 
@@ -279,6 +307,25 @@ def _scalar(client, sql: str) -> Any:
     return client.query(sql).result_rows[0][0]
 
 
+async def tools_sent(agent: DemoAgent, client, console: Console, wait_s: float = TOOLS_WAIT_S) -> list[dict]:
+    """The tool definitions the agent's framework sent in its first held-out evaluation, read from its LLM spans.
+
+    Demonstrations are rendered with them, so the warm start trains on the prompt the agent will send:
+    each framework writes the calculator's JSON schema its own way, and the schema is part of the prompt.
+    Falls back to the plain agent's ``CALCULATOR`` if no captured call has arrived in ``wait_s``.
+    """
+    sql = (f"SELECT attributes['gen_ai.tool.definitions'] FROM spans WHERE agent_name = '{agent.eval_name}' "
+           "AND kind = 'LLM' AND mapContains(attributes, 'gen_ai.tool.definitions') LIMIT 1")
+    deadline = time.monotonic() + wait_s
+    while not (rows := client.query(sql).result_rows) and time.monotonic() < deadline:
+        await asyncio.sleep(1.0)
+    if rows:
+        return list(json.loads(rows[0][0]))
+    console.print(f"[yellow]no captured call of {agent.eval_name!r} named its tools in {wait_s:.0f} s; "
+                  "demonstrations use the plain agent's calculator tool[/yellow]")
+    return [agent.module.CALCULATOR]
+
+
 async def warm_start(agent: DemoAgent, train: list[dict], config: Config, session: TrainingSession, client,
                      console: Console) -> float:
     """Send the agent's demonstrations through the pipeline and wait until the server holds weights trained on them.
@@ -290,7 +337,8 @@ async def warm_start(agent: DemoAgent, train: list[dict], config: Config, sessio
     started = time.monotonic()
     count = config.demo.warm_start_demonstrations
     tokenizer = await asyncio.to_thread(smollm2_tokenizer)  # the ids the server renders; its weights are not needed
-    calls = publish_demonstrations(train[:count], agent.module.demonstration, [agent.module.CALCULATOR], tokenizer,
+    tools = await tools_sent(agent, client, console)
+    calls = publish_demonstrations(train[:count], agent.module.demonstration, tools, tokenizer,
                                    model=model_display_name("smollm2"), agent_name=agent.demonstrations_name)
     console.print(f"warm start: {count} demonstrations ({calls} LLM calls) published as rollouts of "
                   f"{agent.demonstrations_name!r}; waiting for the trainer and the server")
@@ -417,12 +465,13 @@ async def train_and_watch(session: TrainingSession, config: Config, endpoints, c
 
 
 def run_demo(config: Config, console: Console | None = None, snapshots: Path | None = None,
-             agent: DemoAgent | str = "arithmetic") -> DemoReport:
-    """The whole demo on an agent (one of :data:`AGENTS` by name); returns (and writes) its report.
+             agent: DemoAgent | str = "arithmetic", framework: str = "openai") -> DemoReport:
+    """The whole demo on an agent (one of :data:`AGENTS` by name) written on ``framework``; returns (and writes)
+    its report.
 
     ``snapshots``: a folder for the served weights over time.
     """
-    agent = AGENTS[agent] if isinstance(agent, str) else agent
+    agent = on_framework(AGENTS[agent] if isinstance(agent, str) else agent, framework)
     console = console or product_console()
     started = time.monotonic()
     run_id = uuid.uuid4().hex[:8]
@@ -430,7 +479,8 @@ def run_demo(config: Config, console: Console | None = None, snapshots: Path | N
     workdir.mkdir(parents=True, exist_ok=True)
     config = demo_config(config, run_id, workdir, agent)
     demo = config.demo
-    console.rule(f"agentstream demo: {agent.name} ({'quick, ' if demo.quick else ''}{demo.training_seconds:.0f} s "
+    console.rule(f"agentstream demo: {agent.name}{'' if agent.framework == 'openai' else ' on ' + agent.framework} "
+                 f"({'quick, ' if demo.quick else ''}{demo.training_seconds:.0f} s "
                  "of training)")
     machine = calibrate()
     console.print(f"machine: {machine.describe()} (docs/demo.md's figures name theirs: a slower machine learns "
@@ -463,7 +513,7 @@ def run_demo(config: Config, console: Console | None = None, snapshots: Path | N
         tokens, step_seconds = client.query(
             "SELECT sum(tokens), sum(step_time_s) FROM train_steps FINAL").result_rows[0]
         report = DemoReport(
-            agent=agent.name, judged=agent.judged,
+            agent=agent.name, framework=agent.framework, judged=agent.judged,
             heldout_warm_start=evaluations[1].accuracy if agent.warm_start else None,
             warm_start_seconds=round(warm_seconds, 1) if warm_seconds is not None else None,
             llm_calls_per_rollout=(round(sum(r["llm_calls_mean"] * r["rollouts"] for r in last)
