@@ -9,7 +9,7 @@ import click
 
 from agentstream.cli.common import command_config as _config
 from agentstream.cli.errors import Interrupted, requires_extra
-from agentstream.examples import CALCULATOR_FRAMEWORKS
+from agentstream.demo import FRAMEWORKS
 from agentstream.stack.control import Stack
 
 
@@ -24,7 +24,7 @@ from agentstream.stack.control import Stack
               show_default=True, help="The example agent to train: 'Compute a+b.' in one LLM call, or the "
               "multi-step calculator agent ('Compute a*b+d.' with a tool), warm-started on demonstrations and "
               "trained at trajectory level.")
-@click.option("--framework", type=click.Choice(list(CALCULATOR_FRAMEWORKS)), default="openai", show_default=True,
+@click.option("--framework", type=click.Choice(FRAMEWORKS), default="openai", show_default=True,
               help="What the calculator agent is written on: the plain OpenAI SDK, the OpenAI Agents SDK "
               "(Responses API), LangGraph (a ReAct graph over ChatOpenAI) or PydanticAI (Responses API): "
               "examples/calculator_*.py.")

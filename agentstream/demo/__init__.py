@@ -10,14 +10,14 @@ from __future__ import annotations
 import importlib
 from typing import TYPE_CHECKING, Any
 
-from agentstream.demo.settings import DemoConfig
+from agentstream.demo.settings import FRAMEWORKS, DemoConfig
 
 if TYPE_CHECKING:
     from agentstream.demo.online import OnlineReport, run_online_demo
     from agentstream.demo.results import DemoReport
     from agentstream.demo.training import run_demo
 
-__all__ = ["DemoConfig", "DemoReport", "OnlineReport", "run_demo", "run_online_demo"]
+__all__ = ["FRAMEWORKS", "DemoConfig", "DemoReport", "OnlineReport", "run_demo", "run_online_demo"]
 
 _MODULES = {"OnlineReport": "online", "run_online_demo": "online", "DemoReport": "results", "run_demo": "training"}
 

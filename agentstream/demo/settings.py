@@ -9,7 +9,11 @@ from __future__ import annotations
 
 from dataclasses import dataclass
 
+from agentstream.examples import CALCULATOR_FRAMEWORKS
 from agentstream.infra.config import Checks, add_section
+
+FRAMEWORKS = tuple(CALCULATOR_FRAMEWORKS)
+"""What ``agentstream demo --agent calculator --framework`` takes: the calculator agent's frameworks."""
 
 ENVIRONMENT = {"DEMO_QUICK": "quick", "DEMO_SECONDS": "seconds"}
 """The demos' environment variables, each the field it sets (``DEMO_QUICK=1 make demo``)."""
