@@ -1,8 +1,8 @@
 """Drift by framework: the calculator agent on each framework, the same tasks, through the proxy to the dev server.
 
 Each framework's agent (the plain OpenAI SDK; the OpenAI Agents SDK and PydanticAI on the Responses API;
-a LangGraph ReAct agent over ChatOpenAI) runs the same held-out calculator tasks, sampled at temperature 1,
-through the capturing proxy in front of the dev server. From the LLM spans of each rollout it prints, per
+a LangGraph ReAct agent over ChatOpenAI) runs the same held-out calculator tasks, sampled at ``--temperature``
+(0.5, the demo's), through the capturing proxy in front of the dev server. From the LLM spans of each rollout it prints, per
 framework: LLM calls per rollout, the prefix merges and breaks between a rollout's consecutive calls (a merge:
 the next prompt starts with the previous prompt and response ids, so trajectory-level samples merge), the
 break rate, generated tokens per rollout, the mean reward, and why the breaks happened: the tokens the
@@ -107,6 +107,8 @@ def main() -> None:
     parser.add_argument("--tasks", type=int, default=32, help="Held-out calculator tasks each framework runs.")
     parser.add_argument("--frameworks", nargs="+", choices=list(CALCULATOR_FRAMEWORKS),
                         default=list(CALCULATOR_FRAMEWORKS))
+    parser.add_argument("--temperature", type=float, default=0.5,
+                        help="Sampling temperature of every call (the calculator demo's agent runs at 0.5).")
     parser.add_argument("--concurrency", type=int, default=8, help="Rollouts of one framework at a time.")
     parser.add_argument("--weights", type=Path, default=None,
                         help=f"A checkpoint folder (or its {FULL_WEIGHTS_FILE}) to serve instead of the base weights.")
@@ -124,7 +126,8 @@ def main() -> None:
         for framework in args.frameworks:
             sink = ListSink()
             proxy = ServerThread(LLMProxy(server.url, sink).app)
-            tasks = [{**task, "framework": framework, "model": loaded.name} for task in heldout[:args.tasks]]
+            tasks = [{**task, "framework": framework, "model": loaded.name, "temperature": args.temperature}
+                     for task in heldout[:args.tasks]]
             started = time.monotonic()
             try:
                 agent = importlib.import_module(CALCULATOR_FRAMEWORKS[framework])
