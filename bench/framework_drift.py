@@ -1,11 +1,11 @@
 """Drift by framework: the calculator agent on each framework, the same tasks, through the proxy to the dev server.
 
-Each framework's agent (the plain OpenAI SDK; the OpenAI Agents SDK and PydanticAI on the Responses API;
-a LangGraph ReAct agent over ChatOpenAI) runs the same held-out calculator tasks, sampled at ``--temperature``
-(0.5, the demo's), through the capturing proxy in front of the dev server. From the LLM spans of each rollout
-it prints, per framework: LLM calls per rollout, the prefix merges and breaks between a rollout's consecutive calls (a merge:
-the next prompt starts with the previous prompt and response ids, so trajectory-level samples merge), the
-break rate, generated tokens per rollout, the mean reward, and why the breaks happened: the tokens the
+Each framework's agent (the plain OpenAI SDK; the OpenAI Agents SDK and PydanticAI on the Responses API; a
+LangGraph ReAct agent over ChatOpenAI) runs the same held-out calculator tasks, sampled at ``--temperature``
+(0.5, the demo's), through the capturing proxy in front of the dev server. From the LLM spans of each rollout it
+prints, per framework: LLM calls per rollout, the prefix merges and breaks between a rollout's consecutive calls
+(a merge: the next prompt starts with the previous prompt and response ids, so trajectory-level samples merge),
+the break rate, generated tokens per rollout, the mean reward, and why the breaks happened: the tokens the
 previous call generated against the tokens the next prompt has at the first place they differ.
 
 An untrained SmolLM2-135M does not call the tool (one call per rollout, nothing to merge), so drift is
