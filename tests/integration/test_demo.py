@@ -88,20 +88,26 @@ def tracked_in_mlflow_and_wandb(folder: Path, report: dict, out: str, monkeypatc
 
 @pytest.mark.scenario
 @pytest.mark.timeout(600)
-def test_the_calculator_demo_warm_starts_from_demonstrations_then_trains_multi_step_rollouts(tmp_path):
+def test_the_calculator_demo_on_the_agents_sdk_warm_starts_then_trains_multi_step_rollouts(tmp_path):
+    """The calculator agent as written on the OpenAI Agents SDK (the Responses API through the proxy): its
+    demonstrations rendered with the tools the SDK sent, then RL on its own rollouts."""
     home = tmp_path / "home"
     env = stack_environment(home)
     (tmp_path / "agentstream.toml").write_text("[demo]\neval_every_s = 600\nheldout_tasks = 8\n"
                                                "warm_start_demonstrations = 32\n")
-    result = subprocess.run([sys.executable, "-m", "agentstream", "demo", "--agent", "calculator", "--seconds", "150"],
+    result = subprocess.run([sys.executable, "-m", "agentstream", "demo", "--agent", "calculator", "--framework",
+                             "agents-sdk", "--seconds", "150"],
                             env=env, cwd=tmp_path, capture_output=True, text=True, timeout=540)
     assert result.returncode == 0, result.stdout[-4000:] + result.stderr[-4000:]
     out = flat(result.stdout)
+    assert "calculator on agents-sdk" in out and "calculator_agents_sdk:solve" in out
     assert "warm start: 32 demonstrations (64 LLM calls) published" in out and "warm start done in" in out
+    assert "demonstrations use the plain agent's calculator tool" not in out  # the SDK's own tools were read
     assert "held-out after the warm start:" in out and "held-out after training:" in out
     assert "T=0.5, 2 rollouts per task" in out
     report = json.loads((tmp_path / "demo-report.json").read_text())
-    assert report["agent"] == "calculator" and report["heldout_warm_start"] is not None
+    assert report["agent"] == "calculator" and report["framework"] == "agents-sdk"
+    assert report["heldout_warm_start"] is not None
     before, warmed = report["evaluations"][:2]
     assert before["policy_version"] == 0 and before["total"] == 16  # two rollouts per task, at T=0.5
     assert warmed["policy_version"] >= 1  # the server held weights trained on the demonstrations

@@ -4,7 +4,10 @@ from __future__ import annotations
 
 from dataclasses import replace
 
-from agentstream.demo.training import AGENTS, demo_config
+import pytest
+
+from agentstream.demo.training import AGENTS, demo_config, on_framework
+from agentstream.examples import calculator_agent, calculator_langgraph
 from agentstream.infra.config import load_config
 
 
@@ -21,3 +24,18 @@ def test_the_demo_trains_each_agent_at_its_level_and_steps_on_its_samples_per_st
     arithmetic = demo_config(config, "r", tmp_path, AGENTS["arithmetic"])
     assert {rule.agent for rule in arithmetic.credit} == {"arithmetic", "*"}
     assert arithmetic.credit[0].level == "transition"
+
+
+def test_the_calculator_agent_on_a_framework_runs_that_framework_on_the_same_tasks_and_recipe(tmp_path):
+    plain = AGENTS["calculator"]
+    assert on_framework(plain, "openai") is plain and plain.solve is calculator_agent.solve
+    graph = on_framework(plain, "langgraph")
+    assert graph.entry == "agentstream.examples.calculator_langgraph:solve"
+    assert graph.solve is calculator_langgraph.solve
+    assert (graph.name, graph.module, graph.temperature, graph.level) == (plain.name, plain.module, 0.5, "trajectory")
+    config = load_config()
+    assert demo_config(config, "r", tmp_path, graph).credit == demo_config(config, "r", tmp_path, plain).credit
+    with pytest.raises(ValueError, match="only the calculator agent"):
+        on_framework(AGENTS["arithmetic"], "langgraph")
+    with pytest.raises(ValueError, match="unknown framework 'crewai'"):
+        on_framework(plain, "crewai")
