@@ -283,11 +283,7 @@ class LLMProxy:
 
     async def responses(self, request: web.Request) -> web.StreamResponse:
         """POST responses: relayed upstream as chat completions (captured as one), answered as a Response."""
-        try:
-            body = await request.json()
-            if not isinstance(body, dict):
-                raise ValueError
-        except (json.JSONDecodeError, UnicodeDecodeError, ValueError):
+        if (body := await _json_object(request)) is None:
             return openai_error(400, "request body must be a JSON object", "invalid_request_error")
         try:
             chat = chat_request(body)
@@ -316,13 +312,8 @@ class LLMProxy:
 
     async def _relay(self, request: web.Request, operation: str, path: str, body: dict[str, Any] | None = None,
                      answer: ResponsesAnswer | None = None) -> web.StreamResponse:
-        if body is None:
-            try:
-                body = await request.json()
-                if not isinstance(body, dict):
-                    raise ValueError
-            except (json.JSONDecodeError, UnicodeDecodeError, ValueError):
-                return openai_error(400, "request body must be a JSON object", "invalid_request_error")
+        if body is None and (body := await _json_object(request)) is None:
+            return openai_error(400, "request body must be a JSON object", "invalid_request_error")
         trace = trace_context(request.headers)
         try:
             owner = self._owner(request, trace)
@@ -597,3 +588,12 @@ async def serve_proxy(proxy: LLMProxy, host: str, port: int) -> web.AppRunner:
     await runner.setup()
     await web.TCPSite(runner, host, port, reuse_address=True).start()
     return runner
+
+
+async def _json_object(request: web.Request) -> dict[str, Any] | None:
+    """The request's body as a JSON object, or None when it is not one."""
+    try:
+        body = await request.json()
+    except (json.JSONDecodeError, UnicodeDecodeError, ValueError):
+        return None
+    return body if isinstance(body, dict) else None
