@@ -79,7 +79,7 @@ class DemoAgent:
     ``prompts_per_wave``).
     Train rollouts sample at ``temperature`` (the trainer's too); held-out success is measured at
     ``eval_temperature`` (0: greedy) with ``eval_samples`` rollouts per task. ``framework`` names what the
-    agent is written on (:func:`on_framework`): its runners run that ``entry`` and evaluations its ``solver``.
+    agent is written on (:func:`on_framework`): its runners and its evaluations run that ``entry``.
     """
 
     name: str
@@ -96,12 +96,12 @@ class DemoAgent:
     eval_temperature: float = 0.0
     eval_samples: int = 1
     framework: str = "openai"
-    solver: Callable[..., Awaitable[float]] | None = None
 
     @property
     def solve(self) -> Callable[..., Awaitable[float]]:
-        """What a held-out evaluation runs: the framework's ``solve`` (the module's own by default)."""
-        return self.solver or self.module.solve
+        """What a held-out evaluation runs: the function the runners run (``entry``, ``module:function``)."""
+        module, function = self.entry.split(":")
+        return getattr(importlib.import_module(module), function)
 
     @property
     def eval_name(self) -> str:
@@ -145,8 +145,7 @@ def on_framework(agent: DemoAgent, framework: str) -> DemoAgent:
     if framework not in CALCULATOR_FRAMEWORKS:
         raise ValueError(f"unknown framework {framework!r}: one of {', '.join(CALCULATOR_FRAMEWORKS)}")
     module = CALCULATOR_FRAMEWORKS[framework]
-    return replace(agent, entry=f"{module}:solve", solver=importlib.import_module(module).solve,
-                   framework=framework, title=f"{agent.title} on {framework}")
+    return replace(agent, entry=f"{module}:solve", framework=framework, title=f"{agent.title} on {framework}")
 
 
 def compute_dtype(config: Config) -> str:
