@@ -8,7 +8,6 @@ server the app answers as: the dev server, or vLLM itself.
 
 from __future__ import annotations
 
-import json
 from dataclasses import dataclass
 from enum import StrEnum
 from typing import Any, overload
@@ -16,6 +15,7 @@ from typing import Any, overload
 from aiohttp import web
 
 from agentstream.schemas.errors import AgentstreamError
+from agentstream.schemas.json_body import NotAJsonObject, json_object
 from agentstream.serving.generation import SamplingParams
 
 MAX_N = 64
@@ -181,9 +181,6 @@ def sampling_params(body: dict[str, Any], *, prompt_tokens: int, context: int, d
 async def json_body(request: web.Request) -> dict[str, Any]:
     """The request body as a JSON object, or a 400."""
     try:
-        body = await request.json()
-    except (json.JSONDecodeError, UnicodeDecodeError) as error:
-        raise RequestError(f"the request body is not valid JSON: {error}") from None
-    if not isinstance(body, dict):
-        raise RequestError("the request body must be a JSON object")
-    return body
+        return json_object(await request.read())
+    except NotAJsonObject as error:
+        raise RequestError(str(error)) from None

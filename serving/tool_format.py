@@ -75,7 +75,7 @@ def _tool_call(body: str) -> dict[str, Any] | None:
     """One OpenAI tool call from a block body, or None if the body is not a valid call."""
     try:
         payload = json.loads(body)
-    except json.JSONDecodeError:
+    except (json.JSONDecodeError, RecursionError):
         return None
     if not isinstance(payload, dict) or not isinstance(payload.get("name"), str):
         return None
@@ -171,7 +171,7 @@ def _call_with_object_arguments(call: dict[str, Any]) -> dict[str, Any]:
     if isinstance(function.get("arguments"), str):
         try:
             function["arguments"] = json.loads(function["arguments"])
-        except json.JSONDecodeError:
+        except (json.JSONDecodeError, RecursionError):
             pass
     return {**call, "function": function}
 

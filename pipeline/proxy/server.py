@@ -86,6 +86,7 @@ from agentstream.schemas.contracts import (
     resolve_reward,
 )
 from agentstream.schemas.errors import AgentstreamError
+from agentstream.schemas.json_body import NotAJsonObject, json_object
 from agentstream.schemas.responses_api import ResponsesAnswer, ResponsesRequestError, chat_request
 
 log = logging.getLogger("agentstream.proxy")
@@ -206,11 +207,7 @@ class LLMProxy:
         refused = feedback_refusal(self.feedback_secret, request.match_info["rollout_id"], request)
         if refused is not None:
             return refused
-        try:
-            body = await request.json()
-            if not isinstance(body, dict):
-                raise ValueError
-        except (json.JSONDecodeError, UnicodeDecodeError, ValueError):
+        if (body := await _json_object(request)) is None:
             return openai_error(400, "reward body must be a JSON object: {\"reward\": 1.0} or {\"dimensions\": {...}}",
                                 "invalid_request_error")
         try:
@@ -233,14 +230,9 @@ class LLMProxy:
 
     async def agl_event(self, request: web.Request) -> web.Response:
         """Agent Lightning 1.0's event API: a ``reward`` event is a reward; any other is kept as an object span."""
-        try:
-            body = await request.json()
-            if not isinstance(body, dict) or not isinstance(body.get("event_type"), str):
-                raise ValueError
-            data = body.get("data") or {}
-            if not isinstance(data, dict):
-                raise ValueError
-        except (json.JSONDecodeError, UnicodeDecodeError, ValueError):
+        body = await _json_object(request)
+        data = (body.get("data") or {}) if body is not None else None
+        if body is None or not isinstance(body.get("event_type"), str) or not isinstance(data, dict):
             return openai_error(400, 'an event is {"event_type": "reward", "data": {"value": 1.0}}',
                                 "invalid_request_error")
         try:
@@ -593,7 +585,6 @@ async def serve_proxy(proxy: LLMProxy, host: str, port: int) -> web.AppRunner:
 async def _json_object(request: web.Request) -> dict[str, Any] | None:
     """The request's body as a JSON object, or None when it is not one."""
     try:
-        body = await request.json()
-    except (json.JSONDecodeError, UnicodeDecodeError, ValueError):
+        return json_object(await request.read())
+    except NotAJsonObject:
         return None
-    return body if isinstance(body, dict) else None

@@ -36,6 +36,7 @@ from agentstream.infra.registry_client.errors import (
 from agentstream.infra.registry_client.product import product_schemas, schema_json
 from agentstream.infra.security import KeySet
 from agentstream.schemas.catalog import Schema
+from agentstream.schemas.json_body import NotAJsonObject, json_object
 from agentstream.stack.registry_server.state import (
     MAX_VERSION,
     Candidate,
@@ -375,12 +376,9 @@ def _integer(body: dict[str, Any], name: str) -> int:
 
 async def _body(request: web.Request) -> dict[str, Any]:
     try:
-        body = json.loads(await request.read() or b"{}")
-    except ValueError as error:
-        raise BadRequest(f"the request body is not JSON: {error}") from None
-    if not isinstance(body, dict):
-        raise BadRequest("the request body must be a JSON object")
-    return body
+        return json_object(await request.read() or b"{}")
+    except NotAJsonObject as error:
+        raise BadRequest(str(error)) from None
 
 
 def _candidate(body: dict[str, Any]) -> Candidate:

@@ -1,0 +1,32 @@
+"""A request body as a JSON object, refused with a reason whatever the bytes: the one parser the servers share.
+
+Python's ``json`` raises ``RecursionError`` on a document nested some thousands of levels deep; a server
+that catches only ``JSONDecodeError`` answers such a body with a 500 and a traceback. Here every body is
+either a ``dict`` or a :class:`NotAJsonObject` saying why not.
+"""
+
+from __future__ import annotations
+
+import json
+from typing import Any
+
+__all__ = ["NotAJsonObject", "json_object"]
+
+
+class NotAJsonObject(ValueError):
+    """The body is not a JSON object: not UTF-8, not JSON, nested too deeply, or another JSON value."""
+
+
+def json_object(raw: bytes | str) -> dict[str, Any]:
+    """``raw`` parsed as a JSON object, or :class:`NotAJsonObject` naming what is wrong with it."""
+    try:
+        value = json.loads(raw)
+    except UnicodeDecodeError:
+        raise NotAJsonObject("the body is not UTF-8 text") from None
+    except RecursionError:
+        raise NotAJsonObject("the body is JSON nested too deeply") from None
+    except json.JSONDecodeError as error:
+        raise NotAJsonObject(f"the body is not valid JSON: {error}") from None
+    if not isinstance(value, dict):
+        raise NotAJsonObject(f"the body must be a JSON object, not {type(value).__name__}")
+    return value
