@@ -25,7 +25,7 @@ Item = tuple[int, str, PreparedSpan | bytes, int]
 A plain tuple, read by unpacking, for the reason a PreparedSpan is one (schemas/span_writer.py)."""
 
 COUNTERS = ("spans_published", "events_published", "spans_journaled", "records_journaled",
-            "records_replayed", "spans_replayed", "records_dropped")
+            "records_replayed", "spans_replayed", "records_dropped", "journal_write_failures")
 """The names of the counters the loop keeps here, as in PublisherStats."""
 
 

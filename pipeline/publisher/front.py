@@ -48,6 +48,8 @@ class PublisherStats:
     spans_replayed: int
     records_dropped: int
     """Records the broker refused for good (for example too large); each one was logged as an error."""
+    journal_write_failures: int
+    """Journal appends the disk refused (full, read-only): their records were held in memory, not dropped."""
     buffered_bytes: int
     state: str
 

@@ -6,6 +6,7 @@ accumulator builds, the sender puts on the wire, and the journal writes and read
 
 from __future__ import annotations
 
+import errno
 import fcntl
 import logging
 import os
@@ -91,11 +92,26 @@ class Journal:
         writer = self._writer or self._new_segment()
         data = memoryview(b"".join(parts))
         written = 0
-        while written < len(data):
-            written += os.write(writer.fd, data[written:])
-        os.fsync(writer.fd)
+        try:
+            while written < len(data):
+                written += os.write(writer.fd, data[written:])
+            os.fsync(writer.fd)
+        except OSError:
+            self._cut_back(writer)
+            raise
         writer.size += len(data)
         return len(data)
+
+    def _cut_back(self, writer: _Segment) -> None:
+        """Remove what a failed append left after the last whole record (a full disk writes part of a batch).
+
+        Records appended later must follow a whole record: a torn one ends its file for the reader. When
+        even the truncation fails, the next append starts a new file.
+        """
+        try:
+            os.ftruncate(writer.fd, writer.size)  # O_APPEND: the next write goes to the new end
+        except OSError:
+            self._writer = None
 
     def read(self, max_bytes: int) -> tuple[list[Record], int]:
         """Records from the read position (about `max_bytes` of them, at least one) and the bytes they take."""
@@ -148,14 +164,20 @@ class Journal:
     def _new_segment(self) -> _Segment:
         path = self.directory / f"{self.topic}.{os.getpid()}.{uuid.uuid4().hex[:12]}.journal"
         fd = os.open(path, os.O_RDWR | os.O_CREAT | os.O_EXCL | os.O_APPEND, 0o644)
-        fcntl.flock(fd, fcntl.LOCK_EX)
-        os.write(fd, self._header)
-        os.fsync(fd)
-        directory = os.open(self.directory, os.O_RDONLY)
         try:
-            os.fsync(directory)  # the new name survives a crash too
-        finally:
-            os.close(directory)
+            fcntl.flock(fd, fcntl.LOCK_EX)
+            if os.write(fd, self._header) != len(self._header):
+                raise OSError(errno.ENOSPC, "the journal's header was cut short", str(path))
+            os.fsync(fd)
+            directory = os.open(self.directory, os.O_RDONLY)
+            try:
+                os.fsync(directory)  # the new name survives a crash too
+            finally:
+                os.close(directory)
+        except OSError:  # a full disk: leave no file without its header behind
+            os.close(fd)
+            path.unlink(missing_ok=True)
+            raise
         segment = self._writer = _Segment(path, fd, len(self._header), len(self._header))
         if not self._segments:
             self._offset = segment.start

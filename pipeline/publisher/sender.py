@@ -48,6 +48,8 @@ from agentstream.pipeline.publisher.journal import Journal, Record
 
 log = logging.getLogger(__name__)
 
+JOURNAL_CHUNK_BYTES = 256 * 1024  # one append (and fsync) each: what a nearly full disk may still take
+
 
 class _State(enum.Enum):
     """Where fresh records go: to the broker, to the journal (broker away), or after the journal's replay."""
@@ -211,6 +213,8 @@ class Sender:
         self._producer: AIOKafkaProducer | None = None
         self.state = _State.CONNECTED
         self._carry: list[Record] = []  # taken but did not fit this wave's producer batches
+        self._held: list[Record] = []  # the journal's disk refused them: unsettled, so publishers wait for room
+        self._held_since: float | None = None
         self._replay_head: list[Record] = []  # read from the journal, not yet acknowledged
         self._replay_used = 0
         self._replayed = [0, 0]  # records, spans since the outage began
@@ -253,6 +257,8 @@ class Sender:
                 records = self._carry + queue.build_records(queue.take(self._wave_bytes))
                 self._carry = []
                 if self.state is _State.CONNECTED:
+                    if self._held:  # the broker is back and the journal is replayed: what the disk refused is next
+                        records, self._held, self._held_since = self._held + records, [], None
                     await self._send_wave(records)
                 else:
                     self._journal_wave(records)
@@ -265,6 +271,10 @@ class Sender:
         leftovers = self._carry + self._queue.build_records(self._queue.take(None))
         if leftovers:  # only after an unexpected error
             self._journal_wave(leftovers)
+        if self._held:  # the one loss left: closing while neither the broker nor the disk takes records
+            held, self._held = self._held, []
+            self._drop(held, OSError(f"the journal in {self._journal.directory} refused them until the publisher "
+                                     "closed, and the broker did not take them"))
         if self._probe is not None:
             self._probe.cancel()
         if self._producer is not None:
@@ -285,6 +295,8 @@ class Sender:
             if self._carry or self.state is _State.REPLAYING or self._refused is not None:
                 return
             linger = self._queue.until_wave_due()
+            if self._held:  # try the journal (or the broker) again
+                linger = self._probe_interval_s if linger is None else min(linger, self._probe_interval_s)
             if linger is not None and linger <= 0:
                 return
             try:
@@ -436,17 +448,48 @@ class Sender:
         return partition
 
     def _journal_wave(self, records: list[Record]) -> None:
-        """Append records to the journal (after everything in it) and settle them."""
+        """Append the held records, then `records`, to the journal (after everything in it) and settle them.
+
+        When the disk refuses the write (full, read-only), nothing is dropped: the records stay held,
+        unsettled, so their buffer space stays taken and publishers meet back-pressure (a blocking
+        ``publish``, a 503 at the proxy and the collector) until the journal takes them or the broker does.
+        """
+        records, self._held = self._held + records, []
         if not records:
             return
-        try:
-            self._journal.append(records)
-        except OSError as error:
-            self._drop(records, error)
+        appended = 0
+        for chunk in _chunks(records, JOURNAL_CHUNK_BYTES):  # a nearly full disk still takes the first ones
+            try:
+                self._journal.append(chunk)
+            except OSError as error:
+                self._hold(records[appended:], error)
+                self._settle_journaled(records[:appended])
+                return
+            appended += len(chunk)
+        self._settle_journaled(records)
+
+    def _settle_journaled(self, records: list[Record]) -> None:
+        """Count and settle records the journal took; say so once when that ends a time of holding."""
+        if not records:
             return
+        if self._held_since is not None and not self._held:
+            log.warning("span publisher for %s: the journal in %s takes writes again after %.1f s; %d held records "
+                        "journaled", self.topic, self._journal.directory, time.monotonic() - self._held_since,
+                        len(records))
+            self._held_since = None
         self._queue.count("records_journaled", len(records))
         self._queue.count("spans_journaled", sum(r.spans for r in records))
         self._settle(records)
+
+    def _hold(self, records: list[Record], error: OSError) -> None:
+        """Keep records neither the broker nor the journal took, in order, to try again every probe interval."""
+        self._held = records
+        self._queue.count("journal_write_failures", 1)
+        if self._held_since is None:
+            self._held_since = time.monotonic()
+            log.error("span publisher for %s cannot journal to %s (%s): holding %d records (%d spans) in memory; "
+                      "publishers wait for room until the disk has space or the broker is back", self.topic,
+                      self._journal.directory, _describe(error), len(records), sum(r.spans for r in records))
 
     def _drop(self, records: list[Record], error: BaseException) -> None:
         if records:
@@ -456,8 +499,9 @@ class Sender:
             self._settle(records)
 
     def _settle(self, records: list[Record]) -> None:
-        """Settle records acknowledged, journaled or dropped; those carried to the next wave (as of now) stay open."""
-        self._queue.settle(records, self._carry)
+        """Settle records acknowledged, journaled or dropped; those carried to the next wave and those held (as of
+        now) stay open."""
+        self._queue.settle(records, self._carry + self._held)
 
     async def _enter_outage(self, error: BaseException | str) -> None:
         self.state = _State.JOURNALING
@@ -533,6 +577,18 @@ class Sender:
 def _unreachable(error: BaseException) -> bool:
     """True for errors that mean the broker cannot be reached now (worth journaling), not a refused record."""
     return isinstance(error, (KafkaTimeoutError, asyncio.TimeoutError, OSError)) or getattr(error, "retriable", False)
+
+
+def _chunks(records: list[Record], max_bytes: int) -> Iterable[list[Record]]:
+    """``records`` in order, in runs of about ``max_bytes`` (at least one record each)."""
+    start, size = 0, 0
+    for index, record in enumerate(records):
+        if size and size + record.nbytes > max_bytes:
+            yield records[start:index]
+            start, size = index, 0
+        size += record.nbytes
+    if start < len(records):
+        yield records[start:]
 
 
 def _describe(error: BaseException | str) -> str:
