@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import asyncio
 import os
+import signal
 from dataclasses import replace
 from pathlib import Path
 
@@ -16,6 +17,7 @@ from agentstream.infra.processes import free_port
 from agentstream.pipeline.publisher import SpanPublisher
 from agentstream.pipeline.sdk import set_sink
 from agentstream.stack.control import Endpoints, Stack
+from tests.support.broker import PrivateBroker
 from tests.support.streams_harness import stop_worker_stacks
 
 TEST_BROKER = os.environ.get("AGENTSTREAM_TEST_BROKER", "tansu")
@@ -132,3 +134,14 @@ def publisher(topics_config, stack, tmp_path, kafka_options):
         set_sink(running)
         yield running
     set_sink(None)
+
+
+@pytest.fixture
+def private_broker(tmp_path: Path):
+    """A tansu broker of this test only, on a fixed port, that the test may kill, freeze and start again."""
+    broker = PrivateBroker(tmp_path / "tansu")
+    broker.start()
+    yield broker
+    if broker.process.poll() is None:
+        broker.process.send_signal(signal.SIGCONT)
+        broker.kill()

@@ -17,13 +17,7 @@ import pytest
 from agentstream.infra.kafka import client_options, topic_name
 from agentstream.pipeline.publisher import SpanPublisher
 from agentstream.pipeline.publisher.journal import Journal, Record
-from tests.integration.test_publisher import (  # noqa: F401 (private_broker: a fixture)
-    create_topics,
-    journal_files,
-    make_span,
-    private_broker,
-    read_spans_topic,
-)
+from tests.integration.test_publisher import create_topics, journal_files, make_span, read_spans_topic
 from tests.support.small_disk import SmallDisk
 
 pytestmark = pytest.mark.integration

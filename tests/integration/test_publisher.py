@@ -21,10 +21,9 @@ from aiokafka import AIOKafkaConsumer
 from agentstream.infra import kafka
 from agentstream.infra.config import Config
 from agentstream.infra.kafka import client_options, topic_name
-from agentstream.infra.processes import free_port, wait_for_port
+from agentstream.infra.processes import free_port
 from agentstream.pipeline.publisher import PublisherClosed, SpanPublisher
 from agentstream.schemas import AvroCodec, EncodeError
-from agentstream.stack.broker import find_tansu, tansu_command
 
 ROOT = Path(__file__).resolve().parents[2]
 T0 = 1_732_200_000_000_000
@@ -95,34 +94,6 @@ def read_spans_topic(options: dict, topic: str, at_least: int, timeout_s: float 
 
 def create_topics(config: Config, bootstrap: str) -> None:
     asyncio.run(kafka.create_topics(config, bootstrap))
-
-
-class PrivateBroker:
-    """A tansu broker of this test only, on a fixed port, that can be killed, frozen and started again."""
-
-    def __init__(self, home: Path) -> None:
-        self.port = free_port()
-        self.bootstrap = f"127.0.0.1:{self.port}"
-        self._command = tansu_command(find_tansu(None, home), "127.0.0.1", self.port)
-        self.process: subprocess.Popen | None = None
-
-    def start(self) -> None:
-        self.process = subprocess.Popen(self._command, stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL)
-        wait_for_port("127.0.0.1", self.port, 10, self.process)
-
-    def kill(self) -> None:
-        self.process.kill()
-        self.process.wait()
-
-
-@pytest.fixture
-def private_broker(tmp_path: Path):
-    broker = PrivateBroker(tmp_path / "tansu")
-    broker.start()
-    yield broker
-    if broker.process.poll() is None:
-        broker.process.send_signal(signal.SIGCONT)
-        broker.kill()
 
 
 @pytest.fixture

@@ -40,3 +40,21 @@ class MemoryBroker:
     def restart(self) -> MemoryBroker:
         self.kill()
         return self.start()
+
+
+class PrivateBroker:
+    """A tansu broker of this test only, on a fixed port, that can be killed, frozen and started again."""
+
+    def __init__(self, home: Path) -> None:
+        self.port = free_port()
+        self.bootstrap = f"127.0.0.1:{self.port}"
+        self._command = tansu_command(find_tansu(None, home), "127.0.0.1", self.port)
+        self.process: subprocess.Popen | None = None
+
+    def start(self) -> None:
+        self.process = subprocess.Popen(self._command, stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL)
+        wait_for_port("127.0.0.1", self.port, 10, self.process)
+
+    def kill(self) -> None:
+        self.process.kill()
+        self.process.wait()
