@@ -10,23 +10,35 @@ from __future__ import annotations
 import json
 from typing import Any
 
-__all__ = ["NotAJsonObject", "json_object"]
+__all__ = ["NotAJsonObject", "NotJson", "json_object", "json_value"]
 
 
-class NotAJsonObject(ValueError):
-    """The body is not a JSON object: not UTF-8, not JSON, nested too deeply, or another JSON value."""
+class NotJson(ValueError):
+    """The text is not JSON: not UTF-8, not valid JSON, or nested too deeply to parse."""
+
+
+class NotAJsonObject(NotJson):
+    """The body is not a JSON object: not JSON at all, or another JSON value."""
+
+
+def json_value(raw: bytes | str) -> Any:
+    """``raw`` parsed as any JSON value, or :class:`NotJson` naming what is wrong with it (never RecursionError)."""
+    try:
+        return json.loads(raw)
+    except UnicodeDecodeError:
+        raise NotJson("the body is not UTF-8 text") from None
+    except RecursionError:
+        raise NotJson("the body is JSON nested too deeply") from None
+    except json.JSONDecodeError as error:
+        raise NotJson(f"the body is not valid JSON: {error}") from None
 
 
 def json_object(raw: bytes | str) -> dict[str, Any]:
     """``raw`` parsed as a JSON object, or :class:`NotAJsonObject` naming what is wrong with it."""
     try:
-        value = json.loads(raw)
-    except UnicodeDecodeError:
-        raise NotAJsonObject("the body is not UTF-8 text") from None
-    except RecursionError:
-        raise NotAJsonObject("the body is JSON nested too deeply") from None
-    except json.JSONDecodeError as error:
-        raise NotAJsonObject(f"the body is not valid JSON: {error}") from None
+        value = json_value(raw)
+    except NotJson as error:
+        raise NotAJsonObject(str(error)) from None
     if not isinstance(value, dict):
         raise NotAJsonObject(f"the body must be a JSON object, not {type(value).__name__}")
     return value

@@ -52,6 +52,7 @@ from opentelemetry.proto.common.v1.common_pb2 import AnyValue, KeyValue
 from opentelemetry.proto.trace.v1.trace_pb2 import Span as OtelSpan
 
 from agentstream.schemas.errors import AgentstreamError
+from agentstream.schemas.json_body import NotJson, json_value
 from agentstream.schemas.records import RolloutEventRecord, SpanRecord
 
 SOURCE_ATTRIBUTE = "agentstream.source"
@@ -61,6 +62,10 @@ ATTEMPT_KEYS = ("agentstream.attempt_id", "agentlightning.attempt_id")
 AGENT_KEYS = ("agentstream.agent_name",)
 TASK_KEYS = ("agentstream.task_id",)
 GROUP_KEYS = ("agentstream.group_id",)
+MAX_KEY_DEPTH = 16
+"""Dotted attribute keys are unflattened this many levels deep at most."""
+MAX_INDEX_DIGITS = 6
+"""A list index in a dotted key longer than this is not an index (``int()`` refuses 4,300+ digits)."""
 TOKEN_KEYS = ("agentstream.prompt_token_ids", "agentstream.response_token_ids", "agentstream.response_logprobs")
 POLICY_KEY = "agentstream.policy_version"
 REWARD_KEY = "agentstream.reward"
@@ -214,10 +219,10 @@ def unflatten(attributes: Mapping[str, Any], prefix: str) -> list[Any]:
         if not key.startswith(prefix):
             continue
         index, _, rest = key[len(prefix):].partition(".")
-        if not index.isdigit() or not rest:
+        if not index.isdigit() or len(index) > MAX_INDEX_DIGITS or not rest:
             continue
         node = items.setdefault(int(index), {})
-        parts = rest.split(".")
+        parts = rest.split(".", MAX_KEY_DEPTH)  # deeper parts stay one key: no client decides our recursion depth
         for part in parts[:-1]:
             child = node.get(part)
             if not isinstance(child, dict):
@@ -232,7 +237,7 @@ def _lists(node: Any) -> Any:
     if not isinstance(node, dict):
         return node
     converted = {key: _lists(value) for key, value in node.items()}
-    if converted and all(key.isdigit() for key in converted):
+    if converted and all(key.isdigit() and len(key) <= MAX_INDEX_DIGITS for key in converted):
         return [converted[key] for key in sorted(converted, key=int)]
     return converted
 
@@ -264,8 +269,8 @@ def normalise(attributes: dict[str, Any], events: list[tuple[str, int, dict[str,
     parameters = attributes.get("llm.invocation_parameters")
     if isinstance(parameters, str):
         try:
-            parameters = json.loads(parameters)
-        except ValueError:
+            parameters = json_value(parameters)
+        except NotJson:
             parameters = None
     if isinstance(parameters, dict):
         for key, name in INVOCATION_PARAMETERS.items():
@@ -367,8 +372,8 @@ def _event_reward(name: str, attributes: Mapping[str, Any]) -> tuple[float | Non
 def _ints(value: Any) -> list[int] | None:
     if isinstance(value, str):
         try:
-            value = json.loads(value)
-        except ValueError:
+            value = json_value(value)
+        except NotJson:
             return None
     if isinstance(value, list) and value and all(isinstance(v, int) and not isinstance(v, bool) for v in value):
         return [int(v) for v in value]
@@ -378,8 +383,8 @@ def _ints(value: Any) -> list[int] | None:
 def _floats(value: Any) -> list[float] | None:
     if isinstance(value, str):
         try:
-            value = json.loads(value)
-        except ValueError:
+            value = json_value(value)
+        except NotJson:
             return None
     if isinstance(value, list) and value and all(number(v) is not None for v in value):
         return [float(v) for v in value]

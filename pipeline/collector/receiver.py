@@ -48,6 +48,7 @@ from agentstream.pipeline.publisher import PublisherClosed, PublisherFull
 from agentstream.pipeline.sdk import now_us
 from agentstream.schemas import DEAD_LETTER, AvroCodec, EncodeError
 from agentstream.schemas.errors import AgentstreamError
+from agentstream.schemas.json_body import NotJson, json_value
 from agentstream.schemas.records import RolloutEventRecord, SpanRecord
 
 log = logging.getLogger("agentstream.otlp")
@@ -222,9 +223,9 @@ def decode_request(body: bytes, encoding: str, kind: type[Message] = ExportTrace
             raise Refused(400, f"the body is not an OTLP {kind.__name__} in protobuf: {error}") from None
         return request
     try:
-        document = json.loads(body)
-    except (ValueError, UnicodeDecodeError, RecursionError) as error:
-        raise Refused(400, f"the body is not JSON: {error}") from None
+        document = json_value(body)
+    except NotJson as error:
+        raise Refused(400, str(error)) from None
     if not isinstance(document, dict):
         raise Refused(400, f"an OTLP/JSON {kind.__name__} is a JSON object")
     _hex_ids_to_base64(document)

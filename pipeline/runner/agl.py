@@ -49,6 +49,7 @@ from agentstream.infra.config import AglConfig
 from agentstream.pipeline import sdk
 from agentstream.schemas.contracts import resolve_reward
 from agentstream.schemas.errors import AgentstreamError
+from agentstream.schemas.json_body import json_value
 
 log = logging.getLogger("agentstream.agl")
 
@@ -328,7 +329,7 @@ def forward_span(name: str, attributes: Mapping[str, Any]) -> str:
         body = rest.pop(MESSAGE_BODY)
         return sdk.emit_message(str(body), **rest)
     if OBJECT_JSON in rest:
-        return sdk.emit_object(json.loads(rest[OBJECT_JSON]))
+        return sdk.emit_object(json_value(rest[OBJECT_JSON]))  # NotJson (a ValueError) says why not
     if OBJECT_LITERAL in rest:
         return sdk.emit_object(rest[OBJECT_LITERAL])
     if name == EXCEPTION_SPAN:

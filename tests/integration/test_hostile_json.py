@@ -3,7 +3,8 @@
 Python's ``json`` raises ``RecursionError`` on documents nested some thousands of levels deep; each body
 below is sent as raw bytes to the real servers (the proxy with no key configured, as a hostile client
 finds it; the dev model server in both contracts; the Schema Registry process), and the log is checked
-for tracebacks.
+for tracebacks. The collector gets the same bodies, and spans whose attribute values and dotted keys are
+hostile (deep JSON in a string, thousands of dots, an index thousands of digits long).
 """
 
 from __future__ import annotations
@@ -14,6 +15,8 @@ import httpx
 import pytest
 
 from agentstream.models import load_model
+from agentstream.pipeline.collector.http_front import OtlpHttp
+from agentstream.pipeline.collector.receiver import OtlpReceiver
 from agentstream.pipeline.proxy.server import LLMProxy
 from agentstream.serving.app import create_app
 from agentstream.serving.protocol import Contract
@@ -98,3 +101,43 @@ def test_the_schema_registry_refuses_hostile_json_with_a_reason(schema_registry)
             assert answer.status_code in (400, 422), f"{name}: {answer.status_code} {answer.text[:300]}"
         assert client.get(f"{schema_registry.url}/subjects").status_code == 200
     assert "Traceback" not in schema_registry.log_path.read_text(errors="replace")
+
+
+def otlp_span(attributes: dict[str, str], number: int) -> dict:
+    """One OTLP/JSON export request holding one span with these string attributes."""
+    return {"resourceSpans": [{"resource": {"attributes": []}, "scopeSpans": [{"spans": [{
+        "traceId": f"{number:032x}", "spanId": f"{number:016x}", "name": "ChatCompletion", "kind": 3,
+        "startTimeUnixNano": "1000", "endTimeUnixNano": "2000",
+        "attributes": [{"key": key, "value": {"stringValue": value}} for key, value in attributes.items()]}]}]}]}
+
+
+def test_the_collector_refuses_hostile_json_and_keeps_spans_with_hostile_attributes(publisher, caplog):
+    caplog.set_level(logging.WARNING)
+    receiver = OtlpReceiver(publisher)
+    collector = ServerThread(OtlpHttp(receiver).app)
+    deep = "[" * DEPTH + "]" * DEPTH
+    hostile_spans = {
+        "deep JSON in llm.invocation_parameters": {"llm.invocation_parameters": deep},
+        "deep JSON where token ids go": {"agentstream.prompt_token_ids": deep, "agentstream.response_token_ids": deep,
+                                         "agentstream.response_logprobs": deep},
+        "a message key with 20,000 dots": {"llm.input_messages.0." + "a." * 20_000 + "content": "hi"},
+        "a message index 5,000 digits long": {"llm.input_messages." + "9" * 5_000 + ".message.content": "hi",
+                                              "gen_ai.prompt." + "1" * 5_000 + ".content": "hi"},
+    }
+    url = collector.url + "/v1/traces"
+    try:
+        with httpx.Client(timeout=60) as client:
+            for name, body in HOSTILE.items():
+                answer = client.post(url, content=body, headers={"Content-Type": "application/json"})
+                assert answer.status_code == 400, f"{name}: {answer.status_code} {answer.text[:300]}"
+                assert answer.json()["message"], name
+            for number, (name, attributes) in enumerate(hostile_spans.items(), start=1):
+                answer = client.post(url, json=otlp_span(attributes, number))
+                assert answer.status_code == 200, f"{name}: {answer.status_code} {answer.text[:300]}"
+                assert "partialSuccess" not in answer.json() or not answer.json()["partialSuccess"], name
+    finally:
+        collector.stop()
+    assert receiver.stats.spans_received == len(hostile_spans)
+    assert receiver.stats.spans_rejected == 0
+    assert receiver.stats.requests_refused == len(HOSTILE)
+    assert_no_traceback(caplog)
