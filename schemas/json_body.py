@@ -10,10 +10,12 @@ from __future__ import annotations
 import json
 from typing import Any
 
+from agentstream.schemas.errors import AgentstreamError
+
 __all__ = ["NotAJsonObject", "NotJson", "json_object", "json_value"]
 
 
-class NotJson(ValueError):
+class NotJson(AgentstreamError, ValueError):
     """The text is not JSON: not UTF-8, not valid JSON, or nested too deeply to parse."""
 
 

@@ -42,7 +42,7 @@ import json
 import logging
 import time
 from collections.abc import Sequence
-from typing import Any
+from typing import Any, Protocol
 from urllib.parse import quote
 
 import aiohttp
@@ -68,7 +68,9 @@ from agentstream.pipeline.proxy.capture import (
 )
 from agentstream.pipeline.proxy.trace_context import BAGGAGE_PREFIX, TraceContext, trace_context
 from agentstream.pipeline.proxy.upstreams import RELIST_GAP_S, HealthSettings, Replica, UpstreamPool
-from agentstream.pipeline.sdk import Rollout, SpanSink, build_span, new_id, now_us
+from agentstream.pipeline.publisher import PublisherClosed, PublisherFull
+from agentstream.pipeline.sdk import Rollout, build_span, new_id, now_us
+from agentstream.schemas import EncodeError
 from agentstream.schemas.contracts import (
     AGENT_HEADER,
     ATTEMPT_HEADER,
@@ -87,6 +89,7 @@ from agentstream.schemas.contracts import (
 )
 from agentstream.schemas.errors import AgentstreamError
 from agentstream.schemas.json_body import NotAJsonObject, json_object
+from agentstream.schemas.records import RolloutEventRecord, SpanRecord
 from agentstream.schemas.responses_api import ResponsesAnswer, ResponsesRequestError, chat_request
 
 log = logging.getLogger("agentstream.proxy")
@@ -105,6 +108,22 @@ AUTO_MODEL = "auto"  # Agent Lightning 1.0 agents ask for model "auto": the upst
 HOLDER_WAIT_S = 5.0
 """How long a call for a deployed version that no model server holds waits for hot swap to load it into one (the
 version was just promoted on another server, or its only holder died) before the 503; pinned versions do not wait."""
+
+
+RETRY_AFTER_S = 1
+"""What a caller told "retry later" (the span buffer is full: broker down and journal disk full) is asked to wait."""
+
+
+class SpanOutlet(Protocol):
+    """Where the proxy's spans go (the Kafka publisher): it answers "retry later" rather than block its loop."""
+
+    @property
+    def saturated(self) -> bool: ...
+
+    def offer(self, spans: Sequence[SpanRecord], events: Sequence[RolloutEventRecord] = ()
+              ) -> list[tuple[SpanRecord, EncodeError]]: ...
+
+    async def publish_async(self, span: SpanRecord) -> None: ...
 
 
 class UpstreamError(AgentstreamError):
@@ -137,7 +156,7 @@ class LLMProxy:
     tokens off, the reward endpoint takes any caller); the CLI builds both from ``[security]``.
     """
 
-    def __init__(self, upstream: str | Sequence[str], sink: SpanSink, *, agent_name: str | None = None,
+    def __init__(self, upstream: str | Sequence[str], sink: SpanOutlet, *, agent_name: str | None = None,
                  timeout_s: float = 600.0, deployments: RoutingTable | None = None, max_tokens: int = 0,
                  keys: KeySet | None = None, feedback_secret: bytes | None = None,
                  health: HealthSettings | None = None) -> None:
@@ -151,6 +170,7 @@ class LLMProxy:
         self.upstream = self.pool.replicas[0].url
         self._checking: asyncio.Task | None = None
         self.sink = sink
+        self._busy_since: float | None = None  # when the proxy began answering "retry later"
         self.agent_name = agent_name
         self.timeout = aiohttp.ClientTimeout(total=timeout_s, sock_connect=10)
         self.session: aiohttp.ClientSession | None = None
@@ -224,7 +244,8 @@ class LLMProxy:
         at = now_us()
         span = build_span(owner, "reward", "REWARD", at, at, attributes={"agentstream.reward.late": True},
                           reward=scalar, reward_dimensions=dimensions)
-        self.sink.publish(span)
+        if (refused := self._offer(span)) is not None:
+            return refused
         return web.json_response({"rollout_id": owner.rollout_id, "span_id": span["span_id"], "reward": scalar},
                                  status=202)
 
@@ -250,7 +271,8 @@ class LLMProxy:
                               reward=scalar, reward_dimensions=dimensions)
         else:
             span = build_span(owner, body["event_type"], "OBJECT", at, at, attributes={"object": data})
-        self.sink.publish(span)
+        if (refused := self._offer(span)) is not None:
+            return refused
         return web.json_response({"event_type": body["event_type"], "rollout_id": owner.rollout_id,
                                   "attempt_id": owner.attempt_id, "timestamp": at / 1e6, "data": data})
 
@@ -311,6 +333,9 @@ class LLMProxy:
             owner = self._owner(request, trace)
         except TrainFlagError as error:
             return openai_error(400, str(error), "invalid_request_error")
+        if self.sink.saturated:  # refused before the model runs: nothing generated is left unrecorded
+            return self._busy("calls")
+        self._taking_again()
         if operation == "chat" and self.max_tokens and body.get("max_tokens") is None \
                 and body.get("max_completion_tokens") is None:
             body["max_tokens"] = self.max_tokens
@@ -321,14 +346,14 @@ class LLMProxy:
                                           capture.owner.rollout_id)
         except RouteError as error:
             capture.error = str(error)
-            self._record(capture)
+            await self._record(capture)
             return openai_error(error.status, str(error), "NotFoundError" if error.status == 404
                                 else "invalid_request_error", param="model")
         headers = self._upstream_headers(request)
         try:
             return await self._relay_on_fleet(request, path, headers, capture)
         finally:
-            self._record(capture)
+            await self._record(capture)
 
     async def _relay_on_fleet(self, request: web.Request, path: str, headers: dict[str, str],
                               capture: CallCapture) -> web.StreamResponse:
@@ -508,9 +533,40 @@ class LLMProxy:
         self.pool.failed(replica, reason)
         return openai_error(502, f"the model server at {replica.url} failed: {reason}", "upstream_error")
 
-    def _record(self, capture: CallCapture) -> None:
+    async def _record(self, capture: CallCapture) -> None:
+        """The call's spans, waiting (off the loop) for buffer space: the model already ran, so they are kept."""
         for span in spans_of(capture, now_us()):
-            self.sink.publish(span)
+            await self.sink.publish_async(span)
+
+    def _offer(self, span: SpanRecord) -> web.Response | None:
+        """Queue a span a caller sent (a reward, an event) or answer why not: 503 to retry later, 400 if it is unfit."""
+        if self.sink.saturated:  # the last quarter of the buffer is for the spans of calls in flight
+            return self._busy("rewards and events")
+        try:
+            unfit = self.sink.offer([span])
+        except (PublisherFull, PublisherClosed):
+            return self._busy("rewards and events")
+        self._taking_again()
+        if unfit:
+            return openai_error(400, f"the span does not fit the Span schema: {unfit[0][1]}", "invalid_request_error")
+        return None
+
+    def _taking_again(self) -> None:
+        if self._busy_since is not None:
+            log.warning("taking work again after %.1f s of 'retry later': the span buffer has room",
+                        time.monotonic() - self._busy_since)
+            self._busy_since = None
+
+    def _busy(self, what: str) -> web.Response:
+        """503 with Retry-After: earlier spans still wait for the broker and no disk can hold more."""
+        if self._busy_since is None:
+            self._busy_since = time.monotonic()
+            log.warning("answering 'retry later' to new %s: the span buffer is full (the broker is unreachable and "
+                        "the journal cannot take more)", what)
+        response = openai_error(503, f"the proxy cannot record more {what} now: its span buffer waits for the "
+                                f"broker; retry after {RETRY_AFTER_S}s", "service_unavailable")
+        response.headers["Retry-After"] = str(RETRY_AFTER_S)
+        return response
 
     def _upstream_headers(self, request: web.Request) -> dict[str, str]:
         return upstream_headers(_forward_headers(request.headers), self.keys)

@@ -106,6 +106,14 @@ class SpanPublisher:
         if not self._queue.try_enqueue(span["rollout_id"], prepared, prepared[NBYTES]):
             await asyncio.to_thread(self._queue.enqueue, span["rollout_id"], prepared, prepared[NBYTES])
 
+    @property
+    def saturated(self) -> bool:
+        """True while three quarters of `max_buffered_bytes` wait for the broker (or a disk to journal them on).
+
+        A server answers new work "retry later" then, keeping the last quarter for the spans of work in flight.
+        """
+        return self._queue.buffered * 4 >= self._queue.max_buffered * 3
+
     def offer(self, spans: Sequence[SpanRecord], events: Sequence[RolloutEventRecord] = ()
               ) -> list[tuple[SpanRecord, EncodeError]]:
         """Queue these spans, then these RolloutEvents, all together if the buffer has room for them now; never waits.

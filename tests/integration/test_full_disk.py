@@ -3,7 +3,8 @@
 The broker is killed, so the publisher journals; the journal's disk (a small tmpfs the test mounts) fills
 up. Nothing acknowledged to a caller may be dropped: the records the disk refused stay held, publishers
 block for room, the journal takes them when space comes back, and the broker takes everything when it is
-back, each span exactly once.
+back, each span exactly once. The proxy and the collector in front of such a publisher answer "retry later"
+(503 with Retry-After) instead of blocking, and take work again by themselves once the disk has room.
 """
 
 from __future__ import annotations
@@ -12,12 +13,20 @@ import logging
 import threading
 import time
 
+import httpx
 import pytest
 
 from agentstream.infra.kafka import client_options, topic_name
+from agentstream.models import load_model
+from agentstream.pipeline.collector.http_front import OtlpHttp
+from agentstream.pipeline.collector.receiver import OtlpReceiver
+from agentstream.pipeline.proxy.server import LLMProxy
 from agentstream.pipeline.publisher import SpanPublisher
 from agentstream.pipeline.publisher.journal import Journal, Record
+from agentstream.serving.app import create_app
 from tests.integration.test_publisher import create_topics, journal_files, make_span, read_spans_topic
+from tests.support.http_thread import ServerThread
+from tests.support.readback import read_topic
 from tests.support.small_disk import SmallDisk
 
 pytestmark = pytest.mark.integration
@@ -110,3 +119,85 @@ def test_a_journal_append_the_disk_refuses_leaves_no_torn_record(small_disk):
     read, _ = journal.read(1 << 30)
     assert [record.value for record in read] == [record.value for record in batch] * (taken // len(batch))
     journal.close()
+
+
+def otlp_export(first: int, spans: int) -> dict:
+    """An OTLP/JSON export of `spans` spans numbered from `first` (span id = the number in hex), 2 KB each."""
+    return {"resourceSpans": [{"resource": {"attributes": []}, "scopeSpans": [{"spans": [
+        {"traceId": f"{number:032x}", "spanId": f"{number:016x}", "name": "step", "kind": 1,
+         "startTimeUnixNano": "1000", "endTimeUnixNano": "2000",
+         "attributes": [{"key": "note", "value": {"stringValue": "x" * 2000}}]}
+        for number in range(first, first + spans)]}]}]}
+
+
+def test_the_proxy_and_the_collector_answer_retry_later_on_a_full_disk_and_lose_nothing(
+        topics_config, private_broker, small_disk):
+    create_topics(topics_config, private_broker.bootstrap)
+    publisher = SpanPublisher(topics_config, private_broker.bootstrap, journal_dir=small_disk.path / "journal",
+                              linger_ms=5, request_timeout_ms=1500, probe_interval_s=0.2,
+                              max_buffered_bytes=256 * 1024).start()
+    model_server = ServerThread(create_app(load_model("tiny")))
+    proxy = ServerThread(LLMProxy(model_server.url, publisher).app)
+    collector = ServerThread(OtlpHttp(OtlpReceiver(publisher)).app)
+    chat = {"model": "tiny", "messages": [{"role": "user", "content": "hi"}], "max_tokens": 2}
+    exported: list[int] = []  # span numbers the collector acknowledged
+    calls: list[str] = []  # rollouts whose call the proxy answered
+    try:
+        with httpx.Client(timeout=60) as client:
+            def export() -> httpx.Response:
+                first = len(exported) + 1
+                answer = client.post(collector.url + "/v1/traces", json=otlp_export(first, 8))
+                if answer.status_code == 200:
+                    exported.extend(range(first, first + 8))
+                return answer
+
+            def call(rollout: str) -> httpx.Response:
+                answer = client.post(f"{proxy.url}/rollouts/{rollout}/v1/chat/completions", json=chat)
+                if answer.status_code == 200:
+                    calls.append(rollout)
+                return answer
+
+            assert call("ro-warm").status_code == 200
+            calls.clear()  # the broker keeps topics in memory: what it took before it dies is gone with it
+            small_disk.fill(leave_bytes=64 * 1024)
+            private_broker.kill()
+            deadline = time.monotonic() + 60
+            while (answer := export()).status_code == 200 or publisher.stats().journal_write_failures == 0:
+                assert time.monotonic() < deadline, "the disk never filled up"  # the journal takes some, then none
+                if answer.status_code == 503:
+                    time.sleep(0.2)  # until the producer gives the broker up and the journal takes the buffer
+            assert answer.status_code == 503 and answer.headers["Retry-After"] == "1", answer.text
+            time.sleep(1.0)  # the held records are retried and refused again: the buffer stays full
+            assert export().status_code == 503
+            refused = call("ro-refused")
+            assert refused.status_code == 503 and refused.headers["Retry-After"] == "1", refused.text
+            assert refused.json()["error"]["message"]
+            reward = client.post(f"{proxy.url}/rollouts/ro-rewarded/reward", json={"reward": 1.0})
+            assert reward.status_code == 503 and reward.headers["Retry-After"] == "1", reward.text
+            assert client.get(proxy.url + "/health").status_code == 200, "the proxy's loop is not blocked"
+            assert publisher.stats().records_dropped == 0
+
+            small_disk.free()  # space comes back: both take work again by themselves
+            wait_for(lambda: call("ro-after").status_code == 200, 30, "the proxy to take calls again")
+            wait_for(lambda: export().status_code == 200, 30, "the collector to take spans again")
+            assert client.post(f"{proxy.url}/rollouts/ro-rewarded/reward", json={"reward": 1.0}).status_code == 202
+    finally:
+        collector.stop()
+        proxy.stop()
+        model_server.stop()
+    private_broker.start()
+    create_topics(topics_config, private_broker.bootstrap)
+    wait_for(lambda: publisher.stats().state == "connected", 30, "the journal's replay")
+    publisher.close(30)
+    assert publisher.stats().records_dropped == 0
+    wanted = {f"{number:016x}" for number in exported}
+    landed = read_topic(client_options(topics_config.kafka, private_broker.bootstrap),
+                        topic_name(topics_config.topics, "spans"),
+                        lambda found: wanted <= {span["span_id"] for span in found.spans}
+                        and all(found.of(rollout)[0] for rollout in [*calls, "ro-rewarded"]), timeout_s=60)
+    exported_ids = [span["span_id"] for span in landed.spans if span["span_id"] in wanted]
+    assert sorted(exported_ids) == sorted(wanted), "every span the collector acknowledged arrived, once"
+    llm_spans = {rollout: len([s for s in landed.of(rollout)[0] if s["kind"] == "LLM"]) for rollout in calls}
+    assert set(llm_spans.values()) == {1}, llm_spans
+    assert landed.of("ro-refused")[0] == [], "a refused call was not run, so it has no span"
+    assert len([s for s in landed.of("ro-rewarded")[0] if s["kind"] == "REWARD"]) == 1

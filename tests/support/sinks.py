@@ -2,6 +2,8 @@
 
 from __future__ import annotations
 
+from collections.abc import Sequence
+
 
 class ListSink:
     """Collects published spans and rollout events in lists."""
@@ -15,6 +17,16 @@ class ListSink:
 
     def publish_event(self, event: dict) -> None:
         self.events.append(event)
+
+    async def publish_async(self, span: dict) -> None:
+        self.spans.append(span)
+
+    def offer(self, spans: Sequence[dict], events: Sequence[dict] = ()) -> list:
+        self.spans.extend(spans)
+        self.events.extend(events)
+        return []
+
+    saturated = False
 
     def of(self, kind: str) -> list[dict]:
         return [span for span in self.spans if span["kind"] == kind]
