@@ -27,6 +27,7 @@ import gzip
 import json
 import logging
 import re
+import shutil
 import uuid
 import zlib
 from collections.abc import Callable
@@ -71,6 +72,7 @@ WRITABLE, READ_ONLY, READER = 0, 2, 1
 LOCAL_FILE_CALL = re.compile(r"\b(?:file|filecluster)\s*\(", re.IGNORECASE)
 STRING_LITERAL = re.compile(r"'(?:[^'\\]|\\.)*'")
 SESSIONS_PER_POOL = 4
+SPOOL_DIR = "insert-spool"  # in the data directory: each insert's body, for the statement's lifetime
 
 # ClickHouse answers some error codes with a specific HTTP status; the rest get 500.
 HTTP_STATUS_BY_CODE = {
@@ -159,6 +161,9 @@ class Engine:
 
     def __init__(self, data_dir: Path, sessions: int = SESSIONS_PER_POOL) -> None:
         data_dir.mkdir(parents=True, exist_ok=True)
+        self.spool = data_dir / SPOOL_DIR  # on the data's disk: when it is full, inserts fail before they start
+        shutil.rmtree(self.spool, ignore_errors=True)  # what a killed server left
+        self.spool.mkdir()
         self._pools = {level: _Pool(data_dir, level, sessions) for level in (WRITABLE, READ_ONLY, READER)}
         probe = self._pools[WRITABLE].sessions[0].conn
         self._defaults = self._setting_defaults(probe)
@@ -229,20 +234,29 @@ class Engine:
             elapsed_s=result.elapsed(),
         )
 
-    @staticmethod
-    def _insert(conn, head: bytes, data: bytes) -> Outcome:
+    def _insert(self, conn, head: bytes, data: bytes) -> Outcome:
+        """Insert the body from a spool file: chdb's streaming insert (``send_insert``) reports success for data it
+        could not write (a full disk: rows_written 1, no error, no row), where ``INSERT ... FROM INFILE`` raises
+        ClickHouse's error (243 NOT_ENOUGH_SPACE), so the caller keeps its data and retries."""
         match = INSERT_WITH_FORMAT.match(head)
         if match is None:
             raise RequestError("Code: 62. DB::Exception: expected INSERT INTO ... FORMAT <format> before the data. "
                                "(SYNTAX_ERROR)", 62)
         target = match.group("target").decode("utf-8")
         fmt = match.group("format").decode("ascii")
-        with conn.send_insert(f"INSERT INTO {target}", fmt) as inserter:
-            if data:
-                inserter.append(data)
-            summary = inserter.finish()
-        return Outcome(b"", fmt, written_rows=summary.rows_written, written_bytes=summary.bytes_written,
-                       elapsed_s=summary.elapsed)
+        spooled = self.spool / f"{uuid.uuid4().hex}.data"
+        try:
+            try:
+                spooled.write_bytes(data)
+            except OSError as error:
+                raise RequestError(f"Code: 243. DB::Exception: cannot spool the insert's {len(data)} bytes to "
+                                   f"{self.spool}: {error}. (NOT_ENOUGH_SPACE)", 243, 500) from None
+            result = conn.query(f"INSERT INTO {target} FROM INFILE {_quoted(str(spooled))} COMPRESSION 'none' "
+                                f"FORMAT {fmt}")
+        finally:
+            spooled.unlink(missing_ok=True)
+        return Outcome(b"", fmt, written_rows=result.rows_written(), written_bytes=result.bytes_written(),
+                       elapsed_s=result.elapsed())
 
     def close(self) -> None:
         for pool in self._pools.values():

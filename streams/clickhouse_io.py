@@ -25,8 +25,11 @@ log = logging.getLogger("agentstream.streams.clickhouse")
 
 T = TypeVar("T")
 EXCEPTION_CODE = re.compile(r"Code:\s*(\d+)")
-# Server-side conditions that pass: overload, memory, timeouts, read-only replicas, shutdown.
-TRANSIENT_CODES = {3, 159, 160, 202, 209, 210, 241, 242, 252, 319, 394, 425, 999, 1002}
+# Server-side conditions that pass: overload, memory, timeouts, read-only replicas, shutdown, a full disk
+# (243 NOT_ENOUGH_SPACE: the data is fine and goes in once space comes back).
+TRANSIENT_CODES = {3, 159, 160, 202, 209, 210, 241, 242, 243, 252, 319, 394, 425, 999, 1002}
+DISK_TROUBLE = ("No space left on device", "Read-only file system", "Disk quota exceeded")
+"""Whatever the code that carries them (a failed write is 75, a filesystem error 1001), these are the disk's."""
 
 
 class RejectedData(AgentstreamError):
@@ -70,7 +73,8 @@ class Warehouse:
             except Exception as error:
                 reason = server_message(error)
                 code = EXCEPTION_CODE.search(reason)
-                if code and int(code.group(1)) not in TRANSIENT_CODES:
+                if code and int(code.group(1)) not in TRANSIENT_CODES and not any(
+                        trouble in reason for trouble in DISK_TROUBLE):
                     raise RejectedData(f"{what}: {reason.splitlines()[0]}") from None
                 self._client = None
             if not warned:

@@ -355,6 +355,48 @@ def test_clickhouse_outage_holds_and_retries(setup, stack, stack_config, tmp_pat
         clickhouse.wait()
 
 
+def test_a_full_clickhouse_disk_holds_offsets_and_resumes_losing_nothing(setup, stack, stack_config, tmp_path):
+    """ClickHouse's data on a real filesystem that fills up: inserts fail (NOT_ENOUGH_SPACE), the worker holds its
+    offsets and retries, nothing goes to dead letters, and everything lands once the disk has room again."""
+    import subprocess
+    import sys
+
+    from agentstream.infra.processes import free_port, wait_for_port
+    from tests.support.small_disk import SmallDisk
+
+    env, tag, _, workers = setup
+    port = free_port()
+    disk = SmallDisk(tmp_path / "ch-disk", 48 * 1024 * 1024)
+    command = [sys.executable, "-m", "agentstream.stack.chserver", "--port", str(port),
+               "--data-dir", str(disk.path / "data")]
+    clickhouse = subprocess.Popen(command, stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL)
+    try:
+        wait_for_port("127.0.0.1", port, 30, clickhouse)
+        env = {**env, "CLICKHOUSE_URL": f"http://127.0.0.1:{port}"}
+        workers.append(Worker(env, env_path(env) / "full-disk.log").start())
+        db, topic = f"streams_{tag}", f"s{tag}.spans"
+        items = _rollout_items("f", 150)
+        asyncio.run(produce(stack.bootstrap_servers, topic, items[:150]))
+        client = connect(stack_config.clickhouse, f"http://127.0.0.1:{port}")
+        wait_for(lambda: _counts(client, db) == (150, 50, 100), 60, what="the rows before the disk fills")
+        disk.fill(leave_bytes=256 * 1024)  # less than the 1 MiB ClickHouse reserves for a new part
+        asyncio.run(produce(stack.bootstrap_servers, topic, items[150:]))
+        wait_for(lambda: "NOT_ENOUGH_SPACE" in workers[-1].log(), 30, what="an insert the full disk refuses")
+        time.sleep(2)
+        assert workers[-1].process.poll() is None, "a full disk does not crash the worker"
+        assert _counts(client, db) == (150, 50, 100), "nothing was written while the disk was full"
+        disk.free()
+        wait_for(lambda: _counts(client, db), 90, what="everything once the disk has room", equals=(450, 150, 300))
+        client.close()
+        assert read_all(stack.bootstrap_servers, f"s{tag}.dlq", 1, timeout_ms=500) == [], "no dead letters"
+        assert "is back" in workers[-1].log()
+    finally:
+        workers[-1].stop() if workers else None
+        clickhouse.terminate()
+        clickhouse.wait()
+        disk.unmount()
+
+
 def flagged_records(rollout_id: str, flags: list[str | None], **kwargs) -> list[tuple[bytes, bytes]]:
     """``rollout_records`` with ``agentstream.train`` set on the LLM spans: ``flags[i]`` on call i (None: absent)."""
     out = []
