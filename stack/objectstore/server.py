@@ -6,6 +6,7 @@ import argparse
 import asyncio
 import base64
 import email.utils
+import errno
 import hashlib
 import hmac
 import logging
@@ -31,6 +32,7 @@ T = TypeVar("T")
 
 S3_NAMESPACE = "http://s3.amazonaws.com/doc/2006-03-01/"
 XML_DECLARATION = b'<?xml version="1.0" encoding="UTF-8"?>\n'
+DISK_REFUSALS = frozenset({errno.ENOSPC, errno.EDQUOT, errno.EROFS})  # the disk's trouble: retried, not refused
 MAX_OBJECT_BYTES = 1 << 30  # a record batch is a few MB at most; S3's own single-PUT limit is 5 GiB
 MAX_KEYS = 1000
 UPLOADS = ".uploads"
@@ -106,6 +108,7 @@ class ObjectStoreServer:
         shutil.rmtree(self.uploads, ignore_errors=True)  # uploads a restart cut short were never completed
         self._uploads: dict[str, tuple[str, str, dict[int, tuple[str, Path]]]] = {}  # id -> bucket, key, parts
         self.log_requests = log_requests
+        self._refused_since: float | None = None  # when the disk began refusing writes (full, read-only)
         self._executor = ThreadPoolExecutor(max_workers=8, thread_name_prefix="objectstore")
         self.app = web.Application(client_max_size=MAX_OBJECT_BYTES)
         self.app.router.add_route("*", "/{tail:.*}", self.handle)
@@ -129,6 +132,14 @@ class ObjectStoreServer:
             response = web.Response(status=304, headers={"ETag": answer.etag})
         except S3Error as error:
             response = self._error(error, request.rel_url.raw_path)
+        except OSError as error:
+            if error.errno not in DISK_REFUSALS:
+                raise
+            response = self._error(self._disk_refused(error), request.rel_url.raw_path)
+        else:
+            if self._refused_since is not None and request.method in ("PUT", "POST"):
+                log.warning("the store's disk takes writes again after %.1f s", time.monotonic() - self._refused_since)
+                self._refused_since = None
         if self.log_requests:
             conditions = {name: request.headers[name] for name in ("If-Match", "If-None-Match", "Range")
                           if name in request.headers}
@@ -136,6 +147,14 @@ class ObjectStoreServer:
                      request.rel_url.raw_query_string, response.status, (time.perf_counter() - started) * 1e3,
                      conditions or "")
         return response
+
+    def _disk_refused(self, error: OSError) -> S3Error:
+        """A full or read-only disk is the store's trouble, not the request's: 503, which S3 clients retry."""
+        if self._refused_since is None:
+            self._refused_since = time.monotonic()
+            log.warning("the store's disk under %s refuses writes (%s): answering 503 until it takes them again",
+                        self.root, error.strerror)
+        return S3Error(503, "ServiceUnavailable", f"the store's disk refuses writes ({error.strerror}); retry later")
 
     async def _authenticate(self, request: web.Request) -> None:
         """Check the request's AWS Signature Version 4 (header form, as boto3 and the AWS SDKs send it)."""
