@@ -98,6 +98,8 @@ class CheckpointStore(Protocol):
 
     def delete(self, name: str) -> None: ...
 
+    def remove_abandoned(self, prefix: str, older_than_s: float) -> list[str]: ...
+
 
 class FolderStore:
     """Checkpoints as folders under a root directory; ``put`` is an atomic rename and URIs are ``file://`` URIs."""
@@ -144,6 +146,16 @@ class FolderStore:
 
     def delete(self, name: str) -> None:
         shutil.rmtree(self.root / name, ignore_errors=True)
+
+    def remove_abandoned(self, prefix: str, older_than_s: float) -> list[str]:
+        """Remove staging folders untouched for ``older_than_s`` (their writer was killed); their paths."""
+        cutoff = time.time() - older_than_s
+        removed = []
+        for staging in self.root.glob(".staging-*"):
+            if staging.is_dir() and _newest_mtime(staging) < cutoff:
+                shutil.rmtree(staging, ignore_errors=True)
+                removed.append(str(staging))
+        return removed
 
 
 def open_store(location: str, settings: CheckpointsConfig | None = None, home: Path | None = None
@@ -194,6 +206,16 @@ class CheckpointReader:
             store = self._stores[parts.netloc] = S3Store(f"s3://{parts.netloc}", self.settings, self.home,
                                                          cache_for(self.settings, self.home))
         return store.get(uri)
+
+    @contextlib.contextmanager
+    def holding(self, uri: str) -> Iterator[Path]:
+        """``local_folder``, kept from the cache's evictions until the block ends: a server loading it reads it all."""
+        if urlsplit(uri).scheme != "s3":
+            yield self.local_folder(uri)
+            return
+        self.local_folder(uri)  # opens the bucket's store (and fetches) with local_folder's errors
+        with self._stores[urlsplit(uri).netloc].held(uri) as folder:
+            yield folder
 
     @staticmethod
     def is_local(uri: str) -> bool:
@@ -285,6 +307,11 @@ class S3Store:
         bucket, key = self._object(uri)
         return self.cache.fetch(uri, lambda folder: self._download(bucket, key, folder))
 
+    def held(self, uri: str) -> contextlib.AbstractContextManager[Path]:
+        """``get``, with the folder kept from eviction until the block ends (while a model server loads it)."""
+        bucket, key = self._object(uri)
+        return self.cache.held(uri, lambda folder: self._download(bucket, key, folder))
+
     def _download(self, bucket: str, key: str, folder: Path) -> None:
         uri = f"s3://{bucket}/{key}"
         body = self._call("read", lambda: self._client.get_object(Bucket=bucket, Key=f"{key}/{MANIFEST}")["Body"]
@@ -345,6 +372,27 @@ class S3Store:
         self._call("delete", lambda: self._client.delete_object(Bucket=self.bucket, Key=manifest))
         for other in list(self._keys(key + "/")):
             self._call("delete", partial(self._client.delete_object, Bucket=self.bucket, Key=other))
+
+    def remove_abandoned(self, prefix: str, older_than_s: float) -> list[str]:
+        """Delete the objects of versions under ``prefix`` that have no manifest and no object newer than
+        ``older_than_s`` (an upload its trainer never finished); the names removed."""
+        folder = self._key(prefix) + "/"
+        pages = self._call("list", lambda: list(self._client.get_paginator("list_objects_v2").paginate(
+            Bucket=self.bucket, Prefix=folder)))
+        versions: dict[str, list[tuple[str, float]]] = {}
+        for page in pages:
+            for entry in page.get("Contents") or ():
+                version, _, file = entry["Key"][len(folder):].partition("/")
+                versions.setdefault(version, []).append((file, entry["LastModified"].timestamp()))
+        cutoff = time.time() - older_than_s
+        removed = []
+        for version, objects in sorted(versions.items()):
+            if all(file != MANIFEST for file, _ in objects) and max(at for _, at in objects) < cutoff:
+                for file, _ in objects:
+                    self._call("delete", partial(self._client.delete_object, Bucket=self.bucket,
+                                                 Key=f"{folder}{version}/{file}"))
+                removed.append(f"{prefix}/{version}")
+        return removed
 
     # -- errors
 
@@ -447,6 +495,18 @@ class CheckpointCache:
         self.root = root.expanduser().resolve()
         self.max_bytes = max_bytes
         self.max_versions = max_versions
+        self._remove_leftovers()
+
+    def _remove_leftovers(self) -> None:
+        """Remove the partial folders of fetches a killed process left; a live fetch holds its version's lock."""
+        partials = self.root / ".partial"
+        if not partials.is_dir():
+            return
+        for leftover in partials.iterdir():
+            version = leftover.name.rpartition(".")[0] or leftover.name
+            with self._locked(version, wait=False) as free:
+                if free:
+                    shutil.rmtree(leftover, ignore_errors=True)
 
     def entry(self, uri: str) -> Path:
         """The folder a version is cached in: its URI's last two segments (readable) and a hash of the whole URI."""
@@ -459,7 +519,7 @@ class CheckpointCache:
         entry = self.entry(uri)
         with self._locked(entry.name):
             if not entry.is_dir():
-                partial = self.root / ".partial" / uuid.uuid4().hex
+                partial = self.root / ".partial" / f"{entry.name}.{uuid.uuid4().hex}"  # found by its version's lock
                 partial.mkdir(parents=True)
                 try:
                     download(partial)
@@ -470,6 +530,17 @@ class CheckpointCache:
             os.utime(entry, ns=(now, now))
             self._evict(keep=entry)
         return entry
+
+    @contextlib.contextmanager
+    def held(self, uri: str, download: Callable[[Path], None]) -> Iterator[Path]:
+        """The cached folder of ``uri`` (fetched if need be), never evicted until the block ends (a shared lock)."""
+        entry = self.entry(uri)
+        while True:
+            with self._locked(entry.name, shared=True):
+                if entry.is_dir():
+                    yield entry
+                    return
+            self.fetch(uri, download)  # then hold it; an eviction between the two means one more turn
 
     def entries(self) -> list[Path]:
         """The cached versions, least recently used first."""
@@ -505,12 +576,12 @@ class CheckpointCache:
             count -= 1
 
     @contextlib.contextmanager
-    def _locked(self, name: str, wait: bool = True) -> Iterator[bool]:
+    def _locked(self, name: str, wait: bool = True, shared: bool = False) -> Iterator[bool]:
         locks = self.root / ".locks"
         locks.mkdir(parents=True, exist_ok=True)
         with open(locks / f"{name}.lock", "a") as handle:
             try:
-                fcntl.flock(handle, fcntl.LOCK_EX | (0 if wait else fcntl.LOCK_NB))
+                fcntl.flock(handle, (fcntl.LOCK_SH if shared else fcntl.LOCK_EX) | (0 if wait else fcntl.LOCK_NB))
             except BlockingIOError:
                 yield False
                 return
@@ -518,6 +589,10 @@ class CheckpointCache:
                 yield True
             finally:
                 fcntl.flock(handle, fcntl.LOCK_UN)
+
+
+def _newest_mtime(folder: Path) -> float:
+    return max((path.stat().st_mtime for path in folder.rglob("*")), default=folder.stat().st_mtime)
 
 
 def _size(folder: Path) -> int:

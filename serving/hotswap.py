@@ -31,10 +31,12 @@ are the gate's decisions (or a person's); hot swap loads what they name.
 from __future__ import annotations
 
 import asyncio
+import contextlib
 import logging
 import time
 from collections.abc import Callable
 from dataclasses import dataclass
+from pathlib import Path
 from typing import Any
 
 import aiohttp
@@ -258,10 +260,14 @@ class HotSwapper:
 
     async def apply(self, checkpoint: Checkpoint) -> Swap:
         """Load one checkpoint's weights into the server (from this machine's cache for an ``s3://`` checkpoint)."""
-        try:
-            folder = await asyncio.to_thread(self.reader.local_folder, checkpoint.uri)
-        except CheckpointError as error:
-            raise (StoreNotReachable if error.retriable else HotSwapError)(str(error)) from error
+        with contextlib.ExitStack() as held:  # the cache evicts no folder the server is still reading
+            try:
+                folder = await asyncio.to_thread(held.enter_context, self.reader.holding(checkpoint.uri))
+            except CheckpointError as error:
+                raise (StoreNotReachable if error.retriable else HotSwapError)(str(error)) from error
+            return await self._load(checkpoint, folder)
+
+    async def _load(self, checkpoint: Checkpoint, folder: Path) -> Swap:
         if self.verify:
             try:
                 await asyncio.to_thread(verify_sha256, folder, checkpoint.format, checkpoint.sha256)

@@ -12,6 +12,7 @@ that is not whole, and the trainer announces one only after ``put`` returned.
 from __future__ import annotations
 
 import json
+import logging
 import time
 from dataclasses import asdict, dataclass, field
 from pathlib import Path
@@ -30,6 +31,11 @@ from agentstream.infra.files import sha256_file
 from agentstream.infra.kafka import client_options, start_producer, topic_name
 from agentstream.schemas import CHECKPOINT, AvroCodec
 from agentstream.schemas.checkpoint import Checkpoint
+
+log = logging.getLogger("agentstream.trainer.checkpoints")
+
+ABANDONED_AFTER_S = 3600
+"""An upload without a manifest untouched this long was cut short (a killed trainer): pruning removes it."""
 
 
 @dataclass(frozen=True)
@@ -121,7 +127,11 @@ def prune(store: CheckpointStore, model: str, keep: int) -> None:
 
 
 def _prune_folder(store: CheckpointStore, folder: str, keep: int) -> list[str]:
-    """Delete all but the newest ``keep`` checkpoints under ``folder`` (0 keeps everything); returns those left."""
+    """Delete all but the newest ``keep`` checkpoints under ``folder`` (0 keeps everything), and what killed uploads
+    left there; returns the checkpoints left."""
+    for abandoned in store.remove_abandoned(folder, ABANDONED_AFTER_S):
+        log.warning("removed %s: an upload without a manifest, untouched for %d s (its writer was killed)",
+                    abandoned, ABANDONED_AFTER_S)
     names = store.names(folder)
     if keep > 0:
         for name in names[:-keep]:

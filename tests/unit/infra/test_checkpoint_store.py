@@ -5,6 +5,7 @@ from __future__ import annotations
 
 import os
 import threading
+import time
 from pathlib import Path
 
 import pytest
@@ -13,6 +14,7 @@ from agentstream.infra.checkpoint_store import (
     CheckpointCache,
     CheckpointError,
     DigestMismatch,
+    FolderStore,
     S3Store,
     StoreAccessDenied,
     StoreUnreachable,
@@ -21,6 +23,7 @@ from agentstream.infra.checkpoint_store import (
 from agentstream.infra.config import CheckpointsConfig, ConfigError, Secret, describe, load_config
 from agentstream.infra.files import sha256_file
 from agentstream.trainer.checkpoint_writer import (
+    ABANDONED_AFTER_S,
     checkpoint_name,
     latest_manifest,
     manifests,
@@ -184,3 +187,75 @@ def test_the_checkpoints_section_is_typed_and_its_secret_masked(tmp_path: Path):
     path.write_text('[checkpoints]\ns3_endpoint = "minio:9000"\n')
     with pytest.raises(ConfigError, match="must start with http"):
         load_config(path, environ={})
+
+
+def test_a_held_version_is_not_evicted_until_the_block_ends(tmp_path: Path):
+    """A model server reads the folder it is given: hot swap holds it while the server loads it."""
+    cache = CheckpointCache(tmp_path / "cache", max_versions=1)
+
+    def write(folder: Path) -> None:
+        (folder / "model.safetensors").write_bytes(b"w" * 1000)
+
+    with cache.held("s3://b/p/m/v00000001", write) as folder:
+        for version in (2, 3):
+            cache.fetch(f"s3://b/p/m/v{version:08d}", write)
+        assert (folder / "model.safetensors").read_bytes() == b"w" * 1000, "held through two evictions"
+    cache.fetch("s3://b/p/m/v00000004", write)
+    assert not folder.exists(), "evicted once released"
+    assert [entry.name[:11] for entry in cache.entries()] == ["m-v00000004"]
+
+
+def test_a_new_cache_removes_what_killed_fetches_left_but_not_a_fetch_under_way(tmp_path: Path):
+    root = tmp_path / "cache"
+    started, release = threading.Event(), threading.Event()
+
+    def slow(folder: Path) -> None:
+        (folder / "model.safetensors").write_bytes(b"half")
+        started.set()
+        release.wait(10)
+        (folder / "model.safetensors").write_bytes(b"whole")
+
+    fetching = threading.Thread(target=lambda: CheckpointCache(root).fetch("s3://b/p/m/v00000009", slow))
+    fetching.start()
+    assert started.wait(10)
+    left = [root / ".partial" / "m-v00000001-0123456789ab.deadbeef", root / ".partial" / "evicted-cafe"]
+    for folder in left:
+        folder.mkdir(parents=True)
+        (folder / "model.safetensors").write_bytes(b"left by a killed process")
+    cache = CheckpointCache(root)  # a process starting while another one fetches
+    assert not any(folder.exists() for folder in left)
+    assert len(list((root / ".partial").iterdir())) == 1, "the fetch under way keeps its partial folder"
+    release.set()
+    fetching.join(10)
+    assert [(entry / "model.safetensors").read_bytes() for entry in cache.entries()] == [b"whole"]
+
+
+def test_pruning_removes_uploads_a_killed_trainer_left_once_they_are_old(embedded: EmbeddedStore, tmp_path: Path):
+    store = s3_store(embedded, tmp_path)
+    write(store, 1, b"w1")
+    hour_ago = time.time() - ABANDONED_AFTER_S - 60
+    for version, when in ((2, hour_ago), (3, None)):  # v2 cut short an hour ago; v3 being uploaded right now
+        for file in ("model.safetensors", "optimizer.pt"):
+            path = embedded.object_path(f"checkpoints/m/v{version:08d}/{file}")
+            path.parent.mkdir(parents=True, exist_ok=True)
+            path.write_bytes(b"part")
+            if when is not None:
+                os.utime(path, (when, when))
+    restarted = EmbeddedStore(embedded.root)  # the store indexes its files (and their times) as it starts
+    try:
+        store = s3_store(restarted, tmp_path, cache="cache-2")
+        prune(store, "m", keep=5)
+        assert not any(path.is_file() for path in embedded.object_path("checkpoints/m/v00000002").rglob("*"))
+        assert embedded.object_path("checkpoints/m/v00000003/model.safetensors").is_file(), "an upload under way"
+        assert store.names("m") == ["m/v00000001"]
+    finally:
+        restarted.stop()
+
+    folders = FolderStore(tmp_path / "folders")
+    old, fresh = folders.staging(), folders.staging()
+    (old / "model.safetensors").write_bytes(b"half")
+    os.utime(old / "model.safetensors", (hour_ago, hour_ago))
+    os.utime(old, (hour_ago, hour_ago))
+    (fresh / "model.safetensors").write_bytes(b"half")
+    prune(folders, "m", keep=5)
+    assert not old.exists() and fresh.exists()
