@@ -17,7 +17,7 @@ import uuid
 from collections.abc import Callable, Iterator, Mapping
 from concurrent.futures import ThreadPoolExecutor
 from pathlib import Path
-from typing import TypeVar
+from typing import Any, TypeVar
 from urllib.parse import quote, unquote
 from xml.etree import ElementTree
 from xml.sax.saxutils import escape
@@ -33,11 +33,28 @@ T = TypeVar("T")
 S3_NAMESPACE = "http://s3.amazonaws.com/doc/2006-03-01/"
 XML_DECLARATION = b'<?xml version="1.0" encoding="UTF-8"?>\n'
 DISK_REFUSALS = frozenset({errno.ENOSPC, errno.EDQUOT, errno.EROFS})  # the disk's trouble: retried, not refused
+DECLARED_SHA256 = "agentstream.declared_sha256"  # where _authenticate leaves a signed body's hash for its reader
+RECEIVE_CHUNK_BYTES = 1 << 20
 MAX_OBJECT_BYTES = 1 << 30  # a record batch is a few MB at most; S3's own single-PUT limit is 5 GiB
 MAX_KEYS = 1000
 UPLOADS = ".uploads"
 MAX_PARTS = 10_000
 HOST = "127.0.0.1"
+
+
+async def _body(request: web.Request) -> bytes:
+    """The whole body (bounded by the app's client_max_size), checked against a signed x-amz-content-sha256."""
+    body = await request.read()
+    declared = request.get(DECLARED_SHA256)
+    if declared is not None and hashlib.sha256(body).hexdigest() != declared:
+        raise S3Error(400, "XAmzContentSHA256Mismatch", "the body does not match x-amz-content-sha256")
+    return body
+
+
+def _absorb(file: Any, chunk: bytes, *hashes: Any) -> None:
+    file.write(chunk)
+    for digest in hashes:
+        digest.update(chunk)
 
 
 def _precondition_failed(key: str) -> S3Error:
@@ -174,8 +191,7 @@ class ObjectStoreServer:
                           "The AWS Access Key Id you provided does not exist in our records.")
         payload = request.headers.get("x-amz-content-sha256", "")
         if len(payload) == 64 and request.method in ("PUT", "POST"):
-            if hashlib.sha256(await request.read()).hexdigest() != payload:
-                raise S3Error(400, "XAmzContentSHA256Mismatch", "the body does not match x-amz-content-sha256")
+            request[DECLARED_SHA256] = payload  # checked against the body as it is read (_body, _receive)
         elif payload != "UNSIGNED-PAYLOAD" and len(payload) != 64:
             raise S3Error(501, "NotImplemented", "only signed or UNSIGNED-PAYLOAD bodies are supported")
         pairs = sorted((quote(unquote(name), safe="-_.~"), quote(unquote(value), safe="-_.~"))
@@ -223,7 +239,7 @@ class ObjectStoreServer:
             if method == "HEAD":
                 return web.Response(status=200)
             if method == "POST" and "delete" in query:
-                return await self._delete_many(bucket, await request.read())
+                return await self._delete_many(bucket, await _body(request))
             raise S3Error(501, "NotImplemented", f"{method} on a bucket is not implemented")
         if method == "PUT":
             return await self._put(bucket, key, request)
@@ -261,10 +277,8 @@ class ObjectStoreServer:
                 number = 0
             if not 1 <= number <= MAX_PARTS:
                 raise S3Error(400, "InvalidArgument", f"partNumber must be an integer from 1 to {MAX_PARTS}")
-            body = await request.read()
             path = folder / f"{number:05d}"
-            await self._run(path.write_bytes, body)
-            parts[number] = (hashlib.md5(body).hexdigest(), path)
+            parts[number] = (await self._receive(request, path), path)
             return web.Response(status=200, headers={"ETag": quote_etag(parts[number][0])})
         if request.method == "DELETE":
             del self._uploads[upload_id]
@@ -274,7 +288,7 @@ class ObjectStoreServer:
             raise S3Error(405, "MethodNotAllowed", f"{request.method} is not allowed on a multipart upload")
         try:
             listed = [(int(_child_text(entry, "PartNumber")), _child_text(entry, "ETag").strip('"'))
-                      for entry in ElementTree.fromstring(await request.read()) if _local(entry.tag) == "Part"]
+                      for entry in ElementTree.fromstring(await _body(request)) if _local(entry.tag) == "Part"]
         except (ElementTree.ParseError, ValueError):
             raise S3Error(400, "MalformedXML", "The XML you provided was not well-formed") from None
         numbers = [number for number, _ in listed]
@@ -299,6 +313,28 @@ class ObjectStoreServer:
         _element(root, "ETag", etag)
         return web.Response(body=_xml(root), content_type="application/xml")
 
+    async def _receive(self, request: web.Request, path: Path) -> str:
+        """Write the body to ``path`` as it arrives (a part of up to a GiB is never whole in memory); its MD5 hex.
+
+        The body's SHA-256 is checked against a signed request's x-amz-content-sha256 at the end: a
+        mismatch removes the file and is refused.
+        """
+        md5, sha256, size = hashlib.md5(), hashlib.sha256(), 0
+        try:
+            with open(path, "wb") as file:
+                async for chunk in request.content.iter_chunked(RECEIVE_CHUNK_BYTES):
+                    size += len(chunk)
+                    if size > MAX_OBJECT_BYTES:
+                        raise S3Error(400, "EntityTooLarge", f"a part is at most {MAX_OBJECT_BYTES} bytes here")
+                    await self._run(_absorb, file, chunk, md5, sha256)
+            declared = request.get(DECLARED_SHA256)
+            if declared is not None and sha256.hexdigest() != declared:
+                raise S3Error(400, "XAmzContentSHA256Mismatch", "the body does not match x-amz-content-sha256")
+        except BaseException:
+            path.unlink(missing_ok=True)
+            raise
+        return md5.hexdigest()
+
     async def _current(self, bucket: Bucket, key: str) -> ObjectInfo | None:
         """The info of ``key`` with its ETag known (reads the object once after a restart)."""
         info = bucket.info(key)
@@ -315,7 +351,7 @@ class ObjectStoreServer:
             bucket.in_flight.end(arrived)
 
     async def _store(self, bucket: Bucket, key: str, request: web.Request) -> web.Response:
-        body = await request.read()
+        body = await _body(request)
         if_none_match = request.headers.get("If-None-Match")
         if_match = request.headers.get("If-Match")
         if if_none_match is not None and if_none_match.strip() != "*":

@@ -5,6 +5,7 @@ from __future__ import annotations
 import hashlib
 import threading
 import time
+import tracemalloc
 from pathlib import Path
 from xml.etree import ElementTree
 
@@ -264,3 +265,25 @@ def test_with_credentials_it_refuses_unsigned_requests(tmp_path: Path):
     finally:
         thread.stop()
         server.close()
+
+
+def test_a_part_streams_to_disk_instead_of_into_memory(store: Store):
+    """A 48 MiB part, sent in 1 MiB chunks, takes a few MiB of the server's memory, not the part's size."""
+    chunk = bytes(range(256)) * 4096  # 1 MiB
+    created = store.client.post("streamed", params={"uploads": ""})
+    upload_id = ElementTree.fromstring(created.content).findtext(f"{NS}UploadId")
+    tracemalloc.start()
+    try:
+        sent = store.client.put("streamed", params={"partNumber": "1", "uploadId": upload_id},
+                                content=(chunk for _ in range(48)))
+        _, peak = tracemalloc.get_traced_memory()
+    finally:
+        tracemalloc.stop()
+    assert sent.status_code == 200, sent.text
+    assert sent.headers["ETag"] == etag_of(chunk * 48)
+    assert peak < 16 << 20, f"the upload took {peak / 2**20:.1f} MiB of memory"
+    parts = f"<Part><PartNumber>1</PartNumber><ETag>{sent.headers['ETag']}</ETag></Part>"
+    done = store.client.post("streamed", params={"uploadId": upload_id},
+                             content=f"<CompleteMultipartUpload>{parts}</CompleteMultipartUpload>")
+    assert done.status_code == 200, done.text
+    assert hashlib.md5(store.client.get("streamed").content).hexdigest() == hashlib.md5(chunk * 48).hexdigest()
