@@ -33,6 +33,7 @@ from typing import Any
 
 from aiokafka import AIOKafkaConsumer, AIOKafkaProducer, TopicPartition
 from aiokafka.errors import KafkaError
+from clickhouse_connect.driver.exceptions import OperationalError
 
 from agentstream.infra.config import Config
 from agentstream.infra.kafka import (
@@ -47,6 +48,9 @@ from agentstream.schemas import ANNOUNCEMENT, DEPLOYMENT, AvroCodec, CodecError
 from agentstream.schemas.errors import AgentstreamError
 
 log = logging.getLogger("agentstream.deployments")
+
+ROW_RETRY_MAX_S = 10.0
+"""The longest wait between two tries of a decision's ClickHouse row while ClickHouse is away."""
 
 
 class Action(StrEnum):
@@ -227,14 +231,33 @@ class DeploymentLog:
         if self._producer is not None:
             await self._producer.stop()
 
+    async def _store_row(self, decision: Decision) -> None:
+        """The decision's ClickHouse row, retried while ClickHouse cannot be reached (the topic already holds it)."""
+        delay, since = 0.5, None
+        while True:
+            try:
+                await asyncio.to_thread(self.warehouse.insert, self.table, [decision.row()],
+                                        column_names=list(DEPLOYMENT_COLUMNS))
+            except OperationalError as error:  # no connection: ClickHouse is restarting or away
+                if since is None:
+                    since = time.monotonic()
+                    log.warning("ClickHouse unreachable while recording %s v%d %s (%s): retrying",
+                                decision.model, decision.version, decision.action, str(error).splitlines()[0][:200])
+                await asyncio.sleep(delay)
+                delay = min(delay * 2, ROW_RETRY_MAX_S)
+                continue
+            if since is not None:
+                log.warning("ClickHouse is back: %s v%d recorded after %.1f s", decision.model, decision.version,
+                            time.monotonic() - since)
+            return
+
     async def record(self, decision: Decision) -> None:
         async with self._recording:
             assert self._producer is not None, "DeploymentLog.record before start"
             await self._producer.send_and_wait(self.topic, key=decision.model.encode(),
                                                value=self.codec.encode(DEPLOYMENT, decision.record()))
             if self.warehouse is not None:
-                await asyncio.to_thread(self.warehouse.insert, self.table, [decision.row()],
-                                        column_names=list(DEPLOYMENT_COLUMNS))
+                await self._store_row(decision)
         log.info("%s v%d %s by %s: %s -> serving %s", decision.model, decision.version, decision.action,
                  decision.decided_by, decision.reason, decision.routing.describe())
 

@@ -469,3 +469,59 @@ def test_an_evaluation_that_cannot_run_rejects_the_candidate_as_failed_not_as_sc
         assert [str(d.action) for d in seen if d.version == 1] == ["CANDIDATE", "REJECTED"]
 
     asyncio.run(scenario())
+
+
+def test_a_decision_recorded_while_clickhouse_is_away_waits_for_it_instead_of_crashing(topics_config, stack,
+                                                                                       tmp_path, caplog):
+    """Hot swap recorded a promotion while ClickHouse restarted (make chaos): the insert failed and hot swap exited."""
+    from agentstream.infra.clickhouse import connect, migrate
+    from agentstream.infra.processes import wait_for_port
+
+    asyncio.run(create_topics(topics_config, stack.bootstrap_servers))
+    port = free_port()
+    command = [sys.executable, "-m", "agentstream.stack.chserver", "--port", str(port), "--data-dir",
+               str(tmp_path / "clickhouse")]
+
+    def start_clickhouse() -> subprocess.Popen:
+        process = subprocess.Popen(command, stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL)
+        wait_for_port("127.0.0.1", port, 30, process)
+        return process
+
+    database = topics_config.clickhouse.database
+    clickhouse = start_clickhouse()
+    client = connect(topics_config.clickhouse, f"http://127.0.0.1:{port}")
+    migrate(client, database)
+    client = connect(topics_config.clickhouse, f"http://127.0.0.1:{port}", database=database)
+    name = f"tiny-{uuid.uuid4().hex[:8]}"
+    clickhouse.kill()
+    clickhouse.wait()
+
+    async def record_while_away() -> float:
+        log = DeploymentLog(topics_config, stack.bootstrap_servers, client)
+        await log.start()
+        try:
+            recording = asyncio.create_task(log.record(decide(Routing(name), 3, Action.PROMOTED, "hotswap",
+                                                              "while ClickHouse restarts", stable_version=3)))
+            await asyncio.sleep(2)
+            assert not recording.done(), "it waits for ClickHouse rather than failing"
+            nonlocal clickhouse
+            clickhouse = await asyncio.to_thread(start_clickhouse)
+            started = time.monotonic()
+            await asyncio.wait_for(recording, 30)
+            return time.monotonic() - started
+        finally:
+            await log.stop()
+
+    try:
+        caplog.set_level("WARNING", logger="agentstream.deployments")
+        asyncio.run(record_while_away())
+        rows = client.query("SELECT version, action FROM deployments FINAL WHERE model = {m:String}",
+                            parameters={"m": name}).result_rows
+        assert rows == [(3, "PROMOTED")]
+        messages = [record.getMessage() for record in caplog.records]
+        assert any("ClickHouse unreachable" in message for message in messages)
+        assert any("ClickHouse is back" in message for message in messages)
+    finally:
+        client.close()
+        clickhouse.terminate()
+        clickhouse.wait()
