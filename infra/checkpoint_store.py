@@ -196,26 +196,31 @@ class CheckpointReader:
 
     def local_folder(self, uri: str) -> Path:
         """The folder of the checkpoint at ``uri`` here (downloaded and checked first for an ``s3://`` URI)."""
+        store = self._s3_store(uri)
+        return local_path(uri) if store is None else store.get(uri)
+
+    @contextlib.contextmanager
+    def holding(self, uri: str) -> Iterator[Path]:
+        """``local_folder``, kept from the cache's evictions until the block ends: a server loading it reads it all."""
+        store = self._s3_store(uri)
+        if store is None:
+            yield local_path(uri)
+            return
+        with store.held(uri) as folder:
+            yield folder
+
+    def _s3_store(self, uri: str) -> S3Store | None:
+        """The store of an ``s3://`` URI's bucket (opened once), or None for a local folder."""
         parts = urlsplit(uri)
         if parts.scheme in ("", "file"):
-            return local_path(uri)
+            return None
         if parts.scheme != "s3":
             raise UnsupportedStore(f"checkpoint {uri!r}: only folders, file:// and s3:// URIs can be read")
         store = self._stores.get(parts.netloc)
         if store is None:
             store = self._stores[parts.netloc] = S3Store(f"s3://{parts.netloc}", self.settings, self.home,
                                                          cache_for(self.settings, self.home))
-        return store.get(uri)
-
-    @contextlib.contextmanager
-    def holding(self, uri: str) -> Iterator[Path]:
-        """``local_folder``, kept from the cache's evictions until the block ends: a server loading it reads it all."""
-        if urlsplit(uri).scheme != "s3":
-            yield self.local_folder(uri)
-            return
-        self.local_folder(uri)  # opens the bucket's store (and fetches) with local_folder's errors
-        with self._stores[urlsplit(uri).netloc].held(uri) as folder:
-            yield folder
+        return store
 
     @staticmethod
     def is_local(uri: str) -> bool:
@@ -348,12 +353,15 @@ class S3Store:
 
     # -- listing and deleting
 
-    def _keys(self, prefix: str) -> Iterator[str]:
+    def _objects(self, prefix: str) -> Iterator[dict[str, Any]]:
+        """The listing entries (Key, LastModified, ...) of the objects under ``prefix``."""
         paginator = self._client.get_paginator("list_objects_v2")
         pages = self._call("list", lambda: list(paginator.paginate(Bucket=self.bucket, Prefix=prefix)))
         for page in pages:
-            for entry in page.get("Contents") or ():
-                yield entry["Key"]
+            yield from page.get("Contents") or ()
+
+    def _keys(self, prefix: str) -> Iterator[str]:
+        return (entry["Key"] for entry in self._objects(prefix))
 
     def names(self, prefix: str) -> list[str]:
         """The checkpoints under ``prefix`` (one model's folder) whose manifest is stored, oldest first."""
@@ -377,13 +385,10 @@ class S3Store:
         """Delete the objects of versions under ``prefix`` that have no manifest and no object newer than
         ``older_than_s`` (an upload its trainer never finished); the names removed."""
         folder = self._key(prefix) + "/"
-        pages = self._call("list", lambda: list(self._client.get_paginator("list_objects_v2").paginate(
-            Bucket=self.bucket, Prefix=folder)))
         versions: dict[str, list[tuple[str, float]]] = {}
-        for page in pages:
-            for entry in page.get("Contents") or ():
-                version, _, file = entry["Key"][len(folder):].partition("/")
-                versions.setdefault(version, []).append((file, entry["LastModified"].timestamp()))
+        for entry in self._objects(folder):
+            version, _, file = entry["Key"][len(folder):].partition("/")
+            versions.setdefault(version, []).append((file, entry["LastModified"].timestamp()))
         cutoff = time.time() - older_than_s
         removed = []
         for version, objects in sorted(versions.items()):
