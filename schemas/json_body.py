@@ -1,8 +1,9 @@
-"""A request body as a JSON object, refused with a reason whatever the bytes: the one parser the servers share.
+"""JSON from outside (a request body, an attribute, a tool call's arguments), refused with a reason whatever the
+bytes: the one parser the servers share.
 
 Python's ``json`` raises ``RecursionError`` on a document nested some thousands of levels deep; a server
-that catches only ``JSONDecodeError`` answers such a body with a 500 and a traceback. Here every body is
-either a ``dict`` or a :class:`NotAJsonObject` saying why not.
+that catches only ``JSONDecodeError`` answers such a body with a 500 and a traceback. Here every text is
+a value (or a ``dict``, for :func:`json_object`) or a :class:`NotJson` saying why not.
 """
 
 from __future__ import annotations

@@ -22,6 +22,7 @@ from dataclasses import dataclass
 from typing import Any
 
 from agentstream.schemas.errors import AgentstreamError
+from agentstream.schemas.json_body import NotJson, json_value
 
 TOOL_CALL_START = "<tool_call>"
 TOOL_CALL_END = "</tool_call>"
@@ -74,8 +75,8 @@ def parse_tool_calls(text: str) -> ParsedCompletion:
 def _tool_call(body: str) -> dict[str, Any] | None:
     """One OpenAI tool call from a block body, or None if the body is not a valid call."""
     try:
-        payload = json.loads(body)
-    except (json.JSONDecodeError, RecursionError):
+        payload = json_value(body)
+    except NotJson:
         return None
     if not isinstance(payload, dict) or not isinstance(payload.get("name"), str):
         return None
@@ -170,8 +171,8 @@ def _call_with_object_arguments(call: dict[str, Any]) -> dict[str, Any]:
     function = dict(call.get("function") or {})
     if isinstance(function.get("arguments"), str):
         try:
-            function["arguments"] = json.loads(function["arguments"])
-        except (json.JSONDecodeError, RecursionError):
+            function["arguments"] = json_value(function["arguments"])
+        except NotJson:
             pass
     return {**call, "function": function}
 
