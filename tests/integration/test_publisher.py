@@ -92,6 +92,13 @@ def read_spans_topic(options: dict, topic: str, at_least: int, timeout_s: float 
     return asyncio.run(read())
 
 
+def arrivals(config: Config, bootstrap: str, first: int, end: int) -> dict[int, int]:
+    """How many times each span from index ``first`` to ``end`` (excluded) landed on the config's spans topic."""
+    counts = read_spans_topic(client_options(config.kafka, bootstrap), topic_name(config.topics, "spans"),
+                              at_least=end - first).span_counts()
+    return {index: counts[index] for index in range(first, end)}
+
+
 def create_topics(config: Config, bootstrap: str) -> None:
     asyncio.run(kafka.create_topics(config, bootstrap))
 
@@ -244,10 +251,7 @@ def test_spans_published_during_an_outage_are_journaled_then_replayed_exactly_on
     stats = publisher.stats()
 
     assert stats.spans_journaled > 0 and stats.records_replayed > 0
-    counts = read_spans_topic(client_options(topics_config.kafka, private_broker.bootstrap),
-                              topic_name(topics_config.topics, "spans"),
-                              at_least=published - first_after_kill).span_counts()
-    after_kill = {index: counts[index] for index in range(first_after_kill, published)}
+    after_kill = arrivals(topics_config, private_broker.bootstrap, first_after_kill, published)
     assert set(after_kill.values()) == {1}, "every span published after the kill arrives exactly once"
     assert journal_files(journal_dir) == []
     warnings = [r for r in caplog.records if r.levelno == logging.WARNING and "unreachable" in r.getMessage()]
