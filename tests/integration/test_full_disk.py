@@ -30,7 +30,7 @@ from agentstream.pipeline.publisher.journal import Journal, Record
 from agentstream.serving.app import create_app
 from agentstream.stack.broker import BUCKET, find_tansu, s3_storage, tansu_command
 from agentstream.stack.objectstore import ObjectStoreServer
-from tests.integration.test_publisher import create_topics, journal_files, make_span, read_spans_topic
+from tests.integration.test_publisher import arrivals, create_topics, journal_files, make_span
 from tests.support.http_thread import ServerThread
 from tests.support.readback import read_topic
 from tests.support.small_disk import SmallDisk
@@ -69,7 +69,7 @@ def test_a_full_journal_disk_holds_and_blocks_then_loses_nothing(topics_config, 
 
     thread = threading.Thread(target=publish_continuously)
     try:
-        small_disk.fill(leave_bytes=192 * 1024)  # the journal gets a little room, then none
+        small_disk.fill(leave_bytes=640 * 1024)  # room for a couple of journal chunks (256 KiB each), then none
         private_broker.kill()
         first_after_kill = published
         thread.start()
@@ -95,10 +95,7 @@ def test_a_full_journal_disk_holds_and_blocks_then_loses_nothing(topics_config, 
     publisher.close(30)
     stats = publisher.stats()
     assert stats.records_dropped == 0 and stats.journal_write_failures > 0
-    counts = read_spans_topic(client_options(topics_config.kafka, private_broker.bootstrap),
-                              topic_name(topics_config.topics, "spans"),
-                              at_least=published - first_after_kill).span_counts()
-    arrived = {index: counts[index] for index in range(first_after_kill, published)}
+    arrived = arrivals(topics_config, private_broker.bootstrap, first_after_kill, published)
     assert set(arrived.values()) == {1}, "every span published, through the outage and the full disk, arrives once"
     assert journal_files(journal_dir) == []
     messages = [record.getMessage() for record in caplog.records]
@@ -247,9 +244,7 @@ def test_a_full_broker_store_is_an_outage_the_journal_rides_out(topics_config, t
                  "the journal's replay once the store has room")
         publisher.close(30)
         assert publisher.stats().records_dropped == 0
-        counts = read_spans_topic(client_options(topics_config.kafka, bootstrap),
-                                  topic_name(topics_config.topics, "spans"), at_least=published).span_counts()
-        missing = [index for index in range(published) if counts[index] == 0]
+        missing = [index for index, count in arrivals(topics_config, bootstrap, 0, published).items() if count == 0]
         assert missing == [], f"{len(missing)} of {published} spans lost"  # at least once: a broker that failed a
         # produce after storing part of it gets those records again from the journal; span ids make that harmless
     finally:
