@@ -2,13 +2,16 @@
 
 A private stack (durable tansu over its object store, ClickHouse on chdb) on free ports, and
 every component as its own process: the dev model server (tiny model), the LLM proxy, a
-streams worker, the trainer (tiny model, a checkpoint per step), hot swap, two runners driving
+streams worker, two trainers of one model (tiny, a checkpoint per step; one trains, the other
+stands by to take over), hot swap, two runners driving
 ``agentstream.examples.arithmetic:solve`` through the proxy on tasks enqueued at a steady pace, and a direct
 SpanPublisher process. Every ``--min-gap``..``--max-gap`` seconds a scheduler picks a component
 kind (runner, proxy, stream worker, trainer, broker, ClickHouse; each kind once per round of
 six, in a seeded order), SIGKILLs it and restarts it after a few seconds, or SIGSTOPs it and
 SIGCONTs it later (a kind's first fault picks one at random, its next ones alternate, so every
 kind meets both from its second fault on), then waits until that component is processing again.
+A trainer fault hits the active trainer; its SIGKILL's recovery counts from the kill, since the
+standby need not wait for the restart. ``--kinds`` narrows the faults to some kinds.
 
 The producers write a ledger of what was acknowledged to them (``tests/support/span_ledger.py``). At
 the end the load stops, the pipeline drains, and the ledger is checked against ClickHouse
@@ -350,10 +353,15 @@ class Fault:
     held_s: float
     restarted_at: float = 0.0
     recovered_at: float | None = None
+    standby: bool = False  # a standby could take over at once: recovery counts from the fault, not the restart
+
+    @property
+    def counted_from(self) -> float:
+        return self.injected_at if self.standby else self.restarted_at
 
     @property
     def recovery_s(self) -> float | None:
-        return None if self.recovered_at is None else self.recovered_at - self.restarted_at
+        return None if self.recovered_at is None else self.recovered_at - self.counted_from
 
 
 class Soak:
@@ -435,7 +443,9 @@ class Soak:
         for number in range(self.args.stream_workers):
             add(f"streams-{number}", "streams", [python, "-m", "agentstream", "streams", "--loglevel", "info"],
                 self.config.streams.shutdown_grace_s)
-        add("trainer", "trainer", [python, "-m", "agentstream", "train-worker"], self.config.trainer.shutdown_grace_s)
+        for number in range(self.args.trainers):  # the first to take the model's lock trains, the others stand by
+            add(f"trainer-{number}", "trainer", [python, "-m", "agentstream", "train-worker"],
+                self.config.trainer.shutdown_grace_s)
         add("hotswap", "hotswap", [python, "-m", "agentstream", "hotswap", "--server", self.server_url, "--model",
                                    MODEL], 15)
         for number in range(self.args.runners):
@@ -448,7 +458,7 @@ class Soak:
                                     str(self.ledger_dir / "publisher.ledger"), "publish", "--journal",
                                     str(self.work_home / "journal" / "direct"), "--rollouts-per-s",
                                     str(self.args.direct_rollouts_per_s), "--seed", str(self.args.seed)], 15)
-        for name in ("model-server", *(n for n in self.children if n.startswith("streams")), "trainer", "hotswap"):
+        for name in ("model-server", *(n for n in self.children if n.startswith(("streams", "trainer"))), "hotswap"):
             self.children[name].start()
         self.wait_http(self.server_url + "/health", "model-server", 180)
         self.children["proxy"].start()
@@ -514,6 +524,14 @@ class Soak:
     # --- faults --------------------------------------------------------------------------------
 
     def targets(self, kind: str) -> list[Child | Service | ClusterNode]:
+        if kind == "trainer":  # the one that trains: a standby's fault changes nothing
+            try:
+                active = (self.work_home / "trainers" / f"{MODEL}.lock").read_text().strip()
+            except OSError:
+                active = ""
+            found = [child for child in self.children.values() if child.kind == kind and str(child.pid) == active]
+            if found:
+                return list(found)
         return ([service for service in self.services.values() if service.kind == kind]
                 + [child for child in self.children.values() if child.kind == kind])
 
@@ -535,7 +553,8 @@ class Soak:
         self.last_mode[kind] = mode
         held = (self.rng.uniform(1, 5) if mode == "KILL" else self.rng.uniform(*ClusterNode.PAUSE_S)
                 if isinstance(target, ClusterNode) else self.rng.uniform(3, 15))
-        fault = Fault(number, kind, target.name, mode, time.time(), held)
+        standby = mode == "KILL" and kind == "trainer" and self.args.trainers > 1
+        fault = Fault(number, kind, target.name, mode, time.time(), held, standby=standby)
         pid = target.pid
         target.signal(signal.SIGKILL if mode == "KILL" else signal.SIGSTOP)
         self.stopped = target.name if mode == "STOP" else None
@@ -602,20 +621,21 @@ class Soak:
             if now < next_at or next_at >= end:
                 continue
             if not bag:
-                bag = list(KINDS)
+                bag = list(self.args.kinds)
                 self.rng.shuffle(bag)
             fault = self.inject(len(self.faults) + 1, bag.pop())
             while time.time() - fault.restarted_at < RECOVERY_TIMEOUT_S:
                 self.idle(0.5)
-                if self.activity(fault) > fault.restarted_at:
+                if self.activity(fault) > fault.counted_from:
                     fault.recovered_at = self.activity(fault)
                     break
                 self.restart_exited(faulted=None)
             if fault.recovery_s is None:
                 say(f"fault {fault.number}: {fault.target} NOT processing {RECOVERY_TIMEOUT_S:.0f} s after restart")
             else:
-                say(f"fault {fault.number}: {fault.target} processing again {fault.recovery_s:.1f} s after "
-                    f"{'restart' if fault.mode == 'KILL' else 'SIGCONT'}")
+                since = "the fault (a standby took over)" if fault.standby else (
+                    "restart" if fault.mode == "KILL" else "SIGCONT")
+                say(f"fault {fault.number}: {fault.target} processing again {fault.recovery_s:.1f} s after {since}")
             next_at = fault.injected_at + self.rng.uniform(self.args.min_gap, self.args.max_gap)
 
     # --- the end -------------------------------------------------------------------------------
@@ -667,7 +687,10 @@ class Soak:
             self.stop_component(name)
         self.stop_component("proxy")
         verdict = self.drain()
-        for name in ("trainer", "hotswap", *(n for n in self.children if n.startswith("streams")), "model-server"):
+        trainers = [name for name, child in self.children.items() if child.kind == "trainer"]
+        for name in trainers:  # all at once: a standby told to stop does not take over from the active trainer
+            self.children[name].signal(signal.SIGTERM)
+        for name in (*trainers, "hotswap", *(n for n in self.children if n.startswith("streams")), "model-server"):
             self.stop_component(name)
         return self.report(verdict)
 
@@ -817,12 +840,20 @@ def main() -> None:
     parser.add_argument("--tasks-per-s", type=float, default=3.0)
     parser.add_argument("--direct-rollouts-per-s", type=float, default=5.0, help="Direct rollouts of 16 spans.")
     parser.add_argument("--stream-workers", type=int, default=1)
+    parser.add_argument("--trainers", type=int, default=2,
+                        help="Trainer processes of the model: one trains, the others stand by to take over (>= 1).")
+    parser.add_argument("--kinds", type=lambda text: tuple(text.split(",")), default=KINDS,
+                        help=f"Comma-separated kinds of component to fault, in turn (default: {','.join(KINDS)}).")
     parser.add_argument("--drain-s", type=float, default=180.0, help="Most seconds to wait for the pipeline to drain.")
     parser.add_argument("--broker-storage", choices=("durable", "memory"), default="durable")
     parser.add_argument("--cluster", action="store_true",
                         help="A three-node Apache Kafka cluster (replication 3, min ISR 2) instead of tansu.")
     parser.add_argument("--keep", action="store_true", help="Keep the work folder (logs, ledger, checkpoints).")
     args = parser.parse_args()
+    if args.trainers < 1:
+        parser.error("--trainers: at least one")
+    if unknown := sorted(set(args.kinds) - set(KINDS)):
+        parser.error(f"--kinds: no such kind {', '.join(unknown)} (the kinds are {', '.join(KINDS)})")
 
     workdir = Path(tempfile.mkdtemp(prefix="agentstream-chaos-"))
     soak = Soak(args, workdir)

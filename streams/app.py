@@ -13,6 +13,7 @@ from __future__ import annotations
 
 import asyncio
 import logging
+import time
 from collections.abc import Set as AbstractSet
 from typing import Any
 
@@ -40,7 +41,7 @@ from agentstream.infra.kafka import (
 )
 from agentstream.infra.members import MemberLedger, evict_dead_members, member_id
 from agentstream.streams.clickhouse_io import Warehouse
-from agentstream.streams.dependency_adapters import kafka_consumer
+from agentstream.streams.dependency_adapters import PromptTableManager, kafka_consumer
 from agentstream.streams.groups import GroupProcessor
 from agentstream.streams.processor import SpanProcessor
 from agentstream.streams.records import RawRecord
@@ -108,8 +109,12 @@ class Ingestion:
         self.room = asyncio.Event()
         self.room.set()
 
-    async def put(self, records: list[RawRecord], batch: Any) -> None:
-        """Queue a read batch for storing; waits while the batches queued hold ``max_bytes`` or more."""
+    async def put(self, records: list[RawRecord], batch: Any, published_at: float | None = None) -> None:
+        """Queue a read batch for storing; waits while the batches queued hold ``max_bytes`` or more.
+
+        ``published_at`` (time.time() of the oldest record's publishing) lets a backlog read after
+        a restart be stored at once: its records waited out the interval before they were read.
+        """
         while self.queued_bytes >= self.max_bytes:
             self.room.clear()
             await self.room.wait()
@@ -117,13 +122,13 @@ class Ingestion:
             self.holder.hold(record)
         size = sum(len(record.value or b"") for record in records)
         self.queued_bytes += size
-        self.queue.put_nowait((records, batch, size))
+        self.queue.put_nowait((records, batch, size, time.time() if published_at is None else published_at))
 
     async def run(self) -> None:
         while True:
-            queued = await gather(self.queue, self.interval_s)
-            await self.processor.ingest([batch for _, batch, _ in queued])
-            for records, _, size in queued:
+            queued = await gather(self.queue, self.interval_s, waited=lambda item: max(0.0, time.time() - item[3]))
+            await self.processor.ingest([batch for _, batch, _, _ in queued])
+            for records, _, size, _ in queued:
                 for record in records:
                     self.holder.release(record)
                 self.queued_bytes -= size
@@ -252,6 +257,7 @@ def create_app(config: Config, bootstrap_servers: str, clickhouse_url: str) -> f
         topic_disable_leader=True,  # nothing runs on_leader: no `<app_id>-__assignor-__leader` topic, nor its ACLs
         stream_wait_empty=False, broker_commit_every=1000, broker_commit_interval=0.5, producer_acks=-1,
         datadir=str(state_folder / "{conf.name}-data"),  # faust's default is the current directory
+        TableManager=PromptTableManager,
     )
     app.transport = StreamsTransport(app.conf.broker_consumer, app, fetch_max_wait_ms=settings.fetch_max_wait_ms)
     ledger = member_ledger(config)
@@ -292,7 +298,8 @@ def create_app(config: Config, bootstrap_servers: str, clickhouse_url: str) -> f
                 batch = processor.read(records)
                 async with lock:
                     processor.apply(batch)
-                await ingestion.put(records, batch)
+                published = min((e.message.timestamp for e in events if e.message.timestamp), default=None)
+                await ingestion.put(records, batch, published)
 
         async def store() -> None:
             await ingestion.run()

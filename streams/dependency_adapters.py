@@ -19,6 +19,7 @@ from typing import ClassVar
 
 import aiokafka
 from aiokafka.errors import KafkaError
+from faust.tables.manager import TableManager
 from faust.transport.drivers.aiokafka import AIOKafkaConsumerThread, Consumer, Transport
 from faust.types import TP
 
@@ -157,3 +158,18 @@ class HookedConsumer(Consumer):
     def commit_offset(self, tp: TP) -> int | None:
         """The offset a commit of ``tp`` goes to, or None; faust's answer unless a subclass says otherwise."""
         return super()._new_offset(tp)
+
+
+class PromptTableManager(TableManager):
+    """faust's table manager without the fixed second it waits at start: a restarted worker reads a second sooner.
+
+    faust: ``TableManager.on_start`` sleeps 1.0 s, then runs ``_update_channels()`` (marks the
+    tables final and starts their changelog channels) and starts ``recovery``, which subscribes
+    and waits for the first assignment. The pause lets tables declared late register; this app
+    declares none, so it only delayed the worker's first record after every start.
+    """
+
+    async def on_start(self) -> None:
+        if not self.should_stop:
+            await self._update_channels()
+            await self.recovery.start()

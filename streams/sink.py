@@ -12,8 +12,9 @@ from __future__ import annotations
 
 import asyncio
 import datetime
+from collections.abc import Callable
 from dataclasses import dataclass, field
-from typing import NamedTuple, Protocol
+from typing import Any, NamedTuple, Protocol
 
 from agentstream.schemas.transition_writer import transitions_container
 from agentstream.streams.clickhouse_io import Warehouse
@@ -48,10 +49,11 @@ class RolloutRow(NamedTuple):
 ROLLOUT_COLUMNS: tuple[str, ...] = RolloutRow._fields
 
 
-async def gather(queue: asyncio.Queue, interval_s: float) -> list:
-    """Wait for an item, then for ``interval_s`` more; return everything queued by then, in order."""
+async def gather(queue: asyncio.Queue, interval_s: float, waited: Callable[[Any], float] = lambda item: 0.0) -> list:
+    """Wait for an item, then until it has waited ``interval_s`` (``waited``: how long an item had waited when
+    queued); return everything queued by then, in order."""
     items = [await queue.get()]
-    await asyncio.sleep(interval_s)
+    await asyncio.sleep(max(0.0, interval_s - waited(items[0])))
     while not queue.empty():
         items.append(queue.get_nowait())
     return items

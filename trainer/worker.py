@@ -69,6 +69,7 @@ from agentstream.trainer.policy import (
     restore_last_good,
     save_weights_later,
 )
+from agentstream.trainer.standby import ModelLock
 from agentstream.trainer.step import StepResult, train_step
 from agentstream.trainer.tracking import Tracker
 
@@ -141,6 +142,7 @@ class _ResumePositions(ConsumerRebalanceListener):
         joined = member_id(consumer)
         if joined:
             self.worker.ledger.record(joined)
+        await self.worker.resumed.wait()  # the first join runs while the checkpoint loads
         for tp in assigned:
             watch.moved(tp, None)
             checkpointed = self.worker.resume_offsets.get(f"{tp.topic}:{tp.partition}")
@@ -182,6 +184,8 @@ class TrainerWorker:
         self.consumer: AIOKafkaConsumer | None = None
         self.log_watch: ConsumerLogWatch | None = None
         self.ledger = MemberLedger(config.stack.home, f"agentstream-trainer-{self.name}")
+        self.lock = ModelLock(config.stack.home, self.name)
+        self.resumed = asyncio.Event()  # set once _resume has set the positions the first assignment seeks to
         self.version = 0
         self.step = 0
         self.resume_offsets: dict[str, int] = {}
@@ -218,10 +222,10 @@ class TrainerWorker:
         follower = (asyncio.create_task(self.streak.follow(self.config, self.bootstrap_servers, following))
                     if self.streak is not None and self.streak.limit > 0 else None)
         try:
-            await self._resume()
-            if tracking := self.tracker.start(self.settings, self.name, self.version, self.checkpoint_dir):
-                self.progress(tracking)
-            await self._sync()
+            if not await self.lock.take(stop, self.progress):
+                return self.summary  # stopped while standing by
+            resuming = asyncio.create_task(self._resume())
+            resuming.add_done_callback(lambda _: self.resumed.set())
             options = client_options(self.config.kafka, self.bootstrap_servers)
             await evict_dead_members(options, self.ledger)  # a crashed predecessor would hold the partitions a session
             self.consumer = AIOKafkaConsumer(
@@ -230,9 +234,15 @@ class TrainerWorker:
                 session_timeout_ms=int(self.settings.session_timeout_s * 1000), max_poll_interval_ms=24 * 3600 * 1000)
             self.log_watch = ConsumerLogWatch("trainer", self.consumer)
             self.consumer.subscribe([topic_name(self.config.topics, "transitions")], listener=_ResumePositions(self))
-            with session_timeout_checked("[trainer] session_timeout_s", self.settings.session_timeout_s):
-                await self.consumer.start()  # it waits for the first join's answer
             try:
+                try:
+                    with session_timeout_checked("[trainer] session_timeout_s", self.settings.session_timeout_s):
+                        await self.consumer.start()  # it waits for the first join's answer
+                finally:
+                    await resuming  # its failure is raised here, before any record is read
+                if tracking := self.tracker.start(self.settings, self.name, self.version, self.checkpoint_dir):
+                    self.progress(tracking)
+                await self._sync()
                 await self._consume(stop, max_steps)
                 if self._steps_since:
                     await self._checkpoint()
@@ -250,6 +260,7 @@ class TrainerWorker:
             if follower is not None:
                 await follower
             await self.announcer.stop()
+            self.lock.release()
             self._model_thread.shutdown()
             await asyncio.to_thread(self.tracker.finish)
             self.summary.tracking_failures, self.summary.tracking_dropped = self.tracker.failures, self.tracker.dropped
@@ -298,12 +309,12 @@ class TrainerWorker:
             fetched = await self.consumer.getmany(timeout_ms=100, max_records=4096)
             for reset in await self.log_watch.check(fetched):
                 self._start_over(TopicPartition(reset.topic, reset.partition))
-            now = time.monotonic()
+            now, wall = time.monotonic(), time.time()
             for tp, records in fetched.items():
                 for record in records:
                     self._consumed[tp] = record.offset + 1
                     if record.key == key:
-                        self._offer(record, tp, now)
+                        self._offer(record, tp, now, wall)
             if self.streak is not None and (
                     routing := self.streak.due(self.version, self.settings.max_policy_lag)) is not None:
                 await self._rebase(routing, self.streak.clear())
@@ -331,10 +342,15 @@ class TrainerWorker:
         self._committed.pop(tp, None)
         self.resume_offsets.pop(f"{tp.topic}:{tp.partition}", None)
 
-    def _offer(self, record, tp: TopicPartition, now: float) -> None:
-        """Queue the transitions of one record: a Transition, or a TransitionBatch (all share the record's offset)."""
+    def _offer(self, record, tp: TopicPartition, now: float, wall: float) -> None:
+        """Queue the transitions of one record: a Transition, or a TransitionBatch (all share the record's offset).
+
+        A record counts as arrived when it was published (its timestamp), so the backlog a
+        restarted trainer reads has used up its batch wait and is trained at once.
+        """
         if self.summary.first_record_at is None:
             self.summary.first_record_at = now
+        arrived = now - max(0.0, wall - record.timestamp / 1000) if record.timestamp > 0 else now
         position = (tp.topic, tp.partition, record.offset)
         try:
             name, value = self.codec.decode(record.value or b"")
@@ -348,7 +364,7 @@ class TrainerWorker:
             return
         for item in value["transitions"] if name == TRANSITION_BATCH else [value]:
             try:
-                self.batcher.offer(Sample.from_record(item, position), self.version, now)
+                self.batcher.offer(Sample.from_record(item, position), self.version, arrived)
             except TransitionError as error:
                 self.batcher.counts.invalid += 1
                 log.warning("skipped a transition at %s:%d@%d: %s", *position, error)

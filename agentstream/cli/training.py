@@ -119,6 +119,9 @@ def train_worker_command(ctx: click.Context, model_spec: str | None, max_steps: 
 
     Under torchrun (`torchrun --nproc-per-node N -m agentstream train-worker`) it runs as N
     data-parallel ranks: rank 0 reads Kafka and writes checkpoints, the others follow it.
+
+    A second train-worker of the same model on the same machine (stack home) stands by, model
+    loaded, and takes over within seconds when the active one dies.
     """
     from dataclasses import replace
 

@@ -205,6 +205,64 @@ def test_a_killed_trainer_resumes_from_its_checkpoint_and_trains_no_transition_t
     clickhouse.command(f"DROP DATABASE IF EXISTS {database}")
 
 
+def test_a_second_trainer_stands_by_and_takes_over_from_the_last_checkpoint_when_the_first_dies(
+        topics_config, stack, kafka_options, tmp_path):
+    model = f"tiny-standby-{uuid.uuid4().hex[:6]}"
+    checkpoints = tmp_path / "checkpoints"
+    env = worker_env(tmp_path, stack, topics_config.topics.prefix, f"trainer_{uuid.uuid4().hex[:8]}",
+                     tiny_trainer_toml(model, checkpoints))
+    asyncio.run(create_topics(topics_config, stack.bootstrap_servers))
+    topic = topic_name(topics_config.topics, "transitions")
+    records = [transition(f"t{i:02d}", model, advantage=(-1.0) ** i) for i in range(24)]
+
+    active = CliProcess(["train-worker"], env, tmp_path / "active.log").start()
+    standby = CliProcess(["train-worker"], env, tmp_path / "standby.log").start()
+    try:
+        active.wait_for("no checkpoint yet")
+        standby.wait_for(f"another trainer of {model} is active here (pid {active.process.pid}")
+        asyncio.run(produce(kafka_options, topic, records[:16]))
+        active.wait_for("checkpoint v2 (step 4)")
+        assert "step" not in standby.log()  # standing by reads nothing
+        active.kill()
+        standby.wait_for(f"taking over from pid {active.process.pid}")
+        standby.wait_for("resumed from version")
+        asyncio.run(produce(kafka_options, topic, records[16:]))
+        standby.wait_for("checkpoint v3 (step 6)")
+    finally:
+        standby.stop()
+
+    lineage = manifests(open_store(str(checkpoints)), model)
+    assert [m.version for m in lineage] == [1, 2, 3]
+    trained = [transition_id for m in lineage for transition_id in m.trained_ids]
+    assert len(trained) == len(set(trained)) == 24  # each transition once, across both processes
+    assert f"{tmp_path / 'home' / 'trainers' / model}.lock" in standby.log()
+
+
+def test_a_backlog_published_before_the_trainer_started_is_trained_without_waiting_out_the_batch_wait(
+        trainer_setup, stack, kafka_options):
+    config, model = trainer_setup  # batch_wait_s=60, batch_transitions=4
+    topic = topic_name(config.topics, "transitions")
+    published_at_ms = int((time.time() - 120) * 1000)  # published two minutes ago, as if while no trainer ran
+
+    async def backlog() -> None:
+        producer = AIOKafkaProducer(**kafka_options, acks="all")
+        await producer.start()
+        try:
+            for number in range(2):
+                await producer.send_and_wait(topic, key=model.encode(), timestamp_ms=published_at_ms,
+                                             value=CODEC.encode(TRANSITION, transition(f"late{number}", model)))
+        finally:
+            await producer.stop()
+
+    async def train() -> int:
+        await backlog()
+        worker = TrainerWorker(config, stack.bootstrap_servers, progress=lambda line: None)
+        summary = await asyncio.wait_for(worker.run(max_steps=1), timeout=40)  # 60 s if read time counted
+        return summary.transitions
+
+    assert asyncio.run(train()) == 2
+
+
 def test_a_rebase_setting_without_the_deployments_log_is_a_config_error():
     config = Config(trainer=TrainerConfig(model="tiny", rebase_after_rejections=2))
     with pytest.raises(TrainerConfigError, match="rebase_after_rejections"):

@@ -4,6 +4,7 @@ on queued bytes; its state lives under the stack home."""
 from __future__ import annotations
 
 import asyncio
+import time
 from typing import Any
 
 from agentstream.infra.config import load_config
@@ -53,6 +54,24 @@ def test_the_agent_waits_only_once_the_queued_bytes_reach_the_bound() -> None:
         await asyncio.wait_for(blocked, 1)
         await asyncio.sleep(0.1)
         assert store.stored == [f"b{n}" for n in range(11)] and holds.held == set() and ingestion.queued_bytes == 0
+        runner.cancel()
+
+    asyncio.run(scenario())
+
+
+def test_a_batch_published_longer_ago_than_the_interval_is_stored_at_once_a_fresh_one_waits_the_interval() -> None:
+    async def scenario() -> None:
+        store, holds = Store(), Holds()
+        store.open.set()
+        ingestion = Ingestion(store, holds, interval_s=30)  # type: ignore[arg-type]
+        runner = asyncio.create_task(ingestion.run())
+        await ingestion.put(records(0, 2, 10), "backlog", published_at=time.time() - 60)  # read after a restart
+        await asyncio.sleep(0.2)
+        assert store.stored == ["backlog"] and holds.held == set()
+        await ingestion.put(records(2, 2, 10), "fresh", published_at=time.time())
+        await ingestion.put(records(4, 2, 10), "from-a-fast-clock", published_at=time.time() + 60)
+        await asyncio.sleep(0.2)
+        assert store.stored == ["backlog"] and holds.held == {2, 3, 4, 5}  # both wait out the 30 s interval
         runner.cancel()
 
     asyncio.run(scenario())

@@ -17,6 +17,7 @@ import aiokafka
 import faust
 import pytest
 from aiokafka.consumer.group_coordinator import GroupCoordinator
+from faust.tables.manager import TableManager
 from faust.transport.drivers.aiokafka import AIOKafkaConsumerThread, Consumer
 from faust.types import TP, Message
 
@@ -41,6 +42,10 @@ OVERRIDDEN = [
      "WorkerConsumerThread overrides it to watch the started consumer's group coordinator for fatal errors"),
     (AIOKafkaConsumerThread, "on_thread_stop", ["self"],
      "WorkerConsumerThread overrides it to stop that watch"),
+    (TableManager, "on_start", ["self"],
+     "PromptTableManager overrides it to start recovery without faust's 1 s pause"),
+    (TableManager, "_update_channels", ["self"],
+     "PromptTableManager calls it first, as faust's on_start does after its pause"),
     (GroupCoordinator, "check_errors", ["self"],
      "WorkerConsumerThread calls it (AIOKafkaConsumer._coordinator.check_errors) to raise a refused join"),
 ]
