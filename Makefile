@@ -114,6 +114,9 @@ bench: install
 bench-rebalance: install
 	nice -n 10 $(BIN)/python -m bench.rebalance --minutes 20 --broker kafka
 
+# The whole loop for SOAK_MINUTES (default 60) at half the chaos load, a fault every 3-5 minutes; RSS and open files
+# per process and the disk of the broker, ClickHouse, checkpoints and journals sampled every minute. JSON lines; exit 1
+# if a slope over the second half passes its bound, the ledger does not balance or a process is stuck.
 soak: install
 	$(BIN)/python -m bench.soak
 

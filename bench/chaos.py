@@ -273,20 +273,27 @@ class Warehouse:
         return rows[0][0] / 1000 if rows and rows[0][0] else 0.0
 
 
-def manifests(folder: Path) -> list[dict]:
-    """Every checkpoint manifest the trainer published so far (its staging folders come and go meanwhile)."""
-    found: list[dict] = []
-    models: list[Path] = []
-    with contextlib.suppress(OSError):
-        models = [path for path in folder.iterdir() if not path.name.startswith(".")]
-    for model in models:
-        paths: list[Path] = []
+class Lineage:
+    """Every checkpoint manifest the trainers published, each remembered once read: pruning may remove it later."""
+
+    def __init__(self, folder: Path) -> None:
+        self.folder = folder
+        self.seen: dict[Path, dict] = {}
+
+    def poll(self) -> list[dict]:
+        """Read the manifests published since the last poll (staging folders come and go meanwhile); all seen."""
+        models: list[Path] = []
         with contextlib.suppress(OSError):
-            paths = sorted(model.glob("v*/checkpoint.json"))
-        for path in paths:
-            with contextlib.suppress(OSError, ValueError):
-                found.append(json.loads(path.read_text()))
-    return found
+            models = [path for path in self.folder.iterdir() if not path.name.startswith(".")]
+        for model in models:
+            paths: list[Path] = []
+            with contextlib.suppress(OSError):
+                paths = sorted(model.glob("v*/checkpoint.json"))
+            for path in paths:
+                if path not in self.seen:
+                    with contextlib.suppress(OSError, ValueError):
+                        self.seen[path] = json.loads(path.read_text())
+        return list(self.seen.values())
 
 
 # ---------------------------------------------------------------------------------------------- the load
@@ -364,7 +371,9 @@ class Fault:
         return None if self.recovered_at is None else self.recovered_at - self.counted_from
 
 
-class Soak:
+class ChaosRun:
+    """The private stack, its components as processes, the load, the faults and the verdict of one run."""
+
     def __init__(self, args: argparse.Namespace, workdir: Path) -> None:
         self.args = args
         self.workdir = workdir
@@ -379,8 +388,9 @@ class Soak:
         self.cluster = KafkaCluster(workdir / "kafka") if args.cluster else None
         cluster = ({"KAFKA_BOOTSTRAP_SERVERS": self.cluster.bootstrap_servers,
                     "AGENTSTREAM_TOPIC_REPLICATION_FACTOR": "3"} if self.cluster is not None else {})
-        self.config = load_config(environ=private_environ(str(workdir / "stack"),
-                                                          AGENTSTREAM_BROKER_STORAGE=args.broker_storage, **cluster))
+        retention = {"AGENTSTREAM_TOPIC_RETENTION_MS": str(args.retention_ms)} if args.retention_ms else {}
+        self.config = load_config(environ=private_environ(
+            str(workdir / "stack"), AGENTSTREAM_BROKER_STORAGE=args.broker_storage, **retention, **cluster))
         self.stack = Stack(self.config)
         self.children: dict[str, Child] = {}
         self.services: dict[str, Service | ClusterNode] = {}
@@ -390,6 +400,7 @@ class Soak:
         self.unplanned: list[str] = []
         self.stuck: list[str] = []
         self.reader = LedgerReader(self.ledger_dir)
+        self.lineage = Lineage(self.checkpoints)
         self.watcher: TopicWatcher | None = None
         self.feeder: TaskFeeder | None = None
         self.warehouse: Warehouse | None = None
@@ -402,7 +413,8 @@ class Soak:
     def component_config(self) -> Config:
         trainer = replace(self.config.trainer, model=MODEL, device="cpu", threads=1, lora=False, batch_wait_s=2.0,
                           batch_transitions=32, max_policy_lag=1_000_000, skip_zero_advantage=False,
-                          checkpoint_every_steps=1, keep_checkpoints=0, checkpoint_dir=str(self.checkpoints))
+                          checkpoint_every_steps=1, keep_checkpoints=self.args.keep_checkpoints,
+                          checkpoint_dir=str(self.checkpoints))
         return replace(self.config, stack=replace(self.config.stack, home=self.work_home), trainer=trainer,
                        credit=(CreditRule(agent="*", strategy="final"),))
 
@@ -543,7 +555,7 @@ class Soak:
         if fault.kind in ("streams", "clickhouse"):
             return self.newest_ingest
         if fault.kind == "trainer":
-            return max((m["created_at_us"] / 1e6 for m in manifests(self.checkpoints)), default=0.0)
+            return max((m["created_at_us"] / 1e6 for m in self.lineage.poll()), default=0.0)
         return self.watcher.last_record_at if self.watcher is not None else 0.0
 
     def inject(self, number: int, kind: str) -> Fault:
@@ -579,6 +591,7 @@ class Soak:
         end = time.monotonic() + seconds
         while True:
             self.reader.poll()
+            self.lineage.poll()
             if self.warehouse is not None and self.stopped != "clickhouse":  # a stopped ClickHouse would hold us
                 self.newest_ingest = max(self.newest_ingest, self.warehouse.newest_ingest())
             left = end - time.monotonic()
@@ -617,7 +630,7 @@ class Soak:
                     f"{sum(1 for e in state.events.values() if any(x[1] in TERMINAL for x in e))} rollouts "
                     f"acknowledged, {self.feeder.enqueued if self.feeder else 0} tasks enqueued, "
                     f"{len(self.watcher.transitions) if self.watcher else 0} transitions on the topic, "
-                    f"{len(manifests(self.checkpoints))} checkpoints")
+                    f"{len(self.lineage.poll())} checkpoints")
             if now < next_at or next_at >= end:
                 continue
             if not bag:
@@ -733,7 +746,7 @@ class Soak:
         missing_topic = [tid for tid in on_topic if tid not in stored_transitions]
 
         trained: Counter[str] = Counter()
-        for manifest in manifests(self.checkpoints):
+        for manifest in self.lineage.poll():
             if manifest.get("model") == MODEL:
                 trained.update(manifest.get("trained_ids", []))
         for_trainer = {tid for tid, model in stored_transitions.items() if model == MODEL}
@@ -802,7 +815,7 @@ class Soak:
              not_trained=len(verdict["untrained"]), stored=verdict["stored_transitions"],
              examples=sorted(verdict["lost_transitions"])[:5], **extra)
         emit(BENCH, "chaos_transitions_trained_twice", len(verdict["twice"]), "transitions",
-             trained=verdict["trained"], checkpoints=len(manifests(self.checkpoints)), examples=verdict["twice"][:5],
+             trained=verdict["trained"], checkpoints=len(self.lineage.poll()), examples=verdict["twice"][:5],
              **extra)
         recoveries = [f.recovery_s for f in self.faults if f.recovery_s is not None]
         unrecovered = [f"{f.number}:{f.target}" for f in self.faults if f.recovery_s is None]
@@ -829,7 +842,8 @@ class Soak:
         return dict(blamed)
 
 
-def main() -> None:
+def arguments() -> argparse.ArgumentParser:
+    """The run's options (``bench.soak`` parses its own list of them)."""
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     parser.add_argument("--seconds", type=float, default=600, help="Seconds of load with faults.")
     parser.add_argument("--seed", type=int, default=1, help="Seeds the fault schedule and the load.")
@@ -848,15 +862,26 @@ def main() -> None:
     parser.add_argument("--broker-storage", choices=("durable", "memory"), default="durable")
     parser.add_argument("--cluster", action="store_true",
                         help="A three-node Apache Kafka cluster (replication 3, min ISR 2) instead of tansu.")
+    parser.add_argument("--keep-checkpoints", type=int, default=0,
+                        help="trainer.keep_checkpoints (0: all; the ledger remembers every manifest it saw anyway).")
+    parser.add_argument("--retention-ms", type=int, default=0, help="The topics' retention (0: the default, 7 days).")
     parser.add_argument("--keep", action="store_true", help="Keep the work folder (logs, ledger, checkpoints).")
-    args = parser.parse_args()
+    return parser
+
+
+def checked(parser: argparse.ArgumentParser, argv: list[str] | None = None) -> argparse.Namespace:
+    args = parser.parse_args(argv)
     if args.trainers < 1:
         parser.error("--trainers: at least one")
     if unknown := sorted(set(args.kinds) - set(KINDS)):
         parser.error(f"--kinds: no such kind {', '.join(unknown)} (the kinds are {', '.join(KINDS)})")
+    return args
 
-    workdir = Path(tempfile.mkdtemp(prefix="agentstream-chaos-"))
-    soak = Soak(args, workdir)
+
+def run(args: argparse.Namespace, harness: type[ChaosRun] = ChaosRun, prefix: str = "agentstream-chaos-") -> int:
+    """One run in a fresh work folder: start, faults, finish; everything started is stopped, whatever happens."""
+    workdir = Path(tempfile.mkdtemp(prefix=prefix))
+    chaos = harness(args, workdir)
 
     def interrupted(signum: int, frame: object) -> None:
         raise KeyboardInterrupt
@@ -864,22 +889,26 @@ def main() -> None:
     signal.signal(signal.SIGTERM, interrupted)
     status = 1
     try:
-        soak.start()
-        soak.run_faults()
-        status = soak.finish()
+        chaos.start()
+        chaos.run_faults()
+        status = chaos.finish()
     except KeyboardInterrupt:
         say("interrupted: stopping everything")
     finally:
         signal.signal(signal.SIGINT, signal.SIG_IGN)  # a second Ctrl-C must not cut the cleanup short
         signal.signal(signal.SIGTERM, signal.SIG_IGN)
-        soak.shutdown()
+        chaos.shutdown()
         if args.keep or status:
             say(f"logs, ledger and checkpoints kept in {workdir}")
         else:
             import shutil
 
             shutil.rmtree(workdir, ignore_errors=True)
-    sys.exit(status)
+    return status
+
+
+def main() -> None:
+    sys.exit(run(checked(arguments())))
 
 
 if __name__ == "__main__":

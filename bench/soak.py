@@ -1,68 +1,210 @@
-"""Constant load on one streams worker for a while (default 10 minutes): is its memory flat?
+"""The whole loop for an hour at half the chaos load, a fault every few minutes: do memory and disk stay flat?
 
-Publishes rollouts of 1 KB LLM spans at a steady rate through the full pipeline and prints the
-worker's resident memory at the start and the end, plus the spans that arrived.
+``make soak`` (``SOAK_MINUTES``, default 60) runs ``bench.chaos``'s harness: the private stack,
+the model server, proxy, a stream worker, two trainers (one standing by), hot swap, two runners
+and a direct publisher, at half of ``make chaos``'s load, with a SIGKILL or SIGSTOP of one
+component from the chaos list every ``--min-gap``..``--max-gap`` seconds (3-5 minutes). Every
+``--sample-s`` seconds it samples, per process, the resident memory and the open files (from
+``/proc``), and the disk used by the broker's storage, ClickHouse, the checkpoint store and the
+journals. The topics keep ten minutes of records and the trainer its 50 newest checkpoints, as
+a long-running deployment would be set up, so those disks can level off.
+
+At the end, besides chaos's ledger (0 lost, 0 trained twice, 0 stuck), a least-squares slope
+over the second half of each series, printed with its bound as JSON lines:
+
+- memory and open files per process: over the incarnation that lived longest in the second
+  half, after its first ``warm-up`` (a fifth of the run, at most 5 minutes);
+- disk of the checkpoints and the journals: the bytes themselves;
+- disk of the broker and ClickHouse: bytes per acknowledged span (they keep what they are sent,
+  so their bytes grow with the spans; what may not grow is the cost of each span).
+
+A slope over its bound fails the run, as a ledger that does not balance does; the samples are
+written to ``samples.jsonl`` in the work folder (kept with ``--keep`` or on failure).
 """
 
 from __future__ import annotations
 
 import argparse
+import json
 import os
-import tempfile
 import time
+from dataclasses import asdict, dataclass, field
 from pathlib import Path
 
-from agentstream.infra.clickhouse import connect
-from agentstream.pipeline.publisher import SpanPublisher
-from bench.common import emit, private_stack
-from bench.streams import SPANS_PER_ROLLOUT, Workload, rss_mb, start_worker, wait_ready
+from agentstream.infra.processes import ServiceDirectory
+from agentstream.stack.control import BROKER, CLICKHOUSE, OBJECTSTORE
+from bench import chaos
+from bench.common import emit
+
+BENCH = "soak"
+WARMUP_MAX_S = 300.0
+# growth per hour allowed over the second half: max(absolute, relative x the series' mean)
+BOUNDS = {"rss_mb": (8.0, 0.05), "open_files": (4.0, 0.05), "disk_mb": (8.0, 0.05), "disk_bytes_per_span": (0.0, 0.10)}
+
+
+@dataclass
+class Sample:
+    at: float  # seconds since the load started
+    processes: dict[str, tuple[int, float, int]] = field(default_factory=dict)  # name -> (pid, RSS MB, open files)
+    disk_mb: dict[str, float] = field(default_factory=dict)
+    spans: int = 0  # acknowledged so far
+
+
+def rss_mb(pid: int) -> float | None:
+    try:
+        for line in Path(f"/proc/{pid}/status").read_text().splitlines():
+            if line.startswith("VmRSS:"):
+                return int(line.split()[1]) / 1024
+    except OSError:
+        return None
+    return None
+
+
+def open_files(pid: int) -> int | None:
+    try:
+        return len(os.listdir(f"/proc/{pid}/fd"))
+    except OSError:
+        return None
+
+
+def disk_mb(folder: Path) -> float:
+    """Bytes allocated under ``folder`` (files that vanish meanwhile are skipped), in MB."""
+    allocated = 0
+    for root, _, files in os.walk(folder):
+        for name in files:
+            try:
+                allocated += os.lstat(os.path.join(root, name)).st_blocks * 512
+            except OSError:
+                pass
+    return allocated / 1e6
+
+
+def slope_per_hour(points: list[tuple[float, float]]) -> float:
+    """The least-squares slope of (seconds, value) points, per hour."""
+    n = len(points)
+    mean_t = sum(t for t, _ in points) / n
+    mean_v = sum(v for _, v in points) / n
+    spread = sum((t - mean_t) ** 2 for t, _ in points)
+    return 0.0 if spread == 0 else sum((t - mean_t) * (v - mean_v) for t, v in points) / spread * 3600
+
+
+class SoakRun(chaos.ChaosRun):
+    """The chaos harness, sampling memory, open files and disk every ``--sample-s`` while it watches."""
+
+    def __init__(self, args: argparse.Namespace, workdir: Path) -> None:
+        super().__init__(args, workdir)
+        self.samples: list[Sample] = []
+        self.began: float | None = None
+        self.next_sample_at = 0.0
+        self.sample_file = workdir / "samples.jsonl"
+
+    def run_faults(self) -> None:
+        self.began = time.time()
+        self.sample()
+        super().run_faults()
+
+    def idle(self, seconds: float) -> None:
+        end = time.monotonic() + seconds
+        while True:
+            if self.began is not None and time.time() >= self.next_sample_at:
+                self.sample()
+            left = end - time.monotonic()
+            if left <= 0:
+                return
+            super().idle(min(left, max(0.05, self.next_sample_at - time.time())))
+
+    def pids(self) -> dict[str, int]:
+        found = {name: child.pid for name, child in self.children.items() if child.pid is not None}
+        directory = ServiceDirectory(self.stack.home)
+        for service in (BROKER, CLICKHOUSE, OBJECTSTORE):
+            record = directory.record(service)
+            if record is not None and record.alive():
+                found[service] = record.pid
+        return found
+
+    def sample(self) -> None:
+        assert self.began is not None
+        now = time.time()
+        sample = Sample(at=round(now - self.began, 1), spans=len(self.reader.state.spans))
+        for name, pid in self.pids().items():
+            rss, files = rss_mb(pid), open_files(pid)
+            if rss is not None and files is not None:
+                sample.processes[name] = (pid, round(rss, 1), files)
+        folders = {"broker": self.stack.broker_data, "clickhouse": self.stack.home / "clickhouse",
+                   "checkpoints": self.checkpoints, "journals": self.work_home / "journal"}
+        sample.disk_mb = {name: round(disk_mb(folder), 2) for name, folder in folders.items()}
+        self.samples.append(sample)
+        with open(self.sample_file, "a") as out:
+            out.write(json.dumps(asdict(sample)) + "\n")
+        self.next_sample_at = now + self.args.sample_s
+        if len(self.samples) % max(1, round(300 / self.args.sample_s)) == 1:
+            memory = ", ".join(f"{name} {values[1]:.0f}" for name, values in sorted(sample.processes.items()))
+            disk = ", ".join(f"{name} {mb:.0f}" for name, mb in sample.disk_mb.items())
+            chaos.say(f"sample at {sample.at:.0f} s: RSS MB {memory}; disk MB {disk}")
+
+    def finish(self) -> int:
+        status = chaos.ChaosRun.finish(self)
+        growing = self.flatness()
+        return status or (1 if growing else 0)
+
+    def flatness(self) -> list[str]:
+        """The slope test over the second half of each series; the series over their bounds."""
+        assert self.began is not None
+        duration = self.args.seconds
+        half = duration / 2
+        second = [s for s in self.samples if half <= s.at <= duration]  # not the drain at the end
+        warmup = min(WARMUP_MAX_S, duration / 5)
+        series: dict[tuple[str, str], list[tuple[float, float]]] = {}
+        for name in sorted({name for s in second for name in s.processes}):
+            born: dict[int, float] = {}  # pid -> its first sample in the whole run
+            for s in self.samples:
+                if name in s.processes:
+                    born.setdefault(s.processes[name][0], s.at)
+            lived: dict[int, int] = {}
+            for s in second:
+                if name in s.processes:
+                    lived[s.processes[name][0]] = lived.get(s.processes[name][0], 0) + 1
+            pid = max(lived, key=lambda p: lived[p])
+            kept = [s for s in second if name in s.processes and s.processes[name][0] == pid
+                    and s.at >= born[pid] + warmup]
+            series[("rss_mb", name)] = [(s.at, s.processes[name][1]) for s in kept]
+            series[("open_files", name)] = [(s.at, float(s.processes[name][2])) for s in kept]
+        for name in ("checkpoints", "journals"):
+            series[("disk_mb", name)] = [(s.at, s.disk_mb[name]) for s in second]
+        for name in ("broker", "clickhouse"):
+            series[("disk_bytes_per_span", name)] = [(s.at, s.disk_mb[name] * 1e6 / s.spans) for s in second if s.spans]
+        growing = []
+        for (measure, name), points in series.items():
+            extra = {"soak_minutes": round(duration / 60, 1), "sample_s": self.args.sample_s}
+            if len(points) < 5:
+                emit(BENCH, f"{measure}_slope_per_h", None, "per h", series=name, samples=len(points),
+                     note="fewer than 5 samples of one process after its warm-up: not tested", **extra)
+                continue
+            mean = sum(v for _, v in points) / len(points)
+            absolute, relative = BOUNDS[measure]
+            bound = max(absolute, relative * abs(mean))
+            slope = slope_per_hour(points)
+            flat = slope <= bound
+            if not flat:
+                growing.append(f"{measure} {name}")
+            emit(BENCH, f"{measure}_slope_per_h", round(slope, 3), "per h", series=name, bound=round(bound, 3),
+                 mean=round(mean, 2), first=points[0][1], last=points[-1][1], samples=len(points), flat=flat, **extra)
+        chaos.say("memory, open files and disk are flat over the second half" if not growing
+                  else f"GROWING over the second half: {', '.join(growing)}")
+        return growing
 
 
 def main() -> None:
-    parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
-    parser.add_argument("--seconds", type=float, default=600)
-    parser.add_argument("--spans-per-s", type=float, default=2000)
-    args = parser.parse_args()
-    with private_stack() as (config, endpoints), tempfile.TemporaryDirectory() as scratch:
-        env = {k: v for k, v in os.environ.items() if not k.startswith(("KAFKA_", "CLICKHOUSE_", "AGENTSTREAM_"))}
-        env.update({"KAFKA_BOOTSTRAP_SERVERS": endpoints.bootstrap_servers, "CLICKHOUSE_URL": endpoints.clickhouse_url,
-                    "AGENTSTREAM_HOME": scratch})
-        log_path = Path(scratch) / "worker.log"
-        worker = start_worker(env, log_path)
-        try:
-            wait_ready(worker, log_path)
-            workload = Workload()
-            rate = args.spans_per_s / SPANS_PER_ROLLOUT
-            samples = []
-            with SpanPublisher(config, endpoints.bootstrap_servers, journal_dir=Path(scratch) / "journal") as publisher:
-                begin = time.perf_counter()
-                sent = 0
-                while time.perf_counter() - begin < args.seconds:
-                    pause = begin + sent / rate - time.perf_counter()
-                    if pause > 0:
-                        time.sleep(pause)
-                    workload.rollout(publisher)
-                    sent += 1
-                    if sent % max(1, int(rate * 30)) == 0:
-                        samples.append(rss_mb(worker.pid))
-                        print(f"soak: {time.perf_counter() - begin:5.0f} s, {sent * SPANS_PER_ROLLOUT} spans, "
-                              f"worker RSS {samples[-1]:.0f} MB", flush=True)
-                publisher.flush(60)
-            client = connect(config.clickhouse, endpoints.clickhouse_url, database=config.clickhouse.database)
-            expected = sent * SPANS_PER_ROLLOUT
-            deadline = time.monotonic() + 120
-            while (client.query("SELECT count() FROM spans").result_rows[0][0] < expected
-                   and time.monotonic() < deadline):
-                time.sleep(0.5)
-            arrived = client.query("SELECT count() FROM spans").result_rows[0][0]
-            client.close()
-            extra = {"seconds": args.seconds, "load_spans_per_s": args.spans_per_s}
-            emit("soak", "worker_rss_mb_start", samples[0] if samples else rss_mb(worker.pid), "MB", **extra)
-            emit("soak", "worker_rss_mb_end", rss_mb(worker.pid), "MB", **extra)
-            emit("soak", "spans_arrived_fraction", arrived / expected, "fraction", spans=expected)
-        finally:
-            worker.terminate()
-            worker.wait(30)
+    parser = chaos.arguments()
+    parser.description = __doc__.splitlines()[0]
+    parser.add_argument("--sample-s", type=float, default=60.0, help="Seconds between two samples.")
+    minutes = float(os.environ.get("SOAK_MINUTES", "60"))
+    parser.set_defaults(seconds=minutes * 60, min_gap=180.0, max_gap=300.0, concurrency=2, tasks_per_s=1.5,
+                        direct_rollouts_per_s=2.5, keep_checkpoints=50, retention_ms=600_000)
+    args = chaos.checked(parser)
+    chaos.say(f"soak: {args.seconds / 60:.0f} minutes, a fault every {args.min_gap:.0f}-{args.max_gap:.0f} s, "
+              f"a sample every {args.sample_s:.0f} s")
+    raise SystemExit(chaos.run(args, SoakRun, prefix="agentstream-soak-"))
 
 
 if __name__ == "__main__":

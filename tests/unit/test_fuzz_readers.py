@@ -429,7 +429,7 @@ def test_the_trainer_offers_every_transition_or_logs_why_not(reasons):
             invalid, before = worker.batcher.counts.invalid, len(logged)
             with bounded(value):
                 TrainerWorker._offer(worker, consumer_record(partition.topic, offset, key, value),  # type: ignore[arg-type]
-                                     partition, time.monotonic())
+                                     partition, time.monotonic(), time.time())
             assert worker.batcher.counts.invalid - invalid == len(logged) - before, value
             assert all(reason.strip() for reason in logged[before:])
             decoded += len(logged) == before
