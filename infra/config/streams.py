@@ -15,7 +15,7 @@ class StreamsConfig:
     grace_s: float = 0.2
     idle_timeout_s: float = 30.0
     reward_expiry_s: float = 24 * 3600.0
-    clickhouse_retry_max_s: float = 10.0
+    clickhouse_retry_max_s: float = 1.0  # the longest wait between retries: ClickHouse back = stored within ~1 s
     session_timeout_s: float = 3.0  # tansu holds a join about half of it: a restarted worker is back in ~4 s
     fetch_max_wait_ms: int = 50  # tansu answers a fetch only after this wait when it had nothing at first
     ingest_interval_s: float = 1.0  # span batches read meanwhile are inserted together
