@@ -54,6 +54,7 @@ from agentstream.infra.processes import ServiceDirectory, free_port, wait_for_po
 from agentstream.schemas import TASK, TRANSITION, TRANSITION_BATCH, AvroCodec, CodecError
 from agentstream.schemas.transition_writer import transition_id
 from agentstream.stack.control import BROKER, CLICKHOUSE, Stack
+from agentstream.trainer.standby import ModelLock
 from bench.common import emit, percentile, private_environ
 from tests.support.kafka_cluster import KafkaCluster
 from tests.support.span_ledger import LedgerReader, LedgerState
@@ -537,10 +538,7 @@ class ChaosRun:
 
     def targets(self, kind: str) -> list[Child | Service | ClusterNode]:
         if kind == "trainer":  # the one that trains: a standby's fault changes nothing
-            try:
-                active = (self.work_home / "trainers" / f"{MODEL}.lock").read_text().strip()
-            except OSError:
-                active = ""
+            active = ModelLock(self.work_home, MODEL).holder()
             found = [child for child in self.children.values() if child.kind == kind and str(child.pid) == active]
             if found:
                 return list(found)

@@ -35,6 +35,7 @@ from agentstream.infra.processes import ServiceDirectory
 from agentstream.stack.control import BROKER, CLICKHOUSE, OBJECTSTORE
 from bench import chaos
 from bench.common import emit
+from bench.streams import rss_mb
 
 BENCH = "soak"
 WARMUP_MAX_S = 300.0
@@ -50,19 +51,10 @@ class Sample:
     spans: int = 0  # acknowledged so far
 
 
-def rss_mb(pid: int) -> float | None:
+def memory_and_files(pid: int) -> tuple[float, int] | None:
+    """The process's resident MB and open descriptors; None when it is gone."""
     try:
-        for line in Path(f"/proc/{pid}/status").read_text().splitlines():
-            if line.startswith("VmRSS:"):
-                return int(line.split()[1]) / 1024
-    except OSError:
-        return None
-    return None
-
-
-def open_files(pid: int) -> int | None:
-    try:
-        return len(os.listdir(f"/proc/{pid}/fd"))
+        return rss_mb(pid), len(os.listdir(f"/proc/{pid}/fd"))
     except OSError:
         return None
 
@@ -127,9 +119,8 @@ class SoakRun(chaos.ChaosRun):
         now = time.time()
         sample = Sample(at=round(now - self.began, 1), spans=len(self.reader.state.spans))
         for name, pid in self.pids().items():
-            rss, files = rss_mb(pid), open_files(pid)
-            if rss is not None and files is not None:
-                sample.processes[name] = (pid, round(rss, 1), files)
+            if (found := memory_and_files(pid)) is not None:
+                sample.processes[name] = (pid, round(found[0], 1), found[1])
         folders = {"broker": self.stack.broker_data, "clickhouse": self.stack.home / "clickhouse",
                    "checkpoints": self.checkpoints, "journals": self.work_home / "journal"}
         sample.disk_mb = {name: round(disk_mb(folder), 2) for name, folder in folders.items()}
