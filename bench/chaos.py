@@ -698,9 +698,9 @@ class ChaosRun:
             self.stop_component(name)
         self.stop_component("proxy")
         verdict = self.drain()
-        trainers = [name for name, child in self.children.items() if child.kind == "trainer"]
-        for name in trainers:  # all at once: a standby told to stop does not take over from the active trainer
-            self.children[name].signal(signal.SIGTERM)
+        active = ModelLock(self.work_home, MODEL).holder()
+        trainers = sorted((name for name, child in self.children.items() if child.kind == "trainer"),
+                          key=lambda name: str(self.children[name].pid) == active)  # standbys first: none takes over
         for name in (*trainers, "hotswap", *(n for n in self.children if n.startswith("streams")), "model-server"):
             self.stop_component(name)
         return self.report(verdict)
