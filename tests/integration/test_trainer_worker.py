@@ -216,9 +216,10 @@ def test_a_second_trainer_stands_by_and_takes_over_from_the_last_checkpoint_when
     records = [transition(f"t{i:02d}", model, advantage=(-1.0) ** i) for i in range(24)]
 
     active = CliProcess(["train-worker"], env, tmp_path / "active.log").start()
-    standby = CliProcess(["train-worker"], env, tmp_path / "standby.log").start()
+    standby = CliProcess(["train-worker"], env, tmp_path / "standby.log")
     try:
-        active.wait_for("no checkpoint yet")
+        active.wait_for("no checkpoint yet")  # it holds the lock: started together, either could have won it
+        standby.start()
         standby.wait_for(f"another trainer of {model} is active here (pid {active.process.pid}")
         asyncio.run(produce(kafka_options, topic, records[:16]))
         active.wait_for("checkpoint v2 (step 4)")
@@ -230,6 +231,7 @@ def test_a_second_trainer_stands_by_and_takes_over_from_the_last_checkpoint_when
         standby.wait_for("checkpoint v3 (step 6)")
     finally:
         standby.stop()
+        active.stop()
 
     lineage = manifests(open_store(str(checkpoints)), model)
     assert [m.version for m in lineage] == [1, 2, 3]
