@@ -14,10 +14,18 @@ evict the dead member   5.0        2.0      (LeaveGroup on its behalf: a fresh j
 
 A fresh join itself takes about max(1 s, session/2) on tansu (it holds each JoinGroup that
 long), so the sessions are short too (``session_timeout_s``). Each consumer writes its member
-id to a ledger under the stack home (``members/<group>.json``: member id -> pid and process
-start time) once it has joined; at start it sends a LeaveGroup for every member there whose
-process is gone, then joins. Only the members of this machine's stack home are known, so a
-member that died elsewhere still costs its session, as before.
+id to a ledger under the stack home (``members/<group>.json``: member id -> pid, process
+start time, and whether it is rejoining) once it has joined; at start it sends a LeaveGroup for
+every member there whose process is gone, then joins. Only the members of this machine's stack
+home are known, so a member that died elsewhere still costs its session, as before.
+
+A member that died while rejoining is left to its session instead: it may have been the leader
+of the round that was forming, and tansu 0.6 keeps a forming round's leader when that leader
+leaves (only a missed session clears it), so the others' SyncGroups were refused until some other
+write to the group happened to reload it: 76 s in one `make chaos` run. Each consumer marks its
+entry rejoining when its partitions are revoked and settled again when they are assigned; a
+member killed between a rebalance's start and its first heartbeat after it (under 0.5 s) is
+still evicted.
 """
 
 from __future__ import annotations
@@ -66,12 +74,25 @@ class MemberLedger:
         return [member for member, owner in self._read().items()
                 if process_start_ticks(int(owner.get("pid", 0))) != owner.get("ticks")]
 
+    def rejoining(self, members: list[str]) -> list[str]:
+        """Those of ``members`` whose process was rejoining the group when it last wrote here."""
+        recorded = self._read()
+        return [member for member in members if recorded.get(member, {}).get("rejoining")]
+
     def record(self, member_id: str) -> None:
-        """This process is ``member_id`` now (a rejoin gives a new id; the old one is dropped)."""
+        """This process is ``member_id`` now, with its partitions assigned (a rejoin may give a new id)."""
         pid = os.getpid()
         members = {member: owner for member, owner in self._read().items() if owner.get("pid") != pid}
-        members[member_id] = {"pid": pid, "ticks": process_start_ticks(pid) or 0}
+        members[member_id] = {"pid": pid, "ticks": process_start_ticks(pid) or 0, "rejoining": False}
         self._write(members)
+
+    def mark_rejoining(self) -> None:
+        """This process's partitions were revoked: it is rejoining until the next ``record``."""
+        pid = os.getpid()
+        members = self._read()
+        mine = [member for member, owner in members.items() if owner.get("pid") == pid]
+        if mine:
+            self._write({**members, **{member: {**members[member], "rejoining": True} for member in mine}})
 
     def forget(self, members: list[str]) -> None:
         kept = {member: owner for member, owner in self._read().items() if member not in members}
@@ -84,7 +105,13 @@ async def evict_dead_members(options: dict[str, Any], ledger: MemberLedger) -> l
     Best effort: a broker that is down or a member the group no longer knows is fine (the
     session ends it anyway). Returns the ids sent.
     """
-    dead = ledger.dead()
+    gone = ledger.dead()
+    rejoining = ledger.rejoining(gone)
+    if rejoining:  # perhaps a forming round's leader: their sessions end them (see the module's docstring)
+        log.info("group %s: %d member(s) of processes that are gone died rejoining; their sessions end them (%s)",
+                 ledger.group, len(rejoining), ", ".join(rejoining))
+        ledger.forget(rejoining)
+    dead = [member for member in gone if member not in rejoining]
     if not dead:
         return []
     client = AIOKafkaClient(**options)

@@ -350,6 +350,11 @@ def create_app(config: Config, bootstrap_servers: str, clickhouse_url: str) -> f
         if joined:
             ledger.record(joined)
 
+    @app.on_partitions_revoked.connect
+    async def mark_rejoining(app: faust.App, revoked: AbstractSet[TP] = frozenset(), /, *args: Any,
+                             **kwargs: Any) -> None:
+        ledger.mark_rejoining()
+
     @app.on_before_shutdown.connect
     async def stop_emitter(app: faust.App, /, *args: Any, **kwargs: Any) -> None:
         await emitter.stop()

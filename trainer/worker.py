@@ -134,7 +134,7 @@ class _ResumePositions(ConsumerRebalanceListener):
         self.worker = worker
 
     async def on_partitions_revoked(self, revoked) -> None:
-        pass
+        self.worker.ledger.mark_rejoining()
 
     async def on_partitions_assigned(self, assigned) -> None:
         consumer, watch = self.worker.consumer, self.worker.log_watch
