@@ -31,7 +31,24 @@ folder of the same name (``a`` and ``a/b``) is refused; tansu never writes such 
 Run it with ``python -m agentstream.stack.objectstore --port 9000 --root PATH --bucket tansu``.
 """
 
+from __future__ import annotations
+
+from typing import TYPE_CHECKING, Any
+
 from agentstream.stack.objectstore.bucket import S3Error
-from agentstream.stack.objectstore.server import HOST, ObjectStoreServer, main, serve, walk_keys
+
+if TYPE_CHECKING:
+    from agentstream.stack.objectstore.server import ObjectStoreServer, main, serve, walk_keys
+
+HOST = "127.0.0.1"
+_SERVER_NAMES = ("ObjectStoreServer", "main", "serve", "walk_keys")
 
 __all__ = ["HOST", "ObjectStoreServer", "S3Error", "main", "serve", "walk_keys"]
+
+
+def __getattr__(name: str) -> Any:
+    """The server's names, imported when first used: every command needs HOST, few need aiohttp (0.3 s)."""
+    if name in _SERVER_NAMES:
+        from agentstream.stack.objectstore import server
+        return getattr(server, name)
+    raise AttributeError(f"module {__name__!r} has no attribute {name!r}")

@@ -24,6 +24,7 @@ from xml.sax.saxutils import escape
 
 from aiohttp import web
 
+from agentstream.stack.objectstore import HOST
 from agentstream.stack.objectstore.bucket import Bucket, ObjectInfo, S3Error, quote_etag
 from agentstream.stack.signals import stop_on_signals
 
@@ -39,7 +40,6 @@ MAX_OBJECT_BYTES = 1 << 30  # a record batch is a few MB at most; S3's own singl
 MAX_KEYS = 1000
 UPLOADS = ".uploads"
 MAX_PARTS = 10_000
-HOST = "127.0.0.1"
 
 
 async def _body(request: web.Request) -> bytes:
