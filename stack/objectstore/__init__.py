@@ -35,12 +35,12 @@ from __future__ import annotations
 
 from typing import TYPE_CHECKING, Any
 
+from agentstream.stack.objectstore.address import HOST
 from agentstream.stack.objectstore.bucket import S3Error
 
 if TYPE_CHECKING:
     from agentstream.stack.objectstore.server import ObjectStoreServer, main, serve, walk_keys
 
-HOST = "127.0.0.1"
 _SERVER_NAMES = ("ObjectStoreServer", "main", "serve", "walk_keys")
 
 __all__ = ["HOST", "ObjectStoreServer", "S3Error", "main", "serve", "walk_keys"]

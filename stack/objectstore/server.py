@@ -24,7 +24,7 @@ from xml.sax.saxutils import escape
 
 from aiohttp import web
 
-from agentstream.stack.objectstore import HOST
+from agentstream.stack.objectstore.address import HOST
 from agentstream.stack.objectstore.bucket import Bucket, ObjectInfo, S3Error, quote_etag
 from agentstream.stack.signals import stop_on_signals
 
