@@ -5,6 +5,7 @@ from __future__ import annotations
 import asyncio
 import logging
 import sys
+import time
 from dataclasses import dataclass
 
 import uvloop
@@ -41,6 +42,7 @@ def run_proxy(config: Config, bootstrap_servers: str, options: ProxyOptions) -> 
     health = HealthSettings(config.proxy.health_interval_s, config.proxy.health_timeout_s, config.proxy.eject_after)
 
     async def serve() -> None:
+        started = time.monotonic()
         stop = asyncio.Event()
         follower = DeploymentFollower(
             config, bootstrap_servers,
@@ -53,14 +55,18 @@ def run_proxy(config: Config, bootstrap_servers: str, options: ProxyOptions) -> 
             except TimeoutError:
                 print("warning: the deployments topic did not answer within 30 s; requests go to the model "
                       "they name until it does", file=sys.stderr, flush=True)
+        followed = time.monotonic()
         with process_publisher(config, bootstrap_servers, "proxy") as publisher:
+            published = time.monotonic()
             proxy = LLMProxy(upstreams, publisher, agent_name=options.agent_name, deployments=follower,
                              max_tokens=config.proxy.max_tokens, keys=keys, feedback_secret=feedback_secret,
                              health=health)
             runner = await serve_proxy(proxy, host, port)
+            ready = time.monotonic()
             print(f"proxy on http://{host}:{port} -> {', '.join(r.url for r in proxy.pool.replicas)}; "
-                  f"point OpenAI clients at "
-                  f"http://{host}:{port}/rollouts/<rollout_id>/v1", flush=True)
+                  f"point OpenAI clients at http://{host}:{port}/rollouts/<rollout_id>/v1 (ready in "
+                  f"{ready - started:.1f} s: deployments {followed - started:.1f} s, publisher "
+                  f"{published - followed:.1f} s, model servers checked {ready - published:.1f} s)", flush=True)
             try:
                 await until_signalled(stop)
             finally:
