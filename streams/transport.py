@@ -11,7 +11,11 @@ unacknowledged record at the head of a partition is off by one and skipped befor
 commit, so a held record there could be committed past, and a crash then lost its rollout.
 Here no commit goes beyond the lowest offset still held.
 
-Both reach into faust and aiokafka internals, only through :mod:`agentstream.streams.dependency_adapters`.
+Holes in a partition: a record past offsets not readable yet sends the partition back to the hole's
+first offset, to be read again until its records appear (:mod:`agentstream.infra.gaps`: tansu's
+durable storage raises the high watermark before it stores the batch).
+
+These reach into faust and aiokafka internals, only through :mod:`agentstream.streams.dependency_adapters`.
 """
 
 from __future__ import annotations
@@ -24,6 +28,7 @@ import aiokafka
 from faust.transport.drivers.aiokafka import Transport
 from faust.types import TP, AppT, Message
 
+from agentstream.infra.gaps import GapGuard
 from agentstream.infra.logreset import LogReset, LogWatch
 from agentstream.streams.dependency_adapters import (
     HookedConsumer,
@@ -51,6 +56,7 @@ class StreamsConsumer(HookedConsumer):
     consumer_thread = _ConsumerThread
     _log_watch: LogWatch | None = None
     _stale: WeakSet | None = None
+    _gap_guard: GapGuard | None = None
 
     @property
     def log_watch(self) -> LogWatch:
@@ -58,15 +64,36 @@ class StreamsConsumer(HookedConsumer):
             self._log_watch = LogWatch("streams worker")
         return self._log_watch
 
+    @property
+    def gap_guard(self) -> GapGuard:
+        if self._gap_guard is None:
+            patience_s = cast(StreamsTransport, self.transport).read_gap_patience_s
+            self._gap_guard = GapGuard(self.log_watch.component, patience_s)
+        return self._gap_guard
+
     async def getmany(self, timeout: float) -> AsyncIterator[tuple[TP, Message]]:
-        """faust's batches, after checking that none starts below the read offset (faust would drop it silently)."""
+        """faust's batches, after checking that none starts below the read offset (faust would drop it silently)
+        and that none follows a hole (the partition is read again from the hole)."""
+        guard, rereading = self.gap_guard, set()
         async for tp, message in super().getmany(timeout):
+            if tp in rereading:  # past a hole: read again from it
+                continue
             read = read_offset(self, tp)
             if read is not None and message.offset < read:
                 LogReset(self.log_watch.component, tp.topic, tp.partition, read, self._log_end(tp),
                          f"records arrived from offset {message.offset}: the broker reported the old position out "
                          f"of range and the client moved back").report()
                 self._start_over(tp)
+                guard.forget(tp)
+            elif read is None:  # faust's offset 0 and its unknown look alike: no hole is known
+                guard.forget(tp)
+            elif read != guard.last(tp):  # faust moved it (an assignment, a seek): read is the next offset
+                guard.expect(tp, read)
+            again = guard.admit(tp, message.offset, f"{tp.topic}[{tp.partition}]")
+            if again is not None:
+                rereading.add(tp)
+                await self.seek(tp, again)
+                continue
             yield tp, message
 
     async def check_log_ends(self) -> None:
@@ -119,6 +146,8 @@ class StreamsTransport(Transport):
 
     Consumer = StreamsConsumer
 
-    def __init__(self, url: list[URL], app: AppT, fetch_max_wait_ms: int, **kwargs: Any) -> None:
+    def __init__(self, url: list[URL], app: AppT, fetch_max_wait_ms: int, read_gap_patience_s: float,
+                 **kwargs: Any) -> None:
         super().__init__(url, app, **kwargs)
         self.fetch_max_wait_ms = fetch_max_wait_ms
+        self.read_gap_patience_s = read_gap_patience_s

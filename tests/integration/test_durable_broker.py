@@ -11,6 +11,7 @@ import os
 import signal
 import threading
 import time
+import urllib.request
 import uuid
 from collections import Counter
 from dataclasses import replace
@@ -26,7 +27,7 @@ from agentstream.pipeline.publisher import SpanPublisher
 from agentstream.stack.control import BROKER, OBJECTSTORE, Endpoints, Stack
 from tests.conftest import stack_environment
 from tests.integration.test_publisher import make_span
-from tests.support.streams_harness import Worker, wait_for, worker_env
+from tests.support.streams_harness import Worker, rollout_records, wait_for, worker_env
 
 GROUP = "durability-check"
 
@@ -221,6 +222,66 @@ def test_spans_published_while_the_broker_is_sigkilled_all_reach_clickhouse(dura
     finally:
         client.close()
         worker.stop()
+
+
+def test_a_batch_stored_after_a_later_one_is_read_again_not_skipped(durable, tmp_path, stack_config):
+    """tansu's durable storage takes a batch's offsets before it stores the batch: with two producers on one
+    partition, a fetch can find a later batch while an earlier one is not stored yet. Here the earlier
+    rollout's objects are held back, as if their puts were slow; the worker must wait for them, not pass them."""
+    running, endpoints = durable
+    config = running.config
+    database = config.clickhouse.database
+    topic = topic_name(config.topics, "spans")
+    env = worker_env(tmp_path, endpoints, config.topics.prefix, database,
+                     f'[streams]\napp_id = "gaps-{database}"\nsession_timeout_s = 3\nread_gap_patience_s = 120\n')
+
+    async def produce_one_batch_each(rollout_id: str) -> list[int]:
+        producer = AIOKafkaProducer(bootstrap_servers=endpoints.bootstrap_servers, acks="all")
+        await producer.start()
+        try:
+            return [(await producer.send_and_wait(topic, value, key=rollout_id.encode(), partition=0)).offset
+                    for value in rollout_records(rollout_id)]
+        finally:
+            await producer.stop()
+
+    client = connect(stack_config.clickhouse, endpoints.clickhouse_url)
+
+    def stored() -> dict[str, int]:
+        return dict(client.query(f"SELECT rollout_id, count() FROM {database}.spans FINAL GROUP BY rollout_id")
+                    .result_rows)
+
+    asyncio.run(produce_one_batch_each("before"))  # read and committed: the worker comes back past it
+    worker = Worker(env, tmp_path / "worker.log").start()
+    try:
+        wait_for(stored, 60, what="the first rollout stored", equals={"before": 1})
+    finally:
+        worker.stop()
+
+    early = asyncio.run(produce_one_batch_each("early"))
+    store = running.services.record(OBJECTSTORE)
+    assert store is not None
+    cluster = next((running.broker_data / "tansu" / "clusters").iterdir()).name
+    urls = [f"http://{store.address}/tansu/clusters/{cluster}/topics/{topic}/partitions/0000000000/records/"
+            f"{offset:020}.batch" for offset in early]
+    held = {}
+    for url in urls:  # through the store's S3 API, so the broker's listing no longer has them either
+        with urllib.request.urlopen(url) as answer:
+            held[url] = answer.read()
+        urllib.request.urlopen(urllib.request.Request(url, method="DELETE")).close()
+    asyncio.run(produce_one_batch_each("late"))
+
+    worker = Worker(env, tmp_path / "worker.log").start()
+    try:
+        wait_for(lambda: "are not readable yet" in worker.log(), 60, what="the worker noticing the hole")
+        time.sleep(2.0)
+        assert stored() == {"before": 1}, "the late rollout waits behind the hole; it is not read past it"
+        for url, data in held.items():
+            urllib.request.urlopen(urllib.request.Request(url, data=data, method="PUT")).close()
+        wait_for(stored, 60, what="every rollout stored", equals={"before": 1, "early": 1, "late": 1})
+        assert "appeared when read again" in worker.log()
+    finally:
+        worker.stop()
+        client.close()
 
 
 @pytest.mark.own_broker
