@@ -260,7 +260,7 @@ def create_app(config: Config, bootstrap_servers: str, clickhouse_url: str) -> f
         TableManager=PromptTableManager,
     )
     app.transport = StreamsTransport(app.conf.broker_consumer, app, fetch_max_wait_ms=settings.fetch_max_wait_ms,
-                                     read_gap_patience_s=settings.read_gap_patience_s)
+                                     read_gap_patience_s=config.kafka.read_gap_patience_s)
     ledger = member_ledger(config)
     options = client_options(config.kafka, bootstrap_servers)
     emitter = KafkaEmitter(config.kafka, options)

@@ -40,6 +40,7 @@ from aiokafka import AIOKafkaConsumer, ConsumerRebalanceListener, TopicPartition
 from aiokafka.errors import KafkaError
 
 from agentstream.infra.config import Config
+from agentstream.infra.gaps import GapGuard
 from agentstream.infra.kafka import client_options, consumer_options, session_timeout_checked, topic_name
 from agentstream.infra.logreset import ConsumerLogWatch
 from agentstream.infra.members import MemberLedger, evict_dead_members, member_id
@@ -145,6 +146,7 @@ class _ResumePositions(ConsumerRebalanceListener):
         await self.worker.resumed.wait()  # the first join runs while the checkpoint loads
         for tp in assigned:
             watch.moved(tp, None)
+            self.worker.gaps.forget(tp)
             checkpointed = self.worker.resume_offsets.get(f"{tp.topic}:{tp.partition}")
             if checkpointed is None:
                 continue
@@ -184,6 +186,7 @@ class TrainerWorker:
         self.consumer: AIOKafkaConsumer | None = None
         self.log_watch: ConsumerLogWatch | None = None
         self.ledger = MemberLedger(config.stack.home, f"agentstream-trainer-{self.name}")
+        self.gaps = GapGuard(f"trainer {self.name}", config.kafka.read_gap_patience_s)
         self.lock = ModelLock(config.stack.home, self.name)
         self.resumed = asyncio.Event()  # set once _resume has set the positions the first assignment seeks to
         self.version = 0
@@ -312,6 +315,11 @@ class TrainerWorker:
             now, wall = time.monotonic(), time.time()
             for tp, records in fetched.items():
                 for record in records:
+                    again = self.gaps.admit(tp, record.offset, f"{tp.topic}[{tp.partition}]")
+                    if again is not None:  # past a hole (infra/gaps.py): read again from it
+                        self.consumer.seek(tp, again)
+                        self.gaps.expect(tp, again)
+                        break
                     self._consumed[tp] = record.offset + 1
                     if record.key == key:
                         self._offer(record, tp, now, wall)
@@ -340,6 +348,7 @@ class TrainerWorker:
         """
         self._consumed.pop(tp, None)
         self._committed.pop(tp, None)
+        self.gaps.forget(tp)
         self.resume_offsets.pop(f"{tp.topic}:{tp.partition}", None)
 
     def _offer(self, record, tp: TopicPartition, now: float, wall: float) -> None:

@@ -21,6 +21,10 @@ class KafkaConfig:
     half a second late, once per policy version. The stream processors have their own
     (``streams.fetch_max_wait_ms``).
 
+    ``read_gap_patience_s`` is how long a consumer of tasks, spans or transitions reads a hole in a
+    partition's offsets again before it reads past it (:mod:`agentstream.infra.gaps`: tansu's durable
+    storage takes a batch's offsets before it stores the batch).
+
     ``idempotence`` is how producers avoid writing a record twice when they retry a send whose
     acknowledgement was lost: ``on`` (every producer is idempotent; a broker without it is an error),
     ``off``, or ``auto`` (the default: on wherever the broker grants a producer id, which Apache Kafka,
@@ -38,11 +42,13 @@ class KafkaConfig:
     client_id: str = "agentstream"
     fetch_max_wait_ms: int = 50
     idempotence: str = "auto"
+    read_gap_patience_s: float = 2.0
 
     def __post_init__(self) -> None:
         check = Checks("kafka", self)
         check.one_of("idempotence", IDEMPOTENCE)
         check.at_least("fetch_max_wait_ms", 1)
+        check.at_least("read_gap_patience_s", 0)
 
     @property
     def external(self) -> bool:

@@ -18,7 +18,6 @@ class StreamsConfig:
     clickhouse_retry_max_s: float = 1.0  # the longest wait between retries: ClickHouse back = stored within ~1 s
     session_timeout_s: float = 3.0  # tansu holds a join about half of it: a restarted worker is back in ~4 s
     fetch_max_wait_ms: int = 50  # tansu answers a fetch only after this wait when it had nothing at first
-    read_gap_patience_s: float = 2.0  # how long a hole in a partition's offsets is read again (infra/gaps.py)
     ingest_interval_s: float = 1.0  # span batches read meanwhile are inserted together
     store_interval_s: float = 1.0  # rollouts and transitions rows are written to ClickHouse this often
     shutdown_grace_s: float = 10.0  # after SIGTERM/SIGINT the worker exits within this, broker or not

@@ -26,6 +26,7 @@ from typing import Any, cast
 from aiokafka import AIOKafkaConsumer, ConsumerRebalanceListener, TopicPartition
 
 from agentstream.infra.config import AglConfig, Config
+from agentstream.infra.gaps import GapGuard
 from agentstream.infra.kafka import client_options, consumer_options, session_timeout_checked, topic_name
 from agentstream.infra.logreset import ConsumerLogWatch
 from agentstream.infra.members import MemberLedger, evict_dead_members, member_id
@@ -132,8 +133,9 @@ class _CommitOnRevoke(ConsumerRebalanceListener):
 
     async def on_partitions_assigned(self, assigned) -> None:
         runner = self.runner
-        if runner.log_watch is not None:
-            for tp in assigned:
+        for tp in assigned:
+            runner.gaps.forget(tp)
+            if runner.log_watch is not None:
                 runner.log_watch.moved(tp, None)
         joined = member_id(runner._consumer) if runner._consumer is not None else None
         if joined and runner.ledger is not None:
@@ -166,6 +168,7 @@ class Runner:
         self._consumer: AIOKafkaConsumer | None = None
         self.log_watch: ConsumerLogWatch | None = None
         self.ledger: MemberLedger | None = None
+        self.gaps = GapGuard("runner", config.kafka.read_gap_patience_s)
 
     async def run(self, stop: asyncio.Event | None = None, max_tasks: int | None = None) -> RunnerStats:
         """Run until ``stop`` is set or ``max_tasks`` rollouts finished; in-flight rollouts finish first."""
@@ -194,7 +197,8 @@ class Runner:
                 batch = await consumer.getmany(timeout_ms=200, max_records=1)
                 for reset in await watch.check(batch):  # the partition is read again from its start
                     self._offsets[TopicPartition(reset.topic, reset.partition)] = OffsetTracker()
-                records = [record for records in batch.values() for record in records]
+                    self.gaps.forget(TopicPartition(reset.topic, reset.partition))
+                records = [record for records in batch.values() for record in self._past_no_hole(consumer, records)]
                 if not records:
                     slots.release()
                     await self.commit()
@@ -214,6 +218,17 @@ class Runner:
             await consumer.stop()
             self._threads.shutdown(wait=False, cancel_futures=True)
         return self.stats
+
+    def _past_no_hole(self, consumer: AIOKafkaConsumer, records: list) -> list:
+        """``records`` of one partition up to a hole in their offsets; past one, the partition is read again from it."""
+        for index, record in enumerate(records):
+            tp = TopicPartition(record.topic, record.partition)
+            again = self.gaps.admit(tp, record.offset, f"{record.topic}[{record.partition}]")
+            if again is not None:  # infra/gaps.py
+                consumer.seek(tp, again)
+                self.gaps.expect(tp, again)
+                return records[:index]
+        return records
 
     async def _join_and_load(self, consumer: AIOKafkaConsumer) -> None:
         """Start ``consumer`` (it waits for the first join's answer) while the agent's spec is imported."""

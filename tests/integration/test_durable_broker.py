@@ -232,8 +232,8 @@ def test_a_batch_stored_after_a_later_one_is_read_again_not_skipped(durable, tmp
     config = running.config
     database = config.clickhouse.database
     topic = topic_name(config.topics, "spans")
-    env = worker_env(tmp_path, endpoints, config.topics.prefix, database,
-                     f'[streams]\napp_id = "gaps-{database}"\nsession_timeout_s = 3\nread_gap_patience_s = 120\n')
+    toml = f'[kafka]\nread_gap_patience_s = 120\n[streams]\napp_id = "gaps-{database}"\nsession_timeout_s = 3\n'
+    env = worker_env(tmp_path, endpoints, config.topics.prefix, database, toml)
 
     async def produce_one_batch_each(rollout_id: str) -> list[int]:
         producer = AIOKafkaProducer(bootstrap_servers=endpoints.bootstrap_servers, acks="all")
