@@ -109,7 +109,8 @@ def test_the_check_fails_on_a_class_without_the_member():
 def _built(fetch_max_wait_ms: int = 37) -> tuple[faust.App, Any]:
     """A worker app on the streams transport and its faust consumer, neither started (no broker is contacted)."""
     app = faust.App("adapter-check", broker="kafka://127.0.0.1:9", web_enabled=False, store="memory://")
-    app.transport = StreamsTransport(app.conf.broker_consumer, app, fetch_max_wait_ms=fetch_max_wait_ms)
+    app.transport = StreamsTransport(app.conf.broker_consumer, app, fetch_max_wait_ms=fetch_max_wait_ms,
+                                   read_gap_patience_s=2.0)
 
     async def callback(message: Message) -> None: ...
 
