@@ -30,9 +30,14 @@ still evicted.
 
 from __future__ import annotations
 
+import asyncio
+import fcntl
 import json
 import logging
 import os
+import time
+from collections.abc import Iterator
+from contextlib import contextmanager
 from pathlib import Path
 from typing import Any
 
@@ -46,6 +51,7 @@ from agentstream.infra.processes import process_start_ticks
 log = logging.getLogger("agentstream.members")
 
 GROUP_COORDINATOR = 0  # FindCoordinator key type of a consumer group
+COORDINATOR_WAIT_S = 3.0  # a broker just started (or a group's first lookup on Kafka) has none for a moment
 
 
 class MemberLedger:
@@ -62,6 +68,20 @@ class MemberLedger:
         except (FileNotFoundError, ValueError):
             return {}
         return found if isinstance(found, dict) else {}
+
+    @contextmanager
+    def _changing(self) -> Iterator[dict[str, dict[str, int]]]:
+        """The recorded members, to change in place and write back, with the ledger locked meanwhile.
+
+        Every member of a group writes here at once after a rebalance: without the lock, one
+        process's write replaced another's, and a member missing here is never evicted.
+        """
+        self.path.parent.mkdir(parents=True, exist_ok=True)
+        with open(self.path.with_name(f"{self.path.name}.lock"), "a") as lock:
+            fcntl.flock(lock, fcntl.LOCK_EX)
+            members = self._read()
+            yield members
+            self._write(members)
 
     def _write(self, members: dict[str, dict[str, int]]) -> None:
         self.path.parent.mkdir(parents=True, exist_ok=True)
@@ -82,21 +102,23 @@ class MemberLedger:
     def record(self, member_id: str) -> None:
         """This process is ``member_id`` now, with its partitions assigned (a rejoin may give a new id)."""
         pid = os.getpid()
-        members = {member: owner for member, owner in self._read().items() if owner.get("pid") != pid}
-        members[member_id] = {"pid": pid, "ticks": process_start_ticks(pid) or 0, "rejoining": False}
-        self._write(members)
+        with self._changing() as members:
+            for member in [member for member, owner in members.items() if owner.get("pid") == pid]:
+                del members[member]
+            members[member_id] = {"pid": pid, "ticks": process_start_ticks(pid) or 0, "rejoining": False}
 
     def mark_rejoining(self) -> None:
         """This process's partitions were revoked: it is rejoining until the next ``record``."""
         pid = os.getpid()
-        members = self._read()
-        mine = [member for member, owner in members.items() if owner.get("pid") == pid]
-        if mine:
-            self._write({**members, **{member: {**members[member], "rejoining": True} for member in mine}})
+        with self._changing() as members:
+            for owner in members.values():
+                if owner.get("pid") == pid:
+                    owner["rejoining"] = True
 
     def forget(self, members: list[str]) -> None:
-        kept = {member: owner for member, owner in self._read().items() if member not in members}
-        self._write(kept)
+        with self._changing() as recorded:
+            for member in members:
+                recorded.pop(member, None)
 
 
 async def evict_dead_members(options: dict[str, Any], ledger: MemberLedger) -> list[str]:
@@ -117,7 +139,7 @@ async def evict_dead_members(options: dict[str, Any], ledger: MemberLedger) -> l
     client = AIOKafkaClient(**options)
     try:
         await client.bootstrap()
-        coordinator = await client.coordinator_lookup(GROUP_COORDINATOR, ledger.group)
+        coordinator = await _coordinator(client, ledger.group)
         for member in dead:
             await client.send(coordinator, LeaveGroupRequest(ledger.group, member))
         log.info("group %s: removed %d member(s) of processes that are gone (%s)", ledger.group, len(dead),
@@ -129,6 +151,18 @@ async def evict_dead_members(options: dict[str, Any], ledger: MemberLedger) -> l
         await client.close()
     ledger.forget(dead)
     return dead
+
+
+async def _coordinator(client: AIOKafkaClient, group: str) -> int:
+    """The node that coordinates ``group``, asked again for up to COORDINATOR_WAIT_S while none is available."""
+    deadline = time.monotonic() + COORDINATOR_WAIT_S
+    while True:
+        try:
+            return await client.coordinator_lookup(GROUP_COORDINATOR, group)
+        except KafkaError as error:
+            if not error.retriable or time.monotonic() > deadline:
+                raise
+        await asyncio.sleep(0.2)
 
 
 def member_id(consumer: AIOKafkaConsumer) -> str | None:
