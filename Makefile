@@ -116,7 +116,8 @@ bench-rebalance: install
 
 # The whole loop for SOAK_MINUTES (default 60) at half the chaos load, a fault every 3-5 minutes; RSS and open files
 # per process and the disk of the broker, ClickHouse, checkpoints and journals sampled every minute. JSON lines; exit 1
-# if a slope over the second half passes its bound, the ledger does not balance or a process is stuck.
+# if a slope over the second half passes its bound, the ledger does not balance or a process is stuck. On one Apache
+# Kafka node (`python -m bench.soak --broker tansu` for tansu, whose durable storage slows as it fills).
 soak: install
 	$(BIN)/python -m bench.soak
 

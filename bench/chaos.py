@@ -391,7 +391,8 @@ class ChaosRun:
                     "AGENTSTREAM_TOPIC_REPLICATION_FACTOR": "3"} if self.cluster is not None else {})
         retention = {"AGENTSTREAM_TOPIC_RETENTION_MS": str(args.retention_ms)} if args.retention_ms else {}
         self.config = load_config(environ=private_environ(
-            str(workdir / "stack"), AGENTSTREAM_BROKER_STORAGE=args.broker_storage, **retention, **cluster))
+            str(workdir / "stack"), AGENTSTREAM_BROKER=args.broker, AGENTSTREAM_BROKER_STORAGE=args.broker_storage,
+            **retention, **cluster))
         self.stack = Stack(self.config)
         self.children: dict[str, Child] = {}
         self.services: dict[str, Service | ClusterNode] = {}
@@ -419,12 +420,18 @@ class ChaosRun:
         return replace(self.config, stack=replace(self.config.stack, home=self.work_home), trainer=trainer,
                        credit=(CreditRule(agent="*", strategy="final"),))
 
+    @property
+    def broker_name(self) -> str:
+        if self.cluster is not None:
+            return "kafka-cluster-3"
+        return "kafka" if self.args.broker == "kafka" else f"tansu-{self.args.broker_storage}"
+
     def start(self) -> None:
         if self.cluster is not None:
             say(f"three-node Apache Kafka cluster in {self.workdir / 'kafka'}, then a private stack beside it")
             self.cluster.start()
         else:
-            say(f"private stack ({self.args.broker_storage} broker) in {self.workdir}")
+            say(f"private stack ({self.broker_name} broker) in {self.workdir}")
         endpoints = self.stack.up(timeout_s=90, progress=lambda line: None)
         self.bootstrap, self.clickhouse_url = endpoints.bootstrap_servers, endpoints.clickhouse_url
         self.services = {"clickhouse": Service(CLICKHOUSE, "clickhouse", self.stack)}
@@ -787,8 +794,7 @@ class ChaosRun:
         state: LedgerState = verdict["state"]
         by_kind = Counter(f.kind for f in self.faults)
         by_mode = Counter(f"{f.kind}:{f.mode}" for f in self.faults)
-        extra = {"seconds": self.args.seconds, "seed": self.args.seed,
-                 "broker": "kafka-cluster-3" if self.args.cluster else f"tansu-{self.args.broker_storage}"}
+        extra = {"seconds": self.args.seconds, "seed": self.args.seed, "broker": self.broker_name}
         emit(BENCH, "chaos_faults", len(self.faults), "faults", kinds_covered=len(by_kind), **extra)
         emit(BENCH, "chaos_faults_by_kind", len(by_kind), "kinds", by_kind=dict(sorted(by_kind.items())),
              by_kind_and_mode=dict(sorted(by_mode.items())), **extra)
@@ -857,7 +863,10 @@ def arguments() -> argparse.ArgumentParser:
     parser.add_argument("--kinds", type=lambda text: tuple(text.split(",")), default=KINDS,
                         help=f"Comma-separated kinds of component to fault, in turn (default: {','.join(KINDS)}).")
     parser.add_argument("--drain-s", type=float, default=180.0, help="Most seconds to wait for the pipeline to drain.")
-    parser.add_argument("--broker-storage", choices=("durable", "memory"), default="durable")
+    parser.add_argument("--broker", choices=("tansu", "kafka"), default="tansu",
+                        help="The private stack's broker: tansu (the stack's default) or one Apache Kafka node.")
+    parser.add_argument("--broker-storage", choices=("durable", "memory"), default="durable",
+                        help="tansu's storage (Apache Kafka always logs to disk).")
     parser.add_argument("--cluster", action="store_true",
                         help="A three-node Apache Kafka cluster (replication 3, min ISR 2) instead of tansu.")
     parser.add_argument("--keep-checkpoints", type=int, default=0,
@@ -873,6 +882,8 @@ def checked(parser: argparse.ArgumentParser, argv: list[str] | None = None) -> a
         parser.error("--trainers: at least one")
     if unknown := sorted(set(args.kinds) - set(KINDS)):
         parser.error(f"--kinds: no such kind {', '.join(unknown)} (the kinds are {', '.join(KINDS)})")
+    if args.cluster and args.broker != "tansu":
+        parser.error("--cluster is a three-node Apache Kafka cluster already: leave out --broker")
     return args
 
 
