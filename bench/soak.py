@@ -127,8 +127,7 @@ class SoakRun(chaos.ChaosRun):
         for name, pid in self.pids().items():
             if (found := memory_and_files(pid)) is not None:
                 sample.processes[name] = (pid, round(found[0], 1), found[1])
-        broker = self.stack.home / "kafka" if self.config.stack.broker == "kafka" else self.stack.broker_data
-        folders = {"broker": broker, "clickhouse": self.stack.home / "clickhouse",
+        folders = {"broker": self.stack.records_data, "clickhouse": self.stack.home / "clickhouse",
                    "checkpoints": self.checkpoints, "journals": self.work_home / "journal"}
         sample.disk_mb = {name: round(disk_mb(folder), 2) for name, folder in folders.items()}
         self.samples.append(sample)

@@ -166,7 +166,7 @@ class Stack:
         """
         stack = self.config.stack
         java, jars = find_java(), kafka_jars(stack.kafka_jars)
-        folder = self.home / "kafka"
+        folder = self.kafka_data
         folder.mkdir(parents=True, exist_ok=True)
         port_file = folder / "controller-port"
         if not port_file.is_file():
@@ -180,6 +180,16 @@ class Stack:
     def broker_data(self) -> Path:
         """The folder where the durable broker's objects live."""
         return self.home / "broker-data"
+
+    @property
+    def kafka_data(self) -> Path:
+        """The folder of the embedded Apache Kafka node (``[stack] broker = "kafka"``): its settings and logs."""
+        return self.home / "kafka"
+
+    @property
+    def records_data(self) -> Path:
+        """Where the embedded broker keeps the records: Kafka's folder, or tansu's objects."""
+        return self.kafka_data if self.config.stack.broker == "kafka" else self.broker_data
 
     def _broker_storage(self, timeout_s: float, progress: Callable[[str], object]
                         ) -> tuple[str, dict[str, str] | None]:
