@@ -59,6 +59,7 @@ OPTED_OUT, OPTED_IN, NOT_TRAINED = "opted_out", "opted_in", "not_trained"
 SAMPLED, SAMPLED_OUT = "sampled", "sampled_out"
 TRAINED = frozenset({OPTED_IN, SAMPLED})
 """The ``training`` values of a rollouts row that produce transitions ('': the rollout failed or awaits a reward)."""
+CLOSED_HORIZON = 2  # reward expiries an expired rollout stays closed to late rewards: as far back as restore() reads
 
 
 def sample_point(key: str) -> float:
@@ -141,7 +142,9 @@ class SpanProcessor(Stage[SpanBatch]):
         self.span_writes = span_writes
         self.tracker = RolloutTracker(config.streams.grace_s, config.streams.idle_timeout_s)
         self.awaiting: dict[str, Awaiting] = {}
-        self.closed: set[str] = set()  # expired rollouts: a reward after expiry does not revive them
+        # expired rollouts and when they closed: a reward after expiry does not revive them, for as long as
+        # restore() would find them again (CLOSED_HORIZON expiries); then they are forgotten, so this stays bounded
+        self.closed: dict[str, float] = {}
         self.recheck: dict[str, list[SpanNode]] = {}  # awaiting rollouts that got new spans, and those spans
         self.next_expiry_s = float("inf")  # no waiting rollout expires before this
         self.readers: dict[int, SpanReader[SpanNode]] = {}
@@ -154,13 +157,13 @@ class SpanProcessor(Stage[SpanBatch]):
             f"SELECT {', '.join(ROLLOUT_COLUMNS)} FROM {self.database}.rollouts "
             "FINAL WHERE status IN ('AWAITING_REWARD', 'EXPIRED') "
             "AND updated_at > now64(6) - toIntervalSecond({horizon:UInt64})",
-            {"horizon": int(self.config.streams.reward_expiry_s * 2)})
+            {"horizon": int(self.config.streams.reward_expiry_s * CLOSED_HORIZON)})
         wall, mono = time.time(), self.clock()
-        for row in map(RolloutRow._make, result.result_rows):
+        for row in sorted(map(RolloutRow._make, result.result_rows), key=lambda row: row.updated_at):
+            waited = wall - row.updated_at.timestamp()
             if row.status == "EXPIRED":
-                self.closed.add(row.rollout_id)
+                self.closed[row.rollout_id] = mono - waited
             else:
-                waited = wall - row.updated_at.timestamp()
                 self.awaiting[row.rollout_id] = Awaiting(row, mono + self.config.streams.reward_expiry_s - waited)
         self.next_expiry_s = 0.0
 
@@ -269,6 +272,7 @@ class SpanProcessor(Stage[SpanBatch]):
         due = self.tracker.pop_due(now)
         rechecked, self.recheck = self.recheck, {}
         expired = self._expired(now, rechecked)
+        self._forget_closed(now)
         if not (due or rechecked or expired):
             return
         stored_ids = [rollout.rollout_id for rollout in due if not rollout.seen_from_start] + list(rechecked)
@@ -289,7 +293,7 @@ class SpanProcessor(Stage[SpanBatch]):
             rows.append(self._decide(trajectory, finished, now))
         for rollout_id in expired:
             waiting = self.awaiting.pop(rollout_id)
-            self.closed.add(rollout_id)
+            self.closed[rollout_id] = now
             self.counters.rollouts_expired += 1
             rows.append(self._expired_row(waiting.row))
         datums = await self._emit_transitions(finished)
@@ -308,6 +312,12 @@ class SpanProcessor(Stage[SpanBatch]):
             else:
                 self.next_expiry_s = min(self.next_expiry_s, waiting.expires_at_s)
         return expired
+
+    def _forget_closed(self, now: float) -> None:
+        """Forget the rollouts that closed longer ago than restore() looks back (oldest first, in closing order)."""
+        horizon = now - self.config.streams.reward_expiry_s * CLOSED_HORIZON
+        while self.closed and next(iter(self.closed.values())) < horizon:
+            del self.closed[next(iter(self.closed))]
 
     def _status_of(self, rollout: OpenRollout) -> str:
         if rollout.terminal:

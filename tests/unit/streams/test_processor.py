@@ -3,17 +3,35 @@ stored spans query that brings the train flag back."""
 
 from __future__ import annotations
 
+import asyncio
 import random
 
 import pytest
 
-from agentstream.infra.config import CreditRule
-from agentstream.streams.processor import STORED_SPANS_SQL, sample_point, training_choice
+from agentstream.infra.config import CreditRule, load_config
+from agentstream.schemas import AvroCodec
+from agentstream.streams.processor import STORED_SPANS_SQL, SpanProcessor, sample_point, training_choice
 from agentstream.streams.trajectory import SpanNode, assemble
+from tests.support.streams_fakes import Held, Sent
 
 
 def test_the_stored_spans_query_brings_back_the_flag():
     assert "mapFilter((k, v) -> k = 'agentstream.train', attributes) AS attributes" in STORED_SPANS_SQL
+
+
+def test_expired_rollouts_stay_closed_for_two_expiries_as_restore_reads_them_then_are_forgotten():
+    config = load_config(environ={})
+    expiry = config.streams.reward_expiry_s
+    now = [0.0]
+    processor = SpanProcessor(config, None, None, Sent(), Held(), None, AvroCodec(),  # type: ignore[arg-type]
+                              clock=lambda: now[0])
+    processor.closed.update({"old": 0.0, "newer": expiry})
+    now[0] = 2 * expiry + 1
+    asyncio.run(processor.tick())
+    assert list(processor.closed) == ["newer"]
+    now[0] = 3 * expiry + 1
+    asyncio.run(processor.tick())
+    assert processor.closed == {}
 
 
 def trajectory(rollout_id: str, flags: tuple[bool | None, ...] = (None,), group: str = "") -> object:
