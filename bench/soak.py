@@ -18,8 +18,14 @@ pipeline, not that.
 At the end, besides chaos's ledger (0 lost, 0 trained twice, 0 stuck), a least-squares slope
 over the second half of each series, printed with its bound as JSON lines:
 
-- memory and open files per process: over the incarnation that lived longest in the second
-  half, after its first ``warm-up`` (a fifth of the run, at most 5 minutes);
+- memory, threads and open files per process: over the phase that lived longest in the second
+  half, after its first ``warm-up`` (a fifth of the run, at most 5 minutes). A restart starts a
+  new phase, and so does a standby trainer taking over: it then loads what it trains, a step
+  that is not growth. Open files leave out the ``/proc`` handles a thread keeps of itself (chdb
+  holds three per thread for its statistics), which the thread count measures instead;
+- the broker's live heap when it is a JVM (Apache Kafka): each sample asks the JVM for a full
+  collection (``jcmd GC.run``) and reads what it kept (``GC.heap_info``). A JVM's resident memory
+  follows its heap towards ``-Xmx`` whatever it keeps alive, so its RSS is printed, not judged;
 - disk of the checkpoints and the journals: the bytes themselves;
 - disk of the broker and ClickHouse: bytes per acknowledged span (they keep what they are sent,
   so their bytes grow with the spans; what may not grow is the cost of each span).
@@ -33,36 +39,77 @@ from __future__ import annotations
 import argparse
 import json
 import os
+import re
+import subprocess
 import time
 from dataclasses import asdict, dataclass, field
 from pathlib import Path
 
 from agentstream.infra.processes import ServiceDirectory
 from agentstream.stack.control import BROKER, CLICKHOUSE, OBJECTSTORE
+from agentstream.trainer.standby import ModelLock
 from bench import chaos
+from bench.chaos import MODEL
 from bench.common import emit
 from bench.streams import rss_mb
 
 BENCH = "soak"
 WARMUP_MAX_S = 300.0
 # growth per hour allowed over the second half: max(absolute, relative x the series' mean)
-BOUNDS = {"rss_mb": (8.0, 0.05), "open_files": (4.0, 0.05), "disk_mb": (8.0, 0.05), "disk_bytes_per_span": (0.0, 0.10)}
+BOUNDS = {"rss_mb": (8.0, 0.05), "live_heap_mb": (8.0, 0.05), "threads": (4.0, 0.05), "open_files": (4.0, 0.05),
+          "disk_mb": (8.0, 0.05), "disk_bytes_per_span": (0.0, 0.10)}
+JVM_RSS = "a JVM's resident memory follows its heap towards -Xmx whatever it keeps alive; its live heap is judged"
+HEAP_USED = re.compile(r"used (\d+)K")
+
+
+@dataclass
+class ProcessSample:
+    pid: int
+    rss_mb: float
+    open_files: int  # descriptors, leaving out the /proc handles a thread keeps of itself
+    threads: int
+    role: str = ""  # a trainer's "active" or "standby"
+    live_heap_mb: float | None = None  # a JVM's heap after a full collection
 
 
 @dataclass
 class Sample:
     at: float  # seconds since the load started
-    processes: dict[str, tuple[int, float, int]] = field(default_factory=dict)  # name -> (pid, RSS MB, open files)
+    processes: dict[str, ProcessSample] = field(default_factory=dict)
     disk_mb: dict[str, float] = field(default_factory=dict)
     spans: int = 0  # acknowledged so far
 
 
-def memory_and_files(pid: int) -> tuple[float, int] | None:
-    """The process's resident MB and open descriptors; None when it is gone."""
+def process_sample(pid: int, role: str = "") -> ProcessSample | None:
+    """The process's resident MB, open descriptors (not its threads' /proc handles) and threads; None when gone."""
     try:
-        return rss_mb(pid), len(os.listdir(f"/proc/{pid}/fd"))
+        folder = f"/proc/{pid}/fd"
+        names = os.listdir(folder)
+        threads = len(os.listdir(f"/proc/{pid}/task"))
+        memory = rss_mb(pid)
     except OSError:
         return None
+    files = 0
+    for name in names:
+        try:
+            files += not os.readlink(f"{folder}/{name}").startswith("/proc/")
+        except OSError:
+            pass  # closed meanwhile
+    return ProcessSample(pid, round(memory, 1), files, threads, role)
+
+
+def jvm_live_heap_mb(pid: int) -> float | None:
+    """A JVM's heap after a full collection that ``jcmd`` asks it for; None when ``pid`` is no JVM or it fails."""
+    try:
+        if not os.readlink(f"/proc/{pid}/exe").endswith("/java"):
+            return None
+        subprocess.run(["jcmd", str(pid), "GC.run"], capture_output=True, timeout=30, check=True)
+        info = subprocess.run(["jcmd", str(pid), "GC.heap_info"], capture_output=True, text=True, timeout=30,
+                              check=True).stdout
+    except (OSError, subprocess.SubprocessError):
+        return None
+    found = HEAP_USED.search(info)
+    return None if found is None else round(int(found.group(1)) / 1024, 1)
 
 
 def disk_mb(folder: Path) -> float:
@@ -84,6 +131,26 @@ def slope_per_hour(points: list[tuple[float, float]]) -> float:
     mean_v = sum(v for _, v in points) / n
     spread = sum((t - mean_t) ** 2 for t, _ in points)
     return 0.0 if spread == 0 else sum((t - mean_t) * (v - mean_v) for t, v in points) / spread * 3600
+
+
+def longest_phase(samples: list[Sample], second: list[Sample], name: str,
+                  warmup: float) -> list[tuple[float, ProcessSample]]:
+    """``name``'s samples in ``second`` of its phase (pid and role) that lived longest there, after its warm-up.
+
+    A phase starts at its first sample in the whole run: a restart is a new pid, a standby that takes
+    over a new role, and each starts by loading what it serves."""
+    born: dict[tuple[int, str], float] = {}
+    for s in samples:
+        if name in s.processes:
+            born.setdefault((s.processes[name].pid, s.processes[name].role), s.at)
+    lived: dict[tuple[int, str], int] = {}
+    for s in second:
+        if name in s.processes:
+            phase = (s.processes[name].pid, s.processes[name].role)
+            lived[phase] = lived.get(phase, 0) + 1
+    longest = max(lived, key=lambda phase: lived[phase])
+    return [(s.at, s.processes[name]) for s in second if name in s.processes
+            and (s.processes[name].pid, s.processes[name].role) == longest and s.at >= born[longest] + warmup]
 
 
 class SoakRun(chaos.ChaosRun):
@@ -124,9 +191,14 @@ class SoakRun(chaos.ChaosRun):
         assert self.began is not None
         now = time.time()
         sample = Sample(at=round(now - self.began, 1), spans=len(self.reader.state.spans))
+        active = ModelLock(self.work_home, MODEL).holder()
         for name, pid in self.pids().items():
-            if (found := memory_and_files(pid)) is not None:
-                sample.processes[name] = (pid, round(found[0], 1), found[1])
+            trainer = name in self.children and self.children[name].kind == "trainer"
+            role = ("active" if str(pid) == active else "standby") if trainer else ""
+            if (found := process_sample(pid, role)) is not None:
+                if name == BROKER:
+                    found.live_heap_mb = jvm_live_heap_mb(pid)
+                sample.processes[name] = found
         folders = {"broker": self.stack.records_data, "clickhouse": self.stack.home / "clickhouse",
                    "checkpoints": self.checkpoints, "journals": self.work_home / "journal"}
         sample.disk_mb = {name: round(disk_mb(folder), 2) for name, folder in folders.items()}
@@ -135,7 +207,7 @@ class SoakRun(chaos.ChaosRun):
             out.write(json.dumps(asdict(sample)) + "\n")
         self.next_sample_at = now + self.args.sample_s
         if len(self.samples) % max(1, round(300 / self.args.sample_s)) == 1:
-            memory = ", ".join(f"{name} {values[1]:.0f}" for name, values in sorted(sample.processes.items()))
+            memory = ", ".join(f"{name} {found.rss_mb:.0f}" for name, found in sorted(sample.processes.items()))
             disk = ", ".join(f"{name} {mb:.0f}" for name, mb in sample.disk_mb.items())
             chaos.say(f"sample at {sample.at:.0f} s: RSS MB {memory}; disk MB {disk}")
 
@@ -151,21 +223,15 @@ class SoakRun(chaos.ChaosRun):
         half = duration / 2
         second = [s for s in self.samples if half <= s.at <= duration]  # not the drain at the end
         warmup = min(WARMUP_MAX_S, duration / 5)
+        jvms = {name for s in second for name, found in s.processes.items() if found.live_heap_mb is not None}
         series: dict[tuple[str, str], list[tuple[float, float]]] = {}
         for name in sorted({name for s in second for name in s.processes}):
-            born: dict[int, float] = {}  # pid -> its first sample in the whole run
-            for s in self.samples:
-                if name in s.processes:
-                    born.setdefault(s.processes[name][0], s.at)
-            lived: dict[int, int] = {}
-            for s in second:
-                if name in s.processes:
-                    lived[s.processes[name][0]] = lived.get(s.processes[name][0], 0) + 1
-            pid = max(lived, key=lambda p: lived[p])
-            kept = [s for s in second if name in s.processes and s.processes[name][0] == pid
-                    and s.at >= born[pid] + warmup]
-            series[("rss_mb", name)] = [(s.at, s.processes[name][1]) for s in kept]
-            series[("open_files", name)] = [(s.at, float(s.processes[name][2])) for s in kept]
+            kept = longest_phase(self.samples, second, name, warmup)
+            for measure in ("rss_mb", "threads", "open_files", "live_heap_mb"):
+                points = [(at, float(value)) for at, found in kept
+                          if (value := getattr(found, measure)) is not None]
+                if points or measure != "live_heap_mb":
+                    series[(measure, name)] = points
         for name in ("checkpoints", "journals"):
             series[("disk_mb", name)] = [(s.at, s.disk_mb[name]) for s in second]
         for name in ("broker", "clickhouse"):
@@ -182,10 +248,12 @@ class SoakRun(chaos.ChaosRun):
             bound = max(absolute, relative * abs(mean))
             slope = slope_per_hour(points)
             flat = slope <= bound
-            if not flat:
+            judged = not (measure == "rss_mb" and name in jvms)
+            if judged and not flat:
                 growing.append(f"{measure} {name}")
+            verdict = {"flat": flat} if judged else {"flat": flat, "judged": False, "note": JVM_RSS}
             emit(BENCH, f"{measure}_slope_per_h", round(slope, 3), "per h", series=name, bound=round(bound, 3),
-                 mean=round(mean, 2), first=points[0][1], last=points[-1][1], samples=len(points), flat=flat, **extra)
+                 mean=round(mean, 2), first=points[0][1], last=points[-1][1], samples=len(points), **verdict, **extra)
         chaos.say("memory, open files and disk are flat over the second half" if not growing
                   else f"GROWING over the second half: {', '.join(growing)}")
         return growing
