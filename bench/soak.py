@@ -15,8 +15,10 @@ slows as it fills: at this load the stream worker fell from 240 rollouts a minut
 25 minutes, with tansu at 118% CPU (docs/failure-model.md). An hour's soak measures the
 pipeline, not that.
 
-At the end, besides chaos's ledger (0 lost, 0 trained twice, 0 stuck), a least-squares slope
-over the second half of each series, printed with its bound as JSON lines:
+At the end, besides chaos's ledger (0 lost, 0 trained twice, 0 stuck), a Theil-Sen slope (the
+median of the slopes between every two samples, which a passing spike does not tilt; the
+least-squares slope is printed beside it) over the second half of each series, with its bound,
+as JSON lines:
 
 - memory, threads and open files per process: over the phase that lived longest in the second
   half, after its first ``warm-up`` (a fifth of the run, at most 5 minutes). A restart starts a
@@ -133,6 +135,21 @@ def slope_per_hour(points: list[tuple[float, float]]) -> float:
     return 0.0 if spread == 0 else sum((t - mean_t) * (v - mean_v) for t, v in points) / spread * 3600
 
 
+def sen_slope_per_hour(points: list[tuple[float, float]]) -> float:
+    """The Theil-Sen slope (the median of the slopes between every two points), per hour.
+
+    A count of descriptors that jumps for one sample while a reconnect holds a socket, or moves
+    by one for good, tilts a least-squares fit over 20 samples past a bound of 4 an hour; the
+    median of pairwise slopes does not move for a few such points, and a steady climb moves it
+    as much as it moves the fit."""
+    slopes = sorted((v2 - v1) / (t2 - t1) for i, (t1, v1) in enumerate(points) for t2, v2 in points[i + 1:]
+                    if t2 > t1)
+    if not slopes:
+        return 0.0
+    middle = len(slopes) // 2
+    return (slopes[middle] if len(slopes) % 2 else (slopes[middle - 1] + slopes[middle]) / 2) * 3600
+
+
 def longest_phase(samples: list[Sample], second: list[Sample], name: str,
                   warmup: float) -> list[tuple[float, ProcessSample]]:
     """``name``'s samples in ``second`` of its phase (pid and role) that lived longest there, after its warm-up.
@@ -246,14 +263,15 @@ class SoakRun(chaos.ChaosRun):
             mean = sum(v for _, v in points) / len(points)
             absolute, relative = BOUNDS[measure]
             bound = max(absolute, relative * abs(mean))
-            slope = slope_per_hour(points)
+            slope = sen_slope_per_hour(points)
             flat = slope <= bound
             judged = not (measure == "rss_mb" and name in jvms)
             if judged and not flat:
                 growing.append(f"{measure} {name}")
             verdict = {"flat": flat} if judged else {"flat": flat, "judged": False, "note": JVM_RSS}
             emit(BENCH, f"{measure}_slope_per_h", round(slope, 3), "per h", series=name, bound=round(bound, 3),
-                 mean=round(mean, 2), first=points[0][1], last=points[-1][1], samples=len(points), **verdict, **extra)
+                 least_squares=round(slope_per_hour(points), 3), mean=round(mean, 2), first=points[0][1],
+                 last=points[-1][1], samples=len(points), **verdict, **extra)
         chaos.say("memory, open files and disk are flat over the second half" if not growing
                   else f"GROWING over the second half: {', '.join(growing)}")
         return growing
