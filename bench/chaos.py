@@ -54,6 +54,7 @@ from agentstream.infra.processes import ServiceDirectory, free_port, wait_for_po
 from agentstream.schemas import TASK, TRANSITION, TRANSITION_BATCH, AvroCodec, CodecError
 from agentstream.schemas.transition_writer import transition_id
 from agentstream.stack.control import BROKER, CLICKHOUSE, Stack
+from agentstream.stack.machine import calibrate
 from agentstream.trainer.standby import ModelLock
 from bench.common import emit, percentile, private_environ
 from tests.support.kafka_cluster import KafkaCluster
@@ -897,6 +898,8 @@ def run(args: argparse.Namespace, harness: type[ChaosRun] = ChaosRun, prefix: st
 
     signal.signal(signal.SIGTERM, interrupted)
     status = 1
+    calibration = calibrate()  # before anything starts: what this machine does alone
+    emit(BENCH, "machine_calibration", calibration.python_loop_s, "s", **calibration.as_dict())
     try:
         chaos.start()
         chaos.run_faults()
