@@ -101,12 +101,15 @@ def process_sample(pid: int, role: str = "") -> ProcessSample | None:
 
 
 def jvm_live_heap_mb(pid: int) -> float | None:
-    """A JVM's heap after a full collection that ``jcmd`` asks it for; None when ``pid`` is no JVM or it fails."""
+    """A JVM's heap after a full collection that ``jcmd`` (beside its java, in a JDK) asks it for; None when ``pid``
+    is no JVM, its runtime has no jcmd, or the JVM does not answer."""
     try:
-        if not os.readlink(f"/proc/{pid}/exe").endswith("/java"):
+        java = Path(os.readlink(f"/proc/{pid}/exe"))
+        jcmd = java.with_name("jcmd")
+        if java.name != "java" or not jcmd.is_file():
             return None
-        subprocess.run(["jcmd", str(pid), "GC.run"], capture_output=True, timeout=30, check=True)
-        info = subprocess.run(["jcmd", str(pid), "GC.heap_info"], capture_output=True, text=True, timeout=30,
+        subprocess.run([str(jcmd), str(pid), "GC.run"], capture_output=True, timeout=30, check=True)
+        info = subprocess.run([str(jcmd), str(pid), "GC.heap_info"], capture_output=True, text=True, timeout=30,
                               check=True).stdout
     except (OSError, subprocess.SubprocessError):
         return None
