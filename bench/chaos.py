@@ -544,9 +544,13 @@ class ChaosRun:
 
     # --- faults --------------------------------------------------------------------------------
 
+    def active_trainer(self) -> str:
+        """The pid of the trainer that holds the model's lock (the one that trains), or '?'."""
+        return ModelLock(self.work_home, MODEL).holder()
+
     def targets(self, kind: str) -> list[Child | Service | ClusterNode]:
         if kind == "trainer":  # the one that trains: a standby's fault changes nothing
-            active = ModelLock(self.work_home, MODEL).holder()
+            active = self.active_trainer()
             found = [child for child in self.children.values() if child.kind == kind and str(child.pid) == active]
             if found:
                 return list(found)
@@ -706,7 +710,7 @@ class ChaosRun:
             self.stop_component(name)
         self.stop_component("proxy")
         verdict = self.drain()
-        active = ModelLock(self.work_home, MODEL).holder()
+        active = self.active_trainer()
         trainers = sorted((name for name, child in self.children.items() if child.kind == "trainer"),
                           key=lambda name: str(self.children[name].pid) == active)  # standbys first: none takes over
         for name in (*trainers, "hotswap", *(n for n in self.children if n.startswith("streams")), "model-server"):

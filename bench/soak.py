@@ -49,9 +49,7 @@ from pathlib import Path
 
 from agentstream.infra.processes import ServiceDirectory
 from agentstream.stack.control import BROKER, CLICKHOUSE, OBJECTSTORE
-from agentstream.trainer.standby import ModelLock
 from bench import chaos
-from bench.chaos import MODEL
 from bench.common import emit
 from bench.streams import rss_mb
 
@@ -211,7 +209,7 @@ class SoakRun(chaos.ChaosRun):
         assert self.began is not None
         now = time.time()
         sample = Sample(at=round(now - self.began, 1), spans=len(self.reader.state.spans))
-        active = ModelLock(self.work_home, MODEL).holder()
+        active = self.active_trainer()
         for name, pid in self.pids().items():
             trainer = name in self.children and self.children[name].kind == "trainer"
             role = ("active" if str(pid) == active else "standby") if trainer else ""
