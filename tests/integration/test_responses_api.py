@@ -51,7 +51,9 @@ def test_a_response_and_its_span_carry_what_the_server_generated(proxy, tiny, pu
         model="tiny", instructions="Answer briefly.", input="Say hello.", max_output_tokens=12, temperature=0.7,
         store=True, include=[])
     assert response.object == "response" and response.id.startswith("resp_")
-    assert response.status in ("completed", "incomplete") and response.output_text
+    # Random tiny weights sometimes sample only tokens that decode to nothing (4 of 150 tries): then the Response
+    # has no message item and an empty output_text, which assert_exact still holds to what the ids decode to.
+    assert response.status in ("completed", "incomplete")
     assert response.usage.output_tokens > 0
     (span,) = spans_of(publisher, topics_config, kafka_options, "r-resp", 1)
     assert span["kind"] == "LLM" and span["status"] == "OK"
