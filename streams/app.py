@@ -12,6 +12,7 @@ first record of every open rollout or pending group until what they started is w
 from __future__ import annotations
 
 import asyncio
+import gc
 import logging
 import time
 from collections.abc import Set as AbstractSet
@@ -55,6 +56,9 @@ COORDINATOR_WAIT_S = 15.0
 """How long the worker's first question for its group coordinator may go unanswered (not yet available)."""
 INGEST_QUEUE_BYTES = 64 << 20
 """Record bytes an agent may have read but not yet stored before it waits (a few seconds of full-speed ingest)."""
+CYCLE_COLLECTION_S = 60.0
+"""How often the worker runs the cycle collector over all its objects (streams/main.py makes the collector's own
+runs rare; see there)."""
 
 
 class KafkaEmitter:
@@ -324,6 +328,13 @@ def create_app(config: Config, bootstrap_servers: str, clickhouse_url: str) -> f
         consumer = app.consumer
         if isinstance(consumer, StreamsConsumer):
             await consumer.check_log_ends()
+
+    @app.timer(interval=CYCLE_COLLECTION_S)
+    async def collect_cycles() -> None:
+        started = time.perf_counter()
+        found = gc.collect()
+        spent_ms = 1000 * (time.perf_counter() - started)
+        log.info("cycle collector: %d unreachable objects freed in %.1f ms", found, spent_ms)
 
     @app.timer(interval=10.0)
     async def report() -> None:
