@@ -94,7 +94,8 @@ lint: install
 # Every benchmark prints one JSON line per figure (a few minutes in all; `streams` installs
 # Agent Lightning 0.3.0 into .venv-peer on its first run to compare with it). The broker-facing ones (stack_roundtrip,
 # broker_start, publish, streams) run on tansu and then on Apache Kafka in the same sitting (`--broker both`, their
-# default), and every line they print names its broker.
+# default), and every line they print names its broker. A bench that fails is named and the ones after it still
+# run; `make bench` then exits 1 at the end.
 BENCHES := stack_roundtrip broker_start broker_storage publish proxy streams trainer step generation precision deploy dashboard otlp clickhouse_reads gate trajectory_prefix tool_drift distributed_trainer fleet
 
 # On a machine with a CUDA GPU: the device tests on CUDA, then trainer and generation tokens/s in float32 and
@@ -106,7 +107,11 @@ gpu-check: install
 	$(BIN)/python -m bench.precision --cuda --model smollm2 --batch 64 --length 512
 
 bench: install
-	@for name in $(BENCHES); do $(BIN)/python -m bench.$$name || exit 1; done
+	@failed=""; for name in $(BENCHES); do \
+		$(BIN)/python -m bench.$$name || { echo "bench.$$name failed (exit $$?); the next ones still run" >&2; \
+		                                   failed="$$failed $$name"; }; \
+	done; \
+	if [ -n "$$failed" ]; then echo "make bench: failed:$$failed" >&2; exit 1; fi
 
 # Stream workers joining and leaving their consumer group once a minute for 20 minutes under load, on Apache Kafka's
 # group coordinator (about 25 minutes, niced): stuck workers, lost spans, each rebalance's pause, as JSON lines; exit 1
