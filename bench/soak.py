@@ -214,8 +214,8 @@ class SoakRun(chaos.ChaosRun):
             trainer = name in self.children and self.children[name].kind == "trainer"
             role = ("active" if str(pid) == active else "standby") if trainer else ""
             if (found := process_sample(pid, role)) is not None:
-                if name == BROKER:
-                    found.live_heap_mb = jvm_live_heap_mb(pid)
+                if name == BROKER and self.stopped != BROKER:  # a SIGSTOPped JVM answers jcmd only after SIGCONT,
+                    found.live_heap_mb = jvm_live_heap_mb(pid)  # and the fault's SIGCONT waits for this sample
                 sample.processes[name] = found
         folders = {"broker": self.stack.records_data, "clickhouse": self.stack.home / "clickhouse",
                    "checkpoints": self.checkpoints, "journals": self.work_home / "journal"}
