@@ -204,20 +204,38 @@ async def ensure_topics(admin: AIOKafkaAdminClient, specs: list[TopicSpec], repl
 
 
 async def wait_for_layout(admin: AIOKafkaAdminClient, names: list[str], timeout_s: float = 15.0) -> None:
-    """Wait until every topic in ``names`` reports its partitions, or raise KafkaSetupError.
+    """Wait until every broker reports every topic in ``names`` with its partitions, or raise KafkaSetupError.
 
     On a cluster of several brokers a topic the controller just created reaches the other brokers' metadata a
     moment later (measured: a worker asking right after the creation was told the topic had no partitions).
+    Every broker is asked, because the next client may ask any of them: a loaded three-node cluster once had a
+    topic on the broker this wait asked and not yet on the one the caller's next describe went to.
     """
+    if not names:
+        return
+    client = admin._client  # the admin's connections: aiokafka's admin has no per-broker metadata call
     deadline = asyncio.get_running_loop().time() + timeout_s
     while True:
-        layout = await topic_partitions(admin, names)
-        missing = [name for name in names if layout.get(name, 0) < 1]
+        missing = await _missing_on_some_broker(client, names)
         if not missing:
             return
         if asyncio.get_running_loop().time() > deadline:
             raise KafkaSetupError(f"topic {missing[0]} exists but reports no partitions after {timeout_s:.0f}s")
         await asyncio.sleep(0.1)
+
+
+async def _missing_on_some_broker(client: AIOKafkaClient, names: list[str]) -> list[str]:
+    """The topics of ``names`` that some broker of the cluster reports without partitions (or not at all)."""
+    await client.force_metadata_update()
+    missing: set[str] = set()
+    for broker in client.cluster.brokers():
+        try:
+            response = await client.send(broker.nodeId, MetadataRequest(names, allow_auto_topic_creation=False))
+        except KafkaError:  # a broker that is down answers nobody; the others are what clients reach
+            continue
+        ready = {topic for error_code, topic, *_, partitions in response.topics if error_code == 0 and partitions}
+        missing.update(name for name in names if name not in ready)
+    return sorted(missing)
 
 
 async def topic_partitions(admin: AIOKafkaAdminClient, names: list[str]) -> dict[str, int]:
