@@ -91,8 +91,10 @@ def test_the_whole_loop_learns_a_programmatic_reward(tmp_path, stack, clickhouse
         CliProcess(["proxy", "--upstream", server_url, "--port", str(proxy_port)], env, tmp_path / "proxy.log"),
         CliProcess(["train-worker"], env, tmp_path / "trainer.log"),
         CliProcess(["hotswap", "--server", server_url, "--model", "tiny"], env, tmp_path / "hotswap.log"),
+        # A group of its own, as a second deployment on a shared cluster would have: the default group's other
+        # members (earlier tests' runners, some killed) would rebalance this one.
         CliProcess(["run", "tests.integration.test_trainer_loop:letters_agent", "--proxy", proxy_url,
-                    "--concurrency", "8"], env, tmp_path / "runner.log"),
+                    "--concurrency", "8", "--group", f"runners-{tag}"], env, tmp_path / "runner.log"),
     ]
     streams = Worker(env, tmp_path / "streams.log")
     try:
