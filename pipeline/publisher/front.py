@@ -6,8 +6,9 @@ span in the caller's thread (``agentstream.schemas.span_writer``) and queues it 
 :mod:`~pipeline.publisher.accumulator`; the loop sends the queue in waves, in order per rollout.
 While the broker is unreachable, spans go to an append-only
 :class:`~pipeline.publisher.journal.Journal` on local disk and are replayed in order once it is
-back; a journal left by a crashed process is replayed by the next publisher started on the same
-directory. Spans still in memory are flushed when the interpreter exits and on SIGTERM
+back (also by a publisher that closes just after the broker came back, within its close
+deadline); a journal left by a crashed process is replayed by the next publisher started on the
+same directory. Spans still in memory are flushed when the interpreter exits and on SIGTERM
 (:mod:`~pipeline.publisher.exit_hooks`).
 """
 

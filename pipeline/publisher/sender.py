@@ -11,7 +11,9 @@ When a wave fails because the broker is unreachable (its address refuses connect
 answer is overdue, or requests time out), its unacknowledged records and everything published
 after them go to the :class:`~pipeline.publisher.journal.Journal`, with one warning. A probe
 watches for the broker; once it answers, the journal is replayed in order before anything new
-is sent, then deleted.
+is sent, then deleted. A publisher that closes while journaling asks the broker once more: if it
+answers, the journal is replayed until the close deadline, and only what is left then stays for
+the next publisher started on that directory.
 
 A refusal is not an outage: when the cluster refuses the login or the topic's ACL refuses the
 principal (:class:`~infra.kafka.KafkaRefused`), what is not acknowledged is journaled, the loop
@@ -216,6 +218,7 @@ class Sender:
         self._held: list[Record] = []  # the journal's disk refused them: unsettled, so publishers wait for room
         self._held_since: float | None = None
         self._replay_head: list[Record] = []  # read from the journal, not yet acknowledged
+        self._asked_at_close = False  # closing while journaling asks the broker once before leaving the journal
         self._replay_used = 0
         self._replayed = [0, 0]  # records, spans since the outage began
         self._probe: asyncio.Task | None = None
@@ -245,7 +248,10 @@ class Sender:
             await self._wait_for_work()
             if self._refused is not None:
                 raise self._refused
-            if queue.closing and (self.state is not _State.CONNECTED or time.monotonic() >= queue.close_deadline):
+            if queue.closing and self.state is _State.JOURNALING and not self._asked_at_close:
+                self._asked_at_close = True
+                await self._ask_broker_before(queue.close_deadline)
+            if queue.closing and (self.state is _State.JOURNALING or time.monotonic() >= queue.close_deadline):
                 self._journal_wave(self._carry + queue.build_records(queue.take(None)))
                 self._carry = []
                 return
@@ -262,8 +268,20 @@ class Sender:
                     await self._send_wave(records)
                 else:
                     self._journal_wave(records)
-            if queue.closing and not queue.has_pending and not self._carry:
+            if queue.closing and self.state is _State.CONNECTED and not queue.has_pending and not self._carry:
                 return
+
+    async def _ask_broker_before(self, deadline: float) -> None:
+        """Closing while journaling: ask the broker once more, so that a broker back a moment ago gets the journal
+        replayed before the close deadline instead of leaving it to the next publisher on this directory."""
+        try:
+            answers = await asyncio.wait_for(self._broker_answers(), max(0.0, deadline - time.monotonic()))
+        except TimeoutError:
+            return
+        if answers:
+            log.info("span publisher for %s is closing and the broker is back: replaying the journal in %s until "
+                     "the close deadline", self.topic, self._journal.directory)
+            self.state = _State.REPLAYING
 
     async def shutdown(self) -> None:
         """Journal what is left (only after an unexpected error), stop the producer and release the journal."""

@@ -259,6 +259,55 @@ def test_spans_published_during_an_outage_are_journaled_then_replayed_exactly_on
     assert any("replayed" in r.getMessage() for r in caplog.records)
 
 
+def test_a_publisher_closing_just_after_the_broker_came_back_replays_its_journal_before_it_exits(
+        topics_config, private_broker, tmp_path, caplog):
+    caplog.set_level(logging.INFO, logger="agentstream.pipeline.publisher")
+    create_topics(topics_config, private_broker.bootstrap)
+    journal_dir = tmp_path / "journal"
+    # The probe would find the broker only after an hour: the close must ask it itself.
+    publisher = SpanPublisher(topics_config, private_broker.bootstrap, journal_dir=journal_dir, linger_ms=5,
+                              request_timeout_ms=1500, probe_interval_s=3600).start()
+    private_broker.kill()
+    for index in range(400):
+        publisher.publish(make_span("ro-close", index, tokens=30))
+    publisher.flush(30)
+    assert (publisher.stats().state, publisher.stats().spans_journaled) == ("journaling", 400)
+    private_broker.start()
+    create_topics(topics_config, private_broker.bootstrap)
+
+    started = time.monotonic()
+    publisher.close(10)
+    took = time.monotonic() - started
+
+    assert took < 10, "the replay fits the close deadline"
+    assert publisher.stats().spans_replayed == 400
+    assert journal_files(journal_dir) == []
+    assert set(arrivals(topics_config, private_broker.bootstrap, 0, 400).values()) == {1}
+    assert any("is closing and the broker is back" in r.getMessage() for r in caplog.records)
+
+
+def test_a_publisher_closing_while_the_broker_is_away_leaves_its_journal_within_the_close_deadline(
+        topics_config, private_broker, tmp_path, caplog):
+    create_topics(topics_config, private_broker.bootstrap)
+    journal_dir = tmp_path / "journal"
+    publisher = SpanPublisher(topics_config, private_broker.bootstrap, journal_dir=journal_dir, linger_ms=5,
+                              request_timeout_ms=1500, probe_interval_s=0.2).start()
+    private_broker.process.send_signal(signal.SIGSTOP)  # its port still accepts connections; nothing answers
+    try:
+        for index in range(100):
+            publisher.publish(make_span("ro-away", index, tokens=30))
+        publisher.flush(30)
+        started = time.monotonic()
+        publisher.close(3)
+        took = time.monotonic() - started
+    finally:
+        private_broker.process.send_signal(signal.SIGCONT)
+
+    assert took < 3 + 2, "a broker that does not answer does not hold the close past its deadline"
+    assert publisher.stats().spans_journaled == 100 and publisher.stats().spans_replayed == 0
+    assert journal_files(journal_dir) != [], "left for the next publisher on that directory"
+
+
 CRASHING_PUBLISHER = """
 import json, os, signal, sys
 from dataclasses import asdict
