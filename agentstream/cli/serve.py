@@ -84,7 +84,7 @@ def collector_command(ctx: click.Context, host: str | None, port: int | None, gr
               help="Consumer group of the runner pool.")
 @click.option("--proxy", "proxy_url", default=None, help="LLM proxy URL; rollouts get rollout.llm_base_url() under it.")
 @click.option("--max-tasks", default=None, type=int, help="Stop after this many rollouts (default: run until SIGTERM).")
-@click.option("--session-timeout-ms", default=3_000, show_default=True,
+@click.option("--session-timeout-ms", default=4_000, show_default=True,
               help="How long the group waits before a silent runner's tasks go to another runner.")
 @click.pass_context
 def run_command(ctx: click.Context, agent: str, concurrency: int, group_id: str, proxy_url: str | None,

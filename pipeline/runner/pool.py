@@ -85,7 +85,7 @@ class RunnerOptions:
     retry_on_timeout: bool = True
     proxy_url: str | None = None
     worker_id: str = field(default_factory=lambda: f"{socket.gethostname()}-{os.getpid()}")
-    session_timeout_ms: int = 3_000  # a fresh join takes about half of it on tansu (infra/members.py)
+    session_timeout_ms: int = 4_000  # a fresh join takes about half of it on tansu (infra/members.py)
 
 
 @dataclass
