@@ -113,6 +113,13 @@ def journal_files(directory: Path) -> list[Path]:
     return sorted(directory.glob("*.journal"))
 
 
+def outage_publisher(config: Config, bootstrap: str, journal_dir: Path, probe_interval_s: float = 0.2) -> SpanPublisher:
+    """A started publisher on fresh topics that notices an outage within its 1.5 s request timeout."""
+    create_topics(config, bootstrap)
+    return SpanPublisher(config, bootstrap, journal_dir=journal_dir, linger_ms=5, request_timeout_ms=1500,
+                         probe_interval_s=probe_interval_s).start()
+
+
 # --- delivery ------------------------------------------------------------------------------------
 
 
@@ -211,10 +218,8 @@ def test_publish_blocks_instead_of_growing_while_the_broker_stalls(topics_config
 def test_spans_published_during_an_outage_are_journaled_then_replayed_exactly_once(
         topics_config, private_broker, tmp_path, caplog):
     caplog.set_level(logging.INFO, logger="agentstream.pipeline.publisher")
-    create_topics(topics_config, private_broker.bootstrap)
     journal_dir = tmp_path / "journal"
-    publisher = SpanPublisher(topics_config, private_broker.bootstrap, journal_dir=journal_dir, linger_ms=5,
-                              request_timeout_ms=1500, probe_interval_s=0.2).start()
+    publisher = outage_publisher(topics_config, private_broker.bootstrap, journal_dir)
     published = 0
     stop = threading.Event()
 
@@ -262,11 +267,9 @@ def test_spans_published_during_an_outage_are_journaled_then_replayed_exactly_on
 def test_a_publisher_closing_just_after_the_broker_came_back_replays_its_journal_before_it_exits(
         topics_config, private_broker, tmp_path, caplog):
     caplog.set_level(logging.INFO, logger="agentstream.pipeline.publisher")
-    create_topics(topics_config, private_broker.bootstrap)
     journal_dir = tmp_path / "journal"
     # The probe would find the broker only after an hour: the close must ask it itself.
-    publisher = SpanPublisher(topics_config, private_broker.bootstrap, journal_dir=journal_dir, linger_ms=5,
-                              request_timeout_ms=1500, probe_interval_s=3600).start()
+    publisher = outage_publisher(topics_config, private_broker.bootstrap, journal_dir, probe_interval_s=3600)
     private_broker.kill()
     for index in range(400):
         publisher.publish(make_span("ro-close", index, tokens=30))
@@ -288,10 +291,8 @@ def test_a_publisher_closing_just_after_the_broker_came_back_replays_its_journal
 
 def test_a_publisher_closing_while_the_broker_is_away_leaves_its_journal_within_the_close_deadline(
         topics_config, private_broker, tmp_path, caplog):
-    create_topics(topics_config, private_broker.bootstrap)
     journal_dir = tmp_path / "journal"
-    publisher = SpanPublisher(topics_config, private_broker.bootstrap, journal_dir=journal_dir, linger_ms=5,
-                              request_timeout_ms=1500, probe_interval_s=0.2).start()
+    publisher = outage_publisher(topics_config, private_broker.bootstrap, journal_dir)
     private_broker.process.send_signal(signal.SIGSTOP)  # its port still accepts connections; nothing answers
     try:
         for index in range(100):
