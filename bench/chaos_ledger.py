@@ -21,7 +21,6 @@ import threading
 import time
 from pathlib import Path
 
-from bench.common import llm_span
 from tests.support.span_ledger import LEDGER_ENV, LedgeredPublisher
 
 DIRECT_MODEL = "chaos-direct"  # not the trained model: the trainer skips these transitions (their token ids are random)
@@ -43,6 +42,7 @@ def publish_direct(journal: Path, rollouts_per_s: float, seed: int) -> None:
     """Steady direct load: rollouts of 15 LLM spans, a reward and SUCCEEDED, until SIGTERM or SIGINT."""
     from agentstream.infra.config import load_config
     from agentstream.stack.control import Stack
+    from bench.common import llm_span  # here, not at the top: a restarted runner's clock runs while this imports
 
     stop = threading.Event()
     for sig in (signal.SIGTERM, signal.SIGINT):

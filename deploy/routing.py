@@ -23,6 +23,9 @@ class RoutingTable(Protocol):
 
     def routing(self, model: str) -> Routing | None: ...
 
+    async def current(self, model: str) -> None:
+        """Until ``model``'s routing is the newest the deployments say (bounded: a table not read yet gives up)."""
+
 
 class RouteError(AgentstreamError, ValueError):
     """A request's version pin cannot be served: malformed, or a version the server does not hold."""

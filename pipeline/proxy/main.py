@@ -19,6 +19,9 @@ from agentstream.pipeline.proxy.server import LLMProxy, serve_proxy
 from agentstream.pipeline.proxy.upstreams import HealthSettings
 from agentstream.pipeline.publisher import process_publisher
 
+DEPLOYMENTS_PATIENCE_S = 30.0
+"""How long the proxy waits at start for the deployments topic before it routes with what it knows."""
+
 
 @dataclass(frozen=True)
 class ProxyOptions:
@@ -45,16 +48,16 @@ def run_proxy(config: Config, bootstrap_servers: str, options: ProxyOptions) -> 
         started = time.monotonic()
         stop = asyncio.Event()
         follower = DeploymentFollower(
-            config, bootstrap_servers,
+            config, bootstrap_servers, newest_first=True, patience_s=DEPLOYMENTS_PATIENCE_S,
             on_decision=lambda d: print(f"{d.model}: serving {d.routing.describe()}", flush=True),
         ) if options.follow_deployments else None
         following = asyncio.create_task(follower.run(stop)) if follower else None
-        if follower is not None:
+        if follower is not None:  # each request waits for its own model's routing (DeploymentFollower.current)
             try:
-                await asyncio.wait_for(follower.ready.wait(), 30)
+                await asyncio.wait_for(follower.tail_read.wait(), DEPLOYMENTS_PATIENCE_S)
             except TimeoutError:
-                print("warning: the deployments topic did not answer within 30 s; requests go to the model "
-                      "they name until it does", file=sys.stderr, flush=True)
+                print(f"warning: the deployments topic did not answer within {DEPLOYMENTS_PATIENCE_S:.0f} s; requests "
+                      "go to the model they name until it does", file=sys.stderr, flush=True)
         followed = time.monotonic()
         with process_publisher(config, bootstrap_servers, "proxy") as publisher:
             published = time.monotonic()

@@ -48,6 +48,7 @@ from urllib.parse import quote
 import aiohttp
 from aiohttp import web
 
+from agentstream.deploy.deployments import split_adapter_name
 from agentstream.deploy.routing import RouteError, RoutingTable, resolve_route
 from agentstream.infra.security import FEEDBACK_TOKEN_HEADER, KeySet, feedback_token
 from agentstream.pipeline.proxy.access import (
@@ -341,6 +342,8 @@ class LLMProxy:
             body["max_tokens"] = self.max_tokens
         await self._resolve_auto_model(body)
         capture = CallCapture(operation, body, owner, now_us(), trace=trace, answer=answer)
+        if self.deployments is not None and isinstance(body.get("model"), str):
+            await self.deployments.current(split_adapter_name(body["model"])[0])
         try:
             capture.route = resolve_route(self.deployments, body.get("model"), request.headers.get(VERSION_HEADER),
                                           capture.owner.rollout_id)

@@ -74,7 +74,7 @@ def test_the_proxy_serves_the_deployed_adapter_and_spans_carry_its_version(
         decisions = DeploymentLog(config, stack.bootstrap_servers, clickhouse)
         await decisions.start()
         swapper = HotSwapper(config, stack.bootstrap_servers, server_url, name, deployments=decisions)
-        follower = DeploymentFollower(config, stack.bootstrap_servers)
+        follower = DeploymentFollower(config, stack.bootstrap_servers, newest_first=True)  # as `agentstream proxy`
         tasks = [asyncio.create_task(swapper.run(stop)), asyncio.create_task(follower.run(stop))]
         proxy_runner = await serve_proxy(LLMProxy(server_url, publisher, deployments=follower), "127.0.0.1",
                                          port := free_port())
@@ -528,3 +528,69 @@ def test_a_decision_recorded_while_clickhouse_is_away_waits_for_it_instead_of_cr
         client.close()
         clickhouse.terminate()
         clickhouse.wait()
+
+
+def test_the_proxys_follower_knows_each_model_from_its_newest_decision_not_the_whole_history(topics_config, stack):
+    """A restarted proxy reads the deployments history newest first: a busy model's 300 decisions are not replayed."""
+    from aiokafka import AIOKafkaProducer
+
+    from agentstream.deploy.deployments import Announcement, read_routes
+    from agentstream.infra.kafka import client_options
+    from agentstream.schemas import ANNOUNCEMENT, AvroCodec
+
+    asyncio.run(create_topics(topics_config, stack.bootstrap_servers))
+    busy, quiet = f"busy-{uuid.uuid4().hex[:6]}", f"quiet-{uuid.uuid4().hex[:6]}"
+    said = [Announcement(busy, "gate", True, "gate-1", at_us, 20.0) for at_us in (1, 2)]
+
+    async def history() -> None:
+        log = DeploymentLog(topics_config, stack.bootstrap_servers)
+        producer = AIOKafkaProducer(**client_options(topics_config.kafka, stack.bootstrap_servers))
+        await log.start()
+        await producer.start()
+        topic, codec = topic_name(topics_config.topics, "deployments"), AvroCodec()
+        try:
+            await producer.send_and_wait(topic, codec.encode(ANNOUNCEMENT, said[0].record()))
+            await log.record(decide(Routing(quiet), 1, Action.PROMOTED, "person", "once", stable_version=1))
+            for version in range(1, 301):
+                await log.record(decide(Routing(busy), version, Action.PROMOTED, "hotswap", "step",
+                                        stable_version=version))
+                if version == 150:
+                    await producer.send_and_wait(topic, codec.encode(ANNOUNCEMENT, said[1].record()))
+        finally:
+            await producer.stop()
+            await log.stop()
+
+    asyncio.run(history())
+
+    async def follow() -> None:
+        seen = []
+        follower = DeploymentFollower(topics_config, stack.bootstrap_servers, on_decision=seen.append,
+                                      newest_first=True)
+        stop = asyncio.Event()
+        following = asyncio.create_task(follower.run(stop))
+        try:
+            await asyncio.wait_for(follower.current(busy), 20)
+            assert follower.routing(busy).stable_version == 300
+            await asyncio.wait_for(follower.current(quiet), 20)  # its one decision is the topic's oldest but one
+            assert follower.routing(quiet).stable_version == 1
+            await asyncio.wait_for(follower.ready.wait(), 20)
+            assert [d.version for d in seen if d.model == busy] == [300]  # read newest first: one, not 300
+            assert follower.announcements["gate-1"].at_us == 2
+            assert {m: follower.routing(m) for m in (busy, quiet)} == {
+                m: r for m, r in (await read_routes(topics_config, stack.bootstrap_servers)).items()
+                if m in (busy, quiet)}
+
+            log = DeploymentLog(topics_config, stack.bootstrap_servers)
+            await log.start()
+            try:  # and what comes after is read as it comes
+                await log.record(decide(follower.routing(busy), 301, Action.PROMOTED, "hotswap", "step",
+                                        stable_version=301))
+            finally:
+                await log.stop()
+            await wait_until(lambda: follower.routing(busy).stable_version == 301, what="v301 read")
+            assert [d.version for d in seen if d.model == busy] == [300, 301]
+        finally:
+            stop.set()
+            await following
+
+    asyncio.run(follow())

@@ -90,6 +90,9 @@ class Table:
     def routing(self, model: str) -> Routing | None:
         return self.routes.get(model)
 
+    async def current(self, model: str) -> None:
+        """Always current: nothing to read."""
+
 
 async def chat(client: openai.AsyncOpenAI, model: str = "tiny", max_tokens: int = 8, **options):
     return await client.chat.completions.create(model=model, messages=HELLO, max_tokens=max_tokens, **options)

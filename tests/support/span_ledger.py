@@ -4,7 +4,7 @@ The publisher reports acknowledgement through ``flush()``: when it returns, ever
 published before the call is acknowledged by the broker (acks=all) or fsynced to the publisher's
 journal, which the next publisher on the same directory replays. There is no per-span callback,
 so :class:`LedgeredPublisher` (a SpanPublisher subclass, installed into an unmodified
-``agentstream`` command by bench/chaos_ledger.py) remembers the ids it was handed and, twice a
+``agentstream`` command by bench/chaos_ledger.py) remembers the ids it was handed and, five times a
 second, calls ``flush()`` and then appends the ids published before that call to a ledger file
 (fsynced). A process SIGKILLed between an acknowledgement and its ledger line only makes the
 ledger smaller: every line in it was acknowledged to its producer.
@@ -53,7 +53,7 @@ class LedgerFile:
 class LedgeredPublisher(SpanPublisher):
     """A SpanPublisher that writes what it acknowledged to the ledger named by $AGENTSTREAM_CHAOS_LEDGER."""
 
-    ledger_interval_s = 0.5
+    ledger_interval_s = 0.2  # the ack time a round records is late by up to this
 
     def __init__(self, *args: Any, **kwargs: Any) -> None:
         super().__init__(*args, **kwargs)
