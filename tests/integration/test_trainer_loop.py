@@ -17,7 +17,7 @@ import time
 import uuid
 
 from agentstream.infra.config import load_config
-from agentstream.infra.processes import free_port
+from agentstream.infra.processes import free_port, wait_for_port
 from agentstream.pipeline.runner.tasks import enqueue, grouped_tasks
 from tests.support.streams_harness import CliProcess, Worker, create_topics, worker_env
 
@@ -101,6 +101,9 @@ def test_the_whole_loop_learns_a_programmatic_reward(tmp_path, stack, clickhouse
         for process in processes:
             process.start()
         streams.start()
+        # Tasks only once the model answers: a runner fails fast on a model server still loading (a loaded Kafka
+        # pass burned 1,230 of the 2,000 rollouts that way, then stalled short of the reward it waits for).
+        wait_for_port("127.0.0.1", server_port, 180)
         tasks = grouped_tasks([{"id": f"task{i}", "prompt": f"Task {i}: write letters."} for i in range(250)],
                               group_size=GROUP_SIZE, timeout_s=60)
         asyncio.run(enqueue(load_config(environ=env), stack.bootstrap_servers, tasks))
