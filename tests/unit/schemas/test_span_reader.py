@@ -1,5 +1,6 @@
 """The span reader and transition drafts: what fastavro reads, without decoding token arrays, and back to Avro;
-the train flag found in the attributes map."""
+the train flag found in the attributes map. Every reader test runs on the compiled reader and on its Python
+reference."""
 
 from __future__ import annotations
 
@@ -11,20 +12,22 @@ import pytest
 
 from agentstream.schemas import TRANSITION, AvroCodec, current_schemas
 from agentstream.schemas.contracts import TRAIN_ATTRIBUTE
-from agentstream.schemas.span_reader import MalformedSpan, SpanReader
+from agentstream.schemas.span_reader import MalformedSpan, ReferenceSpanReader, SpanReader
 from agentstream.schemas.transition_writer import ONE_CALL, draft
 from agentstream.streams.trajectory import SpanNode
 from tests.support.spans import random_span
 
 CODEC = AvroCodec()
+READERS = pytest.mark.parametrize("reader_class", [SpanReader, ReferenceSpanReader], ids=["compiled", "reference"])
 
 
-def test_reader_agrees_with_fastavro_and_keeps_token_arrays_as_transition_bytes():
+@READERS
+def test_reader_agrees_with_fastavro_and_keeps_token_arrays_as_transition_bytes(reader_class):
     rng = random.Random(11)
     spans = [random_span(rng, i) for i in range(60)]
     record = CODEC.encode_span_batch(spans)
     _, _, schema = CODEC.writer_schema(record)
-    nodes = SpanReader(schema, SpanNode).batch(record[5:])
+    nodes = reader_class(schema, SpanNode).batch(record[5:])
     assert len(nodes) == len(spans)
     transition_schema = current_schemas()[TRANSITION]
     for node, span in zip(nodes, spans, strict=True):
@@ -49,7 +52,8 @@ def test_reader_agrees_with_fastavro_and_keeps_token_arrays_as_transition_bytes(
         assert value["group_id"] is None and value["policy_version"] == (span["policy_version"] or 0)
 
 
-def test_reader_skips_blocks_written_with_byte_sizes():
+@READERS
+def test_reader_skips_blocks_written_with_byte_sizes(reader_class):
     """Avro writers may write a negative block count followed by the block's size; the reader honours both forms."""
     schema = {"type": "record", "name": "row", "fields": [
         {"name": "span_id", "type": "string"}, {"name": "attempt_id", "type": "string"},
@@ -60,7 +64,7 @@ def test_reader_skips_blocks_written_with_byte_sizes():
         {"name": "response_logprobs", "type": {"type": "array", "items": "float"}}]}
     sized_ids = b"\x05\x06\x02\x04\x06" + b"\x02\x80\x01" + b"\x00"  # a block of 3 items in 3 bytes, then 1 item
     row = b"\x04s1\x04a1\x02n\x06LLM\x02\x04" + sized_ids + b"\x02\x0e\x00" + b"\x02\x00\x00\x80\xbf\x00"
-    [node] = SpanReader(fastavro.parse_schema(schema), SpanNode).rows(1, row)
+    [node] = reader_class(fastavro.parse_schema(schema), SpanNode).rows(1, row)
     assert node.has_token_ids and node.tokens.startswith(sized_ids)
     datum = b"\x02x" * 5 + b"\x00\x00" + node.tokens + ONE_CALL + b"\x00" * 24 + b"\x00\x00"
     value = fastavro.schemaless_reader(io.BytesIO(datum), current_schemas()[TRANSITION])
@@ -69,23 +73,25 @@ def test_reader_skips_blocks_written_with_byte_sizes():
 
 
 @pytest.mark.parametrize("cut", [1, 7, 40, 300])
-def test_cut_short_or_corrupt_batches_raise_malformed_span(cut):
+@READERS
+def test_cut_short_or_corrupt_batches_raise_malformed_span(cut, reader_class):
     record = CODEC.encode_span_batch([random_span(random.Random(cut), i) for i in range(4)])
     _, _, schema = CODEC.writer_schema(record)
     with pytest.raises(MalformedSpan):
-        SpanReader(schema, SpanNode).batch(record[5:-cut])
+        reader_class(schema, SpanNode).batch(record[5:-cut])
     with pytest.raises(MalformedSpan):
-        SpanReader(schema, SpanNode).batch(record[5:] + b"\x00")
+        reader_class(schema, SpanNode).batch(record[5:] + b"\x00")
 
 
-def test_a_negative_string_length_is_malformed():
+@READERS
+def test_a_negative_string_length_is_malformed(reader_class):
     record = CODEC.encode_span_batch([random_span(random.Random(3), 0)])
     _, _, schema = CODEC.writer_schema(record)
     body = bytearray(record[5:])
     assert body[0] == 2 and body[1] == 2 * len("s0"), "a batch of one span, then the span_id's length"
     body[1] = 3  # the zigzag varint of -2
     with pytest.raises(MalformedSpan, match="negative string length -2"):
-        SpanReader(schema, SpanNode).batch(bytes(body))
+        reader_class(schema, SpanNode).batch(bytes(body))
 
 
 def span(index: int, attributes: dict[str, str]) -> dict:
@@ -94,10 +100,10 @@ def span(index: int, attributes: dict[str, str]) -> dict:
             "model": "m", "prompt_token_ids": [1, 2], "response_token_ids": [3], "response_logprobs": [-0.5]}
 
 
-def read(attributes_list: list[dict[str, str]]) -> list[SpanNode]:
+def read(attributes_list: list[dict[str, str]], reader_class) -> list[SpanNode]:
     record = CODEC.encode_span_batch([span(i, a) for i, a in enumerate(attributes_list)])
     _, _, schema = CODEC.writer_schema(record)
-    return SpanReader(schema, SpanNode).batch(record[5:])
+    return reader_class(schema, SpanNode).batch(record[5:])
 
 
 SAME_LENGTH = "agentstream.trail"  # as long as agentstream.train, one byte apart
@@ -117,29 +123,34 @@ assert len(SAME_LENGTH) == len(TRAIN_ATTRIBUTE)
     ({"gen_ai.system": "x", SAME_LENGTH: "true", TRAIN_ATTRIBUTE: "false", "z" * 200: "y" * 200}, False),
     ({"a" * 17: "true", TRAIN_ATTRIBUTE: "yes", "b" * 17: "no"}, True),
 ])
-def test_reader_picks_the_train_flag_from_the_attributes_map(attributes, expected):
-    [node] = read([attributes])
+@READERS
+def test_reader_picks_the_train_flag_from_the_attributes_map(attributes, expected, reader_class):
+    [node] = read([attributes], reader_class)
     assert node.train is expected
     assert node.span_id == "s0" and node.has_token_ids and node.model == "m", "the fields after the map still read"
 
 
-def test_reader_flags_differ_per_span_and_the_rest_of_the_batch_reads_on():
-    nodes = read([{TRAIN_ATTRIBUTE: "true"}, {}, {TRAIN_ATTRIBUTE: "false", "x": "y"}, {SAME_LENGTH: "true"}])
+@READERS
+def test_reader_flags_differ_per_span_and_the_rest_of_the_batch_reads_on(reader_class):
+    nodes = read([{TRAIN_ATTRIBUTE: "true"}, {}, {TRAIN_ATTRIBUTE: "false", "x": "y"}, {SAME_LENGTH: "true"}],
+                 reader_class)
     assert [n.train for n in nodes] == [True, None, False, None]
     assert [n.span_id for n in nodes] == ["s0", "s1", "s2", "s3"]
 
 
-def test_a_flag_value_that_is_not_text_never_raises():
+@READERS
+def test_a_flag_value_that_is_not_text_never_raises(reader_class):
     record = bytearray(CODEC.encode_span_batch([span(0, {TRAIN_ATTRIBUTE: "XXXX", "other": "YYYY"})]))
     for marker in (b"XXXX", b"YYYY"):
         at = record.index(marker)
         record[at:at + 4] = b"\xff\xfe\x00\x80"  # not UTF-8: nothing in the map is decoded
     _, _, schema = CODEC.writer_schema(bytes(record))
-    [node] = SpanReader(schema, SpanNode).batch(bytes(record[5:]))
+    [node] = reader_class(schema, SpanNode).batch(bytes(record[5:]))
     assert node.train is None and node.span_id == "s0"
 
 
-def test_reader_finds_the_flag_in_blocks_written_with_byte_sizes():
+@READERS
+def test_reader_finds_the_flag_in_blocks_written_with_byte_sizes(reader_class):
     schema = fastavro.parse_schema({"type": "record", "name": "row", "fields": [
         {"name": "span_id", "type": "string"}, {"name": "attempt_id", "type": "string"},
         {"name": "name", "type": "string"}, {"name": "kind", "type": "string"},
@@ -152,14 +163,15 @@ def test_reader_finds_the_flag_in_blocks_written_with_byte_sizes():
     block = entry("gen_ai.system", "x") + entry(TRAIN_ATTRIBUTE, "false")
     sized = bytes([3]) + bytes([2 * len(block)]) + block + b"\x02" + entry("k", "v") + b"\x00"  # -2 items, then 1
     row = b"\x04s1\x04a1\x02n\x06LLM\x02\x04" + sized
-    [node] = SpanReader(schema, SpanNode).rows(1, row)
+    [node] = reader_class(schema, SpanNode).rows(1, row)
     assert node.train is False and node.span_id == "s1"
 
 
-def test_a_schema_without_attributes_reads_no_flag():
+@READERS
+def test_a_schema_without_attributes_reads_no_flag(reader_class):
     schema = fastavro.parse_schema({"type": "record", "name": "row", "fields": [
         {"name": "span_id", "type": "string"}, {"name": "attempt_id", "type": "string"},
         {"name": "name", "type": "string"}, {"name": "kind", "type": "string"},
         {"name": "start_time_us", "type": "long"}, {"name": "end_time_us", "type": "long"}]})
-    [node] = SpanReader(schema, SpanNode).rows(1, b"\x04s1\x04a1\x02n\x06LLM\x02\x04")
+    [node] = reader_class(schema, SpanNode).rows(1, b"\x04s1\x04a1\x02n\x06LLM\x02\x04")
     assert node.train is None

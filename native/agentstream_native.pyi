@@ -1,0 +1,16 @@
+"""agentstream's compiled hot path: span batches read straight from their Avro bytes (see native/src/lib.rs)."""
+
+from collections.abc import Callable
+from typing import Any
+
+__version__: str
+
+class SpanReader:
+    """Reads the datums of one writer schema; span records become ``node(**keywords)``."""
+
+    def __init__(self, schema_json: str, node: Callable[..., Any], malformed: type[Exception], skipped: list[str],
+                 train_key: bytes, train_words: list[tuple[bytes, bool]]) -> None: ...
+    def datum(self, body: bytes, what: str) -> tuple[Any, int]:
+        """One datum at the start of ``body``: its value and the position after it."""
+    def rows(self, count: int, datums: bytes, what: str) -> list[Any]:
+        """``count`` datums back to back (a block of an Avro container file)."""
