@@ -15,6 +15,8 @@ spans (rollouts of 15 LLM calls and a reward, between STARTED and SUCCEEDED even
   every call's token arrays and compares them with the last call's (this workload's calls are
   unrelated: every call after a rollout's first breaks the prefix, prefix_breaks_per_rollout 14);
   the figures carry the level;
+- span_read_us_per_span: the worker's reading of a SpanBatch of 16 such spans into its nodes, in this process,
+  compiled (the value) and by the Python reference reader (``reference``), before any stack starts;
 - the peer: Agent Lightning 0.3.0's LightningStore HTTP server with runners in separate processes,
   on the same number of 1 KB spans, measured once before the brokers' runs and printed as "peer"
   with the "ratio" on each broker's ingest line.
@@ -43,7 +45,10 @@ from agentstream.infra.clickhouse import connect
 from agentstream.infra.config import BROKER_STORAGES, LEVELS
 from agentstream.infra.kafka import client_options, topic_name
 from agentstream.pipeline.publisher import SpanPublisher
+from agentstream.schemas import HEADER_SIZE, AvroCodec
+from agentstream.schemas.span_reader import ReferenceSpanReader, SpanReader
 from agentstream.stack.machine import CpuShare, calibrate
+from agentstream.streams.trajectory import SpanNode
 from bench.common import add_broker_option, chosen_brokers, cli_environ, emit, llm_span, percentile, private_stack
 
 SPANS_PER_ROLLOUT = 16
@@ -142,6 +147,7 @@ def main() -> None:
                         help="the [[credit]] level of the worker's rule (trajectory: calls compared and merged)")
     add_broker_option(parser)
     args = parser.parse_args()
+    reading_figure()
     peer = None
     if not args.no_peer:
         from bench.peer_agentlightning import run_peer
@@ -149,6 +155,25 @@ def main() -> None:
         peer = run_peer(rollouts=2000, spans_per_rollout=8, runners=8)
     for broker in chosen_brokers(args.broker):
         measure(broker, args, peer)
+
+
+def reading_figure(batches: int = 4000) -> None:
+    """CPU microseconds per span to read a SpanBatch of 16 LLM spans, compiled and by the Python reference."""
+    rng = random.Random(7)
+    body = AvroCodec().encode_span_batch([llm_span(rng, index, "r1") for index in range(SPANS_PER_ROLLOUT)])
+    _, _, schema = AvroCodec().writer_schema(body)
+    cost = {}
+    readers = {"compiled": SpanReader(schema, SpanNode), "reference": ReferenceSpanReader(schema, SpanNode)}
+    for name, reader in readers.items():
+        for _ in range(batches // 10):
+            reader.batch(body[HEADER_SIZE:])
+        start = time.thread_time()
+        for _ in range(batches):
+            reader.batch(body[HEADER_SIZE:])
+        cost[name] = (time.thread_time() - start) / batches / SPANS_PER_ROLLOUT * 1e6
+    emit(BENCH, "span_read_us_per_span", cost["compiled"], "us/span", reference=round(cost["reference"], 2),
+         ratio=round(cost["reference"] / cost["compiled"], 1),
+         span_bytes=(len(body) - HEADER_SIZE) // SPANS_PER_ROLLOUT)
 
 
 def measure(broker: str, args: argparse.Namespace, peer: dict | None) -> None:
