@@ -1,4 +1,4 @@
-"""agentstream's compiled hot path: span batches read straight from their Avro bytes (see native/src/lib.rs)."""
+"""agentstream's compiled hot paths: span batches read straight from their Avro bytes, OTLP arrays read in bulk."""
 
 from collections.abc import Callable
 from typing import Any
@@ -14,3 +14,6 @@ class SpanReader:
         """One datum at the start of ``body``: its value and the position after it."""
     def rows(self, count: int, datums: bytes, what: str) -> list[Any]:
         """``count`` datums back to back (a block of an Avro container file)."""
+
+def array_values(serialized: bytes) -> list[Any] | None:
+    """The values of a serialized OTLP ``ArrayValue`` when all are strings, bools, ints or doubles of one kind."""

@@ -36,12 +36,7 @@ from typing import Any, Generic, Protocol, TypeVar
 from .binary import DOUBLE, END, FLOAT, NULL, PRESENT, TOKEN_FIELDS
 from .contracts import TRAIN_ATTRIBUTE, TRAIN_FALSE, TRAIN_TRUE
 from .errors import AgentstreamError
-
-try:
-    import agentstream_native
-except ModuleNotFoundError as missing:  # an install that skipped `make install`'s build of native/
-    raise ImportError("agentstream's compiled span reader (agentstream_native) is not installed: run `make install`, "
-                      "or `pip install ./native` from the checkout (it needs Rust's cargo)") from missing
+from .native import CompiledSpanReader
 
 Reader = Callable[[bytes, int], tuple[Any, int]]
 """``reader(buffer, position) -> (value, next position)``."""
@@ -548,12 +543,11 @@ class SpanReader(_SpanBatches[Span]):
     code (the ``agentstream_native`` extension, built from ``native/`` by ``make install``).
 
     It makes the same nodes and raises the same :class:`MalformedSpan` as :class:`ReferenceSpanReader`, which the
-    tests hold it to on every input they try; one difference: a long that does not fit 64 bits is malformed here
-    and there alike (Avro's long is 64 bits)."""
+    tests hold it to on every input they try (in both, a long that does not fit Avro's 64 bits is malformed)."""
 
     def __init__(self, schema: dict[str, Any], node: Callable[..., Span]) -> None:
-        self._reader = agentstream_native.SpanReader(json.dumps(_plain(schema)), node, MalformedSpan,
-                                                     sorted(SKIPPED_FIELDS), TRAIN_KEY, list(TRAIN_WORDS.items()))
+        self._reader = CompiledSpanReader(json.dumps(_plain(schema)), node, MalformedSpan,
+                                          sorted(SKIPPED_FIELDS), TRAIN_KEY, list(TRAIN_WORDS.items()))
         self._batch = any(f["name"] == "spans" for f in schema.get("fields", ()))
 
     def _datum(self, body: bytes) -> tuple[Any, int]:

@@ -1,10 +1,12 @@
-//! agentstream's compiled hot path: span batches read straight from their Avro bytes into the stream worker's nodes.
+//! agentstream's compiled hot paths: span batches read straight from their Avro bytes into the stream worker's nodes,
+//! and the OTLP collector's arrays of values read in bulk (`otlp`).
 //!
 //! The Python reader (`agentstream.schemas.span_reader`) is the reference: the same writer schema,
 //! the same nodes, token arrays kept encoded, the same `MalformedSpan` for bytes that do not hold
 //! a datum. Every read is bounds-checked: any byte string ends as nodes or that error.
 
 mod cursor;
+mod otlp;
 mod schema;
 
 use cursor::{Cursor, Fail};
@@ -248,6 +250,7 @@ fn python_strip(value: &[u8]) -> &[u8] {
 #[pymodule]
 fn agentstream_native(module: &Bound<'_, PyModule>) -> PyResult<()> {
     module.add_class::<SpanReader>()?;
+    module.add_function(wrap_pyfunction!(otlp::array_values, module)?)?;
     module.add("__version__", env!("CARGO_PKG_VERSION"))?;
     Ok(())
 }

@@ -26,7 +26,8 @@ What is recognised, and what it becomes:
   ``agentstream.reward.<name>``, Agent Lightning's ``agentlightning.reward.N.value``) on any other span
   becomes a REWARD child of it.
 * **Token ids**: ``agentstream.prompt_token_ids``/``response_token_ids``/``response_logprobs`` (int and
-  double arrays) and ``agentstream.policy_version`` fill the first-class fields. Spans without them are
+  double arrays; or Agent Lightning's names, the same without ``agentstream.``) and
+  ``agentstream.policy_version`` fill the first-class fields. Spans without them are
   analytics only: stored and queryable, never made into training transitions.
 
 Nothing is dropped: every attribute is kept (values as text, arrays and maps as JSON), resource
@@ -44,7 +45,6 @@ import math
 from collections import OrderedDict
 from collections.abc import Iterable, Mapping
 from dataclasses import dataclass, field
-from operator import attrgetter, methodcaller
 from typing import Any, TypedDict
 
 from opentelemetry.proto.collector.trace.v1.trace_service_pb2 import ExportTraceServiceRequest
@@ -53,6 +53,7 @@ from opentelemetry.proto.trace.v1.trace_pb2 import Span as OtelSpan
 
 from agentstream.schemas.errors import AgentstreamError
 from agentstream.schemas.json_body import NotJson, json_value
+from agentstream.schemas.native import array_values
 from agentstream.schemas.records import RolloutEventRecord, SpanRecord
 
 SOURCE_ATTRIBUTE = "agentstream.source"
@@ -66,7 +67,10 @@ MAX_KEY_DEPTH = 16
 """Dotted attribute keys are unflattened this many levels deep at most."""
 MAX_INDEX_DIGITS = 6
 """A list index in a dotted key longer than this is not an index (``int()`` refuses 4,300+ digits)."""
-TOKEN_KEYS = ("agentstream.prompt_token_ids", "agentstream.response_token_ids", "agentstream.response_logprobs")
+TOKEN_KEYS = (("agentstream.prompt_token_ids", "prompt_token_ids"),
+              ("agentstream.response_token_ids", "response_token_ids"),
+              ("agentstream.response_logprobs", "response_logprobs"))
+"""The attributes of each token field, ours first: Agent Lightning's instrumentation writes them without a prefix."""
 POLICY_KEY = "agentstream.policy_version"
 REWARD_KEY = "agentstream.reward"
 REWARD_NAMES = frozenset({"reward", "agentstream.reward", "agentlightning.reward"})
@@ -98,10 +102,6 @@ INVOCATION_PARAMETERS = {"temperature": "gen_ai.request.temperature", "top_p": "
                          "max_completion_tokens": "gen_ai.request.max_tokens"}
 MESSAGE_EVENTS = {"gen_ai.system.message": "system", "gen_ai.user.message": "user",
                   "gen_ai.assistant.message": "assistant", "gen_ai.tool.message": "tool"}
-
-
-WHICH = methodcaller("WhichOneof", "value")
-PRIMITIVES = frozenset({"string_value", "bool_value", "int_value", "double_value"})
 
 
 class RejectedSpan(AgentstreamError, ValueError):
@@ -146,11 +146,9 @@ def any_value(value: AnyValue) -> Any:
     if kind is None:
         return None
     if kind == "array_value":
-        values = value.array_value.values
-        kinds = set(map(WHICH, values))
-        if len(kinds) == 1 and next(iter(kinds)) in PRIMITIVES:  # the usual case: a homogeneous array, in C loops
-            return list(map(attrgetter(next(iter(kinds))), values))
-        return [any_value(item) for item in values]
+        # the usual case, an array of numbers or strings of one kind (token ids: hundreds), read in compiled code
+        bulk = array_values(value.array_value.SerializeToString())
+        return bulk if bulk is not None else [any_value(item) for item in value.array_value.values]
     if kind == "kvlist_value":
         return {item.key: any_value(item.value) for item in value.kvlist_value.values}
     if kind == "bytes_value":
@@ -178,8 +176,12 @@ def number(value: Any) -> float | None:
             value = float(value)
         except ValueError:
             return None
-    if isinstance(value, (int, float)) and math.isfinite(float(value)):
-        return float(value)
+    if isinstance(value, (int, float)):
+        try:
+            converted = float(value)
+        except OverflowError:  # an int past a double's range (JSON text may hold one of 4,000 digits)
+            return None
+        return converted if math.isfinite(converted) else None
     return None
 
 
@@ -375,8 +377,8 @@ def _ints(value: Any) -> list[int] | None:
             value = json_value(value)
         except NotJson:
             return None
-    if isinstance(value, list) and value and all(isinstance(v, int) and not isinstance(v, bool) for v in value):
-        return [int(v) for v in value]
+    if isinstance(value, list) and value and set(map(type, value)) == {int}:  # decoded values: no int subclass but bool
+        return value
     return None
 
 
@@ -386,9 +388,12 @@ def _floats(value: Any) -> list[float] | None:
             value = json_value(value)
         except NotJson:
             return None
-    if isinstance(value, list) and value and all(number(v) is not None for v in value):
-        return [float(v) for v in value]
-    return None
+    if not (isinstance(value, list) and value):
+        return None
+    if set(map(type, value)) == {float} and all(map(math.isfinite, value)):  # the usual case, in C loops
+        return value
+    numbers = list(map(number, value))  # ints, and numbers written as text
+    return None if None in numbers else numbers
 
 
 class TraceMapper:
@@ -491,13 +496,15 @@ class TraceMapper:
             raise RejectedSpan(f"span {name!r}: {error}") from None
         if kind == "REWARD" and own_reward is None:
             kind = "OTHER"  # a span named like a reward but carrying no number: kept as it is
-        tokens = {key: merged.pop(key) for key in TOKEN_KEYS if key in merged}
-        prompt_ids = _ints(tokens.get(TOKEN_KEYS[0]))
-        response_ids = _ints(tokens.get(TOKEN_KEYS[1]))
-        logprobs = _floats(tokens.get(TOKEN_KEYS[2]))
+        named = [next((key for key in names if key in merged), "") for names in TOKEN_KEYS]
+        tokens = {key: merged.pop(key) for key in named if key}
+        prompt_ids, response_ids = _ints(tokens.get(named[0])), _ints(tokens.get(named[1]))
+        logprobs = _floats(tokens.get(named[2]))
         if prompt_ids is None or response_ids is None or (logprobs is not None and len(logprobs) != len(response_ids)):
             merged.update(tokens)  # not a usable set of token ids: kept as attributes
             prompt_ids = response_ids = logprobs = None
+        elif logprobs is None and named[2]:
+            merged[named[2]] = tokens[named[2]]  # logprobs that are not finite numbers: kept, the ids trainable
         policy = merged.pop(POLICY_KEY, None)
         policy_version = int(policy) if isinstance(policy, int) or (isinstance(policy, str) and policy.isdigit()) \
             else None

@@ -6,14 +6,17 @@ import json
 
 import pytest
 from google.rpc import status_pb2
+from hypothesis import given, settings
+from hypothesis import strategies as st
 from opentelemetry import trace
 from opentelemetry.exporter.otlp.proto.common.trace_encoder import encode_spans
+from opentelemetry.proto.common.v1.common_pb2 import AnyValue
 from opentelemetry.sdk.resources import Resource
 from opentelemetry.sdk.trace import TracerProvider
 from opentelemetry.sdk.trace.export import SimpleSpanProcessor
 from opentelemetry.sdk.trace.export.in_memory_span_exporter import InMemorySpanExporter
 
-from agentstream.pipeline.collector.mapping import TraceMapper, unflatten
+from agentstream.pipeline.collector.mapping import TraceMapper, any_value, unflatten
 from agentstream.pipeline.collector.receiver import PROTOBUF, Refused, decode_request, status_protobuf
 from agentstream.schemas.span_writer import prepare_span
 
@@ -125,6 +128,48 @@ def test_openinference_and_openllmetry_names_fill_gen_ai_and_token_ids_make_a_tr
         prepare_span(span)
 
 
+def test_agent_lightning_token_id_attributes_make_a_trainable_span_and_ours_win_where_both_are_set():
+    """Agent Lightning's AgentOps instrumentation writes ``prompt_token_ids``/``response_token_ids`` on its LLM
+    spans; they fill the token fields as ours do. Where a span carries both names, ``agentstream.*`` wins and the
+    other stays an attribute."""
+    def build(tracer):
+        with tracer.start_as_current_span("agent"):
+            with tracer.start_as_current_span("openai.chat.completion", attributes={
+                    "gen_ai.operation.name": "chat", "gen_ai.request.model": "tiny",
+                    "prompt_token_ids": [7, 8, 9], "response_token_ids": [10, 11]}):
+                pass
+            with tracer.start_as_current_span("both", attributes={
+                    "gen_ai.operation.name": "chat", "agentstream.prompt_token_ids": [1], "prompt_token_ids": [2],
+                    "agentstream.response_token_ids": [3], "response_token_ids": "not ids"}):
+                pass
+
+    spans = by_name(TraceMapper().map(export(build), now_us=1))
+    agl, both = spans["openai.chat.completion"], spans["both"]
+    assert (agl["kind"], agl["prompt_token_ids"], agl["response_token_ids"]) == ("LLM", [7, 8, 9], [10, 11])
+    assert "prompt_token_ids" not in agl["attributes"] and "response_token_ids" not in agl["attributes"]
+    assert (both["prompt_token_ids"], both["response_token_ids"]) == ([1], [3])
+    assert json.loads(both["attributes"]["prompt_token_ids"]) == [2] and both["attributes"]["response_token_ids"] \
+        == "not ids"
+    for span in spans.values():
+        prepare_span(span)
+
+
+@pytest.mark.parametrize("logprobs", ["[" + "9" * 400 + "]", "[1e400]", '["-0.5", "nan"]', "[-0.5, true]", "[]"])
+def test_logprobs_that_are_not_finite_numbers_are_kept_as_an_attribute_and_never_reach_the_logprobs_field(logprobs):
+    """A hostile exporter's logprobs (an int past a double's range, infinity, NaN as text, a bool, none): no error,
+    the token ids are kept (a span with ids and no logprobs is trainable) and so is what was sent, as text."""
+    def build(tracer):
+        with tracer.start_as_current_span("chat", attributes={
+                "gen_ai.operation.name": "chat", "agentstream.prompt_token_ids": [1, 2],
+                "agentstream.response_token_ids": [3], "agentstream.response_logprobs": logprobs}):
+            pass
+
+    [span] = TraceMapper().map(export(build), now_us=1).spans
+    assert (span["prompt_token_ids"], span["response_token_ids"], span["response_logprobs"]) == ([1, 2], [3], None)
+    assert span["attributes"]["agentstream.response_logprobs"] == logprobs
+    prepare_span(span)
+
+
 def test_a_named_rollout_is_remembered_across_requests_and_not_ended_by_a_root():
     mapper = TraceMapper()
     tracer_state = {}
@@ -162,3 +207,41 @@ def test_bad_spans_are_refused_one_by_one_and_bad_bodies_as_a_whole():
 def test_unflatten():
     attributes = {"p.0.role": "user", "p.0.tool_calls.0.name": "f", "p.1.role": "assistant", "p.x": 1}
     assert unflatten(attributes, "p.") == [{"role": "user", "tool_calls": [{"name": "f"}]}, {"role": "assistant"}]
+
+
+def _one_by_one(value: AnyValue) -> object:
+    """What the collector reads value by value (the path for arrays the compiled reader leaves to it)."""
+    kind = value.WhichOneof("value")
+    if kind == "array_value":
+        return [_one_by_one(item) for item in value.array_value.values]
+    if kind == "kvlist_value":
+        return {item.key: _one_by_one(item.value) for item in value.kvlist_value.values}
+    return None if kind is None else value.bytes_value.hex() if kind == "bytes_value" else getattr(value, kind)
+
+
+PRIMITIVE_VALUES = st.one_of(
+    st.builds(lambda v: AnyValue(int_value=v), st.integers(-(2**63), 2**63 - 1)),
+    st.builds(lambda v: AnyValue(double_value=v), st.floats(allow_nan=False)),
+    st.builds(lambda v: AnyValue(string_value=v), st.text(max_size=20)),
+    st.builds(lambda v: AnyValue(bool_value=v), st.booleans()),
+    st.builds(lambda v: AnyValue(bytes_value=v), st.binary(max_size=8)),
+    st.just(AnyValue()))
+
+
+def _array(items: list[AnyValue], nested: list[AnyValue] | None) -> AnyValue:
+    value = AnyValue()
+    value.array_value.values.extend(items)
+    if nested is not None:
+        value.array_value.values.add().array_value.values.extend(nested)
+    return value
+
+
+@settings(max_examples=600, deadline=None, derandomize=True)
+@given(st.one_of(
+    st.builds(lambda kind, size: _array([kind] * size, None), PRIMITIVE_VALUES, st.integers(0, 300)),
+    st.builds(_array, st.lists(PRIMITIVE_VALUES, max_size=12), st.none() | st.lists(PRIMITIVE_VALUES, max_size=3))))
+def test_arrays_read_in_compiled_code_equal_those_read_value_by_value(value):
+    """Token ids and logprobs arrive as arrays of hundreds of values: the compiled reader takes an array of one
+    primitive kind in one pass, and leaves mixed, nested, bytes and unset values to the Python path; either way
+    the result is what reading each value gives."""
+    assert any_value(value) == _one_by_one(value)
