@@ -1,6 +1,6 @@
 """agentstream's compiled hot paths: span batches read straight from their Avro bytes, OTLP arrays read in bulk."""
 
-from collections.abc import Callable
+from collections.abc import Callable, Sequence
 from typing import Any
 
 __version__: str
@@ -17,3 +17,8 @@ class SpanReader:
 
 def array_values(serialized: bytes) -> list[Any] | None:
     """The values of a serialized OTLP ``ArrayValue`` when all are strings, bools, ints or doubles of one kind."""
+
+def span_records(batches: Sequence[Sequence[tuple[bytes, bytes, bytes, bytes, bytes, int]]], headers: Sequence[bytes],
+                 trailer: bytes) -> list[bytes]:
+    """Each batch's record: its header, its prepared spans with their int32 token ids as sized varint blocks, then
+    ``trailer``."""

@@ -3,8 +3,8 @@
 fastavro pays a Python-level cost for every item of a span's token-id and logprob arrays. Here
 a span is *prepared* once (its scalar fields written in plain Python with cached strings, its
 token ids packed into int32 bytes and its logprobs into float32 bytes, one struct call each),
-and the zigzag varints of the token ids of a whole batch of spans are then written in one
-vectorized numpy pass (`SpanBatchEncoder.encode_batches`).
+and the zigzag varints of the token ids of a whole wave of records are then written, and each
+record joined, in one call to compiled code (``native/``, `SpanBatchEncoder.encode_batches`).
 
 A non-empty token-id array is written as one block with its size in bytes (the Avro
 spec's negative block count), where fastavro writes the count alone: every Avro reader
@@ -31,6 +31,7 @@ from .binary import DOUBLE, END, NULL, PRESENT, check_layout, write_long, write_
 from .catalog import SPAN, SPAN_BATCH, current_schemas
 from .codec import MAGIC_BYTE
 from .errors import EncodeError
+from .native import span_records
 from .records import SpanRecord
 from .schema_ids import SchemaRegistry, default_registry
 
@@ -42,17 +43,10 @@ _INT_MIN, _INT_MAX = -(1 << 31), (1 << 31) - 1
 _LONG_MIN, _LONG_MAX = -(1 << 63), (1 << 63) - 1
 _HEADER = struct.Struct(">BI")
 
-# Per varint byte count n (1..5): continuation bits for bytes 0..n-2, and which bytes to keep.
-_CONTINUATION_32 = np.array([0, 0, 0x80, 0x8080, 0x808080], dtype=np.uint32)
-_KEEP_32 = np.array([0, 0x1, 0x101, 0x10101, 0x1010101], dtype="<u4")
-_CONTINUATION_64 = np.array([0, 0, 0x80, 0x8080, 0x808080, 0x80808080], dtype=np.uint64)
-_KEEP_64 = np.array([0, 0x1, 0x101, 0x10101, 0x1010101, 0x101010101], dtype="<u8")
-_CHUNK = 1 << 16  # values per vectorized pass: larger arrays fall out of the CPU cache and run slower
 _CACHE_SIZE = 1 << 14  # entries per cache below; a full cache is emptied and refilled
 _CACHED_STRING_BYTES = 64
 _STRINGS: dict[str, bytes] = {}  # short string -> its Avro bytes
 _OPTIONAL_STRINGS: dict[str, bytes] = {}  # short string -> its branch and Avro bytes in a nullable union
-_BLOCK_HEADERS: dict[int, bytes] = {}  # (item count, byte size) of a token-id block -> its header
 _INT32S: dict[int, struct.Struct] = {}  # item count -> struct packing that many int32
 _FLOAT32S: dict[int, struct.Struct] = {}  # item count -> struct packing that many float32
 
@@ -71,40 +65,6 @@ several times a tuple's display. Read it by unpacking, or its size as ``prepared
 """
 NBYTES: Final = 5
 """The position of ``nbytes`` in a PreparedSpan."""
-
-
-def zigzag_varints(values: np.ndarray) -> tuple[bytes, np.ndarray]:
-    """The zigzag varints of int32 `values` back to back, and the byte count of each (vectorized)."""
-    if len(values) <= _CHUNK:
-        return _zigzag_varints(values)
-    parts = [_zigzag_varints(values[start : start + _CHUNK]) for start in range(0, len(values), _CHUNK)]
-    return b"".join(data for data, _ in parts), np.concatenate([counts for _, counts in parts])
-
-
-def _zigzag_varints(values: np.ndarray) -> tuple[bytes, np.ndarray]:
-    zigzag = ((values << 1) ^ (values >> 31)).view(np.uint32)
-    counts = (zigzag >= 1 << 7).view(np.uint8) + (zigzag >= 1 << 14)
-    counts += zigzag >= 1 << 21
-    counts += 1
-    if zigzag.max(initial=0) < 1 << 28:  # every varint fits 4 bytes: build them in 32-bit words
-        words = zigzag & 0x7F
-        words |= (zigzag << 1) & 0x7F00
-        words |= (zigzag << 2) & 0x7F0000
-        words |= (zigzag << 3) & 0x7F000000
-        words |= _CONTINUATION_32.take(counts)
-        keep = _KEEP_32.take(counts)
-        word_type = "<u4"
-    else:
-        counts += zigzag >= 1 << 28
-        wide = zigzag.astype(np.uint64)
-        words = wide & 0x7F
-        for shift in range(1, 5):
-            words |= (wide << shift) & (0x7F << (8 * shift))
-        words |= _CONTINUATION_64.take(counts)
-        keep = _KEEP_64.take(counts)
-        word_type = "<u8"
-    data = np.compress(keep.view(np.bool_), words.astype(word_type, copy=False).view(np.uint8))
-    return data.tobytes(), counts
 
 
 def prepare_span(span: SpanRecord) -> PreparedSpan:
@@ -178,17 +138,6 @@ def _list_of_ints(value: Any, name: str) -> tuple[bytes, bytes]:
         return _int_array(value, name)
     count = len(value)
     return PRESENT, (_INT32S.get(count) or _packer(_INT32S, "i", count)).pack(*value)
-
-
-def _block_header(count: int, size: int) -> bytes:
-    """The header of one array block of ``count`` items in ``size`` bytes: the negated count, then the size."""
-    key = count << 32 | size  # both fit 32 bits: an int key costs less than a tuple
-    header = _BLOCK_HEADERS.get(key)
-    if header is None:
-        if len(_BLOCK_HEADERS) >= _CACHE_SIZE:
-            _BLOCK_HEADERS.clear()
-        header = _BLOCK_HEADERS[key] = write_long(-count) + write_long(size)
-    return header
 
 
 def _array_start(count: int) -> bytes:
@@ -267,37 +216,7 @@ class SpanBatchEncoder:
 
     @staticmethod
     def _bodies(batches: Sequence[Sequence[PreparedSpan]], headers: Sequence[bytes], trailer: bytes) -> list[bytes]:
-        arrays = [ids for batch in batches for _, prompt, _, response, _, _ in batch
-                  for ids in (prompt, response) if ids]
-        sizes: list[int] = []  # bytes of varints per non-empty array, in order
-        varints = b""
-        if arrays:
-            varints, counts = zigzag_varints(np.frombuffer(b"".join(arrays), dtype="<i4"))
-            starts = np.zeros(len(arrays), dtype=np.int64)
-            np.cumsum([len(ids) // 4 for ids in arrays[:-1]], out=starts[1:])
-            sizes = np.add.reduceat(counts, starts, dtype=np.int64).tolist()
-        data = memoryview(varints)
-        next_size = iter(sizes).__next__
-        position = 0
-        records = []
-        for batch, header in zip(batches, headers, strict=True):
-            parts: list[bytes | memoryview] = [header]
-            for head, prompt, middle, response, tail, _ in batch:
-                parts.append(head)
-                if prompt:
-                    size = next_size()
-                    parts.append(_block_header(len(prompt) >> 2, size))
-                    parts.append(data[position:position + size])
-                    position += size
-                parts.append(middle)
-                if response:
-                    size = next_size()
-                    parts.append(_block_header(len(response) >> 2, size))
-                    parts.append(data[position:position + size])
-                    position += size
-                parts.append(tail)
-            parts.append(trailer)
-            records.append(b"".join(parts))
+        records: list[bytes] = span_records(batches, headers, trailer)  # the varints, in compiled code
         return records
 
 

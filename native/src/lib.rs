@@ -1,5 +1,6 @@
 //! agentstream's compiled hot paths: span batches read straight from their Avro bytes into the stream worker's nodes,
-//! and the OTLP collector's arrays of values read in bulk (`otlp`).
+//! the OTLP collector's arrays of values read in bulk (`otlp`), and the publisher's SpanBatch records finished with
+//! their token ids' varints (`spans_out`).
 //!
 //! The Python reader (`agentstream.schemas.span_reader`) is the reference: the same writer schema,
 //! the same nodes, token arrays kept encoded, the same `MalformedSpan` for bytes that do not hold
@@ -8,6 +9,7 @@
 mod cursor;
 mod otlp;
 mod schema;
+mod spans_out;
 
 use cursor::{Cursor, Fail};
 use pyo3::prelude::*;
@@ -251,6 +253,7 @@ fn python_strip(value: &[u8]) -> &[u8] {
 fn agentstream_native(module: &Bound<'_, PyModule>) -> PyResult<()> {
     module.add_class::<SpanReader>()?;
     module.add_function(wrap_pyfunction!(otlp::array_values, module)?)?;
+    module.add_function(wrap_pyfunction!(spans_out::span_records, module)?)?;
     module.add("__version__", env!("CARGO_PKG_VERSION"))?;
     Ok(())
 }

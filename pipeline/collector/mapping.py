@@ -392,8 +392,8 @@ def _floats(value: Any) -> list[float] | None:
         return None
     if set(map(type, value)) == {float} and all(map(math.isfinite, value)):  # the usual case, in C loops
         return value
-    numbers = list(map(number, value))  # ints, and numbers written as text
-    return None if None in numbers else numbers
+    numbers = [n for n in map(number, value) if n is not None]  # ints, and numbers written as text
+    return numbers if len(numbers) == len(value) else None
 
 
 class TraceMapper:
