@@ -1,6 +1,6 @@
 """OpenTelemetry in: OTLP/HTTP protobuf exports → `agentstream collector` → Kafka → streams worker → ClickHouse rows.
 
-Prints (JSON lines, bench/common.py's emit):
+Prints (JSON lines, bench/common.py's emit), after the machine's calibration line:
 
 - ``otlp_spans_per_s``: ``--rollouts`` export requests of ``--spans`` LLM spans each (about 1 KB: 100 prompt
   and 100 response token ids and 100 logprobs as attributes, gen_ai attributes, the rollout named by the
@@ -30,6 +30,7 @@ from opentelemetry.proto.trace.v1.trace_pb2 import Span as ProtoSpan
 
 from agentstream.infra.clickhouse import connect
 from agentstream.infra.processes import free_port, wait_for_port
+from agentstream.stack.machine import calibrate
 from bench.common import VOCABULARY, emit, private_stack
 from bench.streams import start_worker, wait_ready
 
@@ -111,6 +112,8 @@ def main() -> None:
     parser.add_argument("--senders", type=int, default=8, help="concurrent HTTP clients (the peer: runner processes)")
     parser.add_argument("--no-peer", action="store_true", help="skip Agent Lightning")
     args = parser.parse_args()
+    calibration = calibrate()
+    emit(BENCH, "machine_calibration", calibration.python_loop_s, "s", **calibration.as_dict())
     total = args.rollouts * args.spans
     pool = span_pool(7)
     bodies = [export_body(pool, f"otlp-{index:07d}", args.spans, index * args.spans) for index in range(args.rollouts)]
