@@ -95,6 +95,20 @@ def _parse_together(raw_schemas: list[Any]) -> list[Schema]:
     return parsed
 
 
+def schema_json(schema: Schema) -> str:
+    """The JSON text of a parsed schema as a registry stores it, and as the compiled reader takes it (fastavro's
+    private keys left out: its ``__named_schemas`` refers back to the schema)."""
+    return json.dumps(_public(schema), separators=(",", ":"))
+
+
+def _public(node: Any) -> Any:
+    if isinstance(node, dict):
+        return {key: _public(value) for key, value in node.items() if not key.startswith("__")}
+    if isinstance(node, list):
+        return [_public(item) for item in node]
+    return node
+
+
 def _inline_named_types(schema: Any, known: Mapping[str, Any], defined: set[str], dropped: frozenset[str]) -> Any:
     """Copy of `schema` with each named type inlined at its first use, minus fastavro's private keys and `dropped`."""
     if isinstance(schema, str):

@@ -26,7 +26,6 @@ together, with the Span schema.
 
 from __future__ import annotations
 
-import json
 import math
 import re
 import struct
@@ -34,6 +33,7 @@ from collections.abc import Callable
 from typing import Any, Generic, Protocol, TypeVar
 
 from .binary import DOUBLE, END, FLOAT, NULL, PRESENT, TOKEN_FIELDS
+from .catalog import schema_json
 from .contracts import TRAIN_ATTRIBUTE, TRAIN_FALSE, TRAIN_TRUE
 from .errors import AgentstreamError
 from .native import CompiledSpanReader
@@ -546,7 +546,7 @@ class SpanReader(_SpanBatches[Span]):
     tests hold it to on every input they try (in both, a long that does not fit Avro's 64 bits is malformed)."""
 
     def __init__(self, schema: dict[str, Any], node: Callable[..., Span]) -> None:
-        self._reader = CompiledSpanReader(json.dumps(_plain(schema)), node, MalformedSpan,
+        self._reader = CompiledSpanReader(schema_json(schema), node, MalformedSpan,
                                           sorted(SKIPPED_FIELDS), TRAIN_KEY, list(TRAIN_WORDS.items()))
         self._batch = any(f["name"] == "spans" for f in schema.get("fields", ()))
 
@@ -582,15 +582,6 @@ class ReferenceSpanReader(_SpanBatches[Span]):
         except (IndexError, struct.error, UnicodeDecodeError) as error:
             raise _malformed("span row", error) from None
         return nodes
-
-
-def _plain(schema: Any) -> Any:
-    """A parsed schema without the keys a parser adds (fastavro's ``__named_schemas`` refers back to the schema)."""
-    if isinstance(schema, dict):
-        return {key: _plain(value) for key, value in schema.items() if not key.startswith("__")}
-    if isinstance(schema, list):
-        return [_plain(item) for item in schema]
-    return schema
 
 
 def check_finite_reward(node: ReadSpan) -> None:

@@ -31,8 +31,8 @@ from agentstream.infra.registry_client.errors import (
     VersionNotFound,
     error_for,
 )
-from agentstream.infra.registry_client.product import product_schemas, schema_json, subject_of
-from agentstream.schemas.catalog import Schema, self_contained
+from agentstream.infra.registry_client.product import product_schemas, subject_of
+from agentstream.schemas.catalog import Schema, schema_json, self_contained
 from agentstream.schemas.compatibility import check, parse
 from agentstream.schemas.errors import UnknownSchemaId
 from agentstream.schemas.schema_ids import BundledRegistry, schema_id, use_registry

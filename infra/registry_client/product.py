@@ -2,9 +2,6 @@
 
 from __future__ import annotations
 
-import json
-from typing import Any
-
 from agentstream.schemas.catalog import Schema, current_schemas, history_schemas
 
 
@@ -15,19 +12,6 @@ def subject_of(schema: Schema) -> str:
     RolloutEvent records), so subjects follow records, not topics.
     """
     return str(schema["name"])
-
-
-def schema_json(schema: Schema) -> str:
-    """The JSON text a registry stores for a parsed schema (fastavro's private keys left out)."""
-    return json.dumps(_public(schema), separators=(",", ":"))
-
-
-def _public(node: Any) -> Any:
-    if isinstance(node, dict):
-        return {key: _public(value) for key, value in node.items() if not key.startswith("__")}
-    if isinstance(node, list):
-        return [_public(item) for item in node]
-    return node
 
 
 def product_schemas(history: bool = True) -> list[tuple[str, Schema]]:

@@ -33,9 +33,9 @@ from agentstream.infra.registry_client.errors import (
     SubjectNotFound,
     Unauthorized,
 )
-from agentstream.infra.registry_client.product import product_schemas, schema_json
+from agentstream.infra.registry_client.product import product_schemas
 from agentstream.infra.security import KeySet
-from agentstream.schemas.catalog import Schema
+from agentstream.schemas.catalog import Schema, schema_json
 from agentstream.schemas.json_body import NotAJsonObject, json_object
 from agentstream.stack.registry_server.state import (
     MAX_VERSION,

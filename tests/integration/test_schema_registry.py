@@ -34,7 +34,6 @@ from agentstream.infra.config import Config
 from agentstream.infra.kafka import create_topics, topic_name
 from agentstream.infra.processes import free_port
 from agentstream.infra.registry_client import RegistryClient, RemoteRegistry, use_configured_registry
-from agentstream.infra.registry_client.product import schema_json
 from agentstream.pipeline.publisher import SpanPublisher
 from agentstream.schemas import (
     ANNOUNCEMENT,
@@ -52,6 +51,7 @@ from agentstream.schemas import (
     schema_id,
     use_registry,
 )
+from agentstream.schemas.catalog import schema_json
 from tests.support.avro_samples import ROOT, SAMPLES, llm_span
 from tests.support.schema_registry import RegistryProcess, register_users_subjects
 

@@ -8,7 +8,8 @@ import avro.schema
 import pytest
 from avro.compatibility import ReaderWriterCompatibilityChecker, SchemaCompatibilityType
 
-from agentstream.infra.registry_client.product import product_schemas, schema_json
+from agentstream.infra.registry_client.product import product_schemas
+from agentstream.schemas.catalog import schema_json
 from agentstream.schemas.compatibility import (
     InvalidSchema,
     UnknownCompatibilityLevel,

@@ -36,9 +36,10 @@ from agentstream.infra.registry_client import (
     register_product_schemas,
 )
 from agentstream.infra.registry_client.errors import Unauthorized, error_for
-from agentstream.infra.registry_client.product import product_schemas, schema_json
+from agentstream.infra.registry_client.product import product_schemas
 from agentstream.infra.security import KeySet
 from agentstream.schemas import TASK, AvroCodec, current_schemas, schema_id
+from agentstream.schemas.catalog import schema_json
 from agentstream.stack.registry_server import MemoryLog, RegistryService, RegistryState, create_app
 from agentstream.stack.registry_server.service import registry_client
 from tests.support.avro_samples import ROOT
