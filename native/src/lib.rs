@@ -167,18 +167,8 @@ impl SpanReader {
         let keywords = PyDict::new(py);
         for (slot, value) in slots.iter_mut().enumerate() {
             let value = match value.take() {
-                Some(value) if !value.is_none(py) && !is_empty_string(py, &value) => value,
-                absent => {
-                    if EMPTY_STRING_SLOTS.contains(&slot) {
-                        self.names.empty.clone_ref(py).into_any()
-                    } else if slot == STATUS_SLOT {
-                        self.names.unset.clone_ref(py).into_any()
-                    } else if slot == DIMENSIONS_SLOT {
-                        PyDict::new(py).into_any().unbind()
-                    } else {
-                        absent.unwrap_or_else(|| py.None())
-                    }
-                }
+                Some(value) if !value.is_none(py) && !(has_default(slot) && is_empty_string(py, &value)) => value,
+                _ => self.default_value(py, slot),
             };
             keywords.set_item(self.keywords[slot].bind(py), value)?;
         }
@@ -194,6 +184,20 @@ impl SpanReader {
         keywords.set_item(self.names.tokens.bind(py), PyBytes::new(py, &encoded))?;
         keywords.set_item(self.names.train.bind(py), train)?;
         Ok(plan.node.bind(py).call((), Some(&keywords))?.unbind())
+    }
+
+    /// What a node gets for a field that is missing, null or (where it has a default) empty, as the Python reader's
+    /// ``value or default`` gives it.
+    fn default_value(&self, py: Python<'_>, slot: usize) -> PyObject {
+        if EMPTY_STRING_SLOTS.contains(&slot) {
+            self.names.empty.clone_ref(py).into_any()
+        } else if slot == STATUS_SLOT {
+            self.names.unset.clone_ref(py).into_any()
+        } else if slot == DIMENSIONS_SLOT {
+            PyDict::new(py).into_any().unbind()
+        } else {
+            py.None()
+        }
     }
 
     /// Steps over the attributes, returning the training flag they hold (None: absent, or not one of its words).
@@ -225,6 +229,10 @@ impl SpanReader {
             }
         }
     }
+}
+
+fn has_default(slot: usize) -> bool {
+    EMPTY_STRING_SLOTS.contains(&slot) || slot == STATUS_SLOT || slot == DIMENSIONS_SLOT
 }
 
 fn is_empty_string(py: Python<'_>, value: &PyObject) -> bool {
