@@ -16,7 +16,8 @@ from agentstream.stack.control import Stack
 @click.command()
 @click.option("--quick", is_flag=True, default=None, help="The quick mode (same as DEMO_QUICK=1).")
 @click.option("--seconds", type=float, default=None,
-              help="Seconds of training (default: demo.seconds, 900), or of live traffic with --online "
+              help="Seconds of RL (default: demo.seconds, 900; the warm start and held-out evaluations are "
+              "off this clock), or of live traffic with --online "
               "(demo.online_seconds, 1020).")
 @click.option("--online", is_flag=True, help="The production demo: a service, its users' late feedback, the gate, "
               "canaries and rollbacks, on the vLLM contract.")

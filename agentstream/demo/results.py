@@ -10,7 +10,7 @@ from pathlib import Path
 class Evaluation:
     """Held-out success of the policy version the server held (greedy, or as the agent's ``judged`` says)."""
 
-    seconds: float  # since training started (negative: before)
+    seconds: float  # on RL's clock (0: before RL, the warm start's included)
     policy_version: int
     accuracy: float
     correct: int
@@ -33,8 +33,8 @@ class DemoReport:
     heldout_before: float
     heldout_after: float
     policy_versions: int
-    seconds: float
-    training_seconds: float
+    seconds: float  # the whole run, wall time
+    training_seconds: float  # RL's clock: evaluations and the warm start are off it
     time_to_target_s: float | None
     target: float
     agent: str = "arithmetic"
@@ -42,6 +42,7 @@ class DemoReport:
     judged: str = "greedy"  # how held-out success was measured
     heldout_warm_start: float | None = None  # after the warm start, before RL (agents with one)
     warm_start_seconds: float | None = None
+    evaluation_seconds: float = 0.0  # held-out evaluations during RL (off its clock)
     llm_calls_per_rollout: float | None = None  # train rollouts of the last policy versions
     prefix_merges: int = 0
     prefix_breaks: int = 0
@@ -93,8 +94,9 @@ def write_markdown(path: Path, report: DemoReport) -> None:
              *([f"- LLM calls per train rollout at the end: {report.llm_calls_per_rollout:.2f}; prefix merges "
                 f"{report.prefix_merges}, breaks {report.prefix_breaks}"]
                if report.llm_calls_per_rollout is not None else []),
-             (f"- {report.policy_versions} policy versions in {report.training_seconds:.0f} s of training "
-              f"({report.seconds:.0f} s in all); {report.rollouts} train rollouts, {report.spans} spans"),
+             (f"- {report.policy_versions} policy versions in {report.training_seconds:.0f} s of RL (its whole "
+              f"budget; {report.evaluation_seconds:.0f} s of held-out evaluations during it were off its clock, "
+              f"{report.seconds:.0f} s in all); {report.rollouts} train rollouts, {report.spans} spans"),
              f"- time to {report.target:.0%} held-out: {reached}",
              *([f"- machine: {report.machine['cpu_model']}, {report.machine['cores']} cores; calibration "
                 f"python_loop_s {report.machine['python_loop_s']}, numpy_matmul_s {report.machine['numpy_matmul_s']}"]

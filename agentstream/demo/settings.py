@@ -23,8 +23,9 @@ ENVIRONMENT = {"DEMO_QUICK": "quick", "DEMO_SECONDS": "seconds"}
 class DemoConfig:
     """The training demo (``make demo``) and ``make bench-learning``: how long, how often to evaluate, how wide.
 
-    ``seconds`` bounds the training phase (``quick_seconds`` when ``quick``, i.e. ``DEMO_QUICK=1``);
-    held-out greedy accuracy is measured before, every ``eval_every_s`` and after. ``concurrency``
+    ``seconds`` is RL's budget (``quick_seconds`` when ``quick``, i.e. ``DEMO_QUICK=1``);
+    held-out greedy accuracy is measured before, every ``eval_every_s`` and after, each evaluation
+    off RL's clock (a slower machine's evaluations do not eat its training). ``concurrency``
     rollouts run at once (``prompts_per_wave`` GRPO groups of ``group_size``). ``target`` is the
     held-out accuracy bench-learning times (``time_to_85pct_s``); ``stop_at_target`` ends a run there.
     The trainer steps once per wave (its flat groups counted) and drops transitions more than
@@ -35,7 +36,8 @@ class DemoConfig:
     multiplies bfloat16 natively (CUDA, or a CPU with AMX), which trains SmolLM2 about twice as fast
     there, and float32 elsewhere. ``warm_start_demonstrations`` is how many correct conversations
     the calculator demo (``agentstream demo --agent calculator``) sends through the pipeline as its
-    warm start, the supervised steps before RL.
+    warm start, the supervised steps before RL: it runs until all of them are trained and served,
+    however long that takes on the machine, up to ``warm_start_limit_s``.
 
     ``online_*`` set the online demo (``agentstream demo --online``): seconds of live traffic, the
     users' request rate (per second), the longest feedback delay and the share of answers never
@@ -72,6 +74,7 @@ class DemoConfig:
     heldout_tasks: int = 64
     dtype: str = "auto"
     warm_start_demonstrations: int = 128
+    warm_start_limit_s: float = 1800.0
     output_dir: str = "demo-output"
     report_path: str = "demo-report.json"
     online_seconds: float = 1020.0
@@ -106,6 +109,7 @@ class DemoConfig:
         check.must("heldout_tasks", 0 < self.heldout_tasks < 400,
                    "be between 1 and 399 (the arithmetic task set has 400)")
         check.at_least("warm_start_demonstrations", 1)
+        check.above("warm_start_limit_s", 0)
         check.one_of("dtype", ("auto", "float32", "bfloat16"))
         check.above("online_tolerance", 0)
         check.within("online_confidence", "(0.5, 1)")

@@ -196,10 +196,39 @@ def server_version(server_url: str) -> int:
         return int(response.headers[POLICY_VERSION_HEADER])
 
 
+class TrainingClock:
+    """RL's seconds: wall time since RL started, less the held-out evaluations run meanwhile.
+
+    Evaluations are kept off the clock so that on a slower machine they do not eat the training
+    budget: ``--seconds`` is what RL gets, whatever the machine.
+    """
+
+    def __init__(self) -> None:
+        self.started = time.monotonic()
+        self.paused = 0.0  # seconds held, evaluations included
+        self._held_since: float | None = None
+
+    def elapsed(self) -> float:
+        now = time.monotonic()
+        holding = now - self._held_since if self._held_since is not None else 0.0
+        return now - self.started - self.paused - holding
+
+    def hold(self) -> None:
+        """Stop the clock (an evaluation starts)."""
+        self._held_since = time.monotonic()
+
+    def release(self) -> None:
+        """Start it again where it stopped."""
+        if self._held_since is not None:
+            self.paused += time.monotonic() - self._held_since
+            self._held_since = None
+
+
 async def evaluate(agent: DemoAgent, tasks: list[dict], proxy_url: str, proxy_key: str | None, server_url: str,
-                   started: float) -> Evaluation:
+                   at: float) -> Evaluation:
     """Held-out success on ``tasks`` at the agent's evaluation temperature (greedy by default), ``eval_samples``
-    rollouts per task, each captured under the agent's eval name (presenting ``proxy_key``)."""
+    rollouts per task, each captured under the agent's eval name (presenting ``proxy_key``); ``at`` is the
+    training clock's seconds it is recorded at."""
     version = await asyncio.to_thread(server_version, server_url)
 
     async def one(task: dict) -> float:
@@ -210,7 +239,7 @@ async def evaluate(agent: DemoAgent, tasks: list[dict], proxy_url: str, proxy_ke
 
     rewards = await asyncio.gather(*(one(task) for task in tasks for _ in range(agent.eval_samples)))
     correct, total = int(sum(rewards)), len(rewards)
-    return Evaluation(round(time.monotonic() - started, 1), version, correct / total, correct, total)
+    return Evaluation(round(at, 1), version, correct / total, correct, total)
 
 
 def snapshot_served(server_url: str, checkpoint_dir: str, folder: Path, seconds: float) -> Snapshot:
@@ -329,7 +358,9 @@ async def warm_start(agent: DemoAgent, train: list[dict], config: Config, sessio
                      console: Console) -> float:
     """Send the agent's demonstrations through the pipeline and wait until the server holds weights trained on them.
 
-    Returns the seconds it took. Demonstrations are the first ``warm_start_demonstrations`` train
+    Returns the seconds it took. It runs until every demonstration is trained and served (a budget in
+    steps, not in seconds, so a slower machine still starts RL from the same warm start), or for at
+    most ``warm_start_limit_s``. Demonstrations are the first ``warm_start_demonstrations`` train
     tasks' correct conversations (``agent.module.demonstration``), recorded as rollouts of the
     demonstrations agent: stored, queryable, credited and trained from the stream like any other.
     """
@@ -353,7 +384,7 @@ async def warm_start(agent: DemoAgent, train: list[dict], config: Config, sessio
             console.print(f"warm start done in {time.monotonic() - started:.0f} s: {samples} samples trained, "
                           f"the server holds v{held}")
             return time.monotonic() - started
-        if time.monotonic() - started > config.demo.training_seconds:  # never wait past the run's whole time
+        if time.monotonic() - started > config.demo.warm_start_limit_s:
             console.print(f"[yellow]warm start unfinished after {time.monotonic() - started:.0f} s: "
                           f"{rollouts}/{count} demonstrations stored, {trained} of {samples} samples trained, the "
                           f"server holds v{held}; RL starts from there (see the trainer's log)[/yellow]")
@@ -362,14 +393,15 @@ async def warm_start(agent: DemoAgent, train: list[dict], config: Config, sessio
 
 
 async def train_and_watch(session: TrainingSession, config: Config, endpoints, client, console: Console,
-                          started: float, snapshots: Path | None, agent: DemoAgent = AGENTS["arithmetic"],
-                          ) -> tuple[list[Evaluation], list[Snapshot], float, float | None]:
-    """Enqueue the train tasks, run until the time is up (or the target is reached), evaluating as it goes.
+                          snapshots: Path | None, agent: DemoAgent = AGENTS["arithmetic"],
+                          ) -> tuple[list[Evaluation], list[Snapshot], TrainingClock, float | None]:
+    """Enqueue the train tasks, run RL until its time is up (or the target is reached), evaluating as it goes.
 
-    An agent with a warm start trains on its demonstrations first (inside the training time) and is
-    evaluated after it. With ``snapshots``, the served weights are linked there every
-    ``eval_every_s`` instead of evaluated. Returns the evaluations, the snapshots, the training
-    seconds and the warm start's seconds (None without one).
+    An agent with a warm start trains on its demonstrations first and is evaluated after it; both
+    before RL's clock starts. Held-out evaluations during RL are kept off its clock too
+    (:class:`TrainingClock`). With ``snapshots``, the served weights are linked there every
+    ``eval_every_s`` instead of evaluated. Returns the evaluations, the snapshots, RL's clock and the
+    warm start's seconds (None without one).
     """
     demo = config.demo
     train, heldout = agent.module.split(heldout=demo.heldout_tasks)
@@ -379,18 +411,14 @@ async def train_and_watch(session: TrainingSession, config: Config, endpoints, c
     set_sink(publisher)
     try:
         session.start_runners(progress=console.print)  # they join the task queue while the base model is evaluated
-        before = await evaluate(agent, heldout, session.proxy_url, session.proxy_key, session.server_url, started)
-        before.seconds = 0.0  # training starts now
+        before = await evaluate(agent, heldout, session.proxy_url, session.proxy_key, session.server_url, 0.0)
         console.print(f"held-out before training: {before.accuracy:.1%} ({before.correct}/{before.total}, "
                       f"{agent.judged}, policy v{before.policy_version})")
         dashboard = Dashboard(client, console, demo.training_seconds, agent)
         dashboard.evaluations.append(before)
-        training_started = time.monotonic()
         if agent.warm_start:
             warm_seconds = await warm_start(agent, train, config, session, client, console)
-            warmed = await evaluate(agent, heldout, session.proxy_url, session.proxy_key, session.server_url,
-                                    started)
-            warmed.seconds = round(time.monotonic() - training_started, 1)
+            warmed = await evaluate(agent, heldout, session.proxy_url, session.proxy_key, session.server_url, 0.0)
             dashboard.evaluations.append(warmed)
             console.print(f"held-out after the warm start: {warmed.accuracy:.1%} ({warmed.correct}/{warmed.total}, "
                           f"{agent.judged}, policy v{warmed.policy_version}); RL from here")
@@ -399,15 +427,16 @@ async def train_and_watch(session: TrainingSession, config: Config, endpoints, c
         queue = await PacedQueue(config, endpoints.bootstrap_servers,
                                  _waves(train, demo.group_size, wave_size, agent),
                                  max_lag=demo.max_policy_lag).start()
+        clock = TrainingClock()
         try:
             await queue.top_up(held, 0, time.monotonic())
-            next_eval = training_started + demo.eval_every_s
+            next_eval = demo.eval_every_s  # on the clock
             pending: asyncio.Task | None = None
             last_line = last_snapshot = 0.0
             numbers: dict = {}
             with (Live(console=console, refresh_per_second=2, transient=False) if console.is_terminal
                   else nullcontext()) as live:
-                while (elapsed := time.monotonic() - training_started) < demo.training_seconds:
+                while (elapsed := clock.elapsed()) < demo.training_seconds:
                     session.check()
                     if time.monotonic() - last_snapshot >= SNAPSHOT_EVERY_S:
                         numbers, per_version = dashboard.snapshot(), dashboard.reward_per_version()
@@ -421,43 +450,44 @@ async def train_and_watch(session: TrainingSession, config: Config, endpoints, c
                     held = await asyncio.to_thread(server_version, session.server_url)
                     await queue.top_up(held, numbers.get("rollouts", 0), time.monotonic())
                     if pending is not None and pending.done():
+                        clock.release()
                         result = pending.result()
-                        result.seconds = round(result.seconds - (training_started - started), 1)
                         dashboard.evaluations.append(result)
                         console.print(f"held-out at {result.seconds:.0f} s: {result.accuracy:.1%} "
                                       f"(policy v{result.policy_version})")
                         pending = None
                         if demo.stop_at_target and result.accuracy >= demo.target:
                             break
-                    if snapshots is not None and time.monotonic() >= next_eval:
+                    if snapshots is not None and clock.elapsed() >= next_eval:
                         taken.append(await asyncio.to_thread(
                             snapshot_served, session.server_url, config.trainer.checkpoint_dir, snapshots,
-                            round(time.monotonic() - training_started, 1)))
+                            round(clock.elapsed(), 1)))
                         next_eval += demo.eval_every_s
-                    elif pending is None and time.monotonic() >= next_eval:
+                    elif pending is None and clock.elapsed() >= next_eval:
                         pending = asyncio.create_task(evaluate(agent, heldout, session.proxy_url,
-                                                               session.proxy_key, session.server_url, started))
-                        next_eval = time.monotonic() + demo.eval_every_s
+                                                               session.proxy_key, session.server_url, clock.elapsed()))
+                        clock.hold()
+                        next_eval = clock.elapsed() + demo.eval_every_s
                     await asyncio.sleep(PACE_EVERY_S)
         finally:
             await queue.close()
-        training_seconds = time.monotonic() - training_started
+        if pending is not None:
+            dashboard.evaluations.append(await pending)
+            clock.release()
+        clock.hold()  # RL is over: what follows is off its clock
+        training_seconds = clock.elapsed()
         if snapshots is not None:
             taken.append(await asyncio.to_thread(snapshot_served, session.server_url, config.trainer.checkpoint_dir,
                                                  snapshots, round(training_seconds, 1)))
-        if pending is not None:
-            result = await pending
-            result.seconds = round(result.seconds - (training_started - started), 1)
-            dashboard.evaluations.append(result)
         console.print("stopping runners and trainer, then the final held-out evaluation")
         session.stop(*(name for name in session.children if name.startswith("runner")), "trainer")
         await asyncio.sleep(2.0)  # the last announced checkpoint reaches the server
-        after = await evaluate(agent, heldout, session.proxy_url, session.proxy_key, session.server_url, started)
-        after.seconds = round(training_seconds, 1)
+        after = await evaluate(agent, heldout, session.proxy_url, session.proxy_key, session.server_url,
+                               training_seconds)
         dashboard.evaluations.append(after)
         console.print(f"held-out after training: {after.accuracy:.1%} ({after.correct}/{after.total}, "
                       f"{agent.judged}, policy v{after.policy_version})")
-        return dashboard.evaluations, taken, training_seconds, warm_seconds
+        return dashboard.evaluations, taken, clock, warm_seconds
     finally:
         set_sink(None)
         await asyncio.to_thread(publisher.close)
@@ -499,8 +529,8 @@ def run_demo(config: Config, console: Console | None = None, snapshots: Path | N
         session.start(progress=console.print)
         if snapshots is not None:
             snapshots.mkdir(parents=True, exist_ok=True)
-        evaluations, taken, training_seconds, warm_seconds = asyncio.run(
-            train_and_watch(session, config, endpoints, client, console, started, snapshots, agent))
+        evaluations, taken, clock, warm_seconds = asyncio.run(
+            train_and_watch(session, config, endpoints, client, console, snapshots, agent))
         if config.tracking.mlflow_uri:  # into the trainer's run, beside its per-step metrics
             console.print(record_evaluations(config.tracking, config.trainer.checkpoint_dir,
                                              [(e.policy_version, e.accuracy) for e in evaluations]))
@@ -522,7 +552,8 @@ def run_demo(config: Config, console: Console | None = None, snapshots: Path | N
             train_tokens_per_s=round(tokens / step_seconds, 1) if step_seconds else None,
             heldout_before=evaluations[0].accuracy, heldout_after=evaluations[-1].accuracy,
             policy_versions=numbers["version"], seconds=round(time.monotonic() - started, 1),
-            training_seconds=round(training_seconds, 1), time_to_target_s=min(reached) if reached else None,
+            training_seconds=round(clock.elapsed(), 1), evaluation_seconds=round(clock.paused, 1),
+            time_to_target_s=min(reached) if reached else None,
             target=demo.target, evaluations=evaluations, reward_per_version=per_version,
             rollouts=numbers["rollouts"], spans=numbers["spans"], train_steps=numbers["steps"], quick=demo.quick,
             machine=machine.as_dict(), snapshots=taken)

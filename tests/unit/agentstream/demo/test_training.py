@@ -1,12 +1,13 @@
-"""The demo's configuration per agent: the credit level each trains at and its samples per step."""
+"""The demo's configuration per agent (the credit level each trains at, its samples per step) and RL's clock."""
 
 from __future__ import annotations
 
+import time
 from dataclasses import replace
 
 import pytest
 
-from agentstream.demo.training import AGENTS, demo_config, on_framework
+from agentstream.demo.training import AGENTS, TrainingClock, demo_config, on_framework
 from agentstream.examples import calculator_agent, calculator_langgraph
 from agentstream.infra.config import load_config
 
@@ -39,3 +40,17 @@ def test_the_calculator_agent_on_a_framework_runs_that_framework_on_the_same_tas
         on_framework(AGENTS["arithmetic"], "langgraph")
     with pytest.raises(ValueError, match="unknown framework 'crewai'"):
         on_framework(plain, "crewai")
+
+
+def test_rls_clock_stands_still_while_an_evaluation_holds_it_and_goes_on_from_there():
+    clock = TrainingClock()
+    time.sleep(0.05)
+    clock.hold()
+    held_at = clock.elapsed()
+    time.sleep(0.2)
+    assert clock.elapsed() == pytest.approx(held_at, abs=0.01)  # an evaluation's seconds are not RL's
+    clock.release()
+    time.sleep(0.05)
+    assert 0.09 <= clock.elapsed() < 0.2 and clock.paused >= 0.2
+    clock.release()  # a second release changes nothing
+    assert clock.paused < 0.25
