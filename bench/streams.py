@@ -15,6 +15,9 @@ spans (rollouts of 15 LLM calls and a reward, between STARTED and SUCCEEDED even
   every call's token arrays and compares them with the last call's (this workload's calls are
   unrelated: every call after a rollout's first breaks the prefix, prefix_breaks_per_rollout 14);
   the figures carry the level;
+- worker_rss_soak_slope_mb_per_min: ``--soak-minutes`` more of publishing at the measured ingest rate
+  (full load) after the latency run; the worker's RSS every 30 s, and its least-squares slope over
+  the second half (a leak grows it; a worker that holds more in flight than at the start does not);
 - span_read_us_per_span: the worker's reading of a SpanBatch of 16 such spans into its nodes, in this process,
   compiled (the value) and by the Python reference reader (``reference``), before any stack starts;
 - the peer: Agent Lightning 0.3.0's LightningStore HTTP server with runners in separate processes,
@@ -141,6 +144,8 @@ def main() -> None:
     parser.add_argument("--rollouts", type=int, default=12_500, help="rollouts of 16 spans for the ingest figure")
     parser.add_argument("--latency-seconds", type=float, default=15.0)
     parser.add_argument("--no-peer", action="store_true", help="skip Agent Lightning")
+    parser.add_argument("--soak-minutes", type=float, default=10.0,
+                        help="minutes of full load after the latency run, the worker's RSS sampled (0: none)")
     parser.add_argument("--broker-storage", choices=BROKER_STORAGES, default="durable",
                         help="tansu's storage (memory: no object store, what durability costs)")
     parser.add_argument("--level", choices=LEVELS, default="transition",
@@ -231,6 +236,7 @@ def measure(broker: str, args: argparse.Namespace, peer: dict | None) -> None:
                 for stage, us in per_span.items():
                     emit(BENCH, f"ingest_cpu_us_per_span_{stage}", us, "us/span", broker=broker)
 
+                rss_end = rss_mb(worker.pid)
                 watcher = TransitionWatcher(options, topic_name(config.topics, "transitions"))
                 watcher.start()
                 time.sleep(2)
@@ -253,6 +259,8 @@ def measure(broker: str, args: argparse.Namespace, peer: dict | None) -> None:
                     if rollout_id in watcher.seen:
                         latencies.append((watcher.seen[rollout_id] - at) * 1000)
                 watcher.stop.set()
+                if args.soak_minutes > 0:
+                    soak(workload, publisher, client, worker, ours, args.soak_minutes, broker)
             missing = len(ended) - len(latencies)
             extra = {"broker": broker, "spans": total, "seconds": round(elapsed, 2), "span_bytes": 1000, "workers": 1,
                      "level": args.level}
@@ -265,7 +273,8 @@ def measure(broker: str, args: argparse.Namespace, peer: dict | None) -> None:
                     "level": args.level}
             emit(BENCH, "transition_latency_p50_ms", percentile(latencies, 0.5), "ms", **load)
             emit(BENCH, "transition_latency_p99_ms", percentile(latencies, 0.99), "ms", **load)
-            emit(BENCH, "worker_rss_mb", rss_mb(worker.pid), "MB", at_start=round(rss_start, 1), broker=broker)
+            emit(BENCH, "worker_rss_mb", rss_end, "MB", at_start=round(rss_start, 1), broker=broker,
+                 note="after the ingest and latency runs, before the soak")
             merges, breaks, rollouts = client.query(
                 "SELECT sum(prefix_merges), sum(prefix_breaks), count() FROM rollouts FINAL").result_rows[0]
             emit(BENCH, "prefix_breaks_per_rollout", breaks / max(rollouts, 1), "breaks", level=args.level,
@@ -279,6 +288,48 @@ def measure(broker: str, args: argparse.Namespace, peer: dict | None) -> None:
                 worker.wait(30)
             except subprocess.TimeoutExpired:
                 worker.kill()
+
+
+def soak(workload: Workload, publisher: SpanPublisher, client, worker: subprocess.Popen, spans_per_s: float,
+         minutes: float, broker: str, sample_every_s: float = 30.0) -> None:
+    """Publish at ``spans_per_s`` for ``minutes``, sampling the worker's RSS; prints its slope over the second half."""
+    rate = spans_per_s / SPANS_PER_ROLLOUT
+    samples: list[tuple[float, float]] = [(0.0, rss_mb(worker.pid))]
+    begin = time.perf_counter()
+    published = 0
+    print(f"soak: {minutes:g} min at {spans_per_s:,.0f} spans/s on {broker}, the worker's RSS every "
+          f"{sample_every_s:.0f} s", file=sys.stderr, flush=True)
+    while (now := time.perf_counter() - begin) < minutes * 60:
+        if worker.poll() is not None:
+            raise RuntimeError(f"the streams worker exited during the soak (code {worker.returncode})")
+        if now - samples[-1][0] >= sample_every_s:
+            samples.append((now, rss_mb(worker.pid)))
+            print(f"soak: {now / 60:4.1f} min, worker RSS {samples[-1][1]:.0f} MB", file=sys.stderr, flush=True)
+        pause = begin + published / rate - time.perf_counter()
+        if pause > 0:
+            time.sleep(pause)
+        workload.rollout(publisher)
+        published += 1
+    publisher.flush(120)
+    samples.append((time.perf_counter() - begin, rss_mb(worker.pid)))
+    expected = workload.count * SPANS_PER_ROLLOUT  # every span this stack was sent, the earlier runs' included
+    backlog_deadline = time.monotonic() + 300
+    while (stored := client.query("SELECT count() FROM spans").result_rows[0][0]) < expected:
+        if time.monotonic() > backlog_deadline:
+            break
+        time.sleep(1.0)
+    drained = time.perf_counter() - begin - samples[-1][0]
+    half = samples[len(samples) // 2:]
+    mean_t = sum(t for t, _ in half) / len(half)
+    mean_mb = sum(mb for _, mb in half) / len(half)
+    slope = (sum((t - mean_t) * (mb - mean_mb) for t, mb in half)
+             / max(sum((t - mean_t) ** 2 for t, _ in half), 1e-9) * 60)
+    emit(BENCH, "worker_rss_soak_slope_mb_per_min", slope, "MB/min", broker=broker, minutes=minutes,
+         load_spans_per_s=round(spans_per_s), spans=published * SPANS_PER_ROLLOUT, stored_of_sent=[stored, expected],
+         drain_seconds_after=round(drained, 1),
+         rss_mb=[[round(t / 60, 2), round(mb, 1)] for t, mb in samples],
+         note="least squares over the second half's samples; rss_mb is [minutes, MB]; drain: after the last "
+              "publish until ClickHouse counted every span sent")
 
 
 if __name__ == "__main__":
