@@ -40,6 +40,15 @@ def chosen_brokers(choice: str) -> tuple[str, ...]:
     return BROKERS if choice == "both" else (choice,)
 
 
+def slope_per_hour(points: list[tuple[float, float]]) -> float:
+    """The least-squares slope of (seconds, value) points, per hour."""
+    n = len(points)
+    mean_t = sum(t for t, _ in points) / n
+    mean_v = sum(v for _, v in points) / n
+    spread = sum((t - mean_t) ** 2 for t, _ in points)
+    return 0.0 if spread == 0 else sum((t - mean_t) * (v - mean_v) for t, v in points) / spread * 3600
+
+
 def percentile(values: list[float], q: float) -> float:
     ordered = sorted(values)
     return ordered[min(len(ordered) - 1, int(q * len(ordered)))]

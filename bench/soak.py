@@ -50,7 +50,7 @@ from pathlib import Path
 from agentstream.infra.processes import ServiceDirectory
 from agentstream.stack.control import BROKER, CLICKHOUSE, OBJECTSTORE
 from bench import chaos
-from bench.common import emit
+from bench.common import emit, slope_per_hour
 from bench.streams import rss_mb
 
 BENCH = "soak"
@@ -125,15 +125,6 @@ def disk_mb(folder: Path) -> float:
             except OSError:
                 pass
     return allocated / 1e6
-
-
-def slope_per_hour(points: list[tuple[float, float]]) -> float:
-    """The least-squares slope of (seconds, value) points, per hour."""
-    n = len(points)
-    mean_t = sum(t for t, _ in points) / n
-    mean_v = sum(v for _, v in points) / n
-    spread = sum((t - mean_t) ** 2 for t, _ in points)
-    return 0.0 if spread == 0 else sum((t - mean_t) * (v - mean_v) for t, v in points) / spread * 3600
 
 
 def sen_slope_per_hour(points: list[tuple[float, float]]) -> float:

@@ -52,7 +52,16 @@ from agentstream.schemas import HEADER_SIZE, AvroCodec
 from agentstream.schemas.span_reader import ReferenceSpanReader, SpanReader
 from agentstream.stack.machine import CpuShare, calibrate
 from agentstream.streams.trajectory import SpanNode
-from bench.common import add_broker_option, chosen_brokers, cli_environ, emit, llm_span, percentile, private_stack
+from bench.common import (
+    add_broker_option,
+    chosen_brokers,
+    cli_environ,
+    emit,
+    llm_span,
+    percentile,
+    private_stack,
+    slope_per_hour,
+)
 
 SPANS_PER_ROLLOUT = 16
 BENCH = "streams"
@@ -236,7 +245,6 @@ def measure(broker: str, args: argparse.Namespace, peer: dict | None) -> None:
                 for stage, us in per_span.items():
                     emit(BENCH, f"ingest_cpu_us_per_span_{stage}", us, "us/span", broker=broker)
 
-                rss_end = rss_mb(worker.pid)
                 watcher = TransitionWatcher(options, topic_name(config.topics, "transitions"))
                 watcher.start()
                 time.sleep(2)
@@ -259,6 +267,7 @@ def measure(broker: str, args: argparse.Namespace, peer: dict | None) -> None:
                     if rollout_id in watcher.seen:
                         latencies.append((watcher.seen[rollout_id] - at) * 1000)
                 watcher.stop.set()
+                rss_end = rss_mb(worker.pid)
                 if args.soak_minutes > 0:
                     soak(workload, publisher, client, worker, ours, args.soak_minutes, broker)
             missing = len(ended) - len(latencies)
@@ -319,11 +328,7 @@ def soak(workload: Workload, publisher: SpanPublisher, client, worker: subproces
             break
         time.sleep(1.0)
     drained = time.perf_counter() - begin - samples[-1][0]
-    half = samples[len(samples) // 2:]
-    mean_t = sum(t for t, _ in half) / len(half)
-    mean_mb = sum(mb for _, mb in half) / len(half)
-    slope = (sum((t - mean_t) * (mb - mean_mb) for t, mb in half)
-             / max(sum((t - mean_t) ** 2 for t, _ in half), 1e-9) * 60)
+    slope = slope_per_hour(samples[len(samples) // 2:]) / 60
     emit(BENCH, "worker_rss_soak_slope_mb_per_min", slope, "MB/min", broker=broker, minutes=minutes,
          load_spans_per_s=round(spans_per_s), spans=published * SPANS_PER_ROLLOUT, stored_of_sent=[stored, expected],
          drain_seconds_after=round(drained, 1),
