@@ -248,26 +248,29 @@ class Batcher:
             return False
         if self.min_reward is not None:
             if sample.rollout_reward < self.min_reward:
-                self.seen.add(sample.transition_id)
                 self.counts.below_threshold += 1
-                self.counts.skipped_rewards.append(sample.reward)
+                self._skip(sample)
                 return False
             sample = supervised(sample)
         if self._stale(sample, current_version):
             self.counts.stale += 1
             return False
         if self.skip_zero_advantage and sample.advantage == 0.0:
-            self.seen.add(sample.transition_id)
             self.counts.uninformative += 1
-            self.counts.skipped_rewards.append(sample.reward)
-            self._skipped += 1
-            if not self._queue and self._skipped >= self.batch_transitions:
-                self._skipped = 0  # a batch's worth with no signal at all: nothing to step on, start the next one
+            self._skip(sample)
             return False
         self._queue.append((now, sample, self._skipped))
         self._skipped = 0
         self._queued.add(sample.transition_id)
         return True
+
+    def _skip(self, sample: Sample) -> None:
+        """Remember a sample not trained on; it counts toward the next batch (``count_skipped``) as a flat one does."""
+        self.seen.add(sample.transition_id)
+        self.counts.skipped_rewards.append(sample.reward)
+        self._skipped += 1
+        if not self._queue and self._skipped >= self.batch_transitions:
+            self._skipped = 0  # a batch's worth with no signal at all: nothing to step on, start the next one
 
     def pending_positions(self) -> Iterable[tuple[str, int, int]]:
         """Kafka positions of the queued samples (not yet trained, so not yet committable)."""

@@ -101,6 +101,18 @@ def test_skipped_flat_transitions_count_toward_the_batch_when_asked():
     assert not counting.ready(now=0)
 
 
+def test_supervised_rejections_count_toward_the_batch_as_flat_ones_do():
+    b = batcher(min_reward=1.0, batch_transitions=4, count_skipped=True)
+    b.offer(Sample.from_record(record(transition_id="good", advantage=0.0)), current_version=0, now=0)
+    for name in ("bad1", "bad2"):
+        b.offer(Sample.from_record(record(transition_id=name, reward=0.0, return_value=0.0)), current_version=0, now=0)
+    assert not b.ready(now=0)  # three of the wave's four
+    b.offer(Sample.from_record(record(transition_id="bad3", reward=0.0, return_value=0.0)), current_version=0, now=0)
+    assert b.ready(now=0)  # a wave with one success steps on it, as a wave with one informative group does
+    batch = b.take(current_version=0)
+    assert [s.transition_id for s in batch.samples] == ["good"] and batch.counts.below_threshold == 3
+
+
 def test_a_backlog_of_rounds_is_cut_where_each_round_ends_when_skipped_ones_count():
     b = batcher(batch_transitions=4, count_skipped=True)
     rounds = [["a1", "flat", "a2", "flat"], ["flat", "flat", "b1", "b2"], ["c1", "c2", "c3", "c4"], ["flat"] * 3]
