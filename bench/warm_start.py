@@ -1,13 +1,15 @@
-"""Warm start: how the calculator agent's success grows with supervised steps on demonstrations.
+"""Warm start: how a tool-using agent's success grows with supervised steps on demonstrations.
 
-The demonstrations are the calculator demo's (``agentstream.examples.calculator_agent.demonstration``: one
-calculator call, then the answer), as trajectory-level samples without logprobs, 32 per step,
+The demonstrations are the demo's (``--agent calculator``: ``agentstream.examples.calculator_agent``;
+``--agent word-problems``: ``agentstream.examples.word_problems``, demonstrated on half its kinds of
+problem): one calculator call, then the answer, as trajectory-level samples without logprobs, 32 per step,
 trained with the trainer's own step (``agentstream.trainer.step.train_step``, the demo's learning rate by
 default). After each step from ``--from-step`` on, the agent's two-turn loop runs on the
 held-out tasks in-process (the dev server's generation code, its tool rendering and parsing):
 greedy, then ``--samples`` rollouts per task at each ``--temperatures``. Per step, JSON lines:
 success, tool calls per rollout, and for the sampled runs the tasks whose rollouts disagree
-(what a GRPO group learns from), after a machine calibration line.
+(what a GRPO group learns from), and for the word problems greedy success per kind, after a machine
+calibration line.
 """
 
 from __future__ import annotations
@@ -19,7 +21,7 @@ import uuid
 from dataclasses import replace
 
 from agentstream.demo.demonstrations import demonstration_calls
-from agentstream.examples import calculator_agent as calculator
+from agentstream.examples import arithmetic, calculator_agent, word_problems
 from agentstream.infra.config import load_config
 from agentstream.models import LoadedModel, assign_weights, eos_token_ids
 from agentstream.serving.attention import use_grouped_attention
@@ -31,11 +33,13 @@ from agentstream.trainer.policy import build_policy
 from agentstream.trainer.step import train_step
 from bench.common import emit
 
+AGENTS = {"calculator": calculator_agent, "word-problems": word_problems}
 
-def demonstration_sample(task: dict, tokenizer) -> Sample:
+
+def demonstration_sample(module, task: dict, tokenizer) -> Sample:
     """A demonstration as the stream processor merges it: first prompt, both turns, the tool result masked."""
     (prompt, first), (second_prompt, second) = demonstration_calls(
-        calculator.demonstration(task), [calculator.CALCULATOR], tokenizer, tokenizer.eos_token_id)
+        module.demonstration(task), [module.CALCULATOR], tokenizer, tokenizer.eos_token_id)
     glue = second_prompt[len(prompt) + len(first):]
     return Sample.from_record({
         "transition_id": uuid.uuid4().hex, "rollout_id": uuid.uuid4().hex, "policy_version": 0,
@@ -47,21 +51,22 @@ def demonstration_sample(task: dict, tokenizer) -> Sample:
 class Agent:
     """The calculator agent's loop (a call, the tools, a second call) on a model in this process."""
 
-    def __init__(self, model, tokenizer, eos) -> None:
-        self.model, self.tokenizer, self.eos = model, tokenizer, eos
+    def __init__(self, module, model, tokenizer, eos) -> None:
+        self.module, self.model, self.tokenizer, self.eos = module, model, tokenizer, eos
 
     def _generate(self, prompts: list[list[int]], temperature: float, n: int):
         self.model.eval()
-        requests = [BatchRequest(p, SamplingParams(max_tokens=calculator.MAX_TOKENS, temperature=temperature, n=n))
+        requests = [BatchRequest(p, SamplingParams(max_tokens=calculator_agent.MAX_TOKENS, temperature=temperature,
+                                                   n=n))
                     for p in prompts]
         return generate_batch(self.model, self.tokenizer, requests, self.eos, self.tokenizer.pad_token_id or 0)
 
     def _prompt(self, messages: list[dict]) -> list[int]:
-        return render_prompt(self.tokenizer, messages, [calculator.CALCULATOR], False)
+        return render_prompt(self.tokenizer, messages, [self.module.CALCULATOR], False)
 
-    def run(self, tasks: list[dict], temperature: float, n: int) -> tuple[float, float, int]:
-        """(success, tool calls per rollout, tasks whose n rollouts disagree)."""
-        opening = [[{"role": "system", "content": calculator.SYSTEM}, {"role": "user", "content": t["prompt"]}]
+    def run(self, tasks: list[dict], temperature: float, n: int) -> tuple[list[list[float]], float]:
+        """(each task's n rewards, tool calls per rollout)."""
+        opening = [[{"role": "system", "content": self.module.SYSTEM}, {"role": "user", "content": t["prompt"]}]
                    for t in tasks]
         answers: dict[tuple[int, int], str] = {}
         follow_ups, calls = [], 0
@@ -73,20 +78,28 @@ class Agent:
                     continue
                 calls += 1
                 results = [{"role": "tool", "tool_call_id": c["id"],
-                            "content": calculator.run_tool(c["function"]["name"], c["function"]["arguments"])}
+                            "content": calculator_agent.run_tool(c["function"]["name"], c["function"]["arguments"])}
                            for c in parsed.tool_calls]
                 follow_ups.append(((i, j), opening[i] + [{"role": "assistant", "content": parsed.content,
                                                           "tool_calls": parsed.tool_calls}] + results))
         if follow_ups:
             finals = self._generate([self._prompt(m) for _, m in follow_ups], temperature, 1)
             answers.update({key: sequences[0].text for (key, _), sequences in zip(follow_ups, finals, strict=True)})
-        rewards = [[calculator.reward(answers[i, j], t["answer"]) for j in range(n)] for i, t in enumerate(tasks)]
-        mixed = sum(1 for r in rewards if 0 < sum(r) < n)
-        return sum(map(sum, rewards)) / (n * len(tasks)), calls / (n * len(tasks)), mixed
+        rewards = [[arithmetic.reward(answers[i, j], t["answer"]) for j in range(n)] for i, t in enumerate(tasks)]
+        return rewards, calls / (n * len(tasks))
+
+
+def by_kind(tasks: list[dict], rewards: list[list[float]]) -> dict[str, float]:
+    """A word-problem agent's success per kind of problem (``word_problems.KINDS``)."""
+    totals: dict[str, list[float]] = {}
+    for task, task_rewards in zip(tasks, rewards, strict=True):
+        totals.setdefault(word_problems.kind_of(task).name, []).extend(task_rewards)
+    return {kind: round(sum(r) / len(r), 3) for kind, r in totals.items()}
 
 
 def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
+    parser.add_argument("--agent", choices=sorted(AGENTS), default="calculator", help="The agent and its tasks.")
     parser.add_argument("--steps", type=int, default=5, help="Supervised steps (32 demonstrations each).")
     parser.add_argument("--from-step", type=int, default=3, help="The first step after which the agent is judged.")
     parser.add_argument("--lr", type=float, default=None, help="Learning rate (default: the demo's).")
@@ -105,11 +118,14 @@ def main() -> None:
     sampler = copy.deepcopy(policy.model)  # generates as the dev server does
     sampler.set_attn_implementation("sdpa")
     use_grouped_attention(sampler)
-    agent = Agent(sampler, tokenizer, eos_token_ids(LoadedModel(policy.model, tokenizer, policy.name, policy.dtype)))
-    train, heldout = calculator.split()
+    module = AGENTS[args.agent]
+    agent = Agent(module, sampler, tokenizer,
+                  eos_token_ids(LoadedModel(policy.model, tokenizer, policy.name, policy.dtype)))
+    train, heldout = module.split()
     heldout = heldout[:args.heldout]
+    demonstrated = module.demonstration_tasks(train)
     for step in range(1, args.steps + 1):
-        batch = [demonstration_sample(task, tokenizer) for task in train[(step - 1) * 32:step * 32]]
+        batch = [demonstration_sample(module, task, tokenizer) for task in demonstrated[(step - 1) * 32:step * 32]]
         started = time.monotonic()
         result = train_step(policy, Batch(batch, 0, Counts()), trainer)
         assign_weights(sampler, policy.model.state_dict())
@@ -117,9 +133,11 @@ def main() -> None:
         if step < args.from_step:
             continue
         for temperature, n in [(0.0, 1), *((t, args.samples) for t in temperatures)]:
-            success, calls, mixed = agent.run(heldout, temperature, n)
-            emit("warm_start", "heldout_success", success, "share", step=step, temperature=temperature,
-                 rollouts_per_task=n, tool_calls_per_rollout=round(calls, 3), tasks_with_mixed_rollouts=mixed)
+            rewards, calls = agent.run(heldout, temperature, n)
+            kinds = {"by_kind": by_kind(heldout, rewards)} if module is word_problems else {}
+            emit("warm_start", "heldout_success", sum(map(sum, rewards)) / (n * len(heldout)), "share", step=step,
+                 temperature=temperature, rollouts_per_task=n, tool_calls_per_rollout=round(calls, 3),
+                 tasks_with_mixed_rollouts=sum(1 for r in rewards if 0 < sum(r) < n), **kinds)
 
 
 if __name__ == "__main__":

@@ -88,6 +88,11 @@ def demonstration(task: dict) -> list[dict[str, Any]]:
             {"role": "assistant", "content": f"The answer is {task['answer']}."}]
 
 
+def demonstration_tasks(train: list[dict]) -> list[dict]:
+    """The train tasks a warm start demonstrates: all of them, in order (every task is of the one kind)."""
+    return train
+
+
 class CalculatorError(ValueError):
     """The expression is not plain arithmetic, or has no finite value."""
 
@@ -156,14 +161,15 @@ def _assistant_message(message: Any) -> dict[str, Any]:
 
 
 async def solve(task: dict, rollout, *, temperature: float = 1.0,
-                on_tool_results: Callable[[int, list[str]], None] | None = None) -> float:
+                on_tool_results: Callable[[int, list[str]], None] | None = None, system: str = SYSTEM) -> float:
     """One rollout: let the model use the calculator for up to MAX_TURNS calls, score its final number.
 
     ``on_tool_results(turn, results)`` is told what the tools answered each turn (an agent that
-    rewards good tool use along the way hooks in here).
+    rewards good tool use along the way hooks in here); ``system`` is the instruction the loop opens with
+    (another task's agent on the same tool passes its own).
     """
     llm = client().with_options(base_url=rollout.llm_base_url(), api_key=rollout.llm_api_key())
-    messages: list[dict[str, Any]] = [{"role": "system", "content": SYSTEM},
+    messages: list[dict[str, Any]] = [{"role": "system", "content": system},
                                       {"role": "user", "content": task["prompt"]}]
     answer = ""
     model = await model_name(task, llm)

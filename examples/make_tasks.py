@@ -1,7 +1,8 @@
 """Write the shipped task files: ``python -m agentstream.examples.make_tasks [--out DIR]``.
 
 ``examples/tasks/{agent}-train.jsonl`` and ``{agent}-heldout.jsonl`` hold each example agent's
-seeded split (``examples.arithmetic.split()``, ``examples.calculator_agent.split()``), one
+seeded split (``examples.arithmetic.split()``, ``examples.calculator_agent.split()``,
+``examples.word_problems.split()``), one
 ``{"id", "prompt", "answer"}`` object per line, ready for ``agentstream enqueue``. The splits are
 seeded, so the files are the same on every run.
 """
@@ -13,11 +14,11 @@ import json
 from collections.abc import Callable
 from pathlib import Path
 
-from agentstream.examples import arithmetic, calculator_agent
+from agentstream.examples import arithmetic, calculator_agent, word_problems
 
 TASKS_DIR = Path(__file__).resolve().parent / "tasks"
 SPLITS: dict[str, Callable[[], tuple[list[dict], list[dict]]]] = {
-    "arithmetic": arithmetic.split, "calculator": calculator_agent.split}
+    "arithmetic": arithmetic.split, "calculator": calculator_agent.split, "word-problems": word_problems.split}
 
 
 def render(tasks: list[dict]) -> str:

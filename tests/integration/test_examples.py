@@ -15,6 +15,7 @@ that always calls the tool, where the prompt token ids show the tool result the 
 from __future__ import annotations
 
 import asyncio
+import collections
 import json
 import re
 import subprocess
@@ -30,7 +31,14 @@ import pytest
 from aiohttp import web
 
 import agentstream as ags
-from agentstream.examples import arithmetic, calculator_agent, calculator_shaped, langchain_agent, make_tasks
+from agentstream.examples import (
+    arithmetic,
+    calculator_agent,
+    calculator_shaped,
+    langchain_agent,
+    make_tasks,
+    word_problems,
+)
 from agentstream.infra.clickhouse import connect
 from agentstream.infra.config import load_config
 from agentstream.infra.kafka import topic_name
@@ -277,11 +285,11 @@ def test_calculator_loop_through_the_proxy_and_dev_server(publisher, topics_conf
 # ---------------------------------------------------------------- task files
 
 
-@pytest.mark.parametrize("agent", [arithmetic, calculator_agent])
-def test_task_files_are_the_seeded_split(tmp_path, agent):
+@pytest.mark.parametrize(("agent", "stem"), [(arithmetic, "arithmetic"), (calculator_agent, "calculator"),
+                                             (word_problems, "word-problems")])
+def test_task_files_are_the_seeded_split(tmp_path, agent, stem):
     written = make_tasks.write(tmp_path)
     train, heldout = agent.split()
-    stem = agent.__name__.rsplit(".", 1)[1].removesuffix("_agent")
     for name, tasks in (("train", train), ("heldout", heldout)):
         committed = make_tasks.TASKS_DIR / f"{stem}-{name}.jsonl"
         assert committed.read_text() == written[f"{stem}-{name}"].read_text(), (
@@ -290,9 +298,30 @@ def test_task_files_are_the_seeded_split(tmp_path, agent):
     assert len(heldout) == agent.HELDOUT_SIZE
     assert {t["id"] for t in train}.isdisjoint(t["id"] for t in heldout)
     assert sorted(train + heldout, key=lambda t: t["id"]) == sorted(agent.all_tasks(), key=lambda t: t["id"])
-    for task in train + heldout:  # "Compute a+b." or "Compute a*b+d."
+    for task in train + heldout:  # "Compute a+b.", "Compute a*b+d." or a story's three numbers
         numbers = [int(n) for n in re.findall(r"\d+", task["prompt"])]
-        assert task["answer"] == (sum(numbers) if len(numbers) == 2 else numbers[0] * numbers[1] + numbers[2])
+        if agent is word_problems:
+            assert task["answer"] == calculator_agent.calculate(word_problems.kind_of(task).expression.format(
+                a=numbers[0], b=numbers[1], c=numbers[2])) > 0
+        else:
+            assert task["answer"] == (sum(numbers) if len(numbers) == 2 else numbers[0] * numbers[1] + numbers[2])
+
+
+def test_word_problems_demonstrate_half_the_kinds_and_hold_out_every_kind_alike():
+    train, heldout = word_problems.split()
+    kinds = {kind.name for kind in word_problems.KINDS}
+    per_kind = collections.Counter(word_problems.kind_of(task).name for task in heldout)
+    assert set(per_kind) == kinds and set(per_kind.values()) == {len(heldout) // len(kinds)}
+    demonstrated = word_problems.demonstration_tasks(train)
+    assert {word_problems.kind_of(task).name for task in demonstrated} == word_problems.DEMONSTRATED
+    assert 0 < len(word_problems.DEMONSTRATED) < len(kinds)
+    assert demonstrated == [t for t in train if word_problems.kind_of(t).name in word_problems.DEMONSTRATED]
+    for task in demonstrated[:8] + heldout:  # a demonstration computes the answer with the task's own expression
+        conversation = word_problems.demonstration(task)
+        arguments = json.loads(conversation[2]["tool_calls"][0]["function"]["arguments"])
+        assert calculator_agent.calculate(arguments["expression"]) == task["answer"]
+        assert conversation[3]["content"] == str(task["answer"])
+        assert arithmetic.final_number(conversation[-1]["content"]) == task["answer"]
 
 
 def test_a_larger_heldout_set_extends_the_demos():
