@@ -21,17 +21,22 @@ from agentstream.stack.control import Stack
               "(demo.online_seconds, 1020).")
 @click.option("--online", is_flag=True, help="The production demo: a service, its users' late feedback, the gate, "
               "canaries and rollbacks, on the vLLM contract.")
-@click.option("--agent", "agent_name", type=click.Choice(["arithmetic", "calculator"]), default="arithmetic",
-              show_default=True, help="The example agent to train: 'Compute a+b.' in one LLM call, or the "
-              "multi-step calculator agent ('Compute a*b+d.' with a tool), warm-started on demonstrations and "
-              "trained at trajectory level.")
+@click.option("--agent", "agent_name", type=click.Choice(["arithmetic", "calculator", "word-problems"]),
+              default="arithmetic", show_default=True, help="The example agent to train: 'Compute a+b.' in one LLM "
+              "call; the multi-step calculator agent ('Compute a*b+d.' with a tool), warm-started on "
+              "demonstrations and trained at trajectory level; or word problems on the same tool, whose "
+              "demonstrations show half the kinds of problem (RL has to teach the rest).")
 @click.option("--framework", type=click.Choice(FRAMEWORKS), default="openai", show_default=True,
               help="What the calculator agent is written on: the plain OpenAI SDK, the OpenAI Agents SDK "
               "(Responses API), LangGraph (a ReAct graph over ChatOpenAI) or PydanticAI (Responses API): "
               "examples/calculator_*.py.")
+@click.option("--objective", type=click.Choice(["policy_gradient", "supervised"]), default=None,
+              help="What the trainer does with the train rollouts after the warm start (default: demo.objective, "
+              "policy_gradient): RL, or 'supervised', the control RL is measured against: the same budget spent "
+              "on likelihood steps on the rollouts that succeeded (rejection sampling).")
 @click.pass_context
 def demo(ctx: click.Context, quick: bool | None, seconds: float | None, online: bool, agent_name: str,
-         framework: str) -> None:
+         framework: str, objective: str | None) -> None:
     """Train SmolLM2-135M-Instruct online on an example agent and show that it learned.
 
     Starts the stack, the dev model server, proxy, streams, trainer, hot swap and runners;
@@ -50,6 +55,10 @@ def demo(ctx: click.Context, quick: bool | None, seconds: float | None, online: 
         raise click.UsageError("--online runs its own service agent; --agent is for the training demo")
     if framework != "openai" and agent_name != "calculator":
         raise click.UsageError("--framework is for --agent calculator: the other agents are written on the OpenAI SDK")
+    if objective is not None:
+        if online:
+            raise click.UsageError("--objective is for the training demo; --online trains by policy gradient")
+        config = replace(config, demo=replace(config.demo, objective=objective))
     if online and seconds:
         config = replace(config, demo=replace(config.demo, online_seconds=seconds))
     elif quick is not None or seconds is not None:

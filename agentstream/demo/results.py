@@ -40,6 +40,7 @@ class DemoReport:
     agent: str = "arithmetic"
     framework: str = "openai"  # what the agent is written on (the calculator agent has several)
     judged: str = "greedy"  # how held-out success was measured
+    objective: str = "policy_gradient"  # RL, or "supervised": the control (likelihood steps on successes)
     heldout_warm_start: float | None = None  # after the warm start, before RL (agents with one)
     warm_start_seconds: float | None = None
     evaluation_seconds: float = 0.0  # held-out evaluations during RL (off its clock)
@@ -83,8 +84,10 @@ def write_plot(path: Path, report: DemoReport, title: str) -> None:
 
 def write_markdown(path: Path, report: DemoReport) -> None:
     reached = "not reached" if report.time_to_target_s is None else f"{report.time_to_target_s:.0f} s"
+    trained = ("RL (policy gradient)" if report.objective == "policy_gradient" else
+               "the supervised control: likelihood steps on the train rollouts that succeeded, instead of RL")
     lines = ["# agentstream demo report", "",
-             f"- agent: {report.agent}, written on {report.framework}",
+             f"- agent: {report.agent}, written on {report.framework}; trained by {trained}",
              (f"- held-out success ({report.judged}): {report.heldout_before:.1%} before, "
               f"{report.heldout_warm_start:.1%} after "
               f"the warm start ({report.warm_start_seconds:.0f} s), {report.heldout_after:.1%} after RL"

@@ -35,9 +35,14 @@ class DemoConfig:
     compute dtype of the demo's server and trainer: ``auto`` is bfloat16 autocast where the device
     multiplies bfloat16 natively (CUDA, or a CPU with AMX), which trains SmolLM2 about twice as fast
     there, and float32 elsewhere. ``warm_start_demonstrations`` is how many correct conversations
-    the calculator demo (``agentstream demo --agent calculator``) sends through the pipeline as its
-    warm start, the supervised steps before RL: it runs until all of them are trained and served,
-    however long that takes on the machine, up to ``warm_start_limit_s``.
+    an agent with a warm start (``agentstream demo --agent calculator`` or ``word-problems``) sends
+    through the pipeline, the supervised steps before RL (0: the agent's own number, 128 for the
+    calculator, 288 for the word problems): it runs until all of them are trained and served,
+    however long that takes on the machine, up to ``warm_start_limit_s``. ``objective`` is what the
+    trainer does with the train rollouts after the warm start: ``policy_gradient`` (RL, the demo) or
+    ``supervised``, the control a demo of RL is measured against: the same rollouts and budget, but
+    likelihood steps on the rollouts that succeeded only (rejection sampling; the trainer's
+    ``supervised_min_reward``, 1 by default).
 
     ``online_*`` set the online demo (``agentstream demo --online``): seconds of live traffic, the
     users' request rate (per second), the longest feedback delay and the share of answers never
@@ -73,8 +78,9 @@ class DemoConfig:
     max_policy_lag: int = 2  # lags 0-4 measured (docs/measured.md): 2 is as fast as 3 and 4, with the freshest data
     heldout_tasks: int = 64
     dtype: str = "auto"
-    warm_start_demonstrations: int = 128
+    warm_start_demonstrations: int = 0
     warm_start_limit_s: float = 1800.0
+    objective: str = "policy_gradient"
     output_dir: str = "demo-output"
     report_path: str = "demo-report.json"
     online_seconds: float = 1020.0
@@ -108,8 +114,9 @@ class DemoConfig:
         check.at_least("max_policy_lag", 0)
         check.must("heldout_tasks", 0 < self.heldout_tasks < 400,
                    "be between 1 and 399 (the arithmetic task set has 400)")
-        check.at_least("warm_start_demonstrations", 1)
+        check.at_least("warm_start_demonstrations", 0)
         check.above("warm_start_limit_s", 0)
+        check.one_of("objective", ("policy_gradient", "supervised"))
         check.one_of("dtype", ("auto", "float32", "bfloat16"))
         check.above("online_tolerance", 0)
         check.within("online_confidence", "(0.5, 1)")

@@ -40,7 +40,7 @@ from agentstream.console import product_console
 from agentstream.dashboard.server import start_beside
 from agentstream.demo.demonstrations import publish_demonstrations
 from agentstream.demo.results import DemoReport, Evaluation, Snapshot, write_markdown, write_plot
-from agentstream.examples import CALCULATOR_FRAMEWORKS, arithmetic, calculator_agent
+from agentstream.examples import CALCULATOR_FRAMEWORKS, arithmetic, calculator_agent, word_problems
 from agentstream.infra.clickhouse import ROLLOUT_POLICY_VERSION, connect, migrate
 from agentstream.infra.config import Config, CreditRule
 from agentstream.models import local_path, model_display_name, smollm2_tokenizer
@@ -71,14 +71,16 @@ class DemoAgent:
     """An example agent the demo trains: its runner entry point, its tasks, its sample level and warm start.
 
     ``module`` has ``split(heldout=)``, ``solve(task, rollout, temperature=)`` and, with
-    ``warm_start``, ``demonstration(task)`` and the ``CALCULATOR`` tool its demonstrations call.
+    ``warm_start``, ``demonstration_tasks(train)`` (the train tasks it demonstrates),
+    ``demonstration(task)`` and the ``CALCULATOR`` tool its demonstrations call.
     ``entry`` is what the runners run (another agent on the same tasks, e.g. one that adds an
     intermediate reward); ``strategy`` and ``gamma`` are its credit rule's. ``micro_batch_tokens``
     bounds the trainer's memory where samples are long (the trainer's setting of that name).
     ``samples_per_step`` is the trainer's ``batch_transitions`` (0: one wave, ``group_size`` ×
     ``prompts_per_wave``).
     Train rollouts sample at ``temperature`` (the trainer's too); held-out success is measured at
-    ``eval_temperature`` (0: greedy) with ``eval_samples`` rollouts per task. ``framework`` names what the
+    ``eval_temperature`` (0: greedy) with ``eval_samples`` rollouts per task. ``demonstrations`` is how
+    many its warm start sends (unless ``[demo] warm_start_demonstrations`` says). ``framework`` names what the
     agent is written on (:func:`on_framework`): its runners and its evaluations run that ``entry``.
     """
 
@@ -96,6 +98,7 @@ class DemoAgent:
     eval_temperature: float = 0.0
     eval_samples: int = 1
     framework: str = "openai"
+    demonstrations: int = 128
 
     @property
     def solve(self) -> Callable[..., Awaitable[float]]:
@@ -129,6 +132,10 @@ AGENTS = {
                             # The agent runs at T=0.5, and is judged there: two rollouts per held-out task. Warm-started
                             # SmolLM2 answers greedily right nearly always but at T=1 almost never (docs/multistep.md).
                             temperature=0.5, eval_temperature=0.5, eval_samples=2),
+    "word-problems": DemoAgent("word-problems", "agentstream.examples.word_problems:solve", word_problems,
+                               "trajectory", True,
+                               "word problems with a calculator tool, half their kinds demonstrated",
+                               micro_batch_tokens=2048, temperature=0.5, demonstrations=288),
 }
 
 
@@ -159,7 +166,9 @@ def compute_dtype(config: Config) -> str:
 def demo_config(config: Config, run_id: str, workdir: Path, agent: DemoAgent = AGENTS["arithmetic"]) -> Config:
     """The demo's settings on top of the user's: its own topics and database, GRPO on the train agent only.
 
-    An agent with a warm start also trains on its demonstrations (final reward 1: advantage 1).
+    An agent with a warm start also trains on its demonstrations (final reward 1: advantage 1). The
+    trainer's objective is ``[demo] objective`` (the supervised control keeps the same credit rules:
+    it trains the rollouts that succeeded by likelihood, whatever their advantage).
     """
     demo = config.demo
     wave = demo.group_size * demo.prompts_per_wave
@@ -177,7 +186,8 @@ def demo_config(config: Config, run_id: str, workdir: Path, agent: DemoAgent = A
                 *((CreditRule(agent=agent.demonstrations_name, strategy="final", level=agent.level),)
                   if agent.warm_start else ()),
                 CreditRule(agent="*", train=False)),
-        trainer=replace(config.trainer, model="smollm2", threads=demo.trainer_threads, dtype=dtype,
+        trainer=replace(config.trainer, model="smollm2", objective=demo.objective, threads=demo.trainer_threads,
+                        dtype=dtype,
                         checkpoint_dtype=dtype,  # the server computes in it: half the bytes per version in bfloat16
                         lr=demo.lr, temperature=agent.temperature, batch_transitions=agent.samples_per_step or wave,
                         batch_counts_skipped=True,
@@ -360,15 +370,18 @@ async def warm_start(agent: DemoAgent, train: list[dict], config: Config, sessio
 
     Returns the seconds it took. It runs until every demonstration is trained and served (a budget in
     steps, not in seconds, so a slower machine still starts RL from the same warm start), or for at
-    most ``warm_start_limit_s``. Demonstrations are the first ``warm_start_demonstrations`` train
-    tasks' correct conversations (``agent.module.demonstration``), recorded as rollouts of the
+    most ``warm_start_limit_s``. Demonstrations are the first ``warm_start_demonstrations`` (else the
+    agent's ``demonstrations``) of the
+    train tasks the agent demonstrates (``agent.module.demonstration_tasks``), their correct
+    conversations (``agent.module.demonstration``), recorded as rollouts of the
     demonstrations agent: stored, queryable, credited and trained from the stream like any other.
     """
     started = time.monotonic()
-    count = config.demo.warm_start_demonstrations
+    count = config.demo.warm_start_demonstrations or agent.demonstrations
     tokenizer = await asyncio.to_thread(smollm2_tokenizer)  # the ids the server renders; its weights are not needed
     tools = await tools_sent(agent, client, console)
-    calls = publish_demonstrations(train[:count], agent.module.demonstration, tools, tokenizer,
+    calls = publish_demonstrations(agent.module.demonstration_tasks(train)[:count], agent.module.demonstration,
+                                   tools, tokenizer,
                                    model=model_display_name("smollm2"), agent_name=agent.demonstrations_name)
     console.print(f"warm start: {count} demonstrations ({calls} LLM calls) published as rollouts of "
                   f"{agent.demonstrations_name!r}; waiting for the trainer and the server")
@@ -508,9 +521,9 @@ def run_demo(config: Config, console: Console | None = None, snapshots: Path | N
     workdir.mkdir(parents=True, exist_ok=True)
     config = demo_config(config, run_id, workdir, agent)
     demo = config.demo
-    console.rule(f"agentstream demo: {agent.name}{'' if agent.framework == 'openai' else ' on ' + agent.framework} "
-                 f"({'quick, ' if demo.quick else ''}{demo.training_seconds:.0f} s "
-                 "of training)")
+    control = " (the supervised control)" if demo.objective == "supervised" else ""
+    console.rule(f"agentstream demo: {agent.name}{'' if agent.framework == 'openai' else ' on ' + agent.framework}"
+                 f"{control} ({'quick, ' if demo.quick else ''}{demo.training_seconds:.0f} s of training)")
     machine = calibrate()
     console.print(f"machine: {machine.describe()} (docs/demo.md's figures name theirs: a slower machine learns "
                   "slower in the same minutes)")
@@ -542,7 +555,7 @@ def run_demo(config: Config, console: Console | None = None, snapshots: Path | N
         tokens, step_seconds = client.query(
             "SELECT sum(tokens), sum(step_time_s) FROM train_steps FINAL").result_rows[0]
         report = DemoReport(
-            agent=agent.name, framework=agent.framework, judged=agent.judged,
+            agent=agent.name, framework=agent.framework, judged=agent.judged, objective=demo.objective,
             heldout_warm_start=evaluations[1].accuracy if agent.warm_start else None,
             warm_start_seconds=round(warm_seconds, 1) if warm_seconds is not None else None,
             llm_calls_per_rollout=(round(sum(r["llm_calls_mean"] * r["rollouts"] for r in last)

@@ -9,7 +9,7 @@ import pytest
 
 from agentstream.demo.training import AGENTS, TrainingClock, demo_config, on_framework
 from agentstream.examples import calculator_agent, calculator_langgraph
-from agentstream.infra.config import load_config
+from agentstream.infra.config import ConfigError, load_config
 
 
 def test_the_demo_trains_each_agent_at_its_level_and_steps_on_its_samples_per_step(tmp_path):
@@ -25,6 +25,19 @@ def test_the_demo_trains_each_agent_at_its_level_and_steps_on_its_samples_per_st
     arithmetic = demo_config(config, "r", tmp_path, AGENTS["arithmetic"])
     assert {rule.agent for rule in arithmetic.credit} == {"arithmetic", "*"}
     assert arithmetic.credit[0].level == "transition"
+
+
+def test_the_supervised_control_keeps_the_runs_credit_and_budget_and_changes_only_the_objective(tmp_path):
+    config = load_config()
+    agent = AGENTS["word-problems"]
+    rl = demo_config(config, "r", tmp_path, agent)
+    control = demo_config(replace(config, demo=replace(config.demo, objective="supervised")), "r", tmp_path, agent)
+    assert (rl.trainer.objective, control.trainer.objective) == ("policy_gradient", "supervised")
+    assert control.trainer.supervised_min_reward == 1.0  # the rollouts that succeeded
+    assert control.credit == rl.credit and control.demo.training_seconds == rl.demo.training_seconds
+    assert replace(control.trainer, objective="policy_gradient") == rl.trainer
+    with pytest.raises(ConfigError, match="objective"):
+        replace(config.demo, objective="sft")
 
 
 def test_the_calculator_agent_on_a_framework_runs_that_framework_on_the_same_tasks_and_recipe(tmp_path):
