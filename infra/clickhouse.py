@@ -11,8 +11,10 @@ import hashlib
 import logging
 import re
 import time
+from collections.abc import Callable
 from dataclasses import dataclass
 from importlib import resources
+from typing import Any
 from urllib.parse import urlsplit
 
 import clickhouse_connect
@@ -96,6 +98,35 @@ def connect(config: ClickHouseConfig, url: str, *, database: str | None = None, 
     assert client.server_version is not None  # get_client connects, which reads the version
     check_version(client.server_version, url)
     return client
+
+
+class PatientReads:
+    """A client whose reads are asked again while ClickHouse is too busy to answer in time, for up to ``patience_s``.
+
+    For a process that watches a run on the same machine as the run (a demo's progress queries on
+    two cores while a trainer and a model server take them): a read timing out there means
+    "busy", not "gone". ``query`` retries an ``OperationalError`` (a timeout, a broken connection),
+    telling ``progress`` each time; a refusal (bad SQL) raises at once, and so does the last
+    timeout once the patience is spent. Everything else is the wrapped client's.
+    """
+
+    def __init__(self, client: Client, progress: Callable[[str], None], patience_s: float = 600.0,
+                 pause_s: float = 2.0) -> None:
+        self.client, self.progress, self.patience_s, self.pause_s = client, progress, patience_s, pause_s
+
+    def query(self, sql: str, **kwargs: Any) -> Any:
+        deadline = time.monotonic() + self.patience_s
+        while True:
+            try:
+                return self.client.query(sql, **kwargs)
+            except OperationalError as error:
+                if time.monotonic() + self.pause_s > deadline:
+                    raise
+                self.progress(f"ClickHouse did not answer a progress query ({_first_line(error)}); asking again")
+                time.sleep(self.pause_s)
+
+    def __getattr__(self, name: str) -> Any:
+        return getattr(self.client, name)
 
 
 def check_version(version: str, url: str) -> None:

@@ -32,7 +32,7 @@ from agentstream.dashboard.server import start_beside
 from agentstream.demo.training import compute_dtype
 from agentstream.deploy.deployments import DeploymentFollower, split_adapter_name
 from agentstream.examples import arithmetic
-from agentstream.infra.clickhouse import connect, migrate
+from agentstream.infra.clickhouse import PatientReads, connect, migrate
 from agentstream.infra.config import CHECKPOINT_BUCKET, Config, CreditRule
 from agentstream.infra.processes import free_port
 from agentstream.infra.security import FEEDBACK_TOKEN_HEADER
@@ -391,9 +391,10 @@ def run_online_demo(config: Config, console: Console | None = None) -> OnlineRep
         servers=demo.online_model_servers))
     live_dashboard = start_beside(config, endpoints, console.print)  # up while the demo runs
     try:
-        client = connect(config.clickhouse, endpoints.clickhouse_url, database=DATABASE)
-        client.command(f"DROP DATABASE IF EXISTS {DATABASE}")  # the demo's own database, fresh each run
-        migrate(client, DATABASE)
+        created = connect(config.clickhouse, endpoints.clickhouse_url, database=DATABASE)
+        created.command(f"DROP DATABASE IF EXISTS {DATABASE}")  # the demo's own database, fresh each run
+        migrate(created, DATABASE)
+        client = PatientReads(created, console.print)  # on a slow machine training can starve its answers
         session.start(progress=console.print)
         with CpuShare("agentstream demo", machine.cores) as cpu:
             users, traffic_seconds = asyncio.run(serve_traffic(session, config, endpoints, console, workdir))

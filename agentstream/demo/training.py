@@ -41,7 +41,7 @@ from agentstream.dashboard.server import start_beside
 from agentstream.demo.demonstrations import publish_demonstrations
 from agentstream.demo.results import DemoReport, Evaluation, Snapshot, write_markdown, write_plot
 from agentstream.examples import CALCULATOR_FRAMEWORKS, arithmetic, calculator_agent, word_problems
-from agentstream.infra.clickhouse import ROLLOUT_POLICY_VERSION, connect, migrate
+from agentstream.infra.clickhouse import ROLLOUT_POLICY_VERSION, PatientReads, connect, migrate
 from agentstream.infra.config import Config, CreditRule
 from agentstream.models import local_path, model_display_name, smollm2_tokenizer
 from agentstream.models.precision import native_bfloat16
@@ -536,9 +536,10 @@ def run_demo(config: Config, console: Console | None = None, snapshots: Path | N
         server_threads=demo.server_threads))
     live_dashboard = start_beside(config, endpoints, console.print)  # up while the demo runs
     try:
-        client = connect(config.clickhouse, endpoints.clickhouse_url, database=DATABASE)
-        client.command(f"DROP DATABASE IF EXISTS {DATABASE}")  # the demo's own database, fresh each run
-        migrate(client, DATABASE)
+        created = connect(config.clickhouse, endpoints.clickhouse_url, database=DATABASE)
+        created.command(f"DROP DATABASE IF EXISTS {DATABASE}")  # the demo's own database, fresh each run
+        migrate(created, DATABASE)
+        client = PatientReads(created, console.print)  # on a slow machine training can starve its answers
         session.start(progress=console.print)
         if snapshots is not None:
             snapshots.mkdir(parents=True, exist_ok=True)

@@ -4,15 +4,19 @@ from __future__ import annotations
 
 import gzip
 import json
+import time
 import urllib.error
 import urllib.parse
 import urllib.request
 from concurrent.futures import ThreadPoolExecutor
 
+import clickhouse_connect
 import pytest
+from clickhouse_connect.driver.exceptions import DatabaseError, OperationalError
 
 from agentstream.infra.clickhouse import (
     PRODUCT_TABLES,
+    PatientReads,
     connect,
     load_migrations,
     migrate,
@@ -150,3 +154,20 @@ def test_long_bind_parameters_arrive_as_a_multipart_form(clickhouse):
     ids = [f"rollout-{i:032d}" for i in range(5000)]  # too long for a URL: clickhouse-connect posts a form
     assert clickhouse.query("SELECT length({ids:Array(String)}), {ids:Array(String)}[5000]",
                             parameters={"ids": ids}).result_rows == [(5000, ids[-1])]
+
+
+def test_patient_reads_ask_again_while_the_server_is_too_busy_and_give_up_when_their_patience_is_spent(stack):
+    impatient = clickhouse_connect.get_client(host="127.0.0.1", port=urllib.parse.urlsplit(stack.clickhouse_url).port,
+                                              send_receive_timeout=1)
+    said: list[str] = []
+    patient = PatientReads(impatient, said.append, patience_s=4.0, pause_s=0.5)
+    assert patient.query("SELECT 41 + 1").result_rows == [(42,)] and said == []
+    started = time.monotonic()
+    with pytest.raises(OperationalError):  # every answer takes 2 s, each ask waits 1 s
+        patient.query("SELECT sleep(2)")
+    assert 3.0 <= time.monotonic() - started < 10  # asked again after the first timeout, until the patience ran out
+    assert len(said) >= 2 and all("timed out" in line and "asking again" in line for line in said)
+    said.clear()
+    with pytest.raises(DatabaseError, match="UNKNOWN_TABLE"):  # refused: asking again would not help
+        patient.query("SELECT count() FROM no_such_table")
+    assert said == [] and patient.server_version == impatient.server_version  # the rest is the client's
