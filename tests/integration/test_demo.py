@@ -66,6 +66,7 @@ def test_the_demo_trains_evaluates_reports_and_stops_everything(tmp_path, monkey
     assert (tmp_path / "demo-output" / "reward_per_version.png").read_bytes()[:8] == b"\x89PNG\r\n\x1a\n"
     markdown = (tmp_path / "demo-output" / "report.md").read_text()
     assert "held-out greedy accuracy" in markdown and "python_loop_s" in markdown
+    assert report["objective"] == "policy_gradient" and "trained by RL (policy gradient)" in markdown
     assert "stopped (pid" in out and not list((home / "run").glob("*.json"))
     assert processes_mentioning(str(home)) == [], "processes the demo started are still running"
     tracked_in_mlflow_and_wandb(tmp_path, report, out, monkeypatch)
