@@ -29,8 +29,8 @@ import signal
 from dataclasses import replace
 
 from agentstream.demo import run_demo
+from agentstream.demo.agents import AGENTS, DemoAgent
 from agentstream.demo.results import DemoReport
-from agentstream.demo.training import AGENTS, DemoAgent
 from agentstream.infra.config import ConfigError, load_config
 from agentstream.stack.machine import calibrate
 from bench.common import emit

@@ -29,7 +29,8 @@ import uuid
 from dataclasses import replace
 from pathlib import Path
 
-from agentstream.demo.training import AGENTS, DATABASE, demo_config, evaluate, server_version
+from agentstream.demo.agents import AGENTS
+from agentstream.demo.training import DATABASE, demo_config, evaluate, server_version
 from agentstream.infra.clickhouse import connect
 from agentstream.infra.config import Config
 from agentstream.pipeline.publisher import SpanPublisher

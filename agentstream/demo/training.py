@@ -18,7 +18,6 @@ Writes ``demo-report.json``, a plot and a Markdown report, then stops what it st
 from __future__ import annotations
 
 import asyncio
-import importlib
 import json
 import os
 import random
@@ -26,9 +25,8 @@ import time
 import urllib.request
 import uuid
 from collections import deque
-from collections.abc import Awaitable, Callable
 from contextlib import nullcontext
-from dataclasses import asdict, dataclass, replace
+from dataclasses import asdict, replace
 from pathlib import Path
 from typing import Any
 
@@ -38,9 +36,9 @@ from rich.table import Table
 
 from agentstream.console import product_console
 from agentstream.dashboard.server import start_beside
+from agentstream.demo.agents import AGENTS, DemoAgent, on_framework
 from agentstream.demo.demonstrations import publish_demonstrations
 from agentstream.demo.results import DemoReport, Evaluation, Snapshot, write_markdown, write_plot
-from agentstream.examples import CALCULATOR_FRAMEWORKS, arithmetic, calculator_agent, word_problems
 from agentstream.infra.clickhouse import ROLLOUT_POLICY_VERSION, PatientReads, connect, migrate
 from agentstream.infra.config import Config, CreditRule
 from agentstream.models import local_path, model_display_name, smollm2_tokenizer
@@ -64,95 +62,6 @@ PACE_EVERY_S = 0.2  # how soon a new policy version lets the next wave out (a /h
 SNAPSHOT_EVERY_S = 3.0  # the live numbers from ClickHouse
 TOOLS_WAIT_S = 60.0  # for the first evaluation's spans to reach ClickHouse: seconds at most, minutes never
 LAST_VERSIONS = 5  # the policy versions whose train rollouts say how many LLM calls a rollout makes at the end
-
-
-@dataclass(frozen=True)
-class DemoAgent:
-    """An example agent the demo trains: its runner entry point, its tasks, its sample level and warm start.
-
-    ``module`` has ``split(heldout=)``, ``solve(task, rollout, temperature=)`` and, with
-    ``warm_start``, ``demonstration_tasks(train)`` (the train tasks it demonstrates),
-    ``demonstration(task)`` and the ``CALCULATOR`` tool its demonstrations call.
-    ``entry`` is what the runners run (another agent on the same tasks, e.g. one that adds an
-    intermediate reward); ``strategy`` and ``gamma`` are its credit rule's. ``micro_batch_tokens``
-    bounds the trainer's memory where samples are long (the trainer's setting of that name).
-    ``samples_per_step`` is the trainer's ``batch_transitions`` (0: one wave, ``group_size`` ×
-    ``prompts_per_wave``).
-    Train rollouts sample at ``temperature`` (the trainer's too); held-out success is measured at
-    ``eval_temperature`` (0: greedy) with ``eval_samples`` rollouts per task. ``demonstrations`` is how
-    many its warm start sends (unless ``[demo] warm_start_demonstrations`` says). ``framework`` names what the
-    agent is written on (:func:`on_framework`): its runners and its evaluations run that ``entry``.
-    """
-
-    name: str
-    entry: str
-    module: Any
-    level: str
-    warm_start: bool
-    title: str
-    strategy: str = "grpo"
-    gamma: float = 1.0
-    micro_batch_tokens: int = 0
-    samples_per_step: int = 0
-    temperature: float = 1.0
-    eval_temperature: float = 0.0
-    eval_samples: int = 1
-    framework: str = "openai"
-    demonstrations: int = 128
-
-    @property
-    def solve(self) -> Callable[..., Awaitable[float]]:
-        """What a held-out evaluation runs: the function the runners run (``entry``, ``module:function``)."""
-        module, function = self.entry.split(":")
-        return getattr(importlib.import_module(module), function)
-
-    @property
-    def eval_name(self) -> str:
-        return f"{self.name}-eval"
-
-    @property
-    def demonstrations_name(self) -> str:
-        return f"{self.name}-demonstrations"
-
-    @property
-    def judged(self) -> str:
-        """How held-out success is measured, in words."""
-        if self.eval_temperature == 0:
-            return "greedy"
-        return f"T={self.eval_temperature:g}, {self.eval_samples} rollout{'s' * (self.eval_samples > 1)} per task"
-
-
-AGENTS = {
-    "arithmetic": DemoAgent("arithmetic", "agentstream.examples.arithmetic:solve", arithmetic, "transition", False,
-                            "'Compute a+b.'"),
-    "calculator": DemoAgent("calculator", "agentstream.examples.calculator_agent:solve", calculator_agent,
-                            "trajectory", True,
-                            "'Compute a*b+d.' with a calculator tool",
-                            micro_batch_tokens=2048,  # a wave of 300-token trajectories took 21 GB in one piece
-                            # The agent runs at T=0.5, and is judged there: two rollouts per held-out task. Warm-started
-                            # SmolLM2 answers greedily right nearly always but at T=1 almost never (docs/multistep.md).
-                            temperature=0.5, eval_temperature=0.5, eval_samples=2),
-    "word-problems": DemoAgent("word-problems", "agentstream.examples.word_problems:solve", word_problems,
-                               "trajectory", True,
-                               "word problems with a calculator tool, half their kinds demonstrated",
-                               micro_batch_tokens=2048, temperature=0.5, demonstrations=288),
-}
-
-
-def on_framework(agent: DemoAgent, framework: str) -> DemoAgent:
-    """The calculator agent as written on ``framework`` (a name of :data:`CALCULATOR_FRAMEWORKS`).
-
-    Its runners and evaluations run that framework's agent; the tasks, tool, reward, warm start and
-    recipe stay the plain agent's, so the frameworks' results compare.
-    """
-    if framework == agent.framework:
-        return agent
-    if agent.name != "calculator":
-        raise ValueError(f"only the calculator agent is written on other frameworks, not {agent.name!r}")
-    if framework not in CALCULATOR_FRAMEWORKS:
-        raise ValueError(f"unknown framework {framework!r}: one of {', '.join(CALCULATOR_FRAMEWORKS)}")
-    module = CALCULATOR_FRAMEWORKS[framework]
-    return replace(agent, entry=f"{module}:solve", framework=framework, title=f"{agent.title} on {framework}")
 
 
 def compute_dtype(config: Config) -> str:

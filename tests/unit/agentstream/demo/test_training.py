@@ -7,7 +7,8 @@ from dataclasses import replace
 
 import pytest
 
-from agentstream.demo.training import AGENTS, TrainingClock, demo_config, on_framework
+from agentstream.demo.agents import AGENTS, on_framework
+from agentstream.demo.training import TrainingClock, demo_config
 from agentstream.examples import calculator_agent, calculator_langgraph
 from agentstream.infra.config import ConfigError, load_config
 
