@@ -63,7 +63,11 @@ def all_tasks() -> list[dict]:
 
 def split(heldout: int = HELDOUT_SIZE) -> tuple[list[dict], list[dict]]:
     """(train, held-out): the first ``heldout`` tasks are held out."""
-    tasks = all_tasks()
+    return held_out_first(all_tasks(), heldout)
+
+
+def held_out_first(tasks: list[dict], heldout: int) -> tuple[list[dict], list[dict]]:
+    """(train, held-out) of a fixed task list: its first ``heldout`` tasks are held out."""
     if not 0 < heldout < len(tasks):
         raise ValueError(f"heldout must be between 1 and {len(tasks) - 1}, got {heldout}")
     return tasks[heldout:], tasks[:heldout]
@@ -75,14 +79,19 @@ def expression(task: dict) -> str:
 
 
 def demonstration(task: dict) -> list[dict[str, Any]]:
-    """The conversation of a correct tool-using agent on ``task``: one calculator call, then the answer.
+    """The conversation of a correct tool-using agent on ``task``: one calculator call, then the answer."""
+    return one_call_conversation(task, expression(task))
+
+
+def one_call_conversation(task: dict, expression: str, system: str = SYSTEM) -> list[dict[str, Any]]:
+    """A correct agent's conversation: it calls the calculator once with ``expression``, then gives the answer.
 
     Messages as the agent sends them (system, user, the assistant's tool call, the tool result)
     and the final assistant answer last.
     """
-    arguments = json.dumps({"expression": expression(task)})
+    arguments = json.dumps({"expression": expression})
     call = {"id": "call_0", "type": "function", "function": {"name": "calculator", "arguments": arguments}}
-    return [{"role": "system", "content": SYSTEM}, {"role": "user", "content": task["prompt"]},
+    return [{"role": "system", "content": system}, {"role": "user", "content": task["prompt"]},
             {"role": "assistant", "content": None, "tool_calls": [call]},
             {"role": "tool", "tool_call_id": "call_0", "content": run_tool("calculator", arguments)},
             {"role": "assistant", "content": f"The answer is {task['answer']}."}]

@@ -19,12 +19,11 @@ the reward is the calculator agent's (1.0 when the final answer's last number is
 
 from __future__ import annotations
 
-import json
 import random
 from typing import Any, NamedTuple
 
 from agentstream.examples import calculator_agent
-from agentstream.examples.calculator_agent import CALCULATOR, run_tool
+from agentstream.examples.calculator_agent import CALCULATOR
 
 HELDOUT_SIZE = 64
 SYSTEM = ("Solve the word problem. Call the calculator tool with the arithmetic expression it needs. "
@@ -86,11 +85,8 @@ def all_tasks() -> list[dict]:
 
 
 def split(heldout: int = HELDOUT_SIZE) -> tuple[list[dict], list[dict]]:
-    """(train, held-out): the first ``heldout`` tasks are held out, every kind in equal parts."""
-    tasks = all_tasks()
-    if not 0 < heldout < len(tasks):
-        raise ValueError(f"heldout must be between 1 and {len(tasks) - 1}, got {heldout}")
-    return tasks[heldout:], tasks[:heldout]
+    """(train, held-out): the first ``heldout`` tasks are held out (64: every kind in equal parts)."""
+    return calculator_agent.held_out_first(all_tasks(), heldout)
 
 
 def kind_of(task: dict) -> Kind:
@@ -111,12 +107,7 @@ def demonstration_tasks(train: list[dict]) -> list[dict]:
 
 def demonstration(task: dict) -> list[dict[str, Any]]:
     """The conversation of a correct agent on ``task``: one calculator call with its expression, then the answer."""
-    arguments = json.dumps({"expression": expression(task)})
-    call = {"id": "call_0", "type": "function", "function": {"name": "calculator", "arguments": arguments}}
-    return [{"role": "system", "content": SYSTEM}, {"role": "user", "content": task["prompt"]},
-            {"role": "assistant", "content": None, "tool_calls": [call]},
-            {"role": "tool", "tool_call_id": "call_0", "content": run_tool("calculator", arguments)},
-            {"role": "assistant", "content": f"The answer is {task['answer']}."}]
+    return calculator_agent.one_call_conversation(task, expression(task), SYSTEM)
 
 
 async def solve(task: dict, rollout, *, temperature: float = 1.0) -> float:
