@@ -75,7 +75,7 @@ def test_the_stream_worker_reads_a_restarted_brokers_new_log_from_its_start(tmp_
 
     try:
         asyncio.run(produce(broker.bootstrap_servers, spans_topic, _rollouts("before", 80)))  # 240 records
-        wait_for(lambda: stored("before"), 60, what="the first log stored", equals=240)
+        wait_for(lambda: stored("before"), 60, what="the first log stored", equals=240, process=worker)
         time.sleep(1.5)  # several commit intervals: the group's offsets are ~60 per partition
         positions = asyncio.run(_committed(broker.bootstrap_servers, group, spans_topic))
         # Under load a worker can commit what it acknowledged during the outage as soon as the new broker answers
@@ -90,7 +90,8 @@ def test_the_stream_worker_reads_a_restarted_brokers_new_log_from_its_start(tmp_
         finally:
             worker.process.send_signal(signal.SIGCONT)
         asyncio.run(produce(broker.bootstrap_servers, spans_topic, _rollouts("after", 20)))  # ~15 per partition
-        wait_for(lambda: stored("after"), 45, what="every span of the new log stored", equals=60)
+        wait_for(lambda: stored("after"), 45, what="every span of the new log stored", equals=60,
+                 process=worker)
         resets = [line for line in worker.log().splitlines() if "log reset on" in line]
         print("\n".join(resets))
         assert resets and all("policy: reprocess" in line for line in resets)

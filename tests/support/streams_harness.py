@@ -146,13 +146,16 @@ async def produce(bootstrap: str, topic: str, items: list[tuple[bytes, bytes]]) 
         await producer.stop()
 
 
-def wait_for(check, timeout_s: float = 60.0, interval_s: float = 0.3, what: str = "condition", equals=None):
-    """Poll ``check()`` until it is truthy (or equals ``equals`` when given); fail with the last value seen."""
+def wait_for(check, timeout_s: float = 60.0, interval_s: float = 0.3, what: str = "condition", equals=None,
+             process: CliProcess | None = None):
+    """Poll ``check()`` until it is truthy (or equals ``equals`` when given); fail with the last value seen
+    (and the end of ``process``'s log, when given, so a failure in CI says what the process was doing)."""
     deadline = time.monotonic() + timeout_s
     while True:
         value = check()
         if (value == equals) if equals is not None else value:
             return value
         if time.monotonic() > deadline:
-            raise AssertionError(f"timed out waiting for {what}; last value {value!r}")
+            tail = "" if process is None else f"\n{process.log_path.name}:\n{process.log()[-6000:]}"
+            raise AssertionError(f"timed out waiting for {what}; last value {value!r}{tail}")
         time.sleep(interval_s)
