@@ -109,7 +109,7 @@ lint: install
 # broker_start, publish, streams) run on tansu and then on Apache Kafka in the same sitting (`--broker both`, their
 # default), and every line they print names its broker. A bench that fails is named and the ones after it still
 # run; `make bench` then exits 1 at the end.
-BENCHES := stack_roundtrip broker_start broker_storage publish proxy streams trainer step generation precision deploy dashboard otlp clickhouse_reads gate trajectory_prefix tool_drift distributed_trainer fleet
+BENCHES := stack_roundtrip broker_start broker_storage publish proxy streams trainer step generation precision deploy dashboard otlp clickhouse_reads gate trajectory_prefix tool_drift distributed_trainer fleet adapters
 
 # On a machine with a CUDA GPU: the device tests on CUDA, then trainer and generation tokens/s in float32 and
 # bfloat16 (tiny model, then SmolLM2-135M at 64 x 512) and the first-step ratio check, as JSON lines.

@@ -15,7 +15,7 @@ from agentstream.infra.config import TrainerConfig
 from agentstream.models import load_model
 from agentstream.models.precision import resolve_precision
 from agentstream.serving.generation import BatchRequest, SamplingParams, generate_batch
-from agentstream.serving.lora import LoraAdapter, LoraLayer, applied
+from agentstream.serving.lora import LoraAdapter, LoraLayer, MergedWeights, applied
 from agentstream.trainer.batching import Batch, Counts, Sample, collate
 from agentstream.trainer.policy import Policy, build_policy
 from agentstream.trainer.step import token_logprobs, train_step
@@ -62,10 +62,11 @@ def generation_tokens_per_s(model: str, device: str, dtype: str, *, batch: int =
     served = load_model(model, precision=resolve_precision(device, dtype), inference_only=True)
     prompts = _prompts(batch, len(served.tokenizer))
     adapter = _random_adapter(served.model, lora_rank) if lora_rank else None
+    merged = MergedWeights()  # as the server keeps them: merged once, by the warm-up
 
     def sample(requests: list[list[int]], tokens: int) -> int:
         params = SamplingParams(max_tokens=tokens, temperature=1.0, seed=0, logprobs=True)
-        with applied(adapter, served.model):
+        with applied(adapter, served.model, merged):
             results = generate_batch(served.model, served.tokenizer, [BatchRequest(p, params) for p in requests],
                                      eos_ids=set(), autocast=served.autocast)
         return sum(len(states[0].token_ids) for states in results)

@@ -66,7 +66,7 @@ async def run(config: Config, endpoints: Endpoints, workdir: Path, promotions: i
     config = replace(config, trainer=TrainerConfig(model="tiny", model_name=name, device="cpu", threads=1, lora=True,
                                            lora_r=4, lora_alpha=16))
     client = connect(config.clickhouse, endpoints.clickhouse_url, database=config.clickhouse.database)
-    server_runner, server_url = await serve_app(create_app(load_model("tiny"), served_model_name=name,
+    server_runner, server_url = await serve_app(create_app(load_model("tiny"), served_model_names=(name,),
                                                            contract=Contract.VLLM))
     tasks = await expected_replies(server_url, name)
     (workdir / "eval.jsonl").write_text("\n".join(json.dumps(t) for t in tasks))

@@ -24,6 +24,7 @@ from __future__ import annotations
 
 import asyncio
 import logging
+from collections.abc import Sequence
 
 from aiohttp import web
 from aiohttp.typedefs import Handler
@@ -114,16 +115,18 @@ def _routes(contract: Contract, admin: KeySet) -> list[web.RouteDef]:
     ]
 
 
-def create_app(loaded: LoadedModel, *, served_model_name: str | None = None,
+def create_app(loaded: LoadedModel, *, served_model_names: Sequence[str] = (),
                contract: Contract = Contract.DEV, max_tokens: int | None = None,
                admin_token: KeySet | None = None) -> web.Application:
     """The aiohttp application serving ``loaded`` under ``contract`` (used by ``serve`` and by tests).
 
+    ``served_model_names``: the names the base model answers to (empty: the model's own name); several let
+    several trained models share one base, each with its adapters (``<name>@v<N>``), as vLLM's aliases do.
     ``max_tokens`` bounds a chat completion that names no limit (None: up to the context, as vLLM does).
     ``admin_token`` is what the admin routes take (None or empty: any caller, for loopback use).
     """
     loaded.model.eval()
-    server = ModelServer(loaded, served_model_name, max_tokens)
+    server = ModelServer(loaded, served_model_names, max_tokens)
     app = web.Application(middlewares=[_errors], client_max_size=64 * 1024 * 1024)
     app[SERVER] = server
     app[CONTRACT] = contract
@@ -139,15 +142,16 @@ def create_app(loaded: LoadedModel, *, served_model_name: str | None = None,
 
 
 async def serve(loaded: LoadedModel, *, host: str = "127.0.0.1", port: int = 8000,
-                served_model_name: str | None = None, contract: Contract = Contract.DEV,
+                served_model_names: Sequence[str] = (), contract: Contract = Contract.DEV,
                 max_tokens: int | None = None, admin_token: KeySet | None = None) -> None:
     """Serve until cancelled."""
-    runner = web.AppRunner(create_app(loaded, served_model_name=served_model_name, contract=contract,
+    runner = web.AppRunner(create_app(loaded, served_model_names=served_model_names, contract=contract,
                                       max_tokens=max_tokens, admin_token=admin_token), access_log=None)
     await runner.setup()
     try:
         await web.TCPSite(runner, host, port).start()
-        log.info("serving %s at http://%s:%d/v1 (%s contract; admin routes %s)", served_model_name or loaded.name,
+        log.info("serving %s at http://%s:%d/v1 (%s contract; admin routes %s)",
+                 ", ".join(served_model_names) or loaded.name,
                  host, port, contract, "need the admin token" if admin_token else "open to any caller")
         await asyncio.Event().wait()
     finally:

@@ -20,7 +20,7 @@ from dataclasses import dataclass
 
 from agentstream.models import LoadedModel
 from agentstream.serving.generation import BatchRequest, Delta, SamplingParams, SequenceState, generate_batch
-from agentstream.serving.lora import LoraAdapter, applied
+from agentstream.serving.lora import LoraAdapter, MergedWeights, applied
 from agentstream.serving.protocol import Output
 
 log = logging.getLogger("agentstream.model_server")
@@ -75,6 +75,7 @@ class Batcher:
         self._wakeup = threading.Condition()
         self._closed = False
         self.batch_sizes: Counter[int] = Counter()  # requests per batch -> batches run
+        self.merged = MergedWeights()  # touched by the generation thread only
         self._thread = threading.Thread(target=self._run, name="generation", daemon=True)
         self._thread.start()
 
@@ -133,7 +134,7 @@ class Batcher:
                 self._last_rows = sum(queued.job.params.n for queued in batch)
                 requests = [BatchRequest(q.job.prompt_ids, q.job.params, q.emit, q.cancelled) for q in batch]
                 try:
-                    with applied(batch[0].job.adapter, self.loaded.model):
+                    with applied(batch[0].job.adapter, self.loaded.model, self.merged):
                         results = generate_batch(self.loaded.model, self.loaded.tokenizer, requests, self.eos_ids,
                                                  self.pad_id, autocast=self.loaded.autocast)
                 except Exception as error:

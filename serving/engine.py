@@ -9,7 +9,7 @@ from __future__ import annotations
 import asyncio
 import threading
 import time
-from collections.abc import AsyncGenerator
+from collections.abc import AsyncGenerator, Sequence
 from typing import Any
 
 from agentstream.models import LoadedModel, context_length, eos_token_ids
@@ -24,11 +24,12 @@ from agentstream.serving.tool_format import renders_tools
 class ModelServer:
     """State shared by the handlers: the model, its adapters, the weights version and the generation batcher."""
 
-    def __init__(self, loaded: LoadedModel, served_model_name: str | None = None,
+    def __init__(self, loaded: LoadedModel, served_model_names: Sequence[str] = (),
                  max_tokens: int | None = None) -> None:
         self.loaded = loaded
         use_grouped_attention(loaded.model)
-        self.name = served_model_name or loaded.name
+        self.names = tuple(served_model_names) or (loaded.name,)  # the base model's names (vLLM's aliases)
+        self.name = self.names[0]
         self.default_max_tokens = max_tokens or None  # a chat request naming none gets this (None: up to the context)
         self.version = 0
         self.adapters: dict[str, LoraAdapter] = {}
@@ -46,7 +47,7 @@ class ModelServer:
 
     def adapter(self, model: Any) -> LoraAdapter | None:
         """The adapter a request's ``model`` names (None for the base model); unknown names are a 404."""
-        if model is None or model == "" or model == self.name:
+        if model is None or model == "" or model in self.names:
             return None
         if isinstance(model, str) and model in self.adapters:
             return self.adapters[model]

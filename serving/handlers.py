@@ -315,16 +315,18 @@ async def _stream_completion(request: web.Request, server: ModelServer, job: Job
 
 
 async def list_models(request: web.Request) -> web.Response:
-    """GET /v1/models: the base model and the loaded LoRA adapters (with ``parent``), as vLLM lists them."""
+    """GET /v1/models: the base model under each of its names, then the loaded LoRA adapters (with ``parent``),
+    as vLLM lists them."""
     server = request.app[SERVER]
-    base = {"id": server.name, "object": "model", "created": server.created, "owned_by": "agentstream",
-            "root": server.loaded.source or server.name, "parent": None, "max_model_len": server.context,
-            "permission": []}
+    bases: list[dict[str, Any]] = [
+        {"id": name, "object": "model", "created": server.created, "owned_by": "agentstream",
+         "root": server.loaded.source or server.name, "parent": None, "max_model_len": server.context,
+         "permission": []} for name in server.names]
     adapters: list[dict[str, Any]] = [
         {"id": name, "object": "model", "created": server.created, "owned_by": "agentstream",
          "root": adapter.path, "parent": server.name, "max_model_len": None, "permission": []}
         for name, adapter in server.adapters.items()]
-    return web.json_response({"object": "list", "data": [base, *adapters]})
+    return web.json_response({"object": "list", "data": [*bases, *adapters]})
 
 
 async def load_lora_adapter(request: web.Request) -> web.Response:
@@ -335,7 +337,7 @@ async def load_lora_adapter(request: web.Request) -> web.Response:
         raise RequestError("Both 'lora_name' and 'lora_path' must be provided.", error_type="InvalidUserInput")
     name, path = str_field(body, "lora_name"), str_field(body, "lora_path")
     version = int_field(body, "version", 0, 0) if request.app[CONTRACT].versioned else 0
-    if name == server.name:
+    if name in server.names:
         raise RequestError(f"'{name}' is the base model's name", error_type="InvalidUserInput", param="lora_name")
     if name in server.adapters and not bool_field(body, "load_inplace", False):
         raise RequestError(f"The lora adapter '{name}' has already been loaded.", error_type="InvalidUserInput")

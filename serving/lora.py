@@ -14,7 +14,7 @@ import math
 import re
 from collections.abc import Iterator
 from contextlib import contextmanager
-from dataclasses import dataclass, field
+from dataclasses import dataclass
 from pathlib import Path
 
 import torch
@@ -50,8 +50,6 @@ class LoraAdapter:
     path: str
     version: int
     layers: dict[str, LoraLayer]
-    merged: dict[str, tuple[tuple[int, int], torch.Tensor]] = field(default_factory=dict, compare=False, repr=False)
-    """Per module, W + scale * B A and the base weight it was made from (id, version): see ``applied``."""
 
 
 def load_lora(path: Path, model: torch.nn.Module, name: str, version: int) -> LoraAdapter:
@@ -122,33 +120,66 @@ def _pattern_value(module_name: str, patterns: dict[str, float], default: float)
     return default
 
 
-@contextmanager
-def applied(adapter: LoraAdapter | None, model: torch.nn.Module) -> Iterator[None]:
-    """Run the model with the adapter's merged weights (W + scale * B A) in place of its modules' own (None: as is).
+class MergedWeights:
+    """The merged weights (W + scale * B A) adapters run on: one per adapted module, shared by every adapter.
 
-    Each module's merged weight is made once per adapter and base weight, then swapped in and
-    out per batch, so an adapter decodes at the base model's speed: forward hooks adding the
-    low-rank update at every token made SmolLM2's decode steps 1.6x slower on a CPU thread. A
-    full-weight load changes the base weights in place (their version), and the next batch merges
-    again. The merged copies live as long as the adapter is loaded.
+    A server holds many adapters but runs one batch, on one adapter, at a time, so it keeps one
+    merged weight per module and makes it again when a batch on another adapter (or on new base
+    weights) comes: memory for one adapter's merge however many are loaded, and a merge per
+    switch of adapter, not per token. Forward hooks adding the low-rank update at every token made
+    SmolLM2's decode steps 1.6x slower on a CPU thread; a merge per adapter kept for good cost a
+    copy of every adapted weight per adapter (``bench/adapters.py`` measures both).
+    """
+
+    def __init__(self) -> None:
+        self._held: dict[str, tuple[LoraAdapter, tuple[int, int], torch.Tensor]] = {}
+        self.merges = 0  # modules merged so far (a switch of adapter merges every adapted module)
+
+    @property
+    def nbytes(self) -> int:
+        """The memory the merged weights take (one copy of each module any adapter adapts)."""
+        return sum(buffer.nbytes for _, _, buffer in self._held.values())
+
+    def weight(self, name: str, adapter: LoraAdapter, base: torch.Tensor) -> torch.Tensor:
+        """Module ``name``'s weight under ``adapter``, merged now unless it already holds exactly that."""
+        made_from = (id(base), base._version)
+        held = self._held.get(name)
+        if held is not None and held[0] is adapter and held[1] == made_from:
+            return held[2]
+        layer = adapter.layers[name]
+        reusable = held is not None and held[2].shape == base.shape and held[2].dtype == base.dtype
+        buffer = held[2] if held is not None and reusable else torch.empty_like(base)
+        with torch.no_grad():
+            if base.dtype == torch.float32:  # in place, so never a second copy of the weight
+                torch.matmul(layer.b, layer.a, out=buffer)
+                buffer.mul_(layer.scale).add_(base)
+            else:
+                buffer.copy_(base.float() + layer.scale * (layer.b.float() @ layer.a.float()))
+        self._held[name] = (adapter, made_from, buffer)
+        self.merges += 1
+        return buffer
+
+
+@contextmanager
+def applied(adapter: LoraAdapter | None, model: torch.nn.Module,
+            merged: MergedWeights | None = None) -> Iterator[None]:
+    """Run the model with the adapter's merged weights in place of its modules' own (None: as is).
+
+    ``merged`` keeps them between calls (a server passes its one :class:`MergedWeights`); without
+    it they are made for this call alone. A full-weight load changes the base weights in place
+    (their version), and the next call merges again.
     """
     if adapter is None:
         yield
         return
+    merged = merged if merged is not None else MergedWeights()
     modules = dict(model.named_modules())
     originals: dict[str, torch.nn.Parameter] = {}
     try:
-        for name, layer in adapter.layers.items():
+        for name in adapter.layers:
             module = modules[name]
-            base = module.weight
-            made_from = (id(base), base._version)
-            cached = adapter.merged.get(name)
-            if cached is None or cached[0] != made_from:
-                with torch.no_grad():
-                    merged = base.float() + layer.scale * (layer.b.float() @ layer.a.float())
-                cached = adapter.merged[name] = (made_from, merged.to(base.dtype))
-            originals[name] = base
-            module.weight = torch.nn.Parameter(cached[1], requires_grad=False)
+            originals[name] = module.weight
+            module.weight = torch.nn.Parameter(merged.weight(name, adapter, module.weight), requires_grad=False)
         yield
     finally:
         for name, base in originals.items():

@@ -22,7 +22,7 @@ class ModelServerOptions:
     model_spec: str = "smollm2"
     host: str = "127.0.0.1"
     port: int = 8000
-    served_model_name: str | None = None
+    served_model_names: tuple[str, ...] = ()
     device: str | None = None
     dtype: str | None = None
     threads: int | None = None
@@ -42,7 +42,7 @@ def run_model_server(config: Config, options: ModelServerOptions) -> None:
     served_contract = Contract(options.contract or settings.contract)
     print(f"serving {loaded.name} on {precision.describe()} ({served_contract} contract)", flush=True)
     try:
-        uvloop.run(serve(loaded, host=options.host, port=options.port, served_model_name=options.served_model_name,
+        uvloop.run(serve(loaded, host=options.host, port=options.port, served_model_names=options.served_model_names,
                          contract=served_contract, admin_token=admin_token,
                          max_tokens=settings.max_tokens if options.max_tokens is None else options.max_tokens))
     except KeyboardInterrupt:

@@ -146,7 +146,9 @@ def streams_command(ctx: click.Context, loglevel: str) -> None:
               help="'tiny', 'smollm2' (SmolLM2-135M-Instruct, offline) or a HF model folder.")
 @click.option("--host", default="127.0.0.1", show_default=True)
 @click.option("--port", default=8000, show_default=True, type=int)
-@click.option("--served-model-name", default=None, help="The model name clients use (default: the model's name).")
+@click.option("--served-model-name", "served_model_names", multiple=True,
+              help="A name clients use for the base model (default: the model's name). Repeat it to serve several "
+              "trained models of one base, each with its own adapters (as vLLM's --served-model-name A B).")
 @click.option("--device", default=None,
               help="auto (CUDA when present), cpu, cuda or cuda:N (default: [server] device, auto).")
 @click.option("--dtype", default=None, type=click.Choice(["auto", "float32", "bfloat16"]),
@@ -160,14 +162,14 @@ def streams_command(ctx: click.Context, loglevel: str) -> None:
               help="dev: vLLM's API plus X-Policy-Version and /v1/load_weights; vllm: exactly vLLM's (no policy "
               "versions, LoRA updates only) (default: [server] contract, dev).")
 @click.pass_context
-def serve_model_command(ctx: click.Context, model_spec: str, host: str, port: int, served_model_name: str | None,
+def serve_model_command(ctx: click.Context, model_spec: str, host: str, port: int, served_model_names: tuple[str, ...],
                         device: str | None, dtype: str | None, threads: int | None, max_tokens: int | None,
                         contract: str | None) -> None:
     """Serve a model with vLLM's OpenAI-compatible API (token ids, logprobs, LoRA and weight updates)."""
     with requires_extra("train", "serve-model"):
         from agentstream.serving.model_server_main import ModelServerOptions, run_model_server
 
-    options = ModelServerOptions(model_spec=model_spec, host=host, port=port, served_model_name=served_model_name,
+    options = ModelServerOptions(model_spec=model_spec, host=host, port=port, served_model_names=served_model_names,
                                  device=device, dtype=dtype, threads=threads, max_tokens=max_tokens,
                                  contract=contract)
     run_model_server(_config(ctx), options)

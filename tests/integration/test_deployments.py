@@ -67,7 +67,7 @@ def test_the_proxy_serves_the_deployed_adapter_and_spans_carry_its_version(
     policy = trained_policy(config.trainer)
 
     async def scenario() -> None:
-        server_runner, server_url = await serve_app(create_app(load_model("tiny"), served_model_name=name,
+        server_runner, server_url = await serve_app(create_app(load_model("tiny"), served_model_names=(name,),
                                                                contract=contract))
         server = server_runner.app[SERVER]
         stop = asyncio.Event()
@@ -139,7 +139,7 @@ def test_a_stale_routing_pin_to_an_unknown_model_is_left_to_the_server(lora_setu
     _, name, _ = lora_setup
 
     async def scenario() -> None:
-        server_runner, server_url = await serve_app(create_app(load_model("tiny"), served_model_name=name,
+        server_runner, server_url = await serve_app(create_app(load_model("tiny"), served_model_names=(name,),
                                                                contract=Contract.VLLM))
         proxy_runner = await serve_proxy(LLMProxy(server_url, publisher), "127.0.0.1", port := free_port())
         try:
@@ -175,7 +175,7 @@ def test_the_gate_rejects_a_broken_checkpoint_rolls_back_a_bad_canary_and_promot
     worker = Worker(env, tmp_path / "streams.log").start()
 
     async def scenario() -> None:
-        server_runner, server_url = await serve_app(create_app(load_model("tiny"), served_model_name=name,
+        server_runner, server_url = await serve_app(create_app(load_model("tiny"), served_model_names=(name,),
                                                                contract=Contract.VLLM))
         async with aiohttp.ClientSession() as session:
             tasks = []
@@ -445,7 +445,7 @@ def test_an_evaluation_that_cannot_run_rejects_the_candidate_as_failed_not_as_sc
     dead_proxy = f"http://127.0.0.1:{free_port()}"
 
     async def scenario() -> None:
-        server_runner, server_url = await serve_app(create_app(load_model("tiny"), served_model_name=name,
+        server_runner, server_url = await serve_app(create_app(load_model("tiny"), served_model_names=(name,),
                                                                contract=Contract.VLLM))
         decisions = DeploymentLog(gated, stack.bootstrap_servers, clickhouse)
         await decisions.start()

@@ -263,7 +263,7 @@ def test_hot_swap_sends_the_admin_token_and_a_401_is_not_taken_for_a_bad_checkpo
     wrong = replace(config, security=replace(config.security, admin_token=Secret("not-the-token")))
 
     async def scenario() -> None:
-        runner, url = await serve_app(create_app(load_model("tiny"), served_model_name=name,
+        runner, url = await serve_app(create_app(load_model("tiny"), served_model_names=(name,),
                                                  admin_token=KeySet(TOKEN)))
         staging = store.staging()
         manifest = write_checkpoint(store, staging, save_weights(policy, staging), model=name, version=1, step=1,

@@ -30,7 +30,7 @@ MESSAGES = [{"role": "user", "content": "hello"}]
 
 
 async def serve_tiny(name: str) -> tuple[web.AppRunner, str, web.Application]:
-    app = create_app(load_model("tiny", threads=None), served_model_name=name)
+    app = create_app(load_model("tiny", threads=None), served_model_names=(name,))
     runner = web.AppRunner(app, access_log=None)
     await runner.setup()
     port = free_port()

@@ -67,12 +67,14 @@ class ScriptedLM(torch.nn.Module):
         return SimpleNamespace(logits=logits, past_key_values=ScriptedCache(step))
 
 
-def make_lora(folder: Path) -> torch.nn.Module:
-    """A non-zero peft LoRA on a fresh tiny model, saved to ``folder``; returns the peft model for reference."""
+def make_lora(folder: Path, seed: int = 0) -> torch.nn.Module:
+    """A non-zero peft LoRA on a fresh tiny model, saved to ``folder``; returns the peft model for reference.
+
+    Adapters made with different seeds differ (their answers too)."""
     from peft import LoraConfig, get_peft_model
 
     with torch.random.fork_rng():
-        torch.manual_seed(0)
+        torch.manual_seed(seed)
         peft_model = get_peft_model(load_model("tiny").model, LoraConfig(
             r=4, lora_alpha=8, target_modules=["q_proj", "v_proj", "down_proj"], init_lora_weights=False))
     peft_model.save_pretrained(folder)

@@ -102,3 +102,23 @@ def test_without_a_configured_token_the_admin_routes_stay_open(tiny, tmp_path):
         assert call(running.url + "/v1/unload_lora_adapter", {"lora_name": "open"}, "anything")[0] == 200
     finally:
         running.stop()
+
+
+def test_the_base_model_answers_to_every_served_name_and_no_adapter_may_take_one(tiny, tmp_path):
+    running = ServerThread(create_app(tiny, served_model_names=("calc", "words"), contract=Contract.VLLM))
+    try:
+        listed = call(running.url + "/v1/models")[1]
+        assert [(m["id"], m["parent"]) for m in listed["data"]] == [("calc", None), ("words", None)]
+        for name in ("calc", "words"):
+            status, body, _ = call(running.url + "/v1/chat/completions",
+                                   {"model": name, "messages": HELLO, "max_tokens": 2})
+            assert status == 200 and body["model"] == name
+        status, body, _ = call(running.url + "/v1/chat/completions", {"model": "tiny", "messages": HELLO})
+        assert status == 404 and "`tiny` does not exist" in body["error"]["message"]
+        make_lora(tmp_path / "adapter")
+        status, body, _ = call(running.url + "/v1/load_lora_adapter",
+                               {"lora_name": "words", "lora_path": str(tmp_path / "adapter")})
+        assert status == 400 and "base model's name" in body["error"]["message"]
+        assert running.app[SERVER].adapters == {}
+    finally:
+        running.stop()

@@ -26,7 +26,7 @@ def test_an_s3_checkpoint_reaches_the_server_as_a_checked_local_folder(tmp_path:
     objects = ObjectStoreServer(tmp_path / "objects", [CHECKPOINT_BUCKET], credentials={"id": "secret"})
     store_thread = ServerThread(objects.app)
     name = "tiny-s3"
-    server = create_app(load_model("tiny", threads=None), served_model_name=name)
+    server = create_app(load_model("tiny", threads=None), served_model_names=(name,))
     server_thread = ServerThread(server)
     try:
         settings = CheckpointsConfig(s3_endpoint=store_thread.url, s3_access_key_id="id",
@@ -65,7 +65,7 @@ def test_a_server_that_loaded_an_older_version_than_its_fleet_promoted_does_not_
     """Hot swap over a fleet: one server's loop saw v8 last while another's had loaded and promoted v9 (its
     checkpoint follower was ahead); v8 must not be promoted after v9, or the deployment goes back a version."""
     name = "tiny-fleet"
-    server = create_app(load_model("tiny", threads=None), served_model_name=name)
+    server = create_app(load_model("tiny", threads=None), served_model_names=(name,))
     server_thread = ServerThread(server)
     try:
         config = Config(trainer=TrainerConfig(model="tiny", model_name=name, device="cpu"))
