@@ -42,6 +42,7 @@ from tests.support.deploy_scenario import (
     Users,
     lora_checkpoint,
     publish,
+    routed_proxy,
     serve_app,
     wait_until,
 )
@@ -70,47 +71,36 @@ def test_the_proxy_serves_the_deployed_adapter_and_spans_carry_its_version(
         server_runner, server_url = await serve_app(create_app(load_model("tiny"), served_model_names=(name,),
                                                                contract=contract))
         server = server_runner.app[SERVER]
-        stop = asyncio.Event()
-        decisions = DeploymentLog(config, stack.bootstrap_servers, clickhouse)
-        await decisions.start()
-        swapper = HotSwapper(config, stack.bootstrap_servers, server_url, name, deployments=decisions)
-        follower = DeploymentFollower(config, stack.bootstrap_servers, newest_first=True)  # as `agentstream proxy`
-        tasks = [asyncio.create_task(swapper.run(stop)), asyncio.create_task(follower.run(stop))]
-        proxy_runner = await serve_proxy(LLMProxy(server_url, publisher, deployments=follower), "127.0.0.1",
-                                         port := free_port())
-        proxy = f"http://127.0.0.1:{port}"
         try:
-            await asyncio.wait_for(follower.ready.wait(), 20)
-            client = openai.AsyncOpenAI(base_url=f"{proxy}/rollouts/before/v1", api_key="unused", max_retries=0)
-            first = await client.chat.completions.create(model=name, messages=MESSAGES, max_tokens=4)
-            assert first.model == name  # nothing deployed yet: the base model
+            async with routed_proxy({name: config}, stack.bootstrap_servers, clickhouse, server_url,
+                                    publisher) as (proxy, follower):
+                client = openai.AsyncOpenAI(base_url=f"{proxy}/rollouts/before/v1", api_key="unused", max_retries=0)
+                first = await client.chat.completions.create(model=name, messages=MESSAGES, max_tokens=4)
+                assert first.model == name  # nothing deployed yet: the base model
 
-            for version in (1, 2):  # one after the other: hot swap skips to the newest of what it finds at once
-                await publish(config, stack.bootstrap_servers, policy, version, store)
-                routing = await wait_until(
-                    lambda v=version: (r := follower.routing(name)) and r.stable_version == v and r,
-                    what=f"v{version} promoted")
-            assert routing.format == "lora" and routing.stable_uri.endswith("v00000002")
-            assert sorted(server.adapters) == [adapter_name(name, 1), adapter_name(name, 2)]
+                for version in (1, 2):  # one after the other: hot swap skips to the newest of what it finds at once
+                    await publish(config, stack.bootstrap_servers, policy, version, store)
+                    routing = await wait_until(
+                        lambda v=version: (r := follower.routing(name)) and r.stable_version == v and r,
+                        what=f"v{version} promoted")
+                assert routing.format == "lora" and routing.stable_uri.endswith("v00000002")
+                assert sorted(server.adapters) == [adapter_name(name, 1), adapter_name(name, 2)]
 
-            routed = openai.AsyncOpenAI(base_url=f"{proxy}/rollouts/after/v1", api_key="unused", max_retries=0)
-            served = await routed.chat.completions.create(model=name, messages=MESSAGES, max_tokens=4)
-            assert served.model == adapter_name(name, 2)
-            pinned_base = await routed.chat.completions.create(model=f"{name}@v0", messages=MESSAGES, max_tokens=4)
-            assert pinned_base.model == name
-            by_header = await routed.chat.completions.create(
-                model=name, messages=MESSAGES, max_tokens=4, extra_headers={"X-Agentstream-Version": "0"})
-            assert by_header.model == name
-            with pytest.raises(openai.NotFoundError, match=r"version 1 of model .* is not loaded") as refused:
-                await routed.chat.completions.create(model=f"{name}@v1", messages=MESSAGES, max_tokens=4)
-            assert refused.value.body["code"] == 404 and "serving: v2" in refused.value.body["message"]
-            streamed = await routed.chat.completions.create(model=name, messages=MESSAGES, max_tokens=4, stream=True)
-            assert {chunk.model async for chunk in streamed} == {adapter_name(name, 2)}
+                routed = openai.AsyncOpenAI(base_url=f"{proxy}/rollouts/after/v1", api_key="unused", max_retries=0)
+                served = await routed.chat.completions.create(model=name, messages=MESSAGES, max_tokens=4)
+                assert served.model == adapter_name(name, 2)
+                pinned_base = await routed.chat.completions.create(model=f"{name}@v0", messages=MESSAGES, max_tokens=4)
+                assert pinned_base.model == name
+                by_header = await routed.chat.completions.create(
+                    model=name, messages=MESSAGES, max_tokens=4, extra_headers={"X-Agentstream-Version": "0"})
+                assert by_header.model == name
+                with pytest.raises(openai.NotFoundError, match=r"version 1 of model .* is not loaded") as refused:
+                    await routed.chat.completions.create(model=f"{name}@v1", messages=MESSAGES, max_tokens=4)
+                assert refused.value.body["code"] == 404 and "serving: v2" in refused.value.body["message"]
+                streamed = await routed.chat.completions.create(model=name, messages=MESSAGES, max_tokens=4,
+                                                                stream=True)
+                assert {chunk.model async for chunk in streamed} == {adapter_name(name, 2)}
         finally:
-            stop.set()
-            await asyncio.gather(*tasks)
-            await decisions.stop()
-            await proxy_runner.cleanup()
             await server_runner.cleanup()
 
     asyncio.run(scenario())

@@ -19,19 +19,16 @@ import openai
 import pytest
 import torch
 
-from agentstream.deploy.deployments import DeploymentFollower, DeploymentLog, adapter_name
+from agentstream.deploy.deployments import adapter_name
 from agentstream.infra.config import TrainerConfig
 from agentstream.infra.kafka import create_topics, topic_name
-from agentstream.infra.processes import free_port
 from agentstream.models import load_model, teacher_forced_logprobs
-from agentstream.pipeline.proxy.server import LLMProxy, serve_proxy
 from agentstream.serving.app import create_app
 from agentstream.serving.handlers import SERVER
-from agentstream.serving.hotswap import HotSwapper
 from agentstream.serving.protocol import Contract
 from agentstream.trainer.checkpoint_writer import open_store
 from tests.integration.test_trainer_hotswap import trained_policy
-from tests.support.deploy_scenario import publish, serve_app, wait_until
+from tests.support.deploy_scenario import publish, routed_proxy, serve_app, wait_until
 from tests.support.readback import read_topic
 
 MESSAGES = [{"role": "user", "content": "hello"}]
@@ -68,42 +65,30 @@ def test_two_models_share_one_server_and_every_answer_comes_from_the_adapter_of_
         server_runner, server_url = await serve_app(create_app(
             load_model("tiny"), served_model_names=tuple(names.values()), contract=Contract.VLLM))
         server = server_runner.app[SERVER]
-        stop = asyncio.Event()
-        decisions = DeploymentLog(config, stack.bootstrap_servers, clickhouse)
-        await decisions.start()
-        swappers = [HotSwapper(configs[key], stack.bootstrap_servers, server_url, names[key], deployments=decisions)
-                    for key in models]
-        follower = DeploymentFollower(config, stack.bootstrap_servers, newest_first=True)  # as `agentstream proxy`
-        tasks = [*(asyncio.create_task(swapper.run(stop)) for swapper in swappers),
-                 asyncio.create_task(follower.run(stop))]
-        proxy_runner = await serve_proxy(LLMProxy(server_url, publisher, deployments=follower), "127.0.0.1",
-                                         port := free_port())
         try:
-            await asyncio.wait_for(follower.ready.wait(), 20)
-            for key in models:
-                await publish(configs[key], stack.bootstrap_servers, policies[key], versions[key], store)
-            for key in models:
-                await wait_until(lambda k=key: (r := follower.routing(names[k])) and r.stable_version == versions[k],
-                                 what=f"{names[key]} v{versions[key]} promoted")
-            assert sorted(server.adapters) == sorted(adapter_name(names[k], versions[k]) for k in models)
+            async with routed_proxy({names[key]: configs[key] for key in models}, stack.bootstrap_servers,
+                                    clickhouse, server_url, publisher) as (proxy_url, follower):
+                for key in models:
+                    await publish(configs[key], stack.bootstrap_servers, policies[key], versions[key], store)
+                for key in models:
+                    await wait_until(
+                        lambda k=key: (r := follower.routing(names[k])) and r.stable_version == versions[k],
+                        what=f"{names[key]} v{versions[key]} promoted")
+                assert sorted(server.adapters) == sorted(adapter_name(names[k], versions[k]) for k in models)
 
-            async def ask(i: int) -> None:
-                key = ("calc", "words")[i % 2]
-                client = openai.AsyncOpenAI(base_url=f"http://127.0.0.1:{port}/rollouts/two-{tag}-{i}/v1",
-                                            api_key="unused", max_retries=0)
-                response = await client.chat.completions.create(
-                    model=names[key], messages=MESSAGES, max_tokens=6, logprobs=True,
-                    extra_body={"return_token_ids": True})
-                assert response.model == adapter_name(names[key], versions[key])
-                answers.append((key, response.model_dump()))
+                async def ask(i: int) -> None:
+                    key = ("calc", "words")[i % 2]
+                    client = openai.AsyncOpenAI(base_url=f"{proxy_url}/rollouts/two-{tag}-{i}/v1",
+                                                api_key="unused", max_retries=0)
+                    response = await client.chat.completions.create(
+                        model=names[key], messages=MESSAGES, max_tokens=6, logprobs=True,
+                        extra_body={"return_token_ids": True})
+                    assert response.model == adapter_name(names[key], versions[key])
+                    answers.append((key, response.model_dump()))
 
-            await asyncio.gather(*(ask(i) for i in range(REQUESTS)))
-            assert server.batcher.merged.merges > 0
+                await asyncio.gather(*(ask(i) for i in range(REQUESTS)))
+                assert server.batcher.merged.merges > 0
         finally:
-            stop.set()
-            await asyncio.gather(*tasks)
-            await decisions.stop()
-            await proxy_runner.cleanup()
             await server_runner.cleanup()
 
     asyncio.run(scenario())

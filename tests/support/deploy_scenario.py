@@ -7,13 +7,19 @@ rewards the base model's own greedy reply, and one that rewards any reply (:data
 from __future__ import annotations
 
 import asyncio
+import contextlib
 import time
+from collections.abc import AsyncIterator, Mapping
 
 import torch
 from aiohttp import web
 
+from agentstream.deploy.deployments import DeploymentFollower, DeploymentLog
+from agentstream.infra.config import Config
 from agentstream.infra.processes import free_port
+from agentstream.pipeline.proxy.server import LLMProxy, serve_proxy
 from agentstream.pipeline.sdk import emit_reward, rollout
+from agentstream.serving.hotswap import HotSwapper
 from agentstream.trainer.checkpoint_writer import CheckpointAnnouncer, write_checkpoint
 from agentstream.trainer.policy import build_policy, save_weights
 
@@ -49,6 +55,31 @@ async def serve_app(app: web.Application) -> tuple[web.AppRunner, str]:
     port = free_port()
     await web.TCPSite(runner, "127.0.0.1", port).start()
     return runner, f"http://127.0.0.1:{port}"
+
+
+@contextlib.asynccontextmanager
+async def routed_proxy(models: Mapping[str, Config], bootstrap: str, clickhouse, server_url: str,
+                       publisher) -> AsyncIterator[tuple[str, DeploymentFollower]]:
+    """A hot swap per trained model (name -> its config) into ``server_url``, promoting what it loads, and a proxy
+    in front of the server routed by the deployments, as `agentstream proxy` runs; yields its URL and follower."""
+    config = next(iter(models.values()))
+    stop = asyncio.Event()
+    decisions = DeploymentLog(config, bootstrap, clickhouse)
+    await decisions.start()
+    follower = DeploymentFollower(config, bootstrap, newest_first=True)
+    tasks = [*(asyncio.create_task(HotSwapper(model_config, bootstrap, server_url, name, deployments=decisions)
+                                   .run(stop)) for name, model_config in models.items()),
+             asyncio.create_task(follower.run(stop))]
+    proxy_runner = await serve_proxy(LLMProxy(server_url, publisher, deployments=follower), "127.0.0.1",
+                                     port := free_port())
+    try:
+        await asyncio.wait_for(follower.ready.wait(), 20)
+        yield f"http://127.0.0.1:{port}", follower
+    finally:
+        stop.set()
+        await asyncio.gather(*tasks)
+        await decisions.stop()
+        await proxy_runner.cleanup()
 
 
 async def wait_until(check, timeout_s: float = 20.0, what: str = "condition"):
