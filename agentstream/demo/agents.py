@@ -83,7 +83,7 @@ AGENTS = {
     "word-problems": DemoAgent("word-problems", "agentstream.examples.word_problems:solve", word_problems,
                                "trajectory", True,
                                "word problems with a calculator tool, half their kinds demonstrated",
-                               micro_batch_tokens=2048, temperature=0.5, demonstrations=288),
+                               micro_batch_tokens=2048, temperature=0.5, demonstrations=224),
 }
 
 
