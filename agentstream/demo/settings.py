@@ -37,7 +37,7 @@ class DemoConfig:
     there, and float32 elsewhere. ``warm_start_demonstrations`` is how many correct conversations
     an agent with a warm start (``agentstream demo --agent calculator`` or ``word-problems``) sends
     through the pipeline, the supervised steps before RL (0: the agent's own number, 128 for the
-    calculator, 288 for the word problems): it runs until all of them are trained and served,
+    calculator, 224 for the word problems): it runs until all of them are trained and served,
     however long that takes on the machine, up to ``warm_start_limit_s``. ``objective`` is what the
     trainer does with the train rollouts after the warm start: ``policy_gradient`` (RL, the demo) or
     ``supervised``, the control a demo of RL is measured against: the same rollouts and budget, but

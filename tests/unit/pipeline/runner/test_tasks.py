@@ -14,30 +14,36 @@ def queue(max_lag: int) -> PacedQueue:
 
 def test_generation_runs_at_most_max_lag_versions_ahead():
     assert queue(0).waves_due(0, 0, 0.0) == 1  # lag 0: one wave, then wait for the version it trains
-    assert queue(0).waves_due(5, 0, 0.0) == 6
     assert queue(3).waves_due(0, 0, 0.0) == 4
-    assert queue(3).waves_due(2, 0, 0.0) == 6
+    paced = queue(3)
+    assert [paced.waves_due(version, 0, 0.0) for version in (0, 1, 2)] == [4, 5, 6]
+
+
+def test_versions_count_from_where_the_queue_starts_not_from_zero():
+    paced = queue(2)  # RL after a warm start that ended at version 10
+    assert paced.waves_due(10, 0, 0.0) == 3  # as from version 0: not 13 waves at once
+    assert paced.waves_due(11, 0, 1.0) == 4
 
 
 def test_a_wave_that_made_no_version_lets_one_more_out_after_the_stall_time():
     paced = queue(1)
     paced.enqueued_tasks = 64
-    assert paced.waves_due(4, 64, 0.0) == 6
-    assert paced.waves_due(4, 63, 40.0) == 6  # a task still running: the trainer may yet step
-    assert paced.waves_due(4, 64, 29.0) == 6  # every task finished, but not stalled for long
-    assert paced.waves_due(4, 64, 40.0) == 7  # stalled: one more wave, and the valve waits again
-    assert paced.waves_due(4, 64, 50.0) == 7
-    assert paced.waves_due(5, 64, 51.0) == 8  # the extra wave stays counted: it made no version
+    assert paced.waves_due(4, 64, 0.0) == 2
+    assert paced.waves_due(4, 63, 40.0) == 2  # a task still running: the trainer may yet step
+    assert paced.waves_due(4, 64, 29.0) == 2  # every task finished, but not stalled for long
+    assert paced.waves_due(4, 64, 40.0) == 3  # stalled: one more wave, and the valve waits again
+    assert paced.waves_due(4, 64, 50.0) == 3
+    assert paced.waves_due(5, 64, 51.0) == 4  # the extra wave stays counted: it made no version
 
 
 def test_a_wave_of_flat_groups_lets_one_more_out_once_settled():
     paced = queue(2)
     paced._unsettled = [{"a", "b"}, {"c", "d"}, {"e", "f"}]  # what top_up records for three waves of two groups
-    assert paced.waves_due(3, 0, 0.0) == 6
+    assert paced.waves_due(3, 0, 0.0) == 3
     assert paced.settle({"a": True, "b": False, "c": True}) == 0  # wave 1 had signal; wave 2 is not finished
     assert paced.unsettled_groups() == {"c", "d", "e", "f"}
     assert paced.settle({"c": True, "d": True, "e": True, "f": True}) == 2  # both flat: two more waves
-    assert paced.waves_due(3, 0, 1.0) == 8
+    assert paced.waves_due(3, 0, 1.0) == 5
     assert paced.unsettled_groups() == set() and paced.settle({"a": True}) == 0
 
 
