@@ -226,6 +226,7 @@ class Dashboard:
             f"SELECT {ROLLOUT_POLICY_VERSION} AS version, count() AS rollouts, avg(final_reward) AS reward, "
             "avg(llm_calls) AS calls, sum(prefix_merges), sum(prefix_breaks) "
             f"FROM rollouts FINAL WHERE agent_name = '{self.agent.name}' AND notEmpty(policy_versions) "
+            "AND final_reward IS NOT NULL "  # a rollout the stopped runners cut short has none
             "GROUP BY version ORDER BY version").result_rows
         return [{"policy_version": v, "rollouts": n, "reward_mean": round(r, 4), "llm_calls_mean": round(c, 3),
                  "prefix_merges": merges, "prefix_breaks": breaks} for v, n, r, c, merges, breaks in rows]

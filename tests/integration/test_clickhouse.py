@@ -8,7 +8,9 @@ import time
 import urllib.error
 import urllib.parse
 import urllib.request
+import uuid
 from concurrent.futures import ThreadPoolExecutor
+from dataclasses import replace
 
 import clickhouse_connect
 import pytest
@@ -171,3 +173,20 @@ def test_patient_reads_ask_again_while_the_server_is_too_busy_and_give_up_when_t
     with pytest.raises(DatabaseError, match="UNKNOWN_TABLE"):  # refused: asking again would not help
         patient.query("SELECT count() FROM no_such_table")
     assert said == [] and patient.server_version == impatient.server_version  # the rest is the client's
+
+
+def test_the_demos_reward_per_version_counts_only_rollouts_that_got_a_reward(clickhouse):
+    """At the demo's end its runners stop mid-rollout: a version may hold only rollouts without a reward (seen: the
+    report's average was None and the demo died before writing its report)."""
+    from rich.console import Console
+
+    from agentstream.demo.agents import AGENTS
+    from agentstream.demo.training import Dashboard
+
+    agent = f"reward-per-version-{uuid.uuid4().hex[:6]}"
+    rows = [(f"{agent}-{i}", agent, reward, [version]) for i, (reward, version) in
+            enumerate([(1.0, 7), (0.0, 7), (None, 7), (None, 8)])]
+    clickhouse.insert("rollouts", rows, column_names=["rollout_id", "agent_name", "final_reward", "policy_versions"])
+    dashboard = Dashboard(clickhouse, Console(), 10.0, replace(AGENTS["word-problems"], name=agent))
+    assert [(row["policy_version"], row["rollouts"], row["reward_mean"]) for row in dashboard.reward_per_version()
+            ] == [(7, 2, 0.5)]
