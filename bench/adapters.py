@@ -15,6 +15,7 @@ from __future__ import annotations
 
 import argparse
 import asyncio
+import os
 import statistics
 import sys
 import tempfile
@@ -101,10 +102,11 @@ def main() -> None:
         for name, seed in (("calc", 0), ("words", 1)):
             make_adapter(home / name, seed)
         port = free_port()
+        inherited = {k: v for k, v in os.environ.items() if not k.startswith("AGENTSTREAM_")}  # none of the caller's
         server = Child("serve-model", ["serve-model", "--model", "smollm2", "--port", str(port), "--contract", "vllm",
                                        "--served-model-name", "calc", "--served-model-name", "words",
                                        "--threads", str(args.threads)],
-                       {"AGENTSTREAM_HOME": str(home), **_inherited()}, home / "serve-model.log").start()
+                       {**inherited, "AGENTSTREAM_HOME": str(home)}, home / "serve-model.log").start()
         try:
             url = f"http://127.0.0.1:{port}"
             wait_healthy(server, url, 300)
@@ -113,12 +115,6 @@ def main() -> None:
         finally:
             server.stop()
     sys.exit(0 if within else 1)
-
-
-def _inherited() -> dict[str, str]:
-    import os
-
-    return {k: v for k, v in os.environ.items() if not k.startswith("AGENTSTREAM_")}
 
 
 if __name__ == "__main__":

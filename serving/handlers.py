@@ -318,14 +318,13 @@ async def list_models(request: web.Request) -> web.Response:
     """GET /v1/models: the base model under each of its names, then the loaded LoRA adapters (with ``parent``),
     as vLLM lists them."""
     server = request.app[SERVER]
-    bases: list[dict[str, Any]] = [
-        {"id": name, "object": "model", "created": server.created, "owned_by": "agentstream",
-         "root": server.loaded.source or server.name, "parent": None, "max_model_len": server.context,
-         "permission": []} for name in server.names]
-    adapters: list[dict[str, Any]] = [
-        {"id": name, "object": "model", "created": server.created, "owned_by": "agentstream",
-         "root": adapter.path, "parent": server.name, "max_model_len": None, "permission": []}
-        for name, adapter in server.adapters.items()]
+
+    def card(name: str, root: str, parent: str | None, max_model_len: int | None) -> dict[str, Any]:
+        return {"id": name, "object": "model", "created": server.created, "owned_by": "agentstream", "root": root,
+                "parent": parent, "max_model_len": max_model_len, "permission": []}
+
+    bases = [card(name, server.loaded.source or server.name, None, server.context) for name in server.names]
+    adapters = [card(name, adapter.path, server.name, None) for name, adapter in server.adapters.items()]
     return web.json_response({"object": "list", "data": [*bases, *adapters]})
 
 

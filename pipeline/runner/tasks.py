@@ -144,8 +144,7 @@ class PacedQueue:
     With one optimizer step per wave, every rollout is then generated at most ``max_lag`` versions
     behind the version that trains on it, so the trainer's lag bound drops nothing and no CPU goes to
     rollouts too stale to use (AReaL's staleness control). Counting from version 0 instead let a demo
-    whose warm start ended at v10 send 13 waves at once: the trainer dropped 184 samples as stale
-    against 228 it trained in RL (the word-problems run of 2026-12-02 in docs/multistep.md).
+    whose warm start ended at v10 send 13 waves at once (docs/multistep.md, the word problems).
 
     A wave whose GRPO groups all had equal rewards carries no signal and makes no step: once the
     caller reports it (``settle``), one more wave goes out in its place, or generation would fall a
