@@ -82,7 +82,10 @@ class SessionPlan:
     without it the session starts ``servers`` of ``agentstream serve-model --model {model}``
     behind one proxy. Several each get a hot swap of their own with a checkpoint cache of its
     own, as replicas on separate hosts have. Without ``trainer`` no ``train-worker`` runs: the
-    checkpoints come from elsewhere (``agentstream sft``, see ``run_command``).
+    checkpoints come from elsewhere (``agentstream sft``, see ``run_command``) or from trainers
+    started one per trained model (``start_trainer``). ``served_names`` are the trained models the
+    one model server answers to, each by its own adapters (``--served-model-name``), with a hot
+    swap each; empty: the trainer's one model.
     """
 
     agent: str
@@ -93,6 +96,7 @@ class SessionPlan:
     server_threads: int = 1
     servers: int = 1
     trainer: bool = True
+    served_names: tuple[str, ...] = ()
 
 
 class TrainingSession:
@@ -113,7 +117,8 @@ class TrainingSession:
         env.update(AGENTSTREAM_CONFIG=str(self.workdir / "agentstream.toml"), OMP_NUM_THREADS=str(threads),
                    OMP_WAIT_POLICY="PASSIVE",
                    KAFKA_BOOTSTRAP_SERVERS=self.endpoints.bootstrap_servers,
-                   CLICKHOUSE_URL=self.endpoints.clickhouse_url, PYTHONUNBUFFERED="1", **extra)
+                   CLICKHOUSE_URL=self.endpoints.clickhouse_url, PYTHONUNBUFFERED="1")
+        env.update(extra)
         return env
 
     def _start(self, name: str, args: list[str], threads: int = 1, **extra: str) -> Child:
@@ -128,9 +133,10 @@ class TrainingSession:
         config_path.write_text(dump_toml(self.config))
         config_path.chmod(0o600)  # it may hold credentials
         servers = list(zip(self.server_names, self.server_urls, strict=True))
+        names = [option for name in self.plan.served_names for option in ("--served-model-name", name)]
         for name, url in servers if self.plan.server_url is None else []:
             self._start(name, ["serve-model", "--model", self.plan.model, "--port", url.rsplit(":", 1)[1],
-                               "--threads", str(self.plan.server_threads)], self.plan.server_threads)
+                               "--threads", str(self.plan.server_threads), *names], self.plan.server_threads)
             progress(f"model server  {self.plan.model} at {url} (loading)")
         self._start("proxy", ["proxy", "--port", self.proxy_url.rsplit(":", 1)[1],
                               *[option for url in self.server_urls for option in ("--upstream", url)]])
@@ -138,7 +144,9 @@ class TrainingSession:
         if self.plan.trainer:
             self._start("trainer", ["train-worker"], self.config.trainer.threads)
         trained = self.config.trainer.model_name or model_display_name(self.plan.model)
-        for number, (name, url) in enumerate(servers):
+        for model in self.plan.served_names:  # one server: a hot swap per trained model, each into its adapters
+            self._start(f"hotswap-{model}", ["hotswap", "--server", self.server_url, "--model", model])
+        for number, (name, url) in enumerate(servers if not self.plan.served_names else []):
             if len(servers) == 1:
                 self._start("hotswap", ["hotswap", "--server", url, "--model", trained])
             else:  # each downloads into a cache of its own and loads from there, as beside a replica on its host
@@ -182,6 +190,13 @@ class TrainingSession:
             child.check()  # raises, naming the exit code and the log's end
         return child.log_path.read_text(errors="replace")
 
+    def start_trainer(self, name: str, config: Config) -> Child:
+        """A ``train-worker`` on a configuration of its own (one trained model of several); logs to ``<name>.log``."""
+        path = self.workdir / f"{name}.toml"
+        path.write_text(dump_toml(config))
+        path.chmod(0o600)
+        return self._start(name, ["train-worker"], config.trainer.threads, AGENTSTREAM_CONFIG=str(path))
+
     def wait_until_healthy(self, url: str, name: str, timeout_s: float) -> None:
         deadline = time.monotonic() + timeout_s
         while True:
@@ -202,7 +217,8 @@ class TrainingSession:
 
     def stop(self, *names: str) -> None:
         """Stop the named processes (all of them, runners first, when none are named)."""
-        order = names or [*(n for n in self.children if n.startswith("runner")), "trainer", "gate",
+        order = names or [*(n for n in self.children if n.startswith("runner")),
+                          *(n for n in self.children if n.startswith("trainer")), "gate",
                           *(n for n in self.children if n.startswith("hotswap")), "streams", "proxy",
                           *self.server_names]
         for name in order:

@@ -19,6 +19,9 @@ from agentstream.stack.control import Stack
               help="Seconds of RL (default: demo.seconds, 900; the warm start and held-out evaluations are "
               "off this clock), or of live traffic with --online "
               "(demo.online_seconds, 1020).")
+@click.option("--steps", type=click.IntRange(min=1), default=None,
+              help="RL's budget in optimizer steps instead of seconds (default: demo.steps, 0: seconds): every "
+              "machine trains as much, a slower one for longer.")
 @click.option("--online", is_flag=True, help="The production demo: a service, its users' late feedback, the gate, "
               "canaries and rollbacks, on the vLLM contract.")
 @click.option("--agent", "agent_name", type=click.Choice(["arithmetic", "calculator", "word-problems"]),
@@ -34,9 +37,13 @@ from agentstream.stack.control import Stack
               help="What the trainer does with the train rollouts after the warm start (default: demo.objective, "
               "policy_gradient): RL, or 'supervised', the control RL is measured against: the same budget spent "
               "on likelihood steps on the rollouts that succeeded (rejection sampling).")
+@click.option("--agents", "several", default=None, metavar="A,B",
+              help="Train several example agents at once on one base model, each into its own LoRA adapter, "
+              "trainer and curve, served by one model server (e.g. arithmetic,calculator); one name is that "
+              "agent trained the same way alone. Writes several-report.json.")
 @click.pass_context
-def demo(ctx: click.Context, quick: bool | None, seconds: float | None, online: bool, agent_name: str,
-         framework: str, objective: str | None) -> None:
+def demo(ctx: click.Context, quick: bool | None, seconds: float | None, steps: int | None, online: bool,
+         agent_name: str, framework: str, objective: str | None, several: str | None) -> None:
     """Train SmolLM2-135M-Instruct online on an example agent and show that it learned.
 
     Starts the stack, the dev model server, proxy, streams, trainer, hot swap and runners;
@@ -48,9 +55,13 @@ def demo(ctx: click.Context, quick: bool | None, seconds: float | None, online: 
     from dataclasses import replace
 
     with requires_extra("train,examples", "demo"):
-        from agentstream.demo import run_demo, run_online_demo
+        from agentstream.demo import run_demo, run_online_demo, run_several
 
     config = _config(ctx)
+    agents = _agent_names(several) if several is not None else None
+    if agents is not None and (online or agent_name != "arithmetic" or framework != "openai"):
+        raise click.UsageError("--agents trains several agents on the plain OpenAI SDK; leave out --agent, "
+                               "--framework and --online")
     if online and agent_name != "arithmetic":
         raise click.UsageError("--online runs its own service agent; --agent is for the training demo")
     if framework != "openai" and agent_name != "calculator":
@@ -59,6 +70,11 @@ def demo(ctx: click.Context, quick: bool | None, seconds: float | None, online: 
         if online:
             raise click.UsageError("--objective is for the training demo; --online trains by policy gradient")
         config = replace(config, demo=replace(config.demo, objective=objective))
+    if steps is not None:
+        if online or seconds is not None:
+            raise click.UsageError("--steps is the training demo's budget instead of --seconds; the online demo "
+                                   "runs for seconds")
+        config = replace(config, demo=replace(config.demo, steps=steps))
     if online and seconds:
         config = replace(config, demo=replace(config.demo, online_seconds=seconds))
     elif quick is not None or seconds is not None:
@@ -70,10 +86,26 @@ def demo(ctx: click.Context, quick: bool | None, seconds: float | None, online: 
     try:
         if online:
             run_online_demo(config)
+        elif agents is not None:
+            run_several(config, agents)
         else:
             run_demo(config, agent=agent_name, framework=framework)
     except KeyboardInterrupt:
         raise Interrupted("interrupted; the processes the demo started were stopped") from None
+
+
+def _agent_names(listed: str) -> list[str]:
+    """The agents of ``--agents A,B``: known, each once."""
+    from agentstream.demo.agents import AGENTS
+
+    names = [name.strip() for name in listed.split(",") if name.strip()]
+    unknown = [name for name in names if name not in AGENTS]
+    if not names or unknown:
+        raise click.BadParameter(f"{', '.join(unknown) or 'no agent'}: name agents among {', '.join(AGENTS)}",
+                                 param_hint="--agents")
+    if len(set(names)) < len(names):
+        raise click.BadParameter("each agent once: it has one adapter", param_hint="--agents")
+    return names
 
 
 def _interrupt(signum: int, frame) -> None:

@@ -15,15 +15,18 @@ from agentstream.demo.settings import FRAMEWORKS, DemoConfig
 if TYPE_CHECKING:
     from agentstream.demo.online import OnlineReport, run_online_demo
     from agentstream.demo.results import DemoReport
+    from agentstream.demo.several import SeveralReport, run_several
     from agentstream.demo.training import run_demo
 
-__all__ = ["FRAMEWORKS", "DemoConfig", "DemoReport", "OnlineReport", "run_demo", "run_online_demo"]
+__all__ = ["FRAMEWORKS", "DemoConfig", "DemoReport", "OnlineReport", "SeveralReport", "run_demo", "run_online_demo",
+           "run_several"]
 
-_MODULES = {"OnlineReport": "online", "run_online_demo": "online", "DemoReport": "results", "run_demo": "training"}
+_MODULES = {"OnlineReport": "online", "run_online_demo": "online", "DemoReport": "results", "run_demo": "training",
+            "SeveralReport": "several", "run_several": "several"}
 
 
 def __getattr__(name: str) -> Any:
-    """``run_demo``, ``run_online_demo`` and their reports, imported from their module when first asked for."""
+    """The demos' entry points and their reports, imported from their module when first asked for."""
     if name not in _MODULES:
         raise AttributeError(f"module {__name__!r} has no attribute {name!r}")
     return getattr(importlib.import_module(f"agentstream.demo.{_MODULES[name]}"), name)

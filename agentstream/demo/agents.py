@@ -101,3 +101,11 @@ def on_framework(agent: DemoAgent, framework: str) -> DemoAgent:
         raise ValueError(f"unknown framework {framework!r}: one of {', '.join(CALCULATOR_FRAMEWORKS)}")
     module = CALCULATOR_FRAMEWORKS[framework]
     return replace(agent, entry=f"{module}:solve", framework=framework, title=f"{agent.title} on {framework}")
+
+
+async def solve_named(task: dict, rollout, *, temperature: float = 1.0) -> float:
+    """One rollout of the agent the task names (``task["agent"]``): one runner serves several agents' tasks."""
+    name = task.get("agent")
+    if name not in AGENTS:
+        raise ValueError(f"the task names no demo agent ({name!r}); one of {', '.join(AGENTS)}")
+    return await AGENTS[name].solve(task, rollout, temperature=temperature)

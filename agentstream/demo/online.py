@@ -18,7 +18,6 @@ import asyncio
 import json
 import random
 import time
-import uuid
 from dataclasses import asdict, dataclass, field, replace
 from pathlib import Path
 
@@ -29,10 +28,9 @@ from rich.table import Table
 
 from agentstream.console import product_console
 from agentstream.dashboard.server import start_beside
-from agentstream.demo.training import compute_dtype
+from agentstream.demo.training import compute_dtype, fresh_database, new_run
 from agentstream.deploy.deployments import DeploymentFollower, split_adapter_name
 from agentstream.examples import arithmetic
-from agentstream.infra.clickhouse import PatientReads, connect, migrate
 from agentstream.infra.config import CHECKPOINT_BUCKET, Config, CreditRule
 from agentstream.infra.processes import free_port
 from agentstream.infra.security import FEEDBACK_TOKEN_HEADER
@@ -373,9 +371,7 @@ def run_online_demo(config: Config, console: Console | None = None) -> OnlineRep
     """The whole online demo; returns (and writes) its report."""
     console = console or product_console()
     started = time.monotonic()
-    run_id = uuid.uuid4().hex[:8]
-    workdir = config.stack.home.resolve() / "online" / run_id
-    workdir.mkdir(parents=True, exist_ok=True)
+    run_id, workdir = new_run(config, "online")
     config = online_config(config, run_id, workdir)
     demo = config.demo
     console.rule(f"agentstream online demo ({demo.online_seconds:.0f} s of live traffic, vLLM contract, gated, "
@@ -391,10 +387,7 @@ def run_online_demo(config: Config, console: Console | None = None) -> OnlineRep
         servers=demo.online_model_servers))
     live_dashboard = start_beside(config, endpoints, console.print)  # up while the demo runs
     try:
-        created = connect(config.clickhouse, endpoints.clickhouse_url, database=DATABASE)
-        created.command(f"DROP DATABASE IF EXISTS {DATABASE}")  # the demo's own database, fresh each run
-        migrate(created, DATABASE)
-        client = PatientReads(created, console.print)  # on a slow machine training can starve its answers
+        client = fresh_database(config, endpoints.clickhouse_url, console)
         session.start(progress=console.print)
         with CpuShare("agentstream demo", machine.cores) as cpu:
             users, traffic_seconds = asyncio.run(serve_traffic(session, config, endpoints, console, workdir))

@@ -43,6 +43,7 @@ class DemoReport:
     objective: str = "policy_gradient"  # RL, or "supervised": the control (likelihood steps on successes)
     heldout_warm_start: float | None = None  # after the warm start, before RL (agents with one)
     warm_start_seconds: float | None = None
+    budget: str = ""  # RL's: seconds, or optimizer steps (demo.steps)
     evaluation_seconds: float = 0.0  # held-out evaluations during RL (off its clock)
     llm_calls_per_rollout: float | None = None  # train rollouts of the last policy versions
     prefix_merges: int = 0
@@ -97,9 +98,10 @@ def write_markdown(path: Path, report: DemoReport) -> None:
              *([f"- LLM calls per train rollout at the end: {report.llm_calls_per_rollout:.2f}; prefix merges "
                 f"{report.prefix_merges}, breaks {report.prefix_breaks}"]
                if report.llm_calls_per_rollout is not None else []),
-             (f"- {report.policy_versions} policy versions in {report.training_seconds:.0f} s of RL (its whole "
-              f"budget; {report.evaluation_seconds:.0f} s of held-out evaluations during it were off its clock, "
-              f"{report.seconds:.0f} s in all); {report.rollouts} train rollouts, {report.spans} spans"),
+             (f"- {report.policy_versions} policy versions in {report.training_seconds:.0f} s of RL (its budget: "
+              f"{report.budget or 'its seconds'}; {report.evaluation_seconds:.0f} s of held-out evaluations during "
+              f"it were off its clock, {report.seconds:.0f} s in all); {report.rollouts} train rollouts, "
+              f"{report.spans} spans"),
              f"- time to {report.target:.0%} held-out: {reached}",
              *([f"- machine: {report.machine['cpu_model']}, {report.machine['cores']} cores; calibration "
                 f"python_loop_s {report.machine['python_loop_s']}, numpy_matmul_s {report.machine['numpy_matmul_s']}"]

@@ -15,7 +15,7 @@ from agentstream.infra.config import Checks, add_section
 FRAMEWORKS = tuple(CALCULATOR_FRAMEWORKS)
 """What ``agentstream demo --agent calculator --framework`` takes: the calculator agent's frameworks."""
 
-ENVIRONMENT = {"DEMO_QUICK": "quick", "DEMO_SECONDS": "seconds"}
+ENVIRONMENT = {"DEMO_QUICK": "quick", "DEMO_SECONDS": "seconds", "DEMO_STEPS": "steps"}
 """The demos' environment variables, each the field it sets (``DEMO_QUICK=1 make demo``)."""
 
 
@@ -23,7 +23,10 @@ ENVIRONMENT = {"DEMO_QUICK": "quick", "DEMO_SECONDS": "seconds"}
 class DemoConfig:
     """The training demo (``make demo``) and ``make bench-learning``: how long, how often to evaluate, how wide.
 
-    ``seconds`` is RL's budget (``quick_seconds`` when ``quick``, i.e. ``DEMO_QUICK=1``);
+    ``seconds`` is RL's budget (``quick_seconds`` when ``quick``, i.e. ``DEMO_QUICK=1``), unless
+    ``steps`` > 0 sets it in optimizer steps (policy versions past where RL starts): every machine then
+    trains as much, and a slower one takes longer to (a budget in seconds gave a machine three times
+    slower a third of the steps);
     held-out greedy accuracy is measured before, every ``eval_every_s`` and after, each evaluation
     off RL's clock (a slower machine's evaluations do not eat its training). ``concurrency``
     rollouts run at once (``prompts_per_wave`` GRPO groups of ``group_size``). ``target`` is the
@@ -42,7 +45,8 @@ class DemoConfig:
     trainer does with the train rollouts after the warm start: ``policy_gradient`` (RL, the demo) or
     ``supervised``, the control a demo of RL is measured against: the same rollouts and budget, but
     likelihood steps on the rollouts that succeeded only (rejection sampling; the trainer's
-    ``supervised_min_reward``, 1 by default).
+    ``supervised_min_reward``, 1 by default). ``adapter_lr`` is the learning rate of the LoRA adapters
+    several agents train at once (``agentstream demo --agents``, one adapter per agent on every linear layer).
 
     ``online_*`` set the online demo (``agentstream demo --online``): seconds of live traffic, the
     users' request rate (per second), the longest feedback delay and the share of answers never
@@ -67,6 +71,7 @@ class DemoConfig:
     quick: bool = False
     seconds: float = 900.0
     quick_seconds: float = 240.0
+    steps: int = 0
     eval_every_s: float = 180.0
     group_size: int = 8
     prompts_per_wave: int = 4
@@ -81,6 +86,7 @@ class DemoConfig:
     warm_start_demonstrations: int = 0
     warm_start_limit_s: float = 1800.0
     objective: str = "policy_gradient"
+    adapter_lr: float = 5e-4
     output_dir: str = "demo-output"
     report_path: str = "demo-report.json"
     online_seconds: float = 1020.0
@@ -105,10 +111,20 @@ class DemoConfig:
     def training_seconds(self) -> float:
         return self.quick_seconds if self.quick else self.seconds
 
+    @property
+    def budget(self) -> str:
+        """RL's budget, in words."""
+        return f"{self.steps} optimizer steps" if self.steps else f"{self.training_seconds:.0f} s"
+
+    def spent(self, seconds: float, steps: int) -> bool:
+        """Whether RL has spent its budget, ``seconds`` on its clock and ``steps`` policy versions in."""
+        return steps >= self.steps if self.steps else seconds >= self.training_seconds
+
     def __post_init__(self) -> None:
         check = Checks("demo", self)
         check.above("seconds", 0)
         check.above("quick_seconds", 0)
+        check.at_least("steps", 0)
         check.above("eval_every_s", 0)
         check.at_least("group_size", 2)
         check.at_least("max_policy_lag", 0)
@@ -117,6 +133,7 @@ class DemoConfig:
         check.at_least("warm_start_demonstrations", 0)
         check.above("warm_start_limit_s", 0)
         check.one_of("objective", ("policy_gradient", "supervised"))
+        check.above("adapter_lr", 0)
         check.one_of("dtype", ("auto", "float32", "bfloat16"))
         check.above("online_tolerance", 0)
         check.within("online_confidence", "(0.5, 1)")

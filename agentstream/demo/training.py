@@ -25,8 +25,10 @@ import time
 import urllib.request
 import uuid
 from collections import deque
+from collections.abc import Callable
 from contextlib import nullcontext
 from dataclasses import asdict, replace
+from functools import partial
 from pathlib import Path
 from typing import Any
 
@@ -109,6 +111,23 @@ def demo_config(config: Config, run_id: str, workdir: Path, agent: DemoAgent = A
     )
 
 
+def new_run(config: Config, kind: str = "demo") -> tuple[str, Path]:
+    """A run id and the run's own folder under the stack home (its logs, checkpoints and journal)."""
+    run_id = uuid.uuid4().hex[:8]
+    workdir = config.stack.home.resolve() / kind / run_id
+    workdir.mkdir(parents=True, exist_ok=True)
+    return run_id, workdir
+
+
+def fresh_database(config: Config, clickhouse_url: str, console: Console) -> PatientReads:
+    """The demos' own database, dropped and created afresh each run, read patiently: on a slow machine training
+    can starve ClickHouse's answers."""
+    created = connect(config.clickhouse, clickhouse_url, database=DATABASE)
+    created.command(f"DROP DATABASE IF EXISTS {DATABASE}")
+    migrate(created, DATABASE)
+    return PatientReads(created, console.print)
+
+
 def server_version(server_url: str) -> int:
     """The policy version the model server holds now (every response carries it)."""
     with urllib.request.urlopen(server_url + "/health", timeout=10) as response:
@@ -143,12 +162,13 @@ class TrainingClock:
             self._held_since = None
 
 
-async def evaluate(agent: DemoAgent, tasks: list[dict], proxy_url: str, proxy_key: str | None, server_url: str,
-                   at: float) -> Evaluation:
+async def evaluate(agent: DemoAgent, tasks: list[dict], proxy_url: str, proxy_key: str | None,
+                   served_version: Callable[[], int], at: float, model: str | None = None) -> Evaluation:
     """Held-out success on ``tasks`` at the agent's evaluation temperature (greedy by default), ``eval_samples``
     rollouts per task, each captured under the agent's eval name (presenting ``proxy_key``); ``at`` is the
-    training clock's seconds it is recorded at."""
-    version = await asyncio.to_thread(server_version, server_url)
+    training clock's seconds it is recorded at, ``served_version`` says which version the server holds.
+    ``model``: the trained model the tasks call (one of several the server answers to)."""
+    version = await asyncio.to_thread(served_version)
 
     async def one(task: dict) -> float:
         async with rollout(agent.eval_name, task_id=task["id"], proxy_url=proxy_url, proxy_key=proxy_key) as state:
@@ -156,7 +176,8 @@ async def evaluate(agent: DemoAgent, tasks: list[dict], proxy_url: str, proxy_ke
             emit_reward(reward)  # so held-out accuracy per policy version is queryable too
             return reward
 
-    rewards = await asyncio.gather(*(one(task) for task in tasks for _ in range(agent.eval_samples)))
+    named = [{**task, "model": model} if model else task for task in tasks]
+    rewards = await asyncio.gather(*(one(task) for task in named for _ in range(agent.eval_samples)))
     correct, total = int(sum(rewards)), len(rewards)
     return Evaluation(round(at, 1), version, correct / total, correct, total)
 
@@ -173,11 +194,15 @@ def snapshot_served(server_url: str, checkpoint_dir: str, folder: Path, seconds:
     return Snapshot(seconds, version, str(target))
 
 
-def _waves(train: list[dict], group_size: int, wave_size: int, agent: DemoAgent):
-    """Endless shuffled passes over the train tasks, as waves of GRPO groups for the train agent at its temperature."""
+def waves(train: list[dict], group_size: int, wave_size: int, agent: DemoAgent, model: str | None = None):
+    """Endless shuffled passes over the train tasks, as waves of GRPO groups for the train agent at its temperature.
+
+    Each task names its agent (``solve_named`` dispatches on it) and, with ``model``, the trained model it calls.
+    """
     rng = random.Random(0)
     while True:
-        epoch = [{**task, "temperature": agent.temperature} for task in train]
+        epoch = [{**task, "temperature": agent.temperature, "agent": agent.name, **({"model": model} if model else {})}
+                 for task in train]
         rng.shuffle(epoch)
         tasks = grouped_tasks(epoch, group_size=group_size, agent_name=agent.name, timeout_s=600)
         for start in range(0, len(tasks) - wave_size + 1, wave_size):
@@ -187,8 +212,9 @@ def _waves(train: list[dict], group_size: int, wave_size: int, agent: DemoAgent)
 class Dashboard:
     """Live numbers from ClickHouse: the same tables `agentstream sql` and `report` read."""
 
-    def __init__(self, client, console: Console, seconds: float, agent: DemoAgent) -> None:
-        self.client, self.console, self.seconds, self.agent = client, console, seconds, agent
+    def __init__(self, client, console: Console, budget: str, agent: DemoAgent, model: str | None = None) -> None:
+        self.client, self.console, self.budget, self.agent = client, console, budget, agent
+        self.of_model = f" WHERE model = '{model}'" if model else ""  # one trained model of several
         self.evaluations: list[Evaluation] = []
         self.history: deque[tuple[float, int, int]] = deque()
         self.rates = (0.0, 0.0)
@@ -198,8 +224,9 @@ class Dashboard:
             f"SELECT (SELECT count() FROM rollouts FINAL WHERE agent_name = '{self.agent.name}'), "
             "(SELECT count() FROM spans)").result_rows[0]
         steps = self.client.query(
-            "SELECT count(), (SELECT max(version) FROM checkpoints FINAL), argMax(staleness_mean, step), "
-            "argMax(reward_mean, step) FROM train_steps FINAL").result_rows[0]
+            f"SELECT count(), (SELECT max(version) FROM checkpoints FINAL{self.of_model}), "
+            f"argMax(staleness_mean, step), argMax(reward_mean, step) FROM train_steps FINAL{self.of_model}"
+        ).result_rows[0]
         now = time.monotonic()
         self.history.append((now, rollouts, spans))
         while len(self.history) > 2 and now - self.history[1][0] >= RATE_WINDOW_S:
@@ -232,7 +259,7 @@ class Dashboard:
                  "prefix_merges": merges, "prefix_breaks": breaks} for v, n, r, c, merges, breaks in rows]
 
     def render(self, elapsed: float, numbers: dict, per_version: list[dict]) -> Table:
-        table = Table(title=f"agentstream demo: training {elapsed:.0f} / {self.seconds:.0f} s", show_header=False)
+        table = Table(title=f"agentstream demo: training {elapsed:.0f} s (budget {self.budget})", show_header=False)
         table.add_row("rollouts/s, spans/s", f"{self.rates[0]:.1f}, {self.rates[1]:.1f}  "
                       f"({numbers['rollouts']} rollouts, {numbers['spans']} spans)")
         table.add_row("policy version", f"v{numbers['version']}  ({numbers['steps']} optimizer steps)")
@@ -275,7 +302,7 @@ async def tools_sent(agent: DemoAgent, client, console: Console, wait_s: float =
 
 
 async def warm_start(agent: DemoAgent, train: list[dict], config: Config, session: TrainingSession, client,
-                     console: Console) -> float:
+                     console: Console, served_version: Callable[[], int], model: str | None = None) -> float:
     """Send the agent's demonstrations through the pipeline and wait until the server holds weights trained on them.
 
     Returns the seconds it took. It runs until every demonstration is trained and served (a budget in
@@ -285,6 +312,7 @@ async def warm_start(agent: DemoAgent, train: list[dict], config: Config, sessio
     train tasks the agent demonstrates (``agent.module.demonstration_tasks``), their correct
     conversations (``agent.module.demonstration``), recorded as rollouts of the
     demonstrations agent: stored, queryable, credited and trained from the stream like any other.
+    With ``model`` (one trained model of several), they call that model and only its trainer counts.
     """
     started = time.monotonic()
     count = config.demo.warm_start_demonstrations or agent.demonstrations
@@ -292,17 +320,18 @@ async def warm_start(agent: DemoAgent, train: list[dict], config: Config, sessio
     tools = await tools_sent(agent, client, console)
     calls = publish_demonstrations(agent.module.demonstration_tasks(train)[:count], agent.module.demonstration,
                                    tools, tokenizer,
-                                   model=model_display_name("smollm2"), agent_name=agent.demonstrations_name)
+                                   model=model or model_display_name("smollm2"), agent_name=agent.demonstrations_name)
     console.print(f"warm start: {count} demonstrations ({calls} LLM calls) published as rollouts of "
                   f"{agent.demonstrations_name!r}; waiting for the trainer and the server")
     name = agent.demonstrations_name
+    of_model = f" WHERE model = '{model}'" if model else ""
     while True:
         session.check()
         rollouts = _scalar(client, f"SELECT count() FROM rollouts FINAL WHERE agent_name = '{name}'")
         samples = _scalar(client, f"SELECT count() FROM transitions FINAL WHERE agent_name = '{name}'")
-        trained = _scalar(client, "SELECT sum(transitions) FROM train_steps FINAL")
-        latest = _scalar(client, "SELECT max(version) FROM checkpoints FINAL")
-        held = await asyncio.to_thread(server_version, session.server_url)
+        trained = _scalar(client, f"SELECT sum(transitions) FROM train_steps FINAL{of_model}")
+        latest = _scalar(client, f"SELECT max(version) FROM checkpoints FINAL{of_model}")
+        held = await asyncio.to_thread(served_version)
         if rollouts >= count and samples and trained >= samples and latest and held >= latest:
             console.print(f"warm start done in {time.monotonic() - started:.0f} s: {samples} samples trained, "
                           f"the server holds v{held}")
@@ -334,21 +363,22 @@ async def train_and_watch(session: TrainingSession, config: Config, endpoints, c
     set_sink(publisher)
     try:
         session.start_runners(progress=console.print)  # they join the task queue while the base model is evaluated
-        before = await evaluate(agent, heldout, session.proxy_url, session.proxy_key, session.server_url, 0.0)
+        served = partial(server_version, session.server_url)
+        before = await evaluate(agent, heldout, session.proxy_url, session.proxy_key, served, 0.0)
         console.print(f"held-out before training: {before.accuracy:.1%} ({before.correct}/{before.total}, "
                       f"{agent.judged}, policy v{before.policy_version})")
-        dashboard = Dashboard(client, console, demo.training_seconds, agent)
+        dashboard = Dashboard(client, console, demo.budget, agent)
         dashboard.evaluations.append(before)
         if agent.warm_start:
-            warm_seconds = await warm_start(agent, train, config, session, client, console)
-            warmed = await evaluate(agent, heldout, session.proxy_url, session.proxy_key, session.server_url, 0.0)
+            warm_seconds = await warm_start(agent, train, config, session, client, console, served)
+            warmed = await evaluate(agent, heldout, session.proxy_url, session.proxy_key, served, 0.0)
             dashboard.evaluations.append(warmed)
             console.print(f"held-out after the warm start: {warmed.accuracy:.1%} ({warmed.correct}/{warmed.total}, "
                           f"{agent.judged}, policy v{warmed.policy_version}); RL from here")
         wave_size = demo.group_size * demo.prompts_per_wave
-        held = await asyncio.to_thread(server_version, session.server_url)
+        held = start = await asyncio.to_thread(served)
         queue = await PacedQueue(config, endpoints.bootstrap_servers,
-                                 _waves(train, demo.group_size, wave_size, agent),
+                                 waves(train, demo.group_size, wave_size, agent),
                                  max_lag=demo.max_policy_lag).start()
         clock = TrainingClock()
         try:
@@ -359,7 +389,7 @@ async def train_and_watch(session: TrainingSession, config: Config, endpoints, c
             numbers: dict = {}
             with (Live(console=console, refresh_per_second=2, transient=False) if console.is_terminal
                   else nullcontext()) as live:
-                while (elapsed := clock.elapsed()) < demo.training_seconds:
+                while not demo.spent(elapsed := clock.elapsed(), held - start):
                     session.check()
                     if time.monotonic() - last_snapshot >= SNAPSHOT_EVERY_S:
                         numbers, per_version = dashboard.snapshot(), dashboard.reward_per_version()
@@ -370,7 +400,7 @@ async def train_and_watch(session: TrainingSession, config: Config, endpoints, c
                         elif time.monotonic() - last_line >= 15:
                             console.print(dashboard.line(elapsed, numbers, per_version))
                             last_line = time.monotonic()
-                    held = await asyncio.to_thread(server_version, session.server_url)
+                    held = await asyncio.to_thread(served)
                     await queue.top_up(held, numbers.get("rollouts", 0), time.monotonic())
                     if pending is not None and pending.done():
                         clock.release()
@@ -388,7 +418,7 @@ async def train_and_watch(session: TrainingSession, config: Config, endpoints, c
                         next_eval += demo.eval_every_s
                     elif pending is None and clock.elapsed() >= next_eval:
                         pending = asyncio.create_task(evaluate(agent, heldout, session.proxy_url,
-                                                               session.proxy_key, session.server_url, clock.elapsed()))
+                                                               session.proxy_key, served, clock.elapsed()))
                         clock.hold()
                         next_eval = clock.elapsed() + demo.eval_every_s
                     await asyncio.sleep(PACE_EVERY_S)
@@ -405,8 +435,7 @@ async def train_and_watch(session: TrainingSession, config: Config, endpoints, c
         console.print("stopping runners and trainer, then the final held-out evaluation")
         session.stop(*(name for name in session.children if name.startswith("runner")), "trainer")
         await asyncio.sleep(2.0)  # the last announced checkpoint reaches the server
-        after = await evaluate(agent, heldout, session.proxy_url, session.proxy_key, session.server_url,
-                               training_seconds)
+        after = await evaluate(agent, heldout, session.proxy_url, session.proxy_key, served, training_seconds)
         dashboard.evaluations.append(after)
         console.print(f"held-out after training: {after.accuracy:.1%} ({after.correct}/{after.total}, "
                       f"{agent.judged}, policy v{after.policy_version})")
@@ -426,14 +455,12 @@ def run_demo(config: Config, console: Console | None = None, snapshots: Path | N
     agent = on_framework(AGENTS[agent] if isinstance(agent, str) else agent, framework)
     console = console or product_console()
     started = time.monotonic()
-    run_id = uuid.uuid4().hex[:8]
-    workdir = config.stack.home.resolve() / "demo" / run_id
-    workdir.mkdir(parents=True, exist_ok=True)
+    run_id, workdir = new_run(config)
     config = demo_config(config, run_id, workdir, agent)
     demo = config.demo
     control = " (the supervised control)" if demo.objective == "supervised" else ""
     console.rule(f"agentstream demo: {agent.name}{'' if agent.framework == 'openai' else ' on ' + agent.framework}"
-                 f"{control} ({'quick, ' if demo.quick else ''}{demo.training_seconds:.0f} s of training)")
+                 f"{control} ({'quick, ' if demo.quick else ''}{demo.budget} of RL)")
     machine = calibrate()
     console.print(f"machine: {machine.describe()} (docs/demo.md's figures name theirs: a slower machine learns "
                   "slower in the same minutes)")
@@ -446,10 +473,7 @@ def run_demo(config: Config, console: Console | None = None, snapshots: Path | N
         server_threads=demo.server_threads))
     live_dashboard = start_beside(config, endpoints, console.print)  # up while the demo runs
     try:
-        created = connect(config.clickhouse, endpoints.clickhouse_url, database=DATABASE)
-        created.command(f"DROP DATABASE IF EXISTS {DATABASE}")  # the demo's own database, fresh each run
-        migrate(created, DATABASE)
-        client = PatientReads(created, console.print)  # on a slow machine training can starve its answers
+        client = fresh_database(config, endpoints.clickhouse_url, console)
         session.start(progress=console.print)
         if snapshots is not None:
             snapshots.mkdir(parents=True, exist_ok=True)
@@ -458,7 +482,7 @@ def run_demo(config: Config, console: Console | None = None, snapshots: Path | N
         if config.tracking.mlflow_uri:  # into the trainer's run, beside its per-step metrics
             console.print(record_evaluations(config.tracking, config.trainer.checkpoint_dir,
                                              [(e.policy_version, e.accuracy) for e in evaluations]))
-        dashboard = Dashboard(client, console, demo.training_seconds, agent)
+        dashboard = Dashboard(client, console, demo.budget, agent)
         numbers = dashboard.snapshot()
         reached = [e.seconds for e in evaluations if e.seconds >= 0 and e.accuracy >= demo.target]
         per_version = dashboard.reward_per_version()
@@ -476,7 +500,7 @@ def run_demo(config: Config, console: Console | None = None, snapshots: Path | N
             train_tokens_per_s=round(tokens / step_seconds, 1) if step_seconds else None,
             heldout_before=evaluations[0].accuracy, heldout_after=evaluations[-1].accuracy,
             policy_versions=numbers["version"], seconds=round(time.monotonic() - started, 1),
-            training_seconds=round(clock.elapsed(), 1), evaluation_seconds=round(clock.paused, 1),
+            training_seconds=round(clock.elapsed(), 1), budget=demo.budget, evaluation_seconds=round(clock.paused, 1),
             time_to_target_s=min(reached) if reached else None,
             target=demo.target, evaluations=evaluations, reward_per_version=per_version,
             rollouts=numbers["rollouts"], spans=numbers["spans"], train_steps=numbers["steps"], quick=demo.quick,

@@ -6,7 +6,10 @@ import time
 from dataclasses import replace
 
 import pytest
+from click.testing import CliRunner
 
+from agentstream.cli import main
+from agentstream.demo import DemoConfig
 from agentstream.demo.agents import AGENTS, on_framework
 from agentstream.demo.training import TrainingClock, demo_config
 from agentstream.examples import calculator_agent, calculator_langgraph
@@ -68,3 +71,21 @@ def test_rls_clock_stands_still_while_an_evaluation_holds_it_and_goes_on_from_th
     assert 0.09 <= clock.elapsed() < 0.2 and clock.paused >= 0.2
     clock.release()  # a second release changes nothing
     assert clock.paused < 0.25
+
+
+def test_rls_budget_is_seconds_on_its_clock_or_else_steps_past_where_rl_started():
+    timed = DemoConfig(seconds=600.0)
+    assert (timed.budget, timed.spent(599.9, 1000), timed.spent(600.0, 0)) == ("600 s", False, True)
+    assert DemoConfig(seconds=600.0, quick=True).spent(240.0, 0)  # quick_seconds
+    stepped = DemoConfig(seconds=600.0, steps=24)
+    assert (stepped.budget, stepped.spent(10_000.0, 23), stepped.spent(0.0, 24)) == ("24 optimizer steps", False, True)
+    with pytest.raises(ConfigError, match="steps"):
+        DemoConfig(steps=-1)
+
+
+def test_the_demo_takes_a_budget_in_steps_or_in_seconds_not_both():
+    for args, problem in [(["--steps", "0"], "0 is not in the range x>=1"),
+                          (["--steps", "24", "--seconds", "600"], "--steps is the training demo's budget"),
+                          (["--steps", "24", "--online"], "--steps is the training demo's budget")]:
+        result = CliRunner().invoke(main, ["demo", *args])
+        assert result.exit_code == 2 and problem in result.output, (args, result.output)
