@@ -27,6 +27,7 @@ import signal
 import time
 import uuid
 from dataclasses import replace
+from functools import partial
 from pathlib import Path
 
 from agentstream.demo.agents import AGENTS
@@ -63,12 +64,13 @@ def scalar(client, sql: str) -> float:
 async def measure(config: Config, endpoints, session: TrainingSession, client, args: argparse.Namespace) -> None:
     """Before, sampling and supervised steps through the pipeline from ``args.source``, after; the JSON lines."""
     train, heldout = AGENT.module.split(heldout=args.heldout)
+    served = partial(server_version, session.server_url)
     publisher = SpanPublisher(config, endpoints.bootstrap_servers, journal_dir=session.workdir / "journal").start()
     set_sink(publisher)
     try:
         session.start_runners(progress=print)
         phase = time.monotonic()
-        before = await evaluate(AGENT, heldout, session.proxy_url, session.proxy_key, session.server_url, 0.0)
+        before = await evaluate(AGENT, heldout, session.proxy_url, session.proxy_key, served, 0.0)
         seconds = {"heldout_before_s": time.monotonic() - phase}
         print(f"held-out before: {before.accuracy:.1%} ({before.correct}/{before.total})", flush=True)
         payloads = [{**task, "temperature": AGENT.temperature} for task in train[:args.prompts]]
@@ -80,7 +82,7 @@ async def measure(config: Config, endpoints, session: TrainingSession, client, a
             seconds["sampling_s"] = await sample(session, client, args, total, training=False)
             seconds |= await supervised_from_dataset(session, client, args)
         phase = time.monotonic()
-        after = await evaluate(AGENT, heldout, session.proxy_url, session.proxy_key, session.server_url, 0.0)
+        after = await evaluate(AGENT, heldout, session.proxy_url, session.proxy_key, served, 0.0)
         seconds["heldout_after_s"] = time.monotonic() - phase
         print(f"held-out after: {after.accuracy:.1%} ({after.correct}/{after.total}, v{after.policy_version})",
               flush=True)

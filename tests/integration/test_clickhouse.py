@@ -187,6 +187,6 @@ def test_the_demos_reward_per_version_counts_only_rollouts_that_got_a_reward(cli
     rows = [(f"{agent}-{i}", agent, reward, [version]) for i, (reward, version) in
             enumerate([(1.0, 7), (0.0, 7), (None, 7), (None, 8)])]
     clickhouse.insert("rollouts", rows, column_names=["rollout_id", "agent_name", "final_reward", "policy_versions"])
-    dashboard = Dashboard(clickhouse, Console(), 10.0, replace(AGENTS["word-problems"], name=agent))
+    dashboard = Dashboard(clickhouse, Console(), "10 s", replace(AGENTS["word-problems"], name=agent))
     assert [(row["policy_version"], row["rollouts"], row["reward_mean"]) for row in dashboard.reward_per_version()
             ] == [(7, 2, 0.5)]
