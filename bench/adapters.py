@@ -29,10 +29,9 @@ from agentstream.demo.online import ALL_LINEAR
 from agentstream.infra.processes import free_port
 from agentstream.models import load_model
 from agentstream.session import Child
-from agentstream.stack.machine import calibrate
+from agentstream.stack.machine import calibrate, resident_mb
 from bench.common import emit
 from bench.fleet import wait_healthy
-from bench.streams import rss_mb
 
 BOUND = 1.10  # two adapters' RSS over one's
 MESSAGES = [{"role": "user", "content": "What is 12 + 30? Answer with the number."}]
@@ -68,17 +67,17 @@ async def measure(url: str, pid: int, home: Path, args: argparse.Namespace) -> b
 
         for _ in range(3):
             await ask(session, url, "calc", args.tokens)
-        base = rss_mb(pid)
+        base = resident_mb(pid)
         emit("adapters", "server_rss_base_model", base, "MB")
         await load("calc@v1", home / "calc")
         for _ in range(3):
             await ask(session, url, "calc@v1", args.tokens)
-        one = rss_mb(pid)
+        one = resident_mb(pid)
         emit("adapters", "server_rss_one_adapter", one, "MB", over_base_mb=round(one - base, 1))
         await load("words@v1", home / "words")
         for model in ("words@v1", "calc@v1") * 3:
             await ask(session, url, model, args.tokens)
-        two = rss_mb(pid)
+        two = resident_mb(pid)
         emit("adapters", "server_rss_two_adapters", two, "MB", over_one_mb=round(two - one, 1),
              ratio_to_one=round(two / one, 3), bound=BOUND)
         same = [await ask(session, url, "calc@v1", args.tokens) for _ in range(args.rounds)]

@@ -32,9 +32,8 @@ from agentstream.infra.config import load_config
 from agentstream.infra.kafka import client_options
 from agentstream.infra.processes import ServiceDirectory
 from agentstream.stack.control import BROKER, OBJECTSTORE
-from agentstream.stack.machine import calibrate
+from agentstream.stack.machine import calibrate, resident_mb
 from bench.common import add_broker_option, chosen_brokers, emit, private_environ
-from bench.streams import rss_mb
 
 BENCH = "broker_start"
 
@@ -61,7 +60,7 @@ def line_at(lines: list[tuple[float, str]], prefix: str) -> float:
 def service_rss_mb(home: Path, name: str) -> float | None:
     """Resident memory of the service `up` started under ``home`` as ``name``; None when it is not running."""
     record = ServiceDirectory(home).record(name)
-    return rss_mb(record.pid) if record is not None and record.alive() else None
+    return resident_mb(record.pid) if record is not None and record.alive() else None
 
 
 async def exercise(options: dict, messages: int) -> None:

@@ -50,7 +50,7 @@ from agentstream.infra.kafka import client_options, topic_name
 from agentstream.pipeline.publisher import SpanPublisher
 from agentstream.schemas import HEADER_SIZE, AvroCodec
 from agentstream.schemas.span_reader import ReferenceSpanReader, SpanReader
-from agentstream.stack.machine import CpuShare, calibrate
+from agentstream.stack.machine import CpuShare, calibrate, resident_mb
 from agentstream.streams.trajectory import SpanNode
 from bench.common import (
     add_broker_option,
@@ -114,13 +114,6 @@ def wait_ready(worker: subprocess.Popen, log_path: Path, seconds: float = 90) ->
 STAGES = {"bench (publisher)": "publisher", "agentstream streams": "worker", "broker": "broker",
           "objectstore": "objectstore", "clickhouse": "clickhouse"}
 """The ingest path's processes by their CpuShare labels (the schema registry and the rest are left out)."""
-
-
-def rss_mb(pid: int) -> float:
-    for line in Path(f"/proc/{pid}/status").read_text().splitlines():
-        if line.startswith("VmRSS:"):
-            return int(line.split()[1]) / 1024
-    return 0.0
 
 
 class TransitionWatcher(threading.Thread):
@@ -209,7 +202,7 @@ def measure(broker: str, args: argparse.Namespace, peer: dict | None) -> None:
         client = connect(config.clickhouse, endpoints.clickhouse_url, database=config.clickhouse.database)
         try:
             wait_ready(worker, Path(scratch) / "worker.log")
-            rss_start = rss_mb(worker.pid)
+            rss_start = resident_mb(worker.pid)
             if os.environ.get("BENCH_PROFILE"):  # py-spy's collapsed stacks of the worker, for looking at hot spots
                 subprocess.Popen(["py-spy", "record", "--pid", str(worker.pid), "--duration", "20", "--format", "raw",
                                   "-o", os.environ["BENCH_PROFILE"]],
@@ -267,7 +260,7 @@ def measure(broker: str, args: argparse.Namespace, peer: dict | None) -> None:
                     if rollout_id in watcher.seen:
                         latencies.append((watcher.seen[rollout_id] - at) * 1000)
                 watcher.stop.set()
-                rss_end = rss_mb(worker.pid)
+                rss_end = resident_mb(worker.pid)
                 if args.soak_minutes > 0:
                     soak(workload, publisher, client, worker, ours, args.soak_minutes, broker)
             missing = len(ended) - len(latencies)
@@ -303,7 +296,7 @@ def soak(workload: Workload, publisher: SpanPublisher, client, worker: subproces
          minutes: float, broker: str, sample_every_s: float = 30.0) -> None:
     """Publish at ``spans_per_s`` for ``minutes``, sampling the worker's RSS; prints its slope over the second half."""
     rate = spans_per_s / SPANS_PER_ROLLOUT
-    samples: list[tuple[float, float]] = [(0.0, rss_mb(worker.pid))]
+    samples: list[tuple[float, float]] = [(0.0, resident_mb(worker.pid))]
     begin = time.perf_counter()
     published = 0
     print(f"soak: {minutes:g} min at {spans_per_s:,.0f} spans/s on {broker}, the worker's RSS every "
@@ -312,7 +305,7 @@ def soak(workload: Workload, publisher: SpanPublisher, client, worker: subproces
         if worker.poll() is not None:
             raise RuntimeError(f"the streams worker exited during the soak (code {worker.returncode})")
         if now - samples[-1][0] >= sample_every_s:
-            samples.append((now, rss_mb(worker.pid)))
+            samples.append((now, resident_mb(worker.pid)))
             print(f"soak: {now / 60:4.1f} min, worker RSS {samples[-1][1]:.0f} MB", file=sys.stderr, flush=True)
         pause = begin + published / rate - time.perf_counter()
         if pause > 0:
@@ -320,7 +313,7 @@ def soak(workload: Workload, publisher: SpanPublisher, client, worker: subproces
         workload.rollout(publisher)
         published += 1
     publisher.flush(120)
-    samples.append((time.perf_counter() - begin, rss_mb(worker.pid)))
+    samples.append((time.perf_counter() - begin, resident_mb(worker.pid)))
     expected = workload.count * SPANS_PER_ROLLOUT  # every span this stack was sent, the earlier runs' included
     backlog_deadline = time.monotonic() + 300
     while (stored := client.query("SELECT count() FROM spans").result_rows[0][0]) < expected:

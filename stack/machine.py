@@ -75,6 +75,14 @@ def calibrate() -> Calibration:
                        python_loop_s=round(python_loop_s, 3), numpy_matmul_s=round(numpy_matmul_s, 3))
 
 
+def resident_mb(pid: int) -> float:
+    """A process's resident memory (VmRSS) in MB; 0 where /proc does not say."""
+    for line in Path(f"/proc/{pid}/status").read_text().splitlines():
+        if line.startswith("VmRSS:"):
+            return int(line.split()[1]) / 1024
+    return 0.0
+
+
 def process_cpu_seconds(pid: int) -> float | None:
     """User plus system CPU seconds a live process has used so far (its own threads, not its children); None if gone."""
     try:

@@ -47,7 +47,7 @@ from agentstream.pipeline.runner.tasks import PacedQueue
 from agentstream.pipeline.sdk import set_sink
 from agentstream.session import SessionPlan, TrainingSession
 from agentstream.stack.control import Stack
-from agentstream.stack.machine import calibrate
+from agentstream.stack.machine import calibrate, resident_mb
 
 RUNNER_ENTRY = "agentstream.demo.agents:solve_named"
 REPORT_PATH = "several-report.json"
@@ -91,17 +91,9 @@ def adapter_version(server_url: str, model: str) -> int:
                 if name == model and version is not None), default=0)
 
 
-def resident_mb(pid: int) -> float:
-    """A process's resident memory in MB (Linux)."""
-    for line in Path(f"/proc/{pid}/status").read_text().splitlines():
-        if line.startswith("VmRSS:"):
-            return int(line.split()[1]) / 1024
-    return 0.0
-
-
 @dataclass
 class Learner:
-    """One agent of several: its trained model, its tasks, its paced queue and its held-out curve."""
+    """One agent of several: its trained model, its tasks, the version the server holds of it, its held-out curve."""
 
     agent: DemoAgent
     model: str
@@ -109,7 +101,6 @@ class Learner:
     heldout: list[dict]
     served: Callable[[], int]
     dashboard: Dashboard
-    warm_seconds: float | None = None
     numbers: dict = field(default_factory=dict)
 
     async def evaluate(self, session: TrainingSession, at: float) -> Evaluation:
@@ -171,11 +162,8 @@ async def _learn(session: TrainingSession, config: Config, endpoints, learners: 
               await asyncio.gather(*(learner.evaluate(session, 0.0) for learner in learners)))
     warming = [learner for learner in learners if learner.agent.warm_start]
     if warming:
-        seconds = await asyncio.gather(*(warm_start(learner.agent, learner.train, config, session,
-                                                    learner.dashboard.client, console, learner.served, learner.model)
-                                         for learner in warming))
-        for learner, took in zip(warming, seconds, strict=True):
-            learner.warm_seconds = took
+        await asyncio.gather(*(warm_start(learner.agent, learner.train, config, session, learner.dashboard.client,
+                                          console, learner.served, learner.model) for learner in warming))
         _announce(console, warming, "after the warm start",
                   await asyncio.gather(*(learner.evaluate(session, 0.0) for learner in warming)))
     queues: list[PacedQueue] = []
