@@ -120,12 +120,14 @@ def new_run(config: Config, kind: str = "demo") -> tuple[str, Path]:
 
 
 def fresh_database(config: Config, clickhouse_url: str, console: Console) -> PatientReads:
-    """The demos' own database, dropped and created afresh each run, read patiently: on a slow machine training
-    can starve ClickHouse's answers."""
-    created = connect(config.clickhouse, clickhouse_url, database=DATABASE)
-    created.command(f"DROP DATABASE IF EXISTS {DATABASE}")
-    migrate(created, DATABASE)
-    return PatientReads(created, console.print)
+    """The demo's own database (the one ``config`` names), dropped and created afresh each run, read patiently: on
+    a slow machine training can starve ClickHouse's answers."""
+    database = config.clickhouse.database
+    server = connect(config.clickhouse, clickhouse_url, database="default")
+    server.command(f"DROP DATABASE IF EXISTS {database}")
+    migrate(server, database)
+    server.close()
+    return PatientReads(connect(config.clickhouse, clickhouse_url, database=database), console.print)
 
 
 def server_version(server_url: str) -> int:

@@ -190,3 +190,20 @@ def test_the_demos_reward_per_version_counts_only_rollouts_that_got_a_reward(cli
     dashboard = Dashboard(clickhouse, Console(), "10 s", replace(AGENTS["word-problems"], name=agent))
     assert [(row["policy_version"], row["rollouts"], row["reward_mean"]) for row in dashboard.reward_per_version()
             ] == [(7, 2, 0.5)]
+
+
+def test_a_demos_fresh_database_is_the_one_its_config_names_and_starts_empty(stack_config, stack, clickhouse):
+    """The online demo once migrated the training demo's database and then read its own, which did not exist."""
+    from rich.console import Console
+
+    from agentstream.demo.training import fresh_database
+
+    database = f"agentstream_fresh_{uuid.uuid4().hex[:6]}"
+    config = replace(stack_config, clickhouse=replace(stack_config.clickhouse, database=database))
+    first = fresh_database(config, stack.clickhouse_url, Console())
+    first.command("INSERT INTO rollouts (rollout_id, agent_name) VALUES ('left-over', 'a')")
+    again = fresh_database(config, stack.clickhouse_url, Console())
+    assert again.query("SELECT count() FROM rollouts").result_rows == [(0,)]  # dropped and migrated afresh
+    assert clickhouse.query(f"SELECT count() FROM system.tables WHERE database = '{database}' AND name = 'rollouts'"
+                            ).result_rows == [(1,)]
+    clickhouse.command(f"DROP DATABASE {database}")
