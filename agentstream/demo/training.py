@@ -57,6 +57,7 @@ from agentstream.trainer.policy import OPTIMIZER_STATE
 from agentstream.trainer.tracking import record_evaluations
 
 DATABASE = "agentstream_demo"
+GROUP_TIMEOUT_S = 120.0  # a GRPO group is credited this long after its first rollout ended, complete or not
 EXPLORE_COMMAND = f"agentstream up && CLICKHOUSE_DATABASE={DATABASE} agentstream report"
 """What the demo's last line gives the user to paste: the stack back up, the run's numbers read from it."""
 RATE_WINDOW_S = 30.0
@@ -91,7 +92,7 @@ def demo_config(config: Config, run_id: str, workdir: Path, agent: DemoAgent = A
         clickhouse=replace(config.clickhouse, database=DATABASE),
         streams=replace(config.streams, app_id=f"agentstream-demo-{run_id}"),
         credit=(CreditRule(agent=agent.name, strategy=agent.strategy, gamma=agent.gamma, group_size=demo.group_size,
-                           group_timeout_s=120,
+                           group_timeout_s=GROUP_TIMEOUT_S,
                            keep_flat_groups=True,  # the trainer steps once per wave, its flat groups counted
                            level=agent.level),
                 *((CreditRule(agent=agent.demonstrations_name, strategy="final", level=agent.level),)
@@ -104,7 +105,9 @@ def demo_config(config: Config, run_id: str, workdir: Path, agent: DemoAgent = A
                         batch_counts_skipped=True,
                         batch_tokens=0,
                         micro_batch_tokens=agent.micro_batch_tokens,
-                        batch_wait_s=15.0,
+                        # a step holds its whole wave: its groups reach the trainer minutes apart on 2 cores, and at
+                        # 15 s each group made a step (and a version, which let the next wave out too early)
+                        batch_wait_s=GROUP_TIMEOUT_S,
                         max_policy_lag=demo.max_policy_lag, checkpoint_every_steps=1, keep_checkpoints=3,
                         optimizer_state_every=0,  # 2 s per version on a CPU; the demo never resumes
                         checkpoint_dir=str(workdir / "checkpoints"), session_timeout_s=6.0),

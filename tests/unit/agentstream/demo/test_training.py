@@ -14,6 +14,7 @@ from agentstream.demo.agents import AGENTS, on_framework
 from agentstream.demo.training import TrainingClock, demo_config
 from agentstream.examples import calculator_agent, calculator_langgraph
 from agentstream.infra.config import ConfigError, load_config
+from agentstream.trainer.batching import Batcher, Sample, SeenIds
 
 
 def test_the_demo_trains_each_agent_at_its_level_and_steps_on_its_samples_per_step(tmp_path):
@@ -29,6 +30,26 @@ def test_the_demo_trains_each_agent_at_its_level_and_steps_on_its_samples_per_st
     arithmetic = demo_config(config, "r", tmp_path, AGENTS["arithmetic"])
     assert {rule.agent for rule in arithmetic.credit} == {"arithmetic", "*"}
     assert arithmetic.credit[0].level == "transition"
+
+
+def test_a_demo_step_holds_its_whole_wave_though_its_groups_reach_the_trainer_over_90_s(tmp_path):
+    """At a 15 s wait each GRPO group of a slow wave made a step of its own, and a version, which let the next
+    wave out before the trainer had used this one (docs/multistep.md, why samples went stale)."""
+    config = demo_config(load_config(), "r", tmp_path, AGENTS["word-problems"])
+    trainer, demo = config.trainer, config.demo
+    batcher = Batcher(batch_tokens=trainer.batch_tokens, batch_transitions=trainer.batch_transitions,
+                      batch_wait_s=trainer.batch_wait_s, max_policy_lag=trainer.max_policy_lag,
+                      skip_zero_advantage=trainer.skip_zero_advantage, count_skipped=trainer.batch_counts_skipped,
+                      seen=SeenIds(1000))
+    for group in range(demo.prompts_per_wave):
+        arrives = 30.0 * group
+        assert not batcher.ready(arrives)  # the groups before it wait for it
+        for member in range(demo.group_size):
+            reward = float(member % 2)
+            batcher.offer(Sample(f"g{group}-{member}", f"g{group}-{member}", 3, [1, 2], [3], [-0.5], reward,
+                                 reward - 0.5), current_version=3, now=arrives)
+    batch = batcher.take(current_version=3)
+    assert batch is not None and len(batch.samples) == demo.group_size * demo.prompts_per_wave
 
 
 def test_the_supervised_control_keeps_the_runs_credit_and_budget_and_changes_only_the_objective(tmp_path):
