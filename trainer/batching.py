@@ -29,6 +29,7 @@ from typing import Any
 
 import torch
 
+from agentstream.infra.config import TrainerConfig
 from agentstream.schemas.errors import AgentstreamError
 from agentstream.trainer.errors import TrainerConfigError
 
@@ -236,6 +237,15 @@ class Batcher:
         self.counts = Counts()
         self._queue: deque[tuple[float, Sample, int]] = deque()  # (arrived, sample, flat ones offered just before it)
         self._queued: set[str] = set()
+
+    @classmethod
+    def for_trainer(cls, settings: TrainerConfig, seen: SeenIds) -> Batcher:
+        """The batcher a trainer with ``settings`` steps on (its supervised threshold only for that objective)."""
+        return cls(batch_tokens=settings.batch_tokens, batch_transitions=settings.batch_transitions,
+                   batch_wait_s=settings.batch_wait_s, max_policy_lag=settings.max_policy_lag,
+                   skip_zero_advantage=settings.skip_zero_advantage, count_skipped=settings.batch_counts_skipped,
+                   seen=seen,
+                   min_reward=settings.supervised_min_reward if settings.objective == "supervised" else None)
 
     def __len__(self) -> int:
         return len(self._queue)

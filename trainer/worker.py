@@ -210,12 +210,7 @@ class TrainerWorker:
         self._rebased_on: int | None = None  # the version the next checkpoint was rebased on, if any
 
     def _batcher(self, trained_ids: list[str]) -> Batcher:
-        s = self.settings
-        return Batcher(batch_tokens=s.batch_tokens, batch_transitions=s.batch_transitions, batch_wait_s=s.batch_wait_s,
-                       max_policy_lag=s.max_policy_lag, skip_zero_advantage=s.skip_zero_advantage,
-                       count_skipped=s.batch_counts_skipped,
-                       seen=SeenIds(s.dedupe_window, trained_ids),
-                       min_reward=s.supervised_min_reward if s.objective == "supervised" else None)
+        return Batcher.for_trainer(self.settings, SeenIds(self.settings.dedupe_window, trained_ids))
 
     async def run(self, stop: asyncio.Event | None = None, max_steps: int | None = None) -> RunSummary:
         """Resume from the latest checkpoint, train until ``stop`` is set, write a last checkpoint on the way out."""

@@ -37,10 +37,7 @@ def test_a_demo_step_holds_its_whole_wave_though_its_groups_reach_the_trainer_ov
     wave out before the trainer had used this one (docs/multistep.md, why samples went stale)."""
     config = demo_config(load_config(), "r", tmp_path, AGENTS["word-problems"])
     trainer, demo = config.trainer, config.demo
-    batcher = Batcher(batch_tokens=trainer.batch_tokens, batch_transitions=trainer.batch_transitions,
-                      batch_wait_s=trainer.batch_wait_s, max_policy_lag=trainer.max_policy_lag,
-                      skip_zero_advantage=trainer.skip_zero_advantage, count_skipped=trainer.batch_counts_skipped,
-                      seen=SeenIds(1000))
+    batcher = Batcher.for_trainer(trainer, SeenIds(1000))
     for group in range(demo.prompts_per_wave):
         arrives = 30.0 * group
         assert not batcher.ready(arrives)  # the groups before it wait for it
