@@ -41,9 +41,14 @@ from agentstream.stack.control import Stack
               help="Train several example agents at once on one base model, each into its own LoRA adapter, "
               "trainer and curve, served by one model server (e.g. arithmetic,calculator); one name is that "
               "agent trained the same way alone. Writes several-report.json.")
+@click.option("--warm-start-from", "warm_start_from", type=click.Path(exists=True, file_okay=False), default=None,
+              help="Start from the warm start an earlier run of the same agent saved (demo-output/warm-start) "
+              "instead of sending the demonstrations again: RL and the control (--objective supervised) from "
+              "the same weights, and the warm start's minutes saved.")
 @click.pass_context
 def demo(ctx: click.Context, quick: bool | None, seconds: float | None, steps: int | None, online: bool,
-         agent_name: str, framework: str, objective: str | None, several: str | None) -> None:
+         agent_name: str, framework: str, objective: str | None, several: str | None,
+         warm_start_from: str | None) -> None:
     """Train SmolLM2-135M-Instruct online on an example agent and show that it learned.
 
     Starts the stack, the dev model server, proxy, streams, trainer, hot swap and runners;
@@ -66,6 +71,11 @@ def demo(ctx: click.Context, quick: bool | None, seconds: float | None, steps: i
         raise click.UsageError("--online runs its own service agent; --agent is for the training demo")
     if framework != "openai" and agent_name != "calculator":
         raise click.UsageError("--framework is for --agent calculator: the other agents are written on the OpenAI SDK")
+    if warm_start_from is not None:
+        if online or agents is not None:
+            raise click.UsageError("--warm-start-from is for the training demo of one agent with a warm start "
+                                   "(--agent calculator or word-problems)")
+        config = replace(config, demo=replace(config.demo, warm_start_from=str(Path(warm_start_from).resolve())))
     if objective is not None:
         if online:
             raise click.UsageError("--objective is for the training demo; --online trains by policy gradient")

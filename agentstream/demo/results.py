@@ -42,7 +42,8 @@ class DemoReport:
     judged: str = "greedy"  # how held-out success was measured
     objective: str = "policy_gradient"  # RL, or "supervised": the control (likelihood steps on successes)
     heldout_warm_start: float | None = None  # after the warm start, before RL (agents with one)
-    warm_start_seconds: float | None = None
+    warm_start_seconds: float | None = None  # on the machine that made it, when it was saved by an earlier run
+    warm_start_from: str = ""  # the folder of a warm start saved by an earlier run, this run's start
     budget: str = ""  # RL's: seconds, or optimizer steps (demo.steps)
     evaluation_seconds: float = 0.0  # held-out evaluations during RL (off its clock)
     llm_calls_per_rollout: float | None = None  # train rollouts of the last policy versions
@@ -91,7 +92,9 @@ def write_markdown(path: Path, report: DemoReport) -> None:
              f"- agent: {report.agent}, written on {report.framework}; trained by {trained}",
              (f"- held-out success ({report.judged}): {report.heldout_before:.1%} before, "
               f"{report.heldout_warm_start:.1%} after "
-              f"the warm start ({report.warm_start_seconds:.0f} s), {report.heldout_after:.1%} after RL"
+              f"the warm start ({report.warm_start_seconds:.0f} s"
+              f"{', saved by an earlier run in ' + report.warm_start_from if report.warm_start_from else ''}), "
+              f"{report.heldout_after:.1%} after RL"
               if report.heldout_warm_start is not None else
               f"- held-out {report.judged} accuracy: {report.heldout_before:.1%} before -> "
               f"{report.heldout_after:.1%} after"),

@@ -41,7 +41,9 @@ class DemoConfig:
     an agent with a warm start (``agentstream demo --agent calculator`` or ``word-problems``) sends
     through the pipeline, the supervised steps before RL (0: the agent's own number, 128 for the
     calculator, 224 for the word problems): it runs until all of them are trained and served,
-    however long that takes on the machine, up to ``warm_start_limit_s``. ``objective`` is what the
+    however long that takes on the machine, up to ``warm_start_limit_s``; a finished warm start is saved
+    in ``<output_dir>/warm-start``, and ``warm_start_from`` names such a folder to start from instead (the
+    demonstrations are not sent again: RL and its control start from the same weights). ``objective`` is what the
     trainer does with the train rollouts after the warm start: ``policy_gradient`` (RL, the demo) or
     ``supervised``, the control a demo of RL is measured against: the same rollouts and budget, but
     likelihood steps on the rollouts that succeeded only (rejection sampling; the trainer's
@@ -85,6 +87,7 @@ class DemoConfig:
     dtype: str = "auto"
     warm_start_demonstrations: int = 0
     warm_start_limit_s: float = 1800.0
+    warm_start_from: str = ""
     objective: str = "policy_gradient"
     adapter_lr: float = 5e-4
     output_dir: str = "demo-output"

@@ -37,9 +37,9 @@ from agentstream.demo.training import (
     evaluate,
     fresh_database,
     new_run,
-    warm_start,
     waves,
 )
+from agentstream.demo.warm_start import warm_start
 from agentstream.deploy.deployments import split_adapter_name
 from agentstream.infra.config import Config, CreditRule
 from agentstream.pipeline.publisher import SpanPublisher

@@ -30,7 +30,6 @@ from contextlib import nullcontext
 from dataclasses import asdict, replace
 from functools import partial
 from pathlib import Path
-from typing import Any
 
 from rich.console import Console
 from rich.live import Live
@@ -39,11 +38,20 @@ from rich.table import Table
 from agentstream.console import product_console
 from agentstream.dashboard.server import start_beside
 from agentstream.demo.agents import AGENTS, DemoAgent, on_framework
-from agentstream.demo.demonstrations import publish_demonstrations
 from agentstream.demo.results import DemoReport, Evaluation, Snapshot, write_markdown, write_plot
+from agentstream.demo.warm_start import FOLDER as WARM_START_FOLDER
+from agentstream.demo.warm_start import (
+    WarmStartMismatch,
+    WarmStartPlan,
+    WarmStartSettings,
+    install_warm_start,
+    load_warm_start,
+    served_saved,
+    warm_start,
+)
 from agentstream.infra.clickhouse import ROLLOUT_POLICY_VERSION, PatientReads, connect, migrate
 from agentstream.infra.config import Config, CreditRule
-from agentstream.models import local_path, model_display_name, smollm2_tokenizer
+from agentstream.models import local_path
 from agentstream.models.precision import native_bfloat16
 from agentstream.pipeline.publisher import SpanPublisher
 from agentstream.pipeline.runner.tasks import PacedQueue, grouped_tasks
@@ -63,7 +71,6 @@ EXPLORE_COMMAND = f"agentstream up && CLICKHOUSE_DATABASE={DATABASE} agentstream
 RATE_WINDOW_S = 30.0
 PACE_EVERY_S = 0.2  # how soon a new policy version lets the next wave out (a /health call a time)
 SNAPSHOT_EVERY_S = 3.0  # the live numbers from ClickHouse
-TOOLS_WAIT_S = 60.0  # for the first evaluation's spans to reach ClickHouse: seconds at most, minutes never
 LAST_VERSIONS = 5  # the policy versions whose train rollouts say how many LLM calls a rollout makes at the end
 
 
@@ -283,84 +290,28 @@ class Dashboard:
                 f"sampled reward {reward:.2f}, held-out {held:.0%}")
 
 
-def _scalar(client, sql: str) -> Any:
-    return client.query(sql).result_rows[0][0]
-
-
-async def tools_sent(agent: DemoAgent, client, console: Console, wait_s: float = TOOLS_WAIT_S) -> list[dict]:
-    """The tool definitions the agent's framework sent in its first held-out evaluation, read from its LLM spans.
-
-    Demonstrations are rendered with them, so the warm start trains on the prompt the agent will send:
-    each framework writes the calculator's JSON schema its own way, and the schema is part of the prompt.
-    Falls back to the plain agent's ``CALCULATOR`` if no captured call has arrived in ``wait_s``.
-    """
-    sql = (f"SELECT attributes['gen_ai.tool.definitions'] FROM spans WHERE agent_name = '{agent.eval_name}' "
-           "AND kind = 'LLM' AND mapContains(attributes, 'gen_ai.tool.definitions') LIMIT 1")
-    deadline = time.monotonic() + wait_s
-    while not (rows := client.query(sql).result_rows) and time.monotonic() < deadline:
-        await asyncio.sleep(1.0)
-    if rows:
-        return list(json.loads(rows[0][0]))
-    console.print(f"[yellow]no captured call of {agent.eval_name!r} named its tools in {wait_s:.0f} s; "
-                  "demonstrations use the plain agent's calculator tool[/yellow]")
-    return [agent.module.CALCULATOR]
-
-
-async def warm_start(agent: DemoAgent, train: list[dict], config: Config, session: TrainingSession, client,
-                     console: Console, served_version: Callable[[], int], model: str | None = None) -> float:
-    """Send the agent's demonstrations through the pipeline and wait until the server holds weights trained on them.
-
-    Returns the seconds it took. It runs until every demonstration is trained and served (a budget in
-    steps, not in seconds, so a slower machine still starts RL from the same warm start), or for at
-    most ``warm_start_limit_s``. Demonstrations are the first ``warm_start_demonstrations`` (else the
-    agent's ``demonstrations``) of the
-    train tasks the agent demonstrates (``agent.module.demonstration_tasks``), their correct
-    conversations (``agent.module.demonstration``), recorded as rollouts of the
-    demonstrations agent: stored, queryable, credited and trained from the stream like any other.
-    With ``model`` (one trained model of several), they call that model and only its trainer counts.
-    """
-    started = time.monotonic()
-    count = config.demo.warm_start_demonstrations or agent.demonstrations
-    tokenizer = await asyncio.to_thread(smollm2_tokenizer)  # the ids the server renders; its weights are not needed
-    tools = await tools_sent(agent, client, console)
-    calls = publish_demonstrations(agent.module.demonstration_tasks(train)[:count], agent.module.demonstration,
-                                   tools, tokenizer,
-                                   model=model or model_display_name("smollm2"), agent_name=agent.demonstrations_name)
-    console.print(f"warm start: {count} demonstrations ({calls} LLM calls) published as rollouts of "
-                  f"{agent.demonstrations_name!r}; waiting for the trainer and the server")
-    name = agent.demonstrations_name
-    of_model = f" WHERE model = '{model}'" if model else ""
-    while True:
-        session.check()
-        rollouts = _scalar(client, f"SELECT count() FROM rollouts FINAL WHERE agent_name = '{name}'")
-        samples = _scalar(client, f"SELECT count() FROM transitions FINAL WHERE agent_name = '{name}'")
-        trained = _scalar(client, f"SELECT sum(transitions) FROM train_steps FINAL{of_model}")
-        latest = _scalar(client, f"SELECT max(version) FROM checkpoints FINAL{of_model}")
-        held = await asyncio.to_thread(served_version)
-        if rollouts >= count and samples and trained >= samples and latest and held >= latest:
-            console.print(f"warm start done in {time.monotonic() - started:.0f} s: {samples} samples trained, "
-                          f"the server holds v{held}")
-            return time.monotonic() - started
-        if time.monotonic() - started > config.demo.warm_start_limit_s:
-            console.print(f"[yellow]warm start unfinished after {time.monotonic() - started:.0f} s: "
-                          f"{rollouts}/{count} demonstrations stored, {trained} of {samples} samples trained, the "
-                          f"server holds v{held}; RL starts from there (see the trainer's log)[/yellow]")
-            return time.monotonic() - started
-        await asyncio.sleep(1.0)
+def warm_start_settings(config: Config, agent: DemoAgent) -> WarmStartSettings:
+    """What this run's warm start depends on (a saved one serves a run whose settings are the same)."""
+    return WarmStartSettings(agent=agent.name, framework=agent.framework,
+                             demonstrations=config.demo.warm_start_demonstrations or agent.demonstrations,
+                             dtype=compute_dtype(config), heldout_tasks=config.demo.heldout_tasks)
 
 
 async def train_and_watch(session: TrainingSession, config: Config, endpoints, client, console: Console,
                           snapshots: Path | None, agent: DemoAgent = AGENTS["arithmetic"],
+                          warm: WarmStartPlan | None = None,
                           ) -> tuple[list[Evaluation], list[Snapshot], TrainingClock, float | None]:
     """Enqueue the train tasks, run RL until its time is up (or the target is reached), evaluating as it goes.
 
-    An agent with a warm start trains on its demonstrations first and is evaluated after it; both
-    before RL's clock starts. Held-out evaluations during RL are kept off its clock too
+    An agent with a warm start (``warm``) trains on its demonstrations first, or starts from a saved
+    warm start (installed in the trainer's store) once the server holds it, and is evaluated after it;
+    all before RL's clock starts. Held-out evaluations during RL are kept off its clock too
     (:class:`TrainingClock`). With ``snapshots``, the served weights are linked there every
     ``eval_every_s`` instead of evaluated. Returns the evaluations, the snapshots, RL's clock and the
     warm start's seconds (None without one).
     """
     demo = config.demo
+    saved = warm.saved if warm else None
     train, heldout = agent.module.split(heldout=demo.heldout_tasks)
     warm_seconds: float | None = None
     taken: list[Snapshot] = []
@@ -369,17 +320,29 @@ async def train_and_watch(session: TrainingSession, config: Config, endpoints, c
     try:
         session.start_runners(progress=console.print)  # they join the task queue while the base model is evaluated
         served = partial(server_version, session.server_url)
-        before = await evaluate(agent, heldout, session.proxy_url, session.proxy_key, served, 0.0)
+        before = saved.before if saved else await evaluate(agent, heldout, session.proxy_url, session.proxy_key,
+                                                           served, 0.0)
         console.print(f"held-out before training: {before.accuracy:.1%} ({before.correct}/{before.total}, "
-                      f"{agent.judged}, policy v{before.policy_version})")
+                      f"{agent.judged}, policy v{before.policy_version})"
+                      f"{', measured by the run that saved the warm start' if saved else ''}")
         dashboard = Dashboard(client, console, demo.budget, agent)
         dashboard.evaluations.append(before)
-        if agent.warm_start:
-            warm_seconds = await warm_start(agent, train, config, session, client, console, served)
+        if warm:
+            to_save: int | None = None  # the version of a warm start made here (a saved one is not saved again)
+            if saved:
+                warm_seconds = saved.seconds
+                await served_saved(saved, served, session, console)
+            else:
+                warm_seconds, to_save = await warm_start(agent, train, config, session, client, console, served)
             warmed = await evaluate(agent, heldout, session.proxy_url, session.proxy_key, served, 0.0)
             dashboard.evaluations.append(warmed)
             console.print(f"held-out after the warm start: {warmed.accuracy:.1%} ({warmed.correct}/{warmed.total}, "
                           f"{agent.judged}, policy v{warmed.policy_version}); RL from here")
+            if to_save is not None:
+                kept = await asyncio.to_thread(warm.save, open_store(config.trainer.checkpoint_dir), to_save,
+                                               warm_seconds, before, warmed)
+                console.print(f"warm start saved in {kept}: start RL, or the control, from it again with "
+                              f"--warm-start-from {kept}")
         wave_size = demo.group_size * demo.prompts_per_wave
         held = start = await asyncio.to_thread(served)
         queue = await PacedQueue(config, endpoints.bootstrap_servers,
@@ -469,6 +432,13 @@ def run_demo(config: Config, console: Console | None = None, snapshots: Path | N
     machine = calibrate()
     console.print(f"machine: {machine.describe()} (docs/demo.md's figures name theirs: a slower machine learns "
                   "slower in the same minutes)")
+    warm = None
+    if demo.warm_start_from and not agent.warm_start:
+        raise WarmStartMismatch(f"--warm-start-from: the {agent.name} agent has no warm start")
+    if agent.warm_start:
+        settings = warm_start_settings(config, agent)
+        warm = WarmStartPlan(settings, machine.as_dict(), Path(demo.output_dir) / WARM_START_FOLDER,
+                             load_warm_start(Path(demo.warm_start_from), settings) if demo.warm_start_from else None)
     console.print(f"precision: {config.trainer.dtype} compute, float32 weights (demo.dtype {demo.dtype!r}: "
                   "bfloat16 where the device multiplies it natively)")
     stack = Stack(config)
@@ -479,11 +449,16 @@ def run_demo(config: Config, console: Console | None = None, snapshots: Path | N
     live_dashboard = start_beside(config, endpoints, console.print)  # up while the demo runs
     try:
         client = fresh_database(config, endpoints.clickhouse_url, console)
+        if warm and warm.saved:
+            copied = install_warm_start(Path(demo.warm_start_from), warm.saved,
+                                        open_store(config.trainer.checkpoint_dir))
+            console.print(f"warm start: v{copied.version} copied from {demo.warm_start_from}; the trainer starts "
+                          "from it, without the demonstrations")
         session.start(progress=console.print)
         if snapshots is not None:
             snapshots.mkdir(parents=True, exist_ok=True)
         evaluations, taken, clock, warm_seconds = asyncio.run(
-            train_and_watch(session, config, endpoints, client, console, snapshots, agent))
+            train_and_watch(session, config, endpoints, client, console, snapshots, agent, warm))
         if config.tracking.mlflow_uri:  # into the trainer's run, beside its per-step metrics
             console.print(record_evaluations(config.tracking, config.trainer.checkpoint_dir,
                                              [(e.policy_version, e.accuracy) for e in evaluations]))
@@ -498,6 +473,7 @@ def run_demo(config: Config, console: Console | None = None, snapshots: Path | N
             agent=agent.name, framework=agent.framework, judged=agent.judged, objective=demo.objective,
             heldout_warm_start=evaluations[1].accuracy if agent.warm_start else None,
             warm_start_seconds=round(warm_seconds, 1) if warm_seconds is not None else None,
+            warm_start_from=demo.warm_start_from,
             llm_calls_per_rollout=(round(sum(r["llm_calls_mean"] * r["rollouts"] for r in last)
                                          / sum(r["rollouts"] for r in last), 3) if last else None),
             prefix_merges=sum(r["prefix_merges"] for r in per_version),

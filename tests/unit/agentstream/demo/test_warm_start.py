@@ -1,0 +1,98 @@
+"""A saved warm start: kept complete, refused where it was made for another setting, installed as a run's start."""
+
+from __future__ import annotations
+
+import json
+from dataclasses import replace
+
+import pytest
+from click.testing import CliRunner
+
+from agentstream.cli import main
+from agentstream.demo.agents import AGENTS
+from agentstream.demo.results import Evaluation
+from agentstream.demo.training import warm_start_settings
+from agentstream.demo.warm_start import (
+    RECORD,
+    WarmStartMismatch,
+    WarmStartPlan,
+    install_warm_start,
+    load_warm_start,
+)
+from agentstream.infra.config import load_config
+from agentstream.trainer.checkpoint_writer import CheckpointError, FolderStore, latest_manifest, write_checkpoint
+
+MODEL = "HuggingFaceTB/SmolLM2-135M-Instruct"
+
+
+def _run_store(root, versions=(7, 8)) -> FolderStore:
+    """A finished run's checkpoints, as its trainer leaves them: positions, trained ids, an optimizer state."""
+    store = FolderStore(root)
+    for version in versions:
+        staging = store.staging()
+        (staging / "model.safetensors").write_bytes(b"weights of v%d" % version)
+        (staging / "optimizer.pt").write_bytes(b"adam moments")
+        write_checkpoint(store, staging, staging / "model.safetensors", model=MODEL, version=version,
+                         step=version * 2, format="full", offsets={"demo-1.transitions:0": 640},
+                         trained_ids=[f"t{version}"], metrics={"loss": 0.5})
+    return store
+
+
+def _plan(tmp_path, agent="word-problems") -> WarmStartPlan:
+    settings = warm_start_settings(load_config(), AGENTS[agent])
+    return WarmStartPlan(settings, {"python_loop_s": 0.5}, tmp_path / "demo-output" / "warm-start")
+
+
+def test_a_saved_warm_start_is_installed_as_a_new_runs_start_without_the_old_runs_positions(tmp_path):
+    plan = _plan(tmp_path)
+    before, after = Evaluation(0.0, 0, 0.0, 0, 64), Evaluation(0.0, 7, 0.3125, 20, 64)
+    saved = plan.save(_run_store(tmp_path / "run-1"), 7, 1074.4, before, after)
+    assert not (saved / MODEL.replace("/", "%2F") / "v00000007" / "optimizer.pt").exists()
+
+    record = load_warm_start(saved, plan.settings)
+    assert (record.version, record.seconds, record.before, record.after) == (7, 1074.4, before, after)
+    assert record.machine == {"python_loop_s": 0.5}
+    run = FolderStore(tmp_path / "run-2" / "checkpoints")
+    installed = install_warm_start(saved, record, run)
+    resumed = latest_manifest(run, MODEL)  # what the new run's trainer resumes from
+    assert resumed == installed and resumed.uri.startswith(run.root.as_uri())
+    assert latest_manifest(FolderStore(saved), MODEL).uri.startswith(saved.as_uri())
+    assert (resumed.version, resumed.step, resumed.offsets, resumed.trained_ids) == (7, 14, {}, [])
+    assert (run.get(resumed.uri) / "model.safetensors").read_bytes() == b"weights of v7"
+
+
+def test_a_warm_start_made_for_another_setting_or_not_saved_at_all_is_refused_with_what_differs(tmp_path):
+    plan = _plan(tmp_path)
+    saved = plan.save(_run_store(tmp_path / "run"), 8, 900.0, Evaluation(0, 0, 0, 0, 64), Evaluation(0, 8, .3, 19, 64))
+    other = replace(plan.settings, demonstrations=plan.settings.demonstrations // 2, dtype="bfloat16")
+    with pytest.raises(WarmStartMismatch, match=r"demonstrations 224 \(this run: 112\); dtype 'float32'"):
+        load_warm_start(saved, other)
+    with pytest.raises(WarmStartMismatch, match="agent 'word-problems'"):
+        load_warm_start(saved, warm_start_settings(load_config(), AGENTS["calculator"]))
+    with pytest.raises(WarmStartMismatch, match=f"{RECORD} is missing"):
+        load_warm_start(tmp_path, plan.settings)
+    (saved / RECORD).write_text(json.dumps({"settings": {"agent": "word-problems"}}))
+    with pytest.raises(WarmStartMismatch, match="cannot read"):
+        load_warm_start(saved, plan.settings)
+
+
+def test_saving_again_replaces_the_saved_warm_start_and_a_save_that_cannot_be_made_keeps_it(tmp_path):
+    plan = _plan(tmp_path)
+    evaluation = Evaluation(0, 0, 0, 0, 64)
+    plan.save(_run_store(tmp_path / "run-1", versions=(5,)), 5, 600.0, evaluation, evaluation)
+    with pytest.raises(CheckpointError, match="no checkpoint of version 9"):
+        plan.save(_run_store(tmp_path / "run-2", versions=(8,)), 9, 700.0, evaluation, evaluation)
+    assert load_warm_start(plan.save_to, plan.settings).version == 5  # the earlier one, whole
+    plan.save(_run_store(tmp_path / "run-3", versions=(8,)), 8, 700.0, evaluation, evaluation)
+    assert load_warm_start(plan.save_to, plan.settings).version == 8
+
+
+def test_the_demo_starts_from_a_saved_warm_start_only_for_one_agent_that_has_one(tmp_path, monkeypatch):
+    for args in (["--online"], ["--agents", "arithmetic,calculator"]):
+        result = CliRunner().invoke(main, ["demo", "--warm-start-from", str(tmp_path), *args])
+        assert result.exit_code == 2 and "--warm-start-from is for the training demo of one agent" in result.output
+    result = CliRunner().invoke(main, ["demo", "--agent", "calculator", "--warm-start-from", str(tmp_path / "none")])
+    assert result.exit_code == 2 and "does not exist" in result.output
+    monkeypatch.setenv("AGENTSTREAM_HOME", str(tmp_path / "home"))  # the run's folder; no stack starts
+    result = CliRunner().invoke(main, ["demo", "--warm-start-from", str(tmp_path)])
+    assert result.exit_code == 1 and "the arithmetic agent has no warm start" in result.output
