@@ -87,6 +87,29 @@ class WarmStartPlan:
                                WarmStartRecord(self.settings, version, round(seconds, 1), before, after, self.machine))
 
 
+@dataclass(frozen=True)
+class WarmStartProgress:
+    """How far the demonstrations are, read from ClickHouse and the server while the warm start runs."""
+
+    demonstrations: int  # sent
+    stored: int  # their rollouts in ClickHouse
+    samples: int  # their transitions
+    trained: int  # transitions the trainer's steps took
+    stepped_to: int  # the version the trainer's last step made
+    announced: int  # the newest checkpoint announced
+    held: int  # the version the server holds
+
+    @property
+    def done(self) -> bool:
+        """Every demonstration trained, and the server holding the version of the step that trained the last.
+
+        The step's row reaches ``train_steps`` before its checkpoint is announced: counting samples alone took
+        a server still on the version before that step as done (v7 of 8 versions, 26 demonstrations short).
+        """
+        return (self.stored >= self.demonstrations and self.samples > 0 and self.trained >= self.samples
+                and self.announced >= self.stepped_to and self.held >= self.stepped_to)
+
+
 def save_warm_start(folder: Path, checkpoints: CheckpointStore, record: WarmStartRecord) -> Path:
     """Copy the checkpoint of ``record.version`` from a run's (folder) store into ``folder``, with the record.
 
@@ -178,19 +201,23 @@ async def warm_start(agent: DemoAgent, train: list[dict], config: Config, sessio
     of_model = f" WHERE model = '{model}'" if model else ""
     while True:
         session.check()
-        rollouts = _scalar(client, f"SELECT count() FROM rollouts FINAL WHERE agent_name = '{name}'")
-        samples = _scalar(client, f"SELECT count() FROM transitions FINAL WHERE agent_name = '{name}'")
-        trained = _scalar(client, f"SELECT sum(transitions) FROM train_steps FINAL{of_model}")
-        latest = _scalar(client, f"SELECT max(version) FROM checkpoints FINAL{of_model}")
-        held = await asyncio.to_thread(served_version)
-        if rollouts >= count and samples and trained >= samples and latest and held >= latest:
-            console.print(f"warm start done in {time.monotonic() - started:.0f} s: {samples} samples trained, "
-                          f"the server holds v{held}")
-            return time.monotonic() - started, held
+        progress = WarmStartProgress(
+            demonstrations=count,
+            stored=_scalar(client, f"SELECT count() FROM rollouts FINAL WHERE agent_name = '{name}'"),
+            samples=_scalar(client, f"SELECT count() FROM transitions FINAL WHERE agent_name = '{name}'"),
+            trained=_scalar(client, f"SELECT sum(transitions) FROM train_steps FINAL{of_model}"),
+            stepped_to=_scalar(client, f"SELECT max(policy_version) + 1 FROM train_steps FINAL{of_model}"),
+            announced=_scalar(client, f"SELECT max(version) FROM checkpoints FINAL{of_model}"),
+            held=await asyncio.to_thread(served_version))
+        if progress.done:
+            console.print(f"warm start done in {time.monotonic() - started:.0f} s: {progress.samples} samples "
+                          f"trained, the server holds v{progress.held}")
+            return time.monotonic() - started, progress.held
         if time.monotonic() - started > config.demo.warm_start_limit_s:
             console.print(f"[yellow]warm start unfinished after {time.monotonic() - started:.0f} s: "
-                          f"{rollouts}/{count} demonstrations stored, {trained} of {samples} samples trained, the "
-                          f"server holds v{held}; RL starts from there (see the trainer's log)[/yellow]")
+                          f"{progress.stored}/{count} demonstrations stored, {progress.trained} of {progress.samples} "
+                          f"samples trained, the server holds v{progress.held}; RL starts from there (see the "
+                          "trainer's log)[/yellow]")
             return time.monotonic() - started, None
         await asyncio.sleep(1.0)
 

@@ -16,6 +16,7 @@ from agentstream.demo.warm_start import (
     RECORD,
     WarmStartMismatch,
     WarmStartPlan,
+    WarmStartProgress,
     install_warm_start,
     load_warm_start,
 )
@@ -41,6 +42,18 @@ def _run_store(root, versions=(7, 8)) -> FolderStore:
 def _plan(tmp_path, agent="word-problems") -> WarmStartPlan:
     settings = warm_start_settings(load_config(), AGENTS[agent])
     return WarmStartPlan(settings, {"python_loop_s": 0.5}, tmp_path / "demo-output" / "warm-start")
+
+
+def test_the_warm_start_is_done_once_the_server_holds_the_step_that_trained_the_last_demonstration():
+    """Seen on 2026-12-02: the 8th step's row (the last 26 of 224 demonstrations) was in ClickHouse, its checkpoint
+    not yet announced, and the warm start was taken as done on v7."""
+    trained_not_announced = WarmStartProgress(demonstrations=224, stored=224, samples=224, trained=224, stepped_to=8,
+                                              announced=7, held=7)
+    assert not trained_not_announced.done
+    assert not replace(trained_not_announced, announced=8).done  # announced, the server still loading it
+    assert replace(trained_not_announced, announced=8, held=8).done
+    assert not replace(trained_not_announced, announced=8, held=8, trained=198).done  # a step still to come
+    assert not replace(trained_not_announced, announced=8, held=8, stored=200).done  # demonstrations on the way
 
 
 def test_a_saved_warm_start_is_installed_as_a_new_runs_start_without_the_old_runs_positions(tmp_path):
