@@ -46,7 +46,7 @@ def pytest_collection_modifyitems(config: pytest.Config, items: list[pytest.Item
     if TEST_BROKER == "kafka":
         # the second pass: only what talks to the session's broker; the rest already ran on tansu
         other = [item for item in items if "stack" not in getattr(item, "fixturenames", ())
-                 or item.get_closest_marker("own_broker")]
+                 or item.get_closest_marker("own_broker") or item.get_closest_marker("clickhouse_only")]
         if other:
             config.hook.pytest_deselected(items=other)
             items[:] = [item for item in items if item not in set(other)]

@@ -25,6 +25,8 @@ from agentstream.infra.processes import free_port, wait_for_port
 from agentstream.infra.security import OpenBindRefused
 from agentstream.stack.control import OBJECTSTORE, Stack
 
+pytestmark = pytest.mark.clickhouse_only  # no broker: the Apache Kafka pass leaves these out
+
 WRITER, WRITER_PASSWORD = "writer", "w-secret"
 READER, READER_PASSWORD = "analyst", "r-secret"
 CONFIG = f"""

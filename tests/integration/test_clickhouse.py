@@ -24,6 +24,8 @@ from agentstream.infra.clickhouse import (
     migrate,
 )
 
+pytestmark = pytest.mark.clickhouse_only  # no broker: the Apache Kafka pass leaves these out
+
 
 def _http(url: str, query: str | None = None, body: bytes | None = None, method: str = "POST",
           headers: dict | None = None, **params) -> tuple[int, dict, bytes]:

@@ -16,6 +16,8 @@ import pytest
 from agentstream.infra.clickhouse import migrate
 from agentstream.infra.processes import free_port
 
+pytestmark = pytest.mark.clickhouse_only  # no broker: the Apache Kafka pass leaves these out
+
 CLI = [sys.executable, "-m", "agentstream"]
 
 SPAN_COLUMNS = ["span_id", "rollout_id", "attempt_id", "parent_id", "name", "kind", "start_time", "end_time", "status",

@@ -122,12 +122,17 @@ class KafkaCluster:
     def resume(self, node_id: int) -> None:
         self._signal(node_id, signal.SIGCONT)
 
-    def stop_all(self) -> None:
-        """Stop every node still running (resumed first, so a paused one can shut down)."""
-        for node_id, member in self.nodes.items():
-            if member.running:
-                self.resume(node_id)
-                self.stop(node_id, timeout_s=30)
+    def stop_all(self, timeout_s: float = 15.0) -> None:
+        """SIGTERM every node still running at once (resumed first, so a paused one can shut down); SIGKILL what
+        outlives ``timeout_s`` (one by one, stopping the three took 38 s of the test module's teardown)."""
+        running = [node_id for node_id, member in self.nodes.items() if member.running]
+        for node_id in running:
+            self.resume(node_id)
+            self._signal(node_id, signal.SIGTERM)
+        deadline = time.monotonic() + timeout_s
+        for node_id in running:
+            if not self._reap(node_id, max(0.1, deadline - time.monotonic())):
+                self.kill(node_id)
 
     def leader_of(self, topic: str, partition: int) -> int:
         """The node id leading ``topic``'s ``partition`` now (-1 while it has none), from the cluster's metadata."""
