@@ -337,7 +337,8 @@ async def train_and_watch(session: TrainingSession, config: Config, endpoints, c
             warmed = await evaluate(agent, heldout, session.proxy_url, session.proxy_key, served, 0.0)
             dashboard.evaluations.append(warmed)
             console.print(f"held-out after the warm start: {warmed.accuracy:.1%} ({warmed.correct}/{warmed.total}, "
-                          f"{agent.judged}, policy v{warmed.policy_version}); RL from here")
+                          f"{agent.judged}, policy v{warmed.policy_version}); "
+                          f"{'RL' if demo.objective == 'policy_gradient' else 'the supervised control'} from here")
             if to_save is not None:
                 kept = await asyncio.to_thread(warm.save, open_store(config.trainer.checkpoint_dir), to_save,
                                                warm_seconds, before, warmed)
