@@ -62,19 +62,10 @@ demo-online: install
 	$(BIN)/agentstream demo --online
 
 # Lint first (seconds), then every test: unit (no services) and integration (a real broker and ClickHouse) on tansu,
-# and beside it every test that talks to the session's broker again on Apache Kafka (`make test-kafka` alone). Each
-# pass starts its own stack on free ports; the Kafka pass writes test-output/kafka-pass.log, shown when it ends.
+# then every test that talks to the session's broker again on Apache Kafka (`make test-kafka`).
 test: install lint
-	@mkdir -p test-output
-	@AGENTSTREAM_TEST_BROKER=kafka $(BIN)/python -m pytest -m integration --basetemp="$$(mktemp -d)/kafka-pass" \
-		> test-output/kafka-pass.log 2>&1 & kafka=$$!; trap 'kill $$kafka 2>/dev/null' INT TERM; \
-	echo "the Apache Kafka pass runs beside this one (pid $$kafka): test-output/kafka-pass.log"; \
-	$(BIN)/python -m pytest; tansu=$$?; \
-	echo "waiting for the Apache Kafka pass (pid $$kafka)"; wait $$kafka; kafka_status=$$?; \
-	if [ $$kafka_status -eq 0 ]; then sed -n '/slowest/,$$p' test-output/kafka-pass.log; \
-	else cat test-output/kafka-pass.log; fi; \
-	echo "tansu pass: exit $$tansu; Apache Kafka pass: exit $$kafka_status"; \
-	[ $$tansu -eq 0 ] && [ $$kafka_status -eq 0 ]
+	$(BIN)/python -m pytest
+	AGENTSTREAM_TEST_BROKER=kafka $(BIN)/python -m pytest -m integration
 
 # The second pass alone: the tests that use the session stack, with Apache Kafka 4.4 (one KRaft node) as its broker.
 test-kafka: install
