@@ -88,20 +88,21 @@ def write_markdown(path: Path, report: DemoReport) -> None:
     reached = "not reached" if report.time_to_target_s is None else f"{report.time_to_target_s:.0f} s"
     trained = ("RL (policy gradient)" if report.objective == "policy_gradient" else
                "the supervised control: likelihood steps on the train rollouts that succeeded, instead of RL")
+    phase = "RL" if report.objective == "policy_gradient" else "the control"
     lines = ["# agentstream demo report", "",
              f"- agent: {report.agent}, written on {report.framework}; trained by {trained}",
              (f"- held-out success ({report.judged}): {report.heldout_before:.1%} before, "
               f"{report.heldout_warm_start:.1%} after "
               f"the warm start ({report.warm_start_seconds:.0f} s"
               f"{', saved by an earlier run in ' + report.warm_start_from if report.warm_start_from else ''}), "
-              f"{report.heldout_after:.1%} after RL"
+              f"{report.heldout_after:.1%} after {phase}"
               if report.heldout_warm_start is not None else
               f"- held-out {report.judged} accuracy: {report.heldout_before:.1%} before -> "
               f"{report.heldout_after:.1%} after"),
              *([f"- LLM calls per train rollout at the end: {report.llm_calls_per_rollout:.2f}; prefix merges "
                 f"{report.prefix_merges}, breaks {report.prefix_breaks}"]
                if report.llm_calls_per_rollout is not None else []),
-             (f"- {report.policy_versions} policy versions in {report.training_seconds:.0f} s of RL (its budget: "
+             (f"- {report.policy_versions} policy versions in {report.training_seconds:.0f} s of {phase} (its budget: "
               f"{report.budget or 'its seconds'}; {report.evaluation_seconds:.0f} s of held-out evaluations during "
               f"it were off its clock, {report.seconds:.0f} s in all); {report.rollouts} train rollouts, "
               f"{report.spans} spans"),
