@@ -169,18 +169,17 @@ def find_version(store: CheckpointStore, version: int) -> Manifest:
     raise CheckpointError(f"no checkpoint of version {version} in {store.root}")
 
 
-def copy_checkpoint(manifest: Manifest, source: CheckpointStore, target: CheckpointStore,
-                    drop_files: tuple[str, ...] = ()) -> Manifest:
+def copy_checkpoint(manifest: Manifest, source: CheckpointStore, target: CheckpointStore) -> Manifest:
     """A copy of a checkpoint in another store, to start another run from: the same weights, version and step.
 
     The copy keeps no Kafka positions and no trained ids: they are the positions in, and the ids of, the topics of
-    the run that wrote it. ``drop_files`` stay behind (e.g. the optimizer state: AdamW then starts afresh). The
-    checkpoint is found by its name in ``source``, not by its manifest's URI: a folder store may have moved.
+    the run that wrote it. Every file goes, the optimizer state with the weights where there is one. The checkpoint
+    is found by its name in ``source``, not by its manifest's URI: a folder store may have moved.
     """
     folder = source.get(source.uri(checkpoint_name(manifest.model, manifest.version)))
     staging = target.staging()
     for file in folder.iterdir():
-        if file.is_file() and file.name != MANIFEST and file.name not in drop_files:
+        if file.is_file() and file.name != MANIFEST:
             shutil.copy2(file, staging / file.name)
     return write_checkpoint(target, staging, staging / manifest.weights_file, model=manifest.model,
                             version=manifest.version, step=manifest.step, format=manifest.format, offsets={},

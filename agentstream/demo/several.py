@@ -70,7 +70,7 @@ def several_config(config: Config, run_id: str, workdir: Path, agents: list[Demo
     shared = demo_config(config, run_id, workdir, agents[0])
     return replace(shared, credit=(*rules, CreditRule(agent="*", train=False)),
                    trainer=replace(shared.trainer, lora=True, lora_target_modules=ALL_LINEAR,
-                                   lr=config.demo.adapter_lr))
+                                   lr=config.demo.adapter_lr, optimizer_state_every=0))  # no warm start is saved
 
 
 def trainer_config(shared: Config, run_id: str, workdir: Path, agent: DemoAgent) -> Config:

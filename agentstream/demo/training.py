@@ -116,7 +116,9 @@ def demo_config(config: Config, run_id: str, workdir: Path, agent: DemoAgent = A
                         # 15 s each group made a step (and a version, which let the next wave out too early)
                         batch_wait_s=GROUP_TIMEOUT_S,
                         max_policy_lag=demo.max_policy_lag, checkpoint_every_steps=1, keep_checkpoints=3,
-                        optimizer_state_every=0,  # 2 s per version on a CPU; the demo never resumes
+                        # a warm start is saved with AdamW's moments (2 s and 1 GB a version on a CPU): a run started
+                        # from it without them took a first step of lr on every weight, and sampled ~0% for a version
+                        optimizer_state_every=int(agent.warm_start and not demo.warm_start_from),
                         checkpoint_dir=str(workdir / "checkpoints"), session_timeout_s=6.0),
     )
 

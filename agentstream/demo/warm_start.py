@@ -31,7 +31,6 @@ from agentstream.models import model_display_name, smollm2_tokenizer
 from agentstream.schemas.errors import AgentstreamError
 from agentstream.session import TrainingSession
 from agentstream.trainer.checkpoint_writer import Manifest, copy_checkpoint, find_version
-from agentstream.trainer.policy import OPTIMIZER_STATE
 
 FOLDER = "warm-start"
 """The folder under the demo's ``output_dir`` that a run saves its warm start in."""
@@ -113,12 +112,15 @@ class WarmStartProgress:
 def save_warm_start(folder: Path, checkpoints: CheckpointStore, record: WarmStartRecord) -> Path:
     """Copy the checkpoint of ``record.version`` from a run's (folder) store into ``folder``, with the record.
 
+    AdamW's moments go with the weights where the run wrote them: a run from the copy then steps as the run that
+    made it would have (started afresh, the first step moves every weight by the learning rate).
+
     A warm start saved earlier in ``folder`` is replaced; the record is written last, so a folder with one is
     complete. Returns ``folder``.
     """
     manifest = find_version(checkpoints, record.version)  # before the earlier one goes
     shutil.rmtree(folder, ignore_errors=True)
-    copy_checkpoint(manifest, checkpoints, FolderStore(folder), drop_files=(OPTIMIZER_STATE,))
+    copy_checkpoint(manifest, checkpoints, FolderStore(folder))
     (folder / RECORD).write_text(json.dumps(asdict(record), indent=2) + "\n")
     return folder
 

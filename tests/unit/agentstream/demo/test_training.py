@@ -107,3 +107,14 @@ def test_the_demo_takes_a_budget_in_steps_or_in_seconds_not_both():
                           (["--steps", "24", "--online"], "--steps is the training demo's budget")]:
         result = CliRunner().invoke(main, ["demo", *args])
         assert result.exit_code == 2 and problem in result.output, (args, result.output)
+
+
+def test_a_warm_start_that_will_be_saved_is_written_with_its_optimizer_state(tmp_path):
+    """Without AdamW's moments a run from the saved warm start took a first step of lr on every weight."""
+    config = load_config()
+    saving = demo_config(config, "r", tmp_path, AGENTS["word-problems"])
+    resumed = demo_config(replace(config, demo=replace(config.demo, warm_start_from=str(tmp_path))), "r", tmp_path,
+                          AGENTS["word-problems"])
+    plain = demo_config(config, "r", tmp_path, AGENTS["arithmetic"])  # no warm start: nothing to resume
+    assert (saving.trainer.optimizer_state_every, resumed.trainer.optimizer_state_every,
+            plain.trainer.optimizer_state_every) == (1, 0, 0)

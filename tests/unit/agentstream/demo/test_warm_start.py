@@ -60,7 +60,7 @@ def test_a_saved_warm_start_is_installed_as_a_new_runs_start_without_the_old_run
     plan = _plan(tmp_path)
     before, after = Evaluation(0.0, 0, 0.0, 0, 64), Evaluation(0.0, 7, 0.3125, 20, 64)
     saved = plan.save(_run_store(tmp_path / "run-1"), 7, 1074.4, before, after)
-    assert not (saved / MODEL.replace("/", "%2F") / "v00000007" / "optimizer.pt").exists()
+    assert (saved / MODEL.replace("/", "%2F") / "v00000007" / "optimizer.pt").read_bytes() == b"adam moments"
 
     record = load_warm_start(saved, plan.settings)
     assert (record.version, record.seconds, record.before, record.after) == (7, 1074.4, before, after)
@@ -72,6 +72,7 @@ def test_a_saved_warm_start_is_installed_as_a_new_runs_start_without_the_old_run
     assert latest_manifest(FolderStore(saved), MODEL).uri.startswith(saved.as_uri())
     assert (resumed.version, resumed.step, resumed.offsets, resumed.trained_ids) == (7, 14, {}, [])
     assert (run.get(resumed.uri) / "model.safetensors").read_bytes() == b"weights of v7"
+    assert (run.get(resumed.uri) / "optimizer.pt").read_bytes() == b"adam moments"  # RL steps on from the same moments
 
 
 def test_a_warm_start_made_for_another_setting_or_not_saved_at_all_is_refused_with_what_differs(tmp_path):
