@@ -36,6 +36,17 @@ def test_a_wave_that_made_no_version_lets_one_more_out_after_the_stall_time():
     assert paced.waves_due(5, 64, 51.0) == 4  # the extra wave stays counted: it made no version
 
 
+def test_a_slow_trainer_step_is_not_taken_for_a_stall():
+    paced = queue(1)
+    paced.enqueued_tasks = 64
+    assert paced.waves_due(4, 64, 0.0) == 2
+    assert paced.waves_due(5, 64, 100.0) == 3  # a step took 100 s
+    assert paced.stall_after() == 200.0
+    assert paced.waves_due(5, 64, 250.0) == 3  # every task finished, the next step 150 s in: still stepping
+    assert paced.waves_due(5, 64, 301.0) == 4  # past twice the longest step: stalled, one more wave
+    assert paced.waves_due(6, 64, 310.0) == 5 and paced.stall_after() == 2 * 210.0
+
+
 def test_a_wave_of_flat_groups_lets_one_more_out_once_settled():
     paced = queue(2)
     paced._unsettled = [{"a", "b"}, {"c", "d"}, {"e", "f"}]  # what top_up records for three waves of two groups
