@@ -86,9 +86,9 @@ def write_plot(path: Path, report: DemoReport, title: str) -> None:
 
 def write_markdown(path: Path, report: DemoReport) -> None:
     reached = "not reached" if report.time_to_target_s is None else f"{report.time_to_target_s:.0f} s"
-    trained = ("RL (policy gradient)" if report.objective == "policy_gradient" else
-               "the supervised control: likelihood steps on the train rollouts that succeeded, instead of RL")
-    phase = "RL" if report.objective == "policy_gradient" else "the control"
+    trained, phase = (("RL (policy gradient)", "RL") if report.objective == "policy_gradient" else
+                      ("the supervised control: likelihood steps on the train rollouts that succeeded, instead of RL",
+                       "the control"))
     lines = ["# agentstream demo report", "",
              f"- agent: {report.agent}, written on {report.framework}; trained by {trained}",
              (f"- held-out success ({report.judged}): {report.heldout_before:.1%} before, "

@@ -171,8 +171,7 @@ async def _learn(session: TrainingSession, config: Config, endpoints, learners: 
         for learner in learners:
             queues.append(await PacedQueue(config, endpoints.bootstrap_servers,
                                            waves(learner.train, demo.group_size, wave_size, learner.agent,
-                                                 learner.model), max_lag=demo.max_policy_lag,
-                                           stall_s=config.trainer.batch_wait_s).start())
+                                                 learner.model), max_lag=demo.max_policy_lag).start())
         clock = TrainingClock()  # RL starts now
         peak = max(peak, await _rl(session, config, list(zip(learners, queues, strict=True)), clock, console,
                                    server_rss))

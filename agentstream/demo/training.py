@@ -350,8 +350,7 @@ async def train_and_watch(session: TrainingSession, config: Config, endpoints, c
         held = start = await asyncio.to_thread(served)
         queue = await PacedQueue(config, endpoints.bootstrap_servers,
                                  waves(train, demo.group_size, wave_size, agent),
-                                 max_lag=demo.max_policy_lag,
-                                 stall_s=config.trainer.batch_wait_s).start()
+                                 max_lag=demo.max_policy_lag).start()
         clock = TrainingClock()
         try:
             await queue.top_up(held, 0, time.monotonic())

@@ -151,15 +151,17 @@ class PacedQueue:
     wave further behind for each such wave. As a safety valve, if every enqueued task has finished
     and the version has not moved for ``stall_after()``, one more wave goes out too, so the loop cannot
     stall; it stays counted, since that wave made no version. A slow trainer step is not a stall: the
-    valve waits ``stall_s`` or twice the longest a version has taken so far, whichever is longer. At a
-    fixed 30 s, a machine whose steps took up to 170 s got a wave every 30 s of each, and one step
-    dropped 92 samples of them as stale (2 cores, docs/multistep.md).
+    valve waits ``stall_s`` (by default the trainer's ``batch_wait_s``) or twice the longest a version
+    has taken so far, whichever is longer. At a fixed 30 s, a machine whose steps took up to 170 s got
+    a wave every 30 s of each, and one step dropped 92 samples of them as stale (2 cores,
+    docs/multistep.md).
     """
 
     def __init__(self, config: Config, bootstrap_servers: str, waves: Iterable[list[TaskRecord]],
-                 max_lag: int, stall_s: float = 30.0) -> None:
+                 max_lag: int, stall_s: float | None = None) -> None:
         self.config, self.bootstrap_servers = config, bootstrap_servers
-        self.max_lag, self.stall_s = max_lag, stall_s
+        # the trainer closes a batch short of its wave only after its batch wait: no stall shows before that
+        self.max_lag, self.stall_s = max_lag, config.trainer.batch_wait_s if stall_s is None else stall_s
         self._waves = iter(waves)
         self._codec = AvroCodec()
         self._producer: AIOKafkaProducer | None = None

@@ -36,6 +36,11 @@ def test_a_wave_that_made_no_version_lets_one_more_out_after_the_stall_time():
     assert paced.waves_due(5, 64, 51.0) == 4  # the extra wave stays counted: it made no version
 
 
+def test_the_valve_waits_the_trainers_batch_wait_by_default():
+    config = load_config(environ={})
+    assert PacedQueue(config, "127.0.0.1:9", iter(()), max_lag=1).stall_after() == config.trainer.batch_wait_s
+
+
 def test_a_slow_trainer_step_is_not_taken_for_a_stall():
     paced = queue(1)
     paced.enqueued_tasks = 64
