@@ -158,17 +158,17 @@ class ConsumerLogWatch:
                 reset = self.watch.read(tp.topic, tp.partition, records[0].offset, records[-1].offset,
                                         self.consumer.highwater(tp) if tp in assigned else None)
                 if reset is not None:
+                    reset.report()
                     resets.append(reset)
         for tp in assigned:
             if self.watch.expected(tp.topic, tp.partition) is None:
                 self.watch.expect(tp.topic, tp.partition, await self._position(tp))
             reset = self.watch.fetched(tp.topic, tp.partition, self.consumer.highwater(tp))
             if reset is not None:
+                reset.report()  # first: the seek waits for the broker's answer, up to the request timeout
                 await self.consumer.seek_to_beginning(tp)
                 self.watch.expect(tp.topic, tp.partition, None)
                 resets.append(reset)
-        for reset in resets:
-            reset.report()
         return resets
 
     async def _position(self, tp: TopicPartition) -> int | None:

@@ -100,23 +100,32 @@ def wait_until_port_is_free(host: str, port: int, within_s: float = PORT_RELEASE
 LOWEST_FREE_PORT = 20000
 """Where :func:`free_port` starts looking; it stops below the kernel's ephemeral range."""
 
+_handed_out: set[int] = set()
+"""Ports :func:`free_port` returned in this process: each goes to one caller, who may bind it later."""
+
 
 def free_port(host: str = "127.0.0.1") -> int:
     """A TCP port that is free right now on ``host`` (for tests and ephemeral stacks), below the ephemeral range.
 
     A port of the ephemeral range can be taken by any outgoing connection, or by a client that keeps
     dialing a stopped server there (a TCP socket then connects to itself), so a server restarted on
-    it could find it held: a killed broker's port was, once, in `make test`.
+    it could find it held: a killed broker's port was, once, in `make test`. A port is handed out once per
+    process, so two servers built before either binds get two ports (a fleet test once got one port twice).
     """
     below = _ephemeral_ports()[0]
+    port = None
     if below - LOWEST_FREE_PORT >= 1000:
         for _ in range(200):
-            port = random.randrange(LOWEST_FREE_PORT, below)
-            if port_is_free(host, port):
-                return port
-    with socket.socket(socket.AF_INET, socket.SOCK_STREAM) as sock:
-        sock.bind((host, 0))
-        return sock.getsockname()[1]
+            candidate = random.randrange(LOWEST_FREE_PORT, below)
+            if candidate not in _handed_out and port_is_free(host, candidate):
+                port = candidate
+                break
+    while port is None or port in _handed_out:
+        with socket.socket(socket.AF_INET, socket.SOCK_STREAM) as sock:
+            sock.bind((host, 0))
+            port = sock.getsockname()[1]
+    _handed_out.add(port)
+    return port
 
 
 def _ephemeral_ports() -> tuple[int, int]:

@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import random
 import socket
 import threading
 import time
@@ -59,3 +60,9 @@ def test_after_a_crash_a_listener_still_closing_is_waited_out():
     started = time.monotonic()
     assert wait_until_port_is_free("127.0.0.1", port, within_s=5.0, after_crash=True)
     assert time.monotonic() - started >= 0.4
+
+
+def test_a_port_is_handed_out_once_even_when_the_draw_repeats(monkeypatch):
+    monkeypatch.setattr(random, "randrange", lambda low, high: 24680)
+    first, second = free_port(), free_port()  # two servers built before either binds
+    assert first != second
