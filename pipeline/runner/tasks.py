@@ -149,12 +149,14 @@ class PacedQueue:
     A wave whose GRPO groups all had equal rewards carries no signal and makes no step: once the
     caller reports it (``settle``), one more wave goes out in its place, or generation would fall a
     wave further behind for each such wave. As a safety valve, if every enqueued task has finished
-    and the version has not moved for ``stall_after()``, one more wave goes out too, so the loop cannot
-    stall; it stays counted, since that wave made no version. A slow trainer step is not a stall: the
-    valve waits ``stall_s`` (by default the trainer's ``batch_wait_s``) or twice the longest a version
-    has taken so far, whichever is longer. At a fixed 30 s, a machine whose steps took up to 170 s got
-    a wave every 30 s of each, and one step dropped 92 samples of them as stale (2 cores,
-    docs/multistep.md).
+    and the version has not moved for ``stall_after()`` since then, one more wave goes out too, so the
+    loop cannot stall; it stays counted, since that wave made no version. A slow trainer step is not a
+    stall: the valve waits ``stall_s`` (by default the trainer's ``batch_wait_s``) or twice the longest
+    a version has taken so far, whichever is longer. At a fixed 30 s, a machine whose steps took up to
+    170 s got a wave every 30 s of each, and one step dropped 92 samples of them as stale (2 cores,
+    docs/multistep.md). Before the first version the step's time is unknown, and a resumed trainer's
+    first step is its slowest (142-168 s there, against a 120 s batch wait): the valve waits twice
+    ``stall_s``.
     """
 
     def __init__(self, config: Config, bootstrap_servers: str, waves: Iterable[list[TaskRecord]],
@@ -169,6 +171,7 @@ class PacedQueue:
         self._unsettled: list[set[str]] = []  # group ids of each wave not yet known to carry signal or not
         self._version, self._version_since = -1, 0.0
         self._moved_at, self._longest_version_s = 0.0, 0.0  # when the version last moved; the longest it took
+        self._idle_since: float | None = None  # when every enqueued task had finished (None: some still run)
         self._first_version: int | None = None
         self.enqueued_waves = 0
         self.enqueued_tasks = 0
@@ -189,17 +192,23 @@ class PacedQueue:
         """
         if self._first_version is None:
             self._first_version, self._moved_at = policy_version, now
+        if finished_tasks < self.enqueued_tasks:
+            self._idle_since = None
+        elif self._idle_since is None:
+            self._idle_since = now
         if policy_version != self._version:
             if self._version >= 0:
                 self._longest_version_s = max(self._longest_version_s, now - self._moved_at)
             self._version, self._version_since, self._moved_at = policy_version, now, now
-        elif finished_tasks >= self.enqueued_tasks and now - self._version_since >= self.stall_after():
+        elif self._idle_since is not None and now - max(self._idle_since, self._version_since) >= self.stall_after():
             self._extra_waves += 1
             self._version_since = now
         return policy_version - self._first_version + self.max_lag + 1 + self._extra_waves
 
     def stall_after(self) -> float:
         """How long the version may stay put with every task finished before the valve lets one more wave out."""
+        if self._longest_version_s == 0.0:  # no version has moved yet
+            return 2 * self.stall_s
         return max(self.stall_s, 2 * self._longest_version_s)
 
     def unsettled_groups(self) -> set[str]:

@@ -28,17 +28,32 @@ def test_versions_count_from_where_the_queue_starts_not_from_zero():
 def test_a_wave_that_made_no_version_lets_one_more_out_after_the_stall_time():
     paced = queue(1)
     paced.enqueued_tasks = 64
-    assert paced.waves_due(4, 64, 0.0) == 2
-    assert paced.waves_due(4, 63, 40.0) == 2  # a task still running: the trainer may yet step
-    assert paced.waves_due(4, 64, 29.0) == 2  # every task finished, but not stalled for long
-    assert paced.waves_due(4, 64, 40.0) == 3  # stalled: one more wave, and the valve waits again
-    assert paced.waves_due(4, 64, 50.0) == 3
-    assert paced.waves_due(5, 64, 51.0) == 4  # the extra wave stays counted: it made no version
+    assert paced.waves_due(4, 0, 0.0) == 2
+    assert paced.waves_due(5, 64, 10.0) == 3  # a version in 10 s: from now on the valve waits stall_s (30 s)
+    assert paced.waves_due(5, 63, 50.0) == 3  # a task still running: the trainer may yet step
+    assert paced.waves_due(5, 64, 60.0) == 3  # every task finished from 60 s on: the stall clock starts there
+    assert paced.waves_due(5, 64, 89.0) == 3
+    assert paced.waves_due(5, 64, 90.0) == 4  # stalled: one more wave, and the valve waits again
+    assert paced.waves_due(5, 64, 100.0) == 4
+    assert paced.waves_due(6, 64, 101.0) == 5  # the extra wave stays counted: it made no version
+
+
+def test_before_the_first_version_the_valve_waits_twice_the_stall_time():
+    paced = queue(1)
+    paced.enqueued_tasks = 64
+    assert paced.waves_due(4, 0, 0.0) == 2
+    assert paced.waves_due(4, 64, 20.0) == 2  # the wave is generated: the trainer's first step begins
+    assert paced.waves_due(4, 64, 79.0) == 2  # a resumed trainer's first step can outlast the batch wait
+    assert paced.waves_due(4, 64, 80.0) == 3
 
 
 def test_the_valve_waits_the_trainers_batch_wait_by_default():
     config = load_config(environ={})
-    assert PacedQueue(config, "127.0.0.1:9", iter(()), max_lag=1).stall_after() == config.trainer.batch_wait_s
+    paced = PacedQueue(config, "127.0.0.1:9", iter(()), max_lag=1)
+    assert paced.stall_after() == 2 * config.trainer.batch_wait_s
+    paced.waves_due(0, 0, 0.0)
+    paced.waves_due(1, 0, 1.0)
+    assert paced.stall_after() == config.trainer.batch_wait_s
 
 
 def test_a_slow_trainer_step_is_not_taken_for_a_stall():
