@@ -12,24 +12,40 @@ other's.
 from __future__ import annotations
 
 import asyncio
+import json
 import uuid
 from dataclasses import replace
 
+import aiohttp
 import openai
 import pytest
 import torch
 
-from agentstream.deploy.deployments import adapter_name
+from agentstream.deploy.deployments import DeploymentFollower, DeploymentLog, Routing, adapter_name
+from agentstream.deploy.gate import Gate
+from agentstream.evaluation import task_evaluator
 from agentstream.infra.config import TrainerConfig
 from agentstream.infra.kafka import create_topics, topic_name
+from agentstream.infra.processes import free_port
 from agentstream.models import load_model, teacher_forced_logprobs
+from agentstream.pipeline.proxy.server import LLMProxy, serve_proxy
 from agentstream.serving.app import create_app
 from agentstream.serving.handlers import SERVER
+from agentstream.serving.hotswap import HotSwapper
 from agentstream.serving.protocol import Contract
 from agentstream.trainer.checkpoint_writer import open_store
 from tests.integration.test_trainer_hotswap import trained_policy
-from tests.support.deploy_scenario import publish, routed_proxy, serve_app, wait_until
+from tests.support.deploy_scenario import (
+    EXACT_AGENT,
+    Users,
+    lora_checkpoint,
+    publish,
+    routed_proxy,
+    serve_app,
+    wait_until,
+)
 from tests.support.readback import read_topic
+from tests.support.streams_harness import Worker, worker_env
 
 MESSAGES = [{"role": "user", "content": "hello"}]
 REQUESTS = 24
@@ -112,3 +128,93 @@ def test_two_models_share_one_server_and_every_answer_comes_from_the_adapter_of_
         key = ("calc", "words")[i % 2]
         span = llm[f"two-{tag}-{i}"]
         assert (span["model"], span["policy_version"]) == (names[key], versions[key])
+
+
+def test_each_model_has_its_own_gate_which_rejects_its_broken_candidate_while_the_other_promotes_its_own(
+        topics_config, tmp_path, stack, publisher, clickhouse):
+    """Two agents' adapters of one base model, one server, one proxy, one deployments log, a gate per model.
+
+    One agent's trainer writes a broken checkpoint and the other's a good one, at the same moment.
+    Each gate judges only its own model's candidate: the broken one is rejected on the held-out
+    tasks and never serves, the good one goes through its canary on the live traffic of its own
+    model and is promoted; neither decision moves the other model's routing.
+    """
+    tag = uuid.uuid4().hex[:8]
+    names = {"calc": f"calc-{tag}", "words": f"words-{tag}"}
+    configs = {key: replace(topics_config, trainer=TrainerConfig(
+        model="tiny", model_name=name, device="cpu", threads=1, lora=True, lora_r=4, lora_alpha=16))
+        for key, name in names.items()}
+    asyncio.run(create_topics(configs["calc"], stack.bootstrap_servers))
+    store = open_store(str(tmp_path / "checkpoints"))
+    seen: list[tuple[str, int, str]] = []
+
+    async def scenario() -> dict[str, int | None]:
+        server_runner, server_url = await serve_app(create_app(
+            load_model("tiny"), served_model_names=tuple(names.values()), contract=Contract.VLLM))
+        tasks: dict[str, list[dict]] = {}
+        async with aiohttp.ClientSession() as session:
+            for key, name in names.items():
+                tasks[key] = []
+                for number in range(6):
+                    prompt = f"Say something about the number {number}."
+                    async with session.post(f"{server_url}/v1/chat/completions", json={
+                            "model": name, "messages": [{"role": "user", "content": prompt}], "max_tokens": 6,
+                            "temperature": 0.0}) as response:
+                        reply = (await response.json())["choices"][0]["message"]["content"]
+                    tasks[key].append({"id": f"{key}{number}", "prompt": prompt, "expected": reply, "model": name})
+        gated = {}
+        for key in names:
+            task_file = tmp_path / f"eval-{key}.jsonl"
+            task_file.write_text("\n".join(json.dumps(task) for task in tasks[key]))
+            gated[key] = replace(configs[key], deploy=replace(
+                configs[key].deploy, gate=True, eval_agent=EXACT_AGENT, eval_tasks=str(task_file), tolerance=0.05,
+                canary_share=0.5, canary_min_s=3.0, canary_max_s=90.0, canary_min_rollouts=8))
+        stop = asyncio.Event()
+        decisions = DeploymentLog(gated["calc"], stack.bootstrap_servers, clickhouse)
+        await decisions.start()
+        follower = DeploymentFollower(gated["calc"], stack.bootstrap_servers,
+                                      on_decision=lambda d: seen.append((d.model, d.version, str(d.action))))
+        background = [asyncio.create_task(follower.run(stop))]
+        background += [asyncio.create_task(HotSwapper(gated[key], stack.bootstrap_servers, server_url, name,
+                                                      deployments=decisions).run(stop)) for key, name in names.items()]
+        proxy_runner = await serve_proxy(LLMProxy(server_url, publisher, deployments=follower), "127.0.0.1",
+                                         port := free_port())
+        proxy = f"http://127.0.0.1:{port}"
+        users = Users(proxy, publisher, tasks["calc"] + tasks["words"])  # live traffic on both models
+        background.append(asyncio.create_task(users.run(stop)))
+        background += [asyncio.create_task(Gate(
+            gated[key], stack.bootstrap_servers, name, evaluate=task_evaluator(gated[key], proxy, name, publisher),
+            warehouse=clickhouse, deployments=decisions, server_url=server_url, poll_s=0.5).run(stop))
+            for key, name in names.items()]
+        try:
+            await asyncio.wait_for(follower.ready.wait(), 20)
+            await asyncio.gather(
+                publish(gated["calc"], stack.bootstrap_servers, lora_checkpoint(gated["calc"], broken=True), 1, store),
+                publish(gated["words"], stack.bootstrap_servers, lora_checkpoint(gated["words"], broken=False), 1,
+                        store))
+            await wait_until(lambda: {(names["calc"], 1, "REJECTED"), (names["words"], 1, "PROMOTED")} <= set(seen),
+                             180, "calc's v1 rejected and words' v1 promoted")
+            served_before = len(users.served)
+            await wait_until(lambda: len(users.served) > served_before + 6, 30, "traffic after the decisions")
+            assert users.failed == []
+            return {key: (follower.routing(name) or Routing(name)).stable_version for key, name in names.items()}
+        finally:
+            stop.set()
+            await asyncio.gather(*background)
+            await decisions.stop()
+            await proxy_runner.cleanup()
+            await server_runner.cleanup()
+
+    worker = Worker(worker_env(tmp_path, stack, topics_config.topics.prefix, topics_config.clickhouse.database),
+                    tmp_path / "streams.log").start()  # the canary is judged on live rewards in ClickHouse
+    try:
+        assert asyncio.run(scenario()) == {"calc": 0, "words": 1}
+    finally:
+        worker.stop()
+    for key, expected in (("calc", ["CANDIDATE", "REJECTED"]), ("words", ["CANDIDATE", "CANARY", "PROMOTED"])):
+        assert [action for model, version, action in seen if model == names[key] and version == 1] == expected
+    served = dict(clickhouse.query(
+        "SELECT model, groupUniqArray(policy_version) FROM spans WHERE model IN {m:Array(String)} AND kind = 'LLM' "
+        "AND agent_name = 'live-agent' GROUP BY model", parameters={"m": list(names.values())}).result_rows)
+    assert 1 not in served[names["calc"]]  # the rejected candidate never answered a user
+    assert 1 in served[names["words"]]  # the promoted one did
