@@ -215,6 +215,10 @@ class TrainingSession:
         for child in self.children.values():
             child.check()
 
+    def retire(self, name: str) -> None:
+        """Stop a process whose work is done, and stop watching it (``check`` would call its exit a failure)."""
+        self.children.pop(name).stop()
+
     def stop(self, *names: str) -> None:
         """Stop the named processes (all of them, runners first, when none are named)."""
         order = names or [*(n for n in self.children if n.startswith("runner")),

@@ -190,9 +190,14 @@ async def _learn(session: TrainingSession, config: Config, endpoints, learners: 
 
 async def _rl(session: TrainingSession, config: Config, paced: list[tuple[Learner, PacedQueue]], clock: TrainingClock,
               console: Console, server_rss: Callable[[], float]) -> float:
-    """RL for every agent until each has spent its budget, each agent's waves paced by its own adapter's version
-    (none once its budget is spent), the held-out evaluations of all agents at once every ``eval_every_s`` (off
-    the clock); returns the peak RSS of the model server."""
+    """RL for every agent until each has spent its budget, each agent's waves paced by its own adapter's version,
+    the held-out evaluations of all agents at once every ``eval_every_s`` (off the clock); returns the peak RSS
+    of the model server.
+
+    An agent whose budget is spent gets no more waves and its trainer stops, as it would alone: with
+    ``--steps 5`` the arithmetic agent's trainer went on to 7 steps on the waves already out while the
+    calculator agent finished.
+    """
     demo = config.demo
     learners = [learner for learner, _ in paced]
     starts = [await asyncio.to_thread(learner.served) for learner in learners]
@@ -201,6 +206,9 @@ async def _rl(session: TrainingSession, config: Config, paced: list[tuple[Learne
     while True:
         held = [await asyncio.to_thread(learner.served) for learner in learners]
         going = [not demo.spent(clock.elapsed(), now - start) for now, start in zip(held, starts, strict=True)]
+        for learner, open_ in zip(learners, going, strict=True):
+            if not open_ and f"trainer-{learner.agent.name}" in session.children:
+                await asyncio.to_thread(session.retire, f"trainer-{learner.agent.name}")
         if not any(going):
             break
         session.check()
