@@ -251,7 +251,9 @@ def run_several(config: Config, agents: list[str], console: Console | None = Non
     config = several_config(config, run_id, workdir, chosen)
     models = tuple(model_of(agent) for agent in chosen)
     console.rule(f"agentstream demo: {', '.join(agents)} at once, each into its own adapter of one base model "
-                 f"({config.demo.budget} of RL each)")
+                 f"({config.demo.budget} of RL each)" if len(agents) > 1 else
+                 f"agentstream demo: {agents[0]} alone, into its own adapter of the base model "
+                 f"({config.demo.budget} of RL; the comparison for it trained with other agents)")
     machine = calibrate()
     console.print(f"machine: {machine.describe()}")
     stack = Stack(config)
