@@ -40,6 +40,7 @@ from tests.support.deploy_scenario import (
     EXACT_AGENT,
     LENIENT_AGENT,
     Users,
+    greedy_tasks,
     lora_checkpoint,
     publish,
     routed_proxy,
@@ -167,14 +168,7 @@ def test_the_gate_rejects_a_broken_checkpoint_rolls_back_a_bad_canary_and_promot
     async def scenario() -> None:
         server_runner, server_url = await serve_app(create_app(load_model("tiny"), served_model_names=(name,),
                                                                contract=Contract.VLLM))
-        async with aiohttp.ClientSession() as session:
-            tasks = []
-            for number, prompt in enumerate(prompts):
-                async with session.post(f"{server_url}/v1/chat/completions", json={
-                        "model": name, "messages": [{"role": "user", "content": prompt}], "max_tokens": 6,
-                        "temperature": 0.0}) as response:
-                    reply = (await response.json())["choices"][0]["message"]["content"]
-                tasks.append({"id": f"t{number}", "prompt": prompt, "expected": reply, "model": name})
+        tasks = await greedy_tasks(server_url, name, prompts)
         task_file = tmp_path / "eval.jsonl"
         task_file.write_text("\n".join(json.dumps(t) for t in tasks))
         gated = replace(base, deploy=replace(base.deploy, gate=True, eval_agent=EXACT_AGENT,

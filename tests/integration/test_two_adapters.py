@@ -16,7 +16,6 @@ import json
 import uuid
 from dataclasses import replace
 
-import aiohttp
 import openai
 import pytest
 import torch
@@ -38,6 +37,7 @@ from tests.integration.test_trainer_hotswap import trained_policy
 from tests.support.deploy_scenario import (
     EXACT_AGENT,
     Users,
+    greedy_tasks,
     lora_checkpoint,
     publish,
     routed_proxy,
@@ -151,17 +151,8 @@ def test_each_model_has_its_own_gate_which_rejects_its_broken_candidate_while_th
     async def scenario() -> dict[str, int | None]:
         server_runner, server_url = await serve_app(create_app(
             load_model("tiny"), served_model_names=tuple(names.values()), contract=Contract.VLLM))
-        tasks: dict[str, list[dict]] = {}
-        async with aiohttp.ClientSession() as session:
-            for key, name in names.items():
-                tasks[key] = []
-                for number in range(6):
-                    prompt = f"Say something about the number {number}."
-                    async with session.post(f"{server_url}/v1/chat/completions", json={
-                            "model": name, "messages": [{"role": "user", "content": prompt}], "max_tokens": 6,
-                            "temperature": 0.0}) as response:
-                        reply = (await response.json())["choices"][0]["message"]["content"]
-                    tasks[key].append({"id": f"{key}{number}", "prompt": prompt, "expected": reply, "model": name})
+        prompts = [f"Say something about the number {number}." for number in range(6)]
+        tasks = {key: await greedy_tasks(server_url, name, prompts, prefix=key) for key, name in names.items()}
         gated = {}
         for key in names:
             task_file = tmp_path / f"eval-{key}.jsonl"

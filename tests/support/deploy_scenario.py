@@ -11,6 +11,7 @@ import contextlib
 import time
 from collections.abc import AsyncIterator, Mapping
 
+import aiohttp
 import torch
 from aiohttp import web
 
@@ -36,6 +37,19 @@ async def greedy_reply(task: dict, state) -> str:
             model=task["model"], messages=[{"role": "user", "content": task["prompt"]}], max_tokens=6,
             temperature=0.0)
     return completion.choices[0].message.content or ""
+
+
+async def greedy_tasks(server_url: str, model: str, prompts: list[str], prefix: str = "t") -> list[dict]:
+    """Evaluation tasks whose expected reply is what ``model`` answers greedily now (the base model's reply)."""
+    tasks = []
+    async with aiohttp.ClientSession() as session:
+        for number, prompt in enumerate(prompts):
+            async with session.post(f"{server_url}/v1/chat/completions", json={
+                    "model": model, "messages": [{"role": "user", "content": prompt}], "max_tokens": 6,
+                    "temperature": 0.0}) as response:
+                reply = (await response.json())["choices"][0]["message"]["content"]
+            tasks.append({"id": f"{prefix}{number}", "prompt": prompt, "expected": reply, "model": model})
+    return tasks
 
 
 async def exact_agent(task: dict, state) -> float:
