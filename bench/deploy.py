@@ -24,8 +24,6 @@ import uuid
 from dataclasses import replace
 from pathlib import Path
 
-import aiohttp
-
 from agentstream.deploy.deployments import Decision, DeploymentFollower, DeploymentLog
 from agentstream.deploy.gate import Gate
 from agentstream.evaluation import task_evaluator
@@ -43,22 +41,17 @@ from agentstream.stack.control import Endpoints
 from agentstream.trainer.checkpoint_writer import checkpoint_name, open_store, read_manifest
 from bench.common import emit, private_stack
 from bench.streams import start_worker, wait_ready
-from tests.support.deploy_scenario import EXACT_AGENT, Users, lora_checkpoint, publish, serve_app, wait_until
+from tests.support.deploy_scenario import (
+    EXACT_AGENT,
+    Users,
+    greedy_tasks,
+    lora_checkpoint,
+    publish,
+    serve_app,
+    wait_until,
+)
 
 PROMPTS = [f"Say something about the number {n}." for n in range(8)]
-
-
-async def expected_replies(server_url: str, name: str) -> list[dict]:
-    """Tasks whose expected answer is the base model's greedy reply (what an unchanged adapter also says)."""
-    tasks = []
-    async with aiohttp.ClientSession() as session:
-        for number, prompt in enumerate(PROMPTS):
-            async with session.post(f"{server_url}/v1/chat/completions", json={
-                    "model": name, "messages": [{"role": "user", "content": prompt}], "max_tokens": 6,
-                    "temperature": 0.0}) as response:
-                reply = (await response.json())["choices"][0]["message"]["content"]
-            tasks.append({"id": f"t{number}", "prompt": prompt, "expected": reply, "model": name})
-    return tasks
 
 
 async def run(config: Config, endpoints: Endpoints, workdir: Path, promotions: int, gated: bool) -> None:
@@ -68,7 +61,7 @@ async def run(config: Config, endpoints: Endpoints, workdir: Path, promotions: i
     client = connect(config.clickhouse, endpoints.clickhouse_url, database=config.clickhouse.database)
     server_runner, server_url = await serve_app(create_app(load_model("tiny"), served_model_names=(name,),
                                                            contract=Contract.VLLM))
-    tasks = await expected_replies(server_url, name)
+    tasks = await greedy_tasks(server_url, name, PROMPTS)
     (workdir / "eval.jsonl").write_text("\n".join(json.dumps(t) for t in tasks))
     config = replace(config, deploy=replace(config.deploy, gate=gated, eval_agent=EXACT_AGENT,
                                             eval_tasks=str(workdir / "eval.jsonl"), canary_share=0.5,
