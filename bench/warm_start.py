@@ -10,6 +10,12 @@ greedy, then ``--samples`` rollouts per task at each ``--temperatures``. Per ste
 success, tool calls per rollout, and for the sampled runs the tasks whose rollouts disagree
 (what a GRPO group learns from), and for the word problems greedy success per kind, after a machine
 calibration line.
+
+``--coast-from DIR`` asks what a saved warm start's AdamW moments do on their own: it loads the warm start a demo
+saved (``demo-output/warm-start/<model>/v<N>``, its weights and optimizer state), judges it, then takes
+``--steps`` optimizer steps whose gradients are all zero, so that only the carried first moment (decaying by
+beta1 a step) moves the weights, and judges the agent after each step from ``--from-step`` on. A gain there is
+the warm start still going, which any steps after it, RL's or the supervised control's, also get.
 """
 
 from __future__ import annotations
@@ -19,6 +25,9 @@ import copy
 import time
 import uuid
 from dataclasses import replace
+from pathlib import Path
+
+import torch
 
 from agentstream.demo.demonstrations import demonstration_calls
 from agentstream.examples import arithmetic, calculator_agent, word_problems
@@ -29,7 +38,7 @@ from agentstream.serving.generation import BatchRequest, SamplingParams, generat
 from agentstream.serving.tool_format import parse_tool_calls, render_prompt
 from agentstream.stack.machine import calibrate
 from agentstream.trainer.batching import Batch, Counts, Sample
-from agentstream.trainer.policy import build_policy
+from agentstream.trainer.policy import OPTIMIZER_STATE, build_policy, load_weights
 from agentstream.trainer.step import train_step
 from bench.common import emit
 
@@ -106,7 +115,11 @@ def main() -> None:
     parser.add_argument("--heldout", type=int, default=32, help="Held-out tasks the agent is judged on.")
     parser.add_argument("--temperatures", default="0.5,1.0", help="Sampling temperatures besides greedy.")
     parser.add_argument("--samples", type=int, default=4, help="Rollouts per task at each temperature.")
+    parser.add_argument("--coast-from", type=Path, default=None,
+                        help="A saved warm start's version folder: zero-gradient steps from it, not demonstrations.")
     args = parser.parse_args()
+    if args.coast_from is not None and not (args.coast_from / OPTIMIZER_STATE).is_file():
+        parser.error(f"{args.coast_from} holds no optimizer state ({OPTIMIZER_STATE}): no moments to coast on")
     temperatures = [float(t) for t in args.temperatures.split(",") if t.strip()]
     calibration = calibrate()
     emit("warm_start", "machine_calibration", calibration.python_loop_s, "s", **calibration.as_dict())
@@ -123,6 +136,28 @@ def main() -> None:
                   eos_token_ids(LoadedModel(policy.model, tokenizer, policy.name, policy.dtype)))
     train, heldout = module.split()
     heldout = heldout[:args.heldout]
+
+    def judge(step: int, **extra) -> None:
+        for temperature, n in [(0.0, 1), *((t, args.samples) for t in temperatures)]:
+            rewards, calls = agent.run(heldout, temperature, n)
+            kinds = {"by_kind": by_kind(heldout, rewards)} if module is word_problems else {}
+            emit("warm_start", "heldout_success", sum(map(sum, rewards)) / (n * len(heldout)), "share", step=step,
+                 temperature=temperature, rollouts_per_task=n, tool_calls_per_rollout=round(calls, 3),
+                 tasks_with_mixed_rollouts=sum(1 for r in rewards if 0 < sum(r) < n), **kinds, **extra)
+
+    if args.coast_from is not None:
+        load_weights(policy, args.coast_from)
+        assign_weights(sampler, policy.model.state_dict())
+        parameters = [p for group in policy.optimizer.param_groups for p in group["params"]]
+        judge(0, zero_gradient_steps=True)
+        for step in range(1, args.steps + 1):
+            for parameter in parameters:
+                parameter.grad = torch.zeros_like(parameter)
+            policy.optimizer.step()
+            assign_weights(sampler, policy.model.state_dict())
+            if step >= args.from_step:
+                judge(step, zero_gradient_steps=True)
+        return
     demonstrated = module.demonstration_tasks(train)
     for step in range(1, args.steps + 1):
         batch = [demonstration_sample(module, task, tokenizer) for task in demonstrated[(step - 1) * 32:step * 32]]
@@ -130,14 +165,8 @@ def main() -> None:
         result = train_step(policy, Batch(batch, 0, Counts()), trainer)
         assign_weights(sampler, policy.model.state_dict())
         emit("warm_start", "step_seconds", time.monotonic() - started, "s", step=step, loss=round(result.loss, 4))
-        if step < args.from_step:
-            continue
-        for temperature, n in [(0.0, 1), *((t, args.samples) for t in temperatures)]:
-            rewards, calls = agent.run(heldout, temperature, n)
-            kinds = {"by_kind": by_kind(heldout, rewards)} if module is word_problems else {}
-            emit("warm_start", "heldout_success", sum(map(sum, rewards)) / (n * len(heldout)), "share", step=step,
-                 temperature=temperature, rollouts_per_task=n, tool_calls_per_rollout=round(calls, 3),
-                 tasks_with_mixed_rollouts=sum(1 for r in rewards if 0 < sum(r) < n), **kinds)
+        if step >= args.from_step:
+            judge(step)
 
 
 if __name__ == "__main__":
