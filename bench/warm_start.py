@@ -109,7 +109,8 @@ def by_kind(tasks: list[dict], rewards: list[list[float]]) -> dict[str, float]:
 def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     parser.add_argument("--agent", choices=sorted(AGENTS), default="calculator", help="The agent and its tasks.")
-    parser.add_argument("--steps", type=int, default=5, help="Supervised steps (32 demonstrations each).")
+    parser.add_argument("--steps", type=int, default=5,
+                        help="Supervised steps (32 demonstrations each); with --coast-from, zero-gradient steps.")
     parser.add_argument("--from-step", type=int, default=3, help="The first step after which the agent is judged.")
     parser.add_argument("--lr", type=float, default=None, help="Learning rate (default: the demo's).")
     parser.add_argument("--heldout", type=int, default=32, help="Held-out tasks the agent is judged on.")
