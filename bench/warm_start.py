@@ -14,8 +14,9 @@ calibration line.
 ``--coast-from DIR`` asks what a saved warm start's AdamW moments do on their own: it loads the warm start a demo
 saved (``demo-output/warm-start/<model>/v<N>``, its weights and optimizer state), judges it, then takes
 ``--steps`` optimizer steps whose gradients are all zero, so that only the carried first moment (decaying by
-beta1 a step) moves the weights, and judges the agent after each step from ``--from-step`` on. A gain there is
-the warm start still going, which any steps after it, RL's or the supervised control's, also get.
+beta1 a step) moves the weights (the demo's weight decay is 0), and judges the agent after each step from
+``--from-step`` on. A gain there is the warm start still going, which any steps after it, RL's or the supervised
+control's, also get.
 """
 
 from __future__ import annotations
