@@ -190,6 +190,27 @@ def load_weights(policy: Policy, folder: Path) -> None:
         policy.optimizer.load_state_dict(torch.load(optimizer_file, map_location=policy.device, weights_only=True))
 
 
+def forget_momentum(folder: Path) -> int:
+    """Zero the first moment (``exp_avg``) of the AdamW state saved in ``folder``; returns how many tensors.
+
+    The second moment and the step count stay, so the next steps keep each weight's scale; only the direction
+    the saved run was moving in goes. With weight decay 0, that direction alone moved a saved warm start's
+    weights for several steps and gained as much as RL or supervised steps did (docs/multistep.md), so a run
+    that measures what its own gradient adds starts without it.
+    """
+    path = folder / OPTIMIZER_STATE
+    if not path.is_file():
+        raise PolicyError(f"{folder} holds no optimizer state ({OPTIMIZER_STATE}): no momentum to forget")
+    saved = torch.load(path, map_location="cpu", weights_only=True)
+    moments = [state["exp_avg"] for state in saved["state"].values() if "exp_avg" in state]
+    if not moments:
+        raise PolicyError(f"{path} holds no AdamW first moment (exp_avg)")
+    for moment in moments:
+        moment.zero_()
+    torch.save(saved, path)
+    return len(moments)
+
+
 def restore_last_good(policy: Policy, folder: Path) -> None:
     """Go back to a checkpoint's weights after a bad turn; AdamW's moments too, or afresh where it has none."""
     if not (folder / OPTIMIZER_STATE).is_file():

@@ -43,7 +43,9 @@ class DemoConfig:
     calculator, 224 for the word problems): it runs until all of them are trained and served,
     however long that takes on the machine, up to ``warm_start_limit_s``; a finished warm start is saved
     in ``<output_dir>/warm-start``, and ``warm_start_from`` names such a folder to start from instead (the
-    demonstrations are not sent again: RL and its control start from the same weights). ``objective`` is what the
+    demonstrations are not sent again: RL and its control start from the same weights), with AdamW's moments as
+    saved, or without its first moment where ``warm_start_momentum`` is false (the direction the warm start was
+    moving in carried both alike about as far as their own steps did: docs/multistep.md). ``objective`` is what the
     trainer does with the train rollouts after the warm start: ``policy_gradient`` (RL, the demo) or
     ``supervised``, the control a demo of RL is measured against: the same rollouts and budget, but
     likelihood steps on the rollouts that succeeded only (rejection sampling; the trainer's
@@ -88,6 +90,7 @@ class DemoConfig:
     warm_start_demonstrations: int = 0
     warm_start_limit_s: float = 1800.0
     warm_start_from: str = ""
+    warm_start_momentum: bool = True
     objective: str = "policy_gradient"
     adapter_lr: float = 5e-4
     output_dir: str = "demo-output"

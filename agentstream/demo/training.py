@@ -454,9 +454,10 @@ def run_demo(config: Config, console: Console | None = None, snapshots: Path | N
         client = fresh_database(config, endpoints.clickhouse_url, console)
         if warm and warm.saved:
             copied = install_warm_start(Path(demo.warm_start_from), warm.saved,
-                                        open_store(config.trainer.checkpoint_dir))
+                                        open_store(config.trainer.checkpoint_dir), demo.warm_start_momentum)
             console.print(f"warm start: v{copied.version} copied from {demo.warm_start_from}; the trainer starts "
-                          "from it, without the demonstrations")
+                          "from it, without the demonstrations" + ("" if demo.warm_start_momentum else
+                                                                   ", and without AdamW's first moment"))
         session.start(progress=console.print)
         if snapshots is not None:
             snapshots.mkdir(parents=True, exist_ok=True)

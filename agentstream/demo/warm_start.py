@@ -31,6 +31,7 @@ from agentstream.models import model_display_name, smollm2_tokenizer
 from agentstream.schemas.errors import AgentstreamError
 from agentstream.session import TrainingSession
 from agentstream.trainer.checkpoint_writer import Manifest, copy_checkpoint, find_version
+from agentstream.trainer.policy import forget_momentum
 
 FOLDER = "warm-start"
 """The folder under the demo's ``output_dir`` that a run saves its warm start in."""
@@ -147,10 +148,18 @@ def load_warm_start(folder: Path, settings: WarmStartSettings) -> WarmStartRecor
     return record
 
 
-def install_warm_start(folder: Path, record: WarmStartRecord, checkpoints: CheckpointStore) -> Manifest:
-    """Copy the saved checkpoint into a new run's (empty) store, where its trainer resumes from it and announces it."""
+def install_warm_start(folder: Path, record: WarmStartRecord, checkpoints: CheckpointStore,
+                       momentum: bool = True) -> Manifest:
+    """Copy the saved checkpoint into a new run's (empty) store, where its trainer resumes from it and announces it.
+
+    Without ``momentum``, the copy's AdamW first moment is zeroed (:func:`forget_momentum`): the run's gains are
+    then its own gradient's, not the warm start's direction playing out.
+    """
     saved = FolderStore(folder)
-    return copy_checkpoint(find_version(saved, record.version), saved, checkpoints)
+    copied = copy_checkpoint(find_version(saved, record.version), saved, checkpoints)
+    if not momentum:
+        forget_momentum(checkpoints.get(copied.uri))
+    return copied
 
 
 def _scalar(client, sql: str) -> Any:

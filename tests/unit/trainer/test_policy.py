@@ -16,7 +16,14 @@ from agentstream.trainer.checkpoint_writer import (
     open_store,
     write_checkpoint,
 )
-from agentstream.trainer.policy import build_policy, load_weights, save_weights, save_weights_later
+from agentstream.trainer.policy import (
+    PolicyError,
+    build_policy,
+    forget_momentum,
+    load_weights,
+    save_weights,
+    save_weights_later,
+)
 from agentstream.trainer.step import train_step
 from tests.support.samples import generated
 
@@ -64,6 +71,41 @@ def test_weights_saved_later_are_the_ones_copied_before_the_next_step(tmp_path, 
         assert torch.equal(tensor, restored.model.state_dict()[name]), name
     for key, state in restored.optimizer.state_dict()["state"].items():
         assert torch.equal(state["exp_avg"], moments[key])
+
+
+def _moved_by_a_zero_gradient_step(policy) -> bool:
+    before = {name: tensor.clone() for name, tensor in policy.model.state_dict().items()}
+    for parameter in policy.trainable():
+        parameter.grad = torch.zeros_like(parameter)
+    policy.optimizer.step()
+    return any(not torch.equal(tensor, before[name]) for name, tensor in policy.model.state_dict().items())
+
+
+def test_forgetting_momentum_zeroes_the_saved_first_moment_and_keeps_the_second_and_the_step(tmp_path, tiny_config):
+    policy = build_policy(tiny_config)
+    for step in range(2):
+        train_step(policy, Batch(generated(policy, 2, 1.0), step, Counts()), tiny_config)
+    save_weights(policy, tmp_path)
+    saved = {key: {name: value.clone() for name, value in state.items()}
+             for key, state in policy.optimizer.state_dict()["state"].items()}
+    carried = build_policy(tiny_config)
+    load_weights(carried, tmp_path)
+    assert _moved_by_a_zero_gradient_step(carried)  # the saved direction alone moves the weights
+
+    assert forget_momentum(tmp_path) == len(saved)
+    restored = build_policy(tiny_config)
+    load_weights(restored, tmp_path)
+    for key, state in restored.optimizer.state_dict()["state"].items():
+        assert not state["exp_avg"].any()
+        assert torch.equal(state["exp_avg_sq"], saved[key]["exp_avg_sq"])
+        assert torch.equal(state["step"], saved[key]["step"])
+    assert not _moved_by_a_zero_gradient_step(restored)
+
+
+def test_forgetting_momentum_where_no_optimizer_state_was_saved_says_so(tmp_path, tiny_config):
+    save_weights(build_policy(tiny_config), tmp_path, optimizer_state=False)
+    with pytest.raises(PolicyError, match="no optimizer state"):
+        forget_momentum(tmp_path)
 
 
 def test_bfloat16_checkpoints_hold_the_weights_rounded_and_a_resumed_trainer_says_so(tmp_path, tiny_config, caplog):

@@ -75,6 +75,24 @@ def test_a_saved_warm_start_is_installed_as_a_new_runs_start_without_the_old_run
     assert (run.get(resumed.uri) / "optimizer.pt").read_bytes() == b"adam moments"  # RL steps on from the same moments
 
 
+def test_a_saved_warm_start_installed_without_momentum_loses_the_first_moment_in_the_copy_only(tmp_path):
+    import torch
+
+    state = {"step": torch.tensor(12.0), "exp_avg": torch.ones(3), "exp_avg_sq": torch.full((3,), 4.0)}
+    moments = {"state": {0: state}, "param_groups": [{"params": [0], "lr": 1e-5}]}
+    store = _run_store(tmp_path / "run-1", versions=(7,))
+    torch.save(moments, store.get(latest_manifest(store, MODEL).uri) / "optimizer.pt")
+    plan = _plan(tmp_path)
+    saved = plan.save(store, 7, 900.0, Evaluation(0.0, 0, 0.0, 0, 64), Evaluation(0.0, 7, 0.25, 16, 64))
+    run = FolderStore(tmp_path / "run-2" / "checkpoints")
+    installed = install_warm_start(saved, load_warm_start(saved, plan.settings), run, momentum=False)
+    state = torch.load(run.get(installed.uri) / "optimizer.pt", weights_only=True)["state"][0]
+    assert not state["exp_avg"].any()
+    assert torch.equal(state["exp_avg_sq"], torch.full((3,), 4.0)) and state["step"] == 12  # each weight's scale
+    kept = torch.load(saved / MODEL.replace("/", "%2F") / "v00000007" / "optimizer.pt", weights_only=True)["state"][0]
+    assert torch.equal(kept["exp_avg"], torch.ones(3))  # the saved warm start serves the next run as it was
+
+
 def test_a_warm_start_made_for_another_setting_or_not_saved_at_all_is_refused_with_what_differs(tmp_path):
     plan = _plan(tmp_path)
     saved = plan.save(_run_store(tmp_path / "run"), 8, 900.0, Evaluation(0, 0, 0, 0, 64), Evaluation(0, 8, .3, 19, 64))
