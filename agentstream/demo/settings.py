@@ -50,7 +50,8 @@ class DemoConfig:
     ``supervised``, the control a demo of RL is measured against: the same rollouts and budget, but
     likelihood steps on the rollouts that succeeded only (rejection sampling; the trainer's
     ``supervised_min_reward``, 1 by default). ``adapter_lr`` is the learning rate of the LoRA adapters
-    several agents train at once (``agentstream demo --agents``, one adapter per agent on every linear layer).
+    several agents train at once (``agentstream demo --agents``, one adapter per agent on every linear layer;
+    0: each agent's own, ``DemoAgent.adapter_lr``).
 
     ``online_*`` set the online demo (``agentstream demo --online``): seconds of live traffic, the
     users' request rate (per second), the longest feedback delay and the share of answers never
@@ -92,7 +93,7 @@ class DemoConfig:
     warm_start_from: str = ""
     warm_start_momentum: bool = True
     objective: str = "policy_gradient"
-    adapter_lr: float = 5e-4
+    adapter_lr: float = 0.0
     output_dir: str = "demo-output"
     report_path: str = "demo-report.json"
     online_seconds: float = 1020.0
@@ -139,7 +140,7 @@ class DemoConfig:
         check.at_least("warm_start_demonstrations", 0)
         check.above("warm_start_limit_s", 0)
         check.one_of("objective", ("policy_gradient", "supervised"))
-        check.above("adapter_lr", 0)
+        check.at_least("adapter_lr", 0)
         check.one_of("dtype", ("auto", "float32", "bfloat16"))
         check.above("online_tolerance", 0)
         check.within("online_confidence", "(0.5, 1)")

@@ -70,15 +70,21 @@ def several_config(config: Config, run_id: str, workdir: Path, agents: list[Demo
     shared = demo_config(config, run_id, workdir, agents[0])
     return replace(shared, credit=(*rules, CreditRule(agent="*", train=False)),
                    trainer=replace(shared.trainer, lora=True, lora_target_modules=ALL_LINEAR,
-                                   lr=config.demo.adapter_lr, optimizer_state_every=0))  # no warm start is saved
+                                   optimizer_state_every=0))  # no warm start is saved
+
+
+def adapter_lr(config: Config, agent: DemoAgent) -> float:
+    """The learning rate of an agent's adapter: ``[demo] adapter_lr`` where set, else the agent's own."""
+    return config.demo.adapter_lr or agent.adapter_lr
 
 
 def trainer_config(shared: Config, run_id: str, workdir: Path, agent: DemoAgent) -> Config:
-    """One agent's trainer: its model's transitions into its own adapter and checkpoints, at its batch and
-    temperature."""
+    """One agent's trainer: its model's transitions into its own adapter and checkpoints, at its batch,
+    temperature and learning rate (``[demo] adapter_lr``, else the agent's own)."""
     own = demo_config(shared, run_id, workdir, agent).trainer
     return replace(shared, trainer=replace(
         shared.trainer, model_name=model_of(agent), temperature=own.temperature,
+        lr=adapter_lr(shared, agent),
         batch_transitions=own.batch_transitions, micro_batch_tokens=own.micro_batch_tokens,
         checkpoint_dir=str(workdir / "checkpoints" / agent.name)))
 
@@ -116,6 +122,7 @@ class AgentResult:
 
     agent: str
     model: str
+    adapter_lr: float
     heldout_before: float
     heldout_warm_start: float | None
     heldout_after: float
@@ -291,7 +298,7 @@ def run_several(config: Config, agents: list[str], console: Console | None = Non
             numbers = learner.dashboard.snapshot()
             evaluations = learner.dashboard.evaluations
             results.append(AgentResult(
-                learner.agent.name, learner.model, evaluations[0].accuracy,
+                learner.agent.name, learner.model, adapter_lr(config, learner.agent), evaluations[0].accuracy,
                 evaluations[1].accuracy if learner.agent.warm_start else None, evaluations[-1].accuracy,
                 numbers["version"], numbers["steps"], numbers["rollouts"],
                 wrong_adapter_calls(client, learner.agent, learner.model), evaluations,

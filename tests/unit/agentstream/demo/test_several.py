@@ -34,7 +34,6 @@ def test_each_agent_trains_its_own_model_by_its_own_credit_rules_and_the_rest_tr
     alone = demo_config(config, "r", tmp_path, AGENTS["calculator"])
     assert replace(rules["calculator"], train_as=None) == alone.credit[0]  # the one-agent demo's rule otherwise
     assert shared.trainer.lora and shared.trainer.lora_target_modules == ALL_LINEAR
-    assert shared.trainer.lr == config.demo.adapter_lr
 
 
 def test_each_agent_has_its_own_trainer_adapter_and_checkpoints_at_its_own_batch_and_temperature(tmp_path):
@@ -46,7 +45,10 @@ def test_each_agent_has_its_own_trainer_adapter_and_checkpoints_at_its_own_batch
     assert arithmetic.checkpoint_dir != calculator.checkpoint_dir
     assert (arithmetic.temperature, calculator.temperature) == (1.0, 0.5)
     assert (arithmetic.micro_batch_tokens, calculator.micro_batch_tokens) == (0, 2048)
-    assert arithmetic.lora and calculator.lora and calculator.lr == arithmetic.lr == config.demo.adapter_lr
+    assert arithmetic.lora and calculator.lora
+    assert (arithmetic.lr, calculator.lr) == (5e-4, 2e-4)  # each its own, where [demo] adapter_lr is 0
+    one_rate = several_config(replace(config, demo=replace(config.demo, adapter_lr=3e-4)), "r", tmp_path, chosen)
+    assert {trainer_config(one_rate, "r", tmp_path, agent).trainer.lr for agent in chosen} == {3e-4}
 
 
 def test_each_wave_names_its_agent_and_the_model_it_trains():
