@@ -127,6 +127,19 @@ class DemoConfig:
         """Whether RL has spent its budget, ``seconds`` on its clock and ``steps`` policy versions in."""
         return steps >= self.steps if self.steps else seconds >= self.training_seconds
 
+    def check_warm_start_source(self, several: bool = False) -> None:
+        """Refuse warm-start settings the run would ignore: they are set apart (a file, then a flag), so checked here.
+
+        ``warm_start_momentum = false`` acts only on a saved warm start (``warm_start_from``): a run that makes its
+        own warm start carries the momentum on in the same optimizer. Several agents make their own warm starts.
+        """
+        check = Checks("demo", self)
+        check.must("warm_start_from", not (several and self.warm_start_from),
+                   "be empty for several agents at once (each makes its own warm start)")
+        check.must("warm_start_momentum", self.warm_start_momentum or bool(self.warm_start_from),
+                   "stay true unless the run starts from a saved warm start (warm_start_from, --warm-start-from): "
+                   "a run that makes its own carries the momentum on in the same optimizer")
+
     def __post_init__(self) -> None:
         check = Checks("demo", self)
         check.above("seconds", 0)

@@ -423,6 +423,7 @@ def run_demo(config: Config, console: Console | None = None, snapshots: Path | N
 
     ``snapshots``: a folder for the served weights over time.
     """
+    config.demo.check_warm_start_source()
     agent = on_framework(AGENTS[agent] if isinstance(agent, str) else agent, framework)
     console = console or product_console()
     started = time.monotonic()

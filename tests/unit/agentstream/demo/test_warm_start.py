@@ -96,8 +96,10 @@ def test_a_saved_warm_start_installed_without_momentum_loses_the_first_moment_in
 def test_a_warm_start_made_for_another_setting_or_not_saved_at_all_is_refused_with_what_differs(tmp_path):
     plan = _plan(tmp_path)
     saved = plan.save(_run_store(tmp_path / "run"), 8, 900.0, Evaluation(0, 0, 0, 0, 64), Evaluation(0, 8, .3, 19, 64))
-    other = replace(plan.settings, demonstrations=plan.settings.demonstrations // 2, dtype="bfloat16")
-    with pytest.raises(WarmStartMismatch, match=r"demonstrations 224 \(this run: 112\); dtype 'float32'"):
+    made_in = plan.settings.dtype  # the machine's: bfloat16 where it multiplies it natively, else float32
+    other = replace(plan.settings, demonstrations=plan.settings.demonstrations // 2,
+                    dtype="float32" if made_in == "bfloat16" else "bfloat16")
+    with pytest.raises(WarmStartMismatch, match=rf"demonstrations 224 \(this run: 112\); dtype '{made_in}'"):
         load_warm_start(saved, other)
     with pytest.raises(WarmStartMismatch, match="agent 'word-problems'"):
         load_warm_start(saved, warm_start_settings(load_config(), AGENTS["calculator"]))
@@ -128,3 +130,16 @@ def test_the_demo_starts_from_a_saved_warm_start_only_for_one_agent_that_has_one
     monkeypatch.setenv("AGENTSTREAM_HOME", str(tmp_path / "home"))  # the run's folder; no stack starts
     result = CliRunner().invoke(main, ["demo", "--warm-start-from", str(tmp_path)])
     assert result.exit_code == 1 and "the arithmetic agent has no warm start" in result.output
+
+
+def test_a_run_without_the_warm_starts_momentum_needs_a_saved_warm_start_to_start_from(tmp_path, monkeypatch):
+    monkeypatch.setenv("AGENTSTREAM_HOME", str(tmp_path / "home"))  # the run's folder; no stack starts
+    settings = tmp_path / "settings.toml"
+    settings.write_text("[demo]\nwarm_start_momentum = false\n")
+    for args in (["--agent", "word-problems"], ["--agents", "arithmetic,calculator"]):
+        result = CliRunner().invoke(main, ["--config", str(settings), "demo", *args])
+        assert result.exit_code == 1
+        assert "demo.warm_start_momentum must stay true unless the run starts from a saved warm start" in result.output
+    settings.write_text(f"[demo]\nwarm_start_from = {json.dumps(str(tmp_path))}\n")
+    result = CliRunner().invoke(main, ["--config", str(settings), "demo", "--agents", "arithmetic,calculator"])
+    assert result.exit_code == 1 and "demo.warm_start_from must be empty for several agents at once" in result.output
