@@ -2,8 +2,10 @@
 
 A batch closes when its padded size (transitions × longest sequence) would pass the token
 budget, when it holds ``batch_transitions`` transitions, or when its oldest transition has
-waited ``batch_wait_s``. With ``count_skipped``, the transitions skipped for carrying no signal
-count toward ``batch_transitions`` too, where they arrived: a step then follows a fixed amount
+waited ``batch_wait_s`` (a batch of demonstrations, sent in bulk and never stale, once they have
+stopped coming for that long: a warm start steps on full batches however slowly the machine
+delivers them). With ``count_skipped``, the transitions skipped for carrying no signal count toward
+``batch_transitions`` too, where they arrived: a step then follows a fixed amount
 of generated experience, however many of its groups were flat, as a plain generate-then-train
 loop steps once per round of generation, and a backlog of several rounds is cut where each round
 ends (not wherever ``batch_transitions`` informative transitions have gathered, which split
@@ -290,7 +292,9 @@ class Batcher:
         """Whether a batch should be taken now: the budget or the count is reached, or the oldest waited long enough."""
         if not self._queue:
             return False
-        if self.batch_wait_s and now - self._queue[0][0] >= self.batch_wait_s:
+        oldest, head, _ = self._queue[0]
+        waiting_since = self._queue[-1][0] if head.demonstration else oldest
+        if self.batch_wait_s and now - waiting_since >= self.batch_wait_s:
             return True
         offered = len(self._queue)
         if self.count_skipped:

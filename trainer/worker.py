@@ -321,8 +321,9 @@ class TrainerWorker:
             if self.streak is not None and (
                     routing := self.streak.due(self.version, self.settings.max_policy_lag)) is not None:
                 await self._rebase(routing, self.streak.clear())
-            while (self.batcher.ready(time.monotonic()) and not stop.is_set()
-                   and (max_steps is None or self.summary.steps < max_steps)):
+            # a batch per fetch: what was published during a step is read before a part batch closes on time
+            if (self.batcher.ready(time.monotonic()) and not stop.is_set()
+                    and (max_steps is None or self.summary.steps < max_steps)):
                 batch = self.batcher.take(self.version)
                 if batch is not None:
                     await self._train(batch)

@@ -85,6 +85,28 @@ def test_batches_close_on_count_token_budget_or_wait():
     assert not b.ready(now=11.0) and b.ready(now=12.0)
 
 
+def test_a_warm_start_steps_on_full_batches_of_demonstrations_however_slowly_they_arrive():
+    """Seen on 2026-12-02: 224 demonstrations made steps of 32, 9, 13, 32, 32, 32, 32, 32 and 10 where a step
+    outlasted the 120 s wait, as each leftover closed on the age of its oldest."""
+    demo = batcher(batch_transitions=32, batch_wait_s=120.0)
+    sizes, sent, clock = [], 0, 0.0
+    for arriving in (41, 13, 30, 60, 50, 30):  # published while steps of 150 s ran
+        for _ in range(arriving):
+            demo.offer(replace(sample(f"d{sent}"), behaviour_logprobs=[]), 0, now=clock)
+            sent += 1
+        clock += 150.0
+        while demo.ready(now=clock - 100.0):  # read 100 s after the newest was published: still coming
+            sizes.append(len(demo.take(0).samples))
+    assert sent == 224 and sizes == [32] * 7 and not len(demo)
+    for name in ("tail1", "tail2"):  # a count that is not a multiple of the batch: the rest closes once they stop
+        demo.offer(replace(sample(name), behaviour_logprobs=[]), 0, now=clock)
+    assert not demo.ready(now=clock + 119.0) and demo.ready(now=clock + 120.0) and len(demo.take(0).samples) == 2
+    rollouts = batcher(batch_transitions=32, batch_wait_s=120.0)  # sampled ones close on the oldest's age
+    rollouts.offer(sample("old"), 0, now=0.0)
+    rollouts.offer(sample("new"), 0, now=100.0)
+    assert rollouts.ready(now=120.0)
+
+
 def test_skipped_flat_transitions_count_toward_the_batch_when_asked():
     counting, plain = batcher(batch_transitions=4, count_skipped=True), batcher(batch_transitions=4)
     for b in (counting, plain):
