@@ -289,7 +289,9 @@ class Batcher:
         return (sample.position for _, sample, _ in self._queue if sample.position is not None)
 
     def ready(self, now: float) -> bool:
-        """Whether a batch should be taken now: the budget or the count is reached, or the oldest waited long enough."""
+        """Whether a batch should be taken now: the budget or the count is reached, or the oldest waited long enough
+        (a queue headed by samples trained by likelihood, demonstrations or the supervised objective's successes,
+        which never go stale: once the newest has)."""
         if not self._queue:
             return False
         oldest, head, _ = self._queue[0]

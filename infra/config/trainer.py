@@ -17,7 +17,7 @@ class TrainerConfig:
     the sampling temperature the behaviour logprobs were computed at. Batches close at
     ``batch_tokens`` padded tokens, ``batch_transitions`` transitions or once the oldest has waited
     ``batch_wait_s`` seconds since it was published (a backlog read after a restart has waited
-    already; demonstrations, sent in bulk, once the newest has), whichever
+    already; demonstrations and the supervised objective's samples, never stale, once the newest has), whichever
     comes first (0 disables a limit); with ``batch_counts_skipped`` the transitions skipped
     for zero advantage count toward ``batch_transitions`` (a step per amount of experience, not per
     amount of signal). A step's samples are cut into ``accumulation_steps`` equal micro-batches
