@@ -47,6 +47,7 @@ class DemoReport:
     budget: str = ""  # RL's: seconds, or optimizer steps (demo.steps)
     evaluation_seconds: float = 0.0  # held-out evaluations during RL (off its clock)
     llm_calls_per_rollout: float | None = None  # train rollouts of the last policy versions
+    heldout_llm_calls_per_rollout: float | None = None  # the last held-out evaluation's rollouts
     prefix_merges: int = 0
     prefix_breaks: int = 0
     train_tokens_per_s: float | None = None  # tokens forwarded per second of optimizer steps
@@ -102,6 +103,9 @@ def write_markdown(path: Path, report: DemoReport) -> None:
              *([f"- LLM calls per train rollout at the end: {report.llm_calls_per_rollout:.2f}; prefix merges "
                 f"{report.prefix_merges}, breaks {report.prefix_breaks}"]
                if report.llm_calls_per_rollout is not None else []),
+             *([f"- LLM calls per held-out rollout at the end ({report.judged}): "
+                f"{report.heldout_llm_calls_per_rollout:.2f}"]
+               if report.heldout_llm_calls_per_rollout is not None else []),
              (f"- {report.policy_versions} policy versions in {report.training_seconds:.0f} s of {phase} (its budget: "
               f"{report.budget or 'its seconds'}; {report.evaluation_seconds:.0f} s of held-out evaluations during "
               f"it were off its clock, {report.seconds:.0f} s in all); {report.rollouts} train rollouts, "

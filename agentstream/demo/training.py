@@ -272,6 +272,22 @@ class Dashboard:
         return [{"policy_version": v, "rollouts": n, "reward_mean": round(r, 4), "llm_calls_mean": round(c, 3),
                  "prefix_merges": merges, "prefix_breaks": breaks} for v, n, r, c, merges, breaks in rows]
 
+    def heldout_calls(self, judged: Evaluation, wait_s: float = 60.0) -> float | None:
+        """LLM calls per held-out rollout of the version ``judged`` evaluated (rollouts under the agent's eval
+        name), once the stream processors have written that evaluation's rollouts; None if they do not in
+        ``wait_s``."""
+        deadline = time.monotonic() + wait_s
+        while True:
+            calls, written = self.client.query(
+                f"SELECT avg(llm_calls), count() FROM rollouts FINAL WHERE agent_name = '{self.agent.eval_name}' "
+                f"AND {ROLLOUT_POLICY_VERSION} = {int(judged.policy_version)} AND final_reward IS NOT NULL"
+            ).result_rows[0]
+            if written >= judged.total:
+                return round(calls, 3)
+            if time.monotonic() > deadline:
+                return None
+            time.sleep(1.0)
+
     def render(self, elapsed: float, numbers: dict, per_version: list[dict]) -> Table:
         table = Table(title=f"agentstream demo: training {elapsed:.0f} s (budget {self.budget})", show_header=False)
         table.add_row("rollouts/s, spans/s", f"{self.rates[0]:.1f}, {self.rates[1]:.1f}  "
@@ -481,6 +497,7 @@ def run_demo(config: Config, console: Console | None = None, snapshots: Path | N
             warm_start_from=demo.warm_start_from,
             llm_calls_per_rollout=(round(sum(r["llm_calls_mean"] * r["rollouts"] for r in last)
                                          / sum(r["rollouts"] for r in last), 3) if last else None),
+            heldout_llm_calls_per_rollout=dashboard.heldout_calls(evaluations[-1]),
             prefix_merges=sum(r["prefix_merges"] for r in per_version),
             prefix_breaks=sum(r["prefix_breaks"] for r in per_version),
             train_tokens_per_s=round(tokens / step_seconds, 1) if step_seconds else None,

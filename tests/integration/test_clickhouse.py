@@ -194,6 +194,27 @@ def test_the_demos_reward_per_version_counts_only_rollouts_that_got_a_reward(cli
             ] == [(7, 2, 0.5)]
 
 
+def test_the_demos_heldout_calls_wait_for_the_evaluations_rollouts_and_count_only_that_version(clickhouse):
+    """The final evaluation's rollouts reach ClickHouse through the stream processors after it returns: the report
+    waits for all of them, and reads neither train rollouts nor another version's."""
+    from rich.console import Console
+
+    from agentstream.demo.agents import AGENTS
+    from agentstream.demo.results import Evaluation
+    from agentstream.demo.training import Dashboard
+
+    agent = replace(AGENTS["word-problems"], name=f"heldout-calls-{uuid.uuid4().hex[:6]}")
+    dashboard = Dashboard(clickhouse, Console(), "10 s", agent)
+    columns = ["rollout_id", "agent_name", "final_reward", "policy_versions", "llm_calls"]
+    clickhouse.insert("rollouts", [(f"{agent.name}-train", agent.name, 1.0, [9], 1),
+                                   (f"{agent.name}-old", agent.eval_name, 0.0, [8], 1),
+                                   (f"{agent.name}-1", agent.eval_name, 1.0, [9], 2)], column_names=columns)
+    final = Evaluation(600.0, 9, 0.5, 1, 2)
+    assert dashboard.heldout_calls(final, wait_s=1.5) is None  # one of its two rollouts is still on its way
+    clickhouse.insert("rollouts", [(f"{agent.name}-2", agent.eval_name, 0.0, [9], 3)], column_names=columns)
+    assert dashboard.heldout_calls(final, wait_s=1.5) == 2.5
+
+
 def test_a_demos_fresh_database_is_the_one_its_config_names_and_starts_empty(stack_config, stack, clickhouse):
     """The online demo once migrated the training demo's database and then read its own, which did not exist."""
     from rich.console import Console

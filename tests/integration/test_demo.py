@@ -116,9 +116,11 @@ def test_the_calculator_demo_on_the_agents_sdk_warm_starts_then_trains_multi_ste
     assert before["policy_version"] == 0 and before["total"] == 16  # two rollouts per task, at T=0.5
     assert warmed["policy_version"] >= 1  # the server held weights trained on the demonstrations
     assert report["warm_start_seconds"] > 0 and report["llm_calls_per_rollout"] >= 1
+    assert report["heldout_llm_calls_per_rollout"] >= 1  # the final evaluation's 16 rollouts, all written
     assert report["training_seconds"] >= 90  # the warm start, however long it took, is off RL's clock
     markdown = (tmp_path / "demo-output" / "report.md").read_text()
     assert "after the warm start" in markdown and "LLM calls per train rollout" in markdown
+    assert "LLM calls per held-out rollout at the end (T=0.5, 2 rollouts per task)" in markdown
     assert processes_mentioning(str(home)) == [], "processes the demo started are still running"
 
 
