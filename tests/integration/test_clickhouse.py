@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import gzip
 import json
+import threading
 import time
 import urllib.error
 import urllib.parse
@@ -194,9 +195,10 @@ def test_the_demos_reward_per_version_counts_only_rollouts_that_got_a_reward(cli
             ] == [(7, 2, 0.5)]
 
 
-def test_the_demos_heldout_calls_wait_for_the_evaluations_rollouts_and_count_only_that_version(clickhouse):
+def test_the_demos_heldout_calls_wait_for_the_evaluations_rollouts_and_count_only_that_version(stack_config, stack,
+                                                                                               clickhouse):
     """The final evaluation's rollouts reach ClickHouse through the stream processors after it returns: the report
-    waits for all of them, and reads neither train rollouts nor another version's."""
+    waits for all of them as long as more keep coming, and reads neither train rollouts nor another version's."""
     from rich.console import Console
 
     from agentstream.demo.agents import AGENTS
@@ -210,9 +212,23 @@ def test_the_demos_heldout_calls_wait_for_the_evaluations_rollouts_and_count_onl
                                    (f"{agent.name}-old", agent.eval_name, 0.0, [8], 1),
                                    (f"{agent.name}-1", agent.eval_name, 1.0, [9], 2)], column_names=columns)
     final = Evaluation(600.0, 9, 0.5, 1, 2)
-    assert dashboard.heldout_calls(final, wait_s=1.5) is None  # one of its two rollouts is still on its way
-    clickhouse.insert("rollouts", [(f"{agent.name}-2", agent.eval_name, 0.0, [9], 3)], column_names=columns)
-    assert dashboard.heldout_calls(final, wait_s=1.5) == 2.5
+    assert dashboard.heldout_calls(final, stalled_s=1.5) is None  # one of its two rollouts never came
+
+    writer = connect(stack_config.clickhouse, stack.clickhouse_url, database=stack_config.clickhouse.database)
+
+    def arrives(after_s: float, rollout_id: str, reward: float, calls: int) -> threading.Timer:
+        """The stream processors writing a rollout while the report waits (their own connection, as they have)."""
+        row = [(f"{agent.name}-{rollout_id}", agent.eval_name, reward, [9], calls)]
+        timer = threading.Timer(after_s, lambda: writer.insert("rollouts", row, column_names=columns))
+        timer.start()
+        return timer
+
+    # the last comes later than stalled_s after the call: it is waited for because another came meanwhile
+    arrivals = [arrives(1.0, "2", 1.0, 2), arrives(2.5, "3", 0.0, 3)]
+    assert dashboard.heldout_calls(Evaluation(600.0, 9, 0.5, 2, 3), stalled_s=1.8) == round(7 / 3, 3)
+    for timer in arrivals:
+        timer.join()
+    writer.close()
 
 
 def test_a_demos_fresh_database_is_the_one_its_config_names_and_starts_empty(stack_config, stack, clickhouse):
