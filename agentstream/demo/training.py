@@ -290,6 +290,9 @@ class Dashboard:
             if written > written_before:
                 written_before, progressed = written, time.monotonic()
             elif time.monotonic() - progressed > stalled_s:
+                self.console.print(f"[yellow]{written} of the {judged.total} held-out rollouts of "
+                                   f"v{judged.policy_version} written after {stalled_s:.0f} s without another; the "
+                                   "report leaves out their LLM calls[/yellow]")
                 return None
             time.sleep(1.0)
 
