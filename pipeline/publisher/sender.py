@@ -8,8 +8,9 @@ records in order, also through failures: a RolloutEvent lands after every span o
 published before it.
 
 When a wave fails because the broker is unreachable (its address refuses connections while an
-answer is overdue, or requests time out), its unacknowledged records and everything published
-after them go to the :class:`~pipeline.publisher.journal.Journal`, with one warning. A probe
+answer is overdue, or requests time out) or answers with any error that is not about the records
+themselves (a failing store, an unknown server error), its unacknowledged records and everything
+published after them go to the :class:`~pipeline.publisher.journal.Journal`, with one warning. A probe
 watches for the broker; once it answers, the journal is replayed in order before anything new
 is sent, then deleted. A publisher that closes while journaling asks the broker once more: if it
 answers, the journal is replayed until the close deadline, and only what is left then stays for
@@ -38,7 +39,19 @@ from typing import Any
 
 import uvloop
 from aiokafka import AIOKafkaProducer
-from aiokafka.errors import KafkaConnectionError, KafkaError, KafkaTimeoutError, TopicAuthorizationFailedError
+from aiokafka.errors import (
+    CorruptRecordException,
+    InvalidTimestampError,
+    InvalidTopicError,
+    KafkaConnectionError,
+    KafkaError,
+    KafkaTimeoutError,
+    MessageSizeTooLargeError,
+    PolicyViolationError,
+    RecordListTooLargeError,
+    TopicAuthorizationFailedError,
+    UnsupportedForMessageFormatError,
+)
 from aiokafka.partitioner import DefaultPartitioner
 
 from agentstream.infra.config import KafkaConfig
@@ -592,9 +605,19 @@ class Sender:
         return producer
 
 
+RECORD_REFUSALS = (CorruptRecordException, MessageSizeTooLargeError, RecordListTooLargeError, InvalidTopicError,
+                   InvalidTimestampError, UnsupportedForMessageFormatError, PolicyViolationError)
+"""The broker's answers about the records themselves: sending them again would be refused again."""
+
+
 def _unreachable(error: BaseException) -> bool:
-    """True for errors that mean the broker cannot be reached now (worth journaling), not a refused record."""
-    return isinstance(error, (KafkaTimeoutError, asyncio.TimeoutError, OSError)) or getattr(error, "retriable", False)
+    """True unless the broker refused the records themselves: every other failure is an outage to journal through.
+
+    A broker whose storage fails answers with errors aiokafka calls fatal (tansu's ``UNKNOWN_SERVER_ERROR``
+    while its object store is full); dropping on those would lose acknowledged spans, so only
+    :data:`RECORD_REFUSALS` drop.
+    """
+    return not isinstance(error, RECORD_REFUSALS)
 
 
 def _chunks(records: list[Record], max_bytes: int) -> Iterable[list[Record]]:
