@@ -273,6 +273,34 @@ def test_an_idle_group_outlives_the_collective_timeout_only_with_keepalives(keep
         assert processes[1].exitcode not in (0, None) and processes[0].exitcode not in (0, None)
 
 
+def _leaving(rank: int, port: int, folder: str) -> None:
+    """Join, build an optimizer (as every rank's policy does), take the stop, leave; write this process's threads."""
+    os.environ.update(MASTER_ADDR="127.0.0.1", MASTER_PORT=str(port))
+    ranks = Ranks(rank, 2, rank)
+    join(BASE, ranks)
+    policy = policy_for("adamw-token")
+    group = Group(policy, BASE, ranks)
+    group.stop() if rank == 0 else group.follow()
+    leave()
+    threads = [Path(f"/proc/self/task/{task}/comm").read_text().strip() for task in os.listdir("/proc/self/task")]
+    (Path(folder) / f"threads-{rank}").write_text("\n".join(threads))
+
+
+def test_leaving_ends_the_groups_threads(tmp_path):
+    """Left running, a gloo worker thread that drops its last collective while the interpreter exits aborts the rank."""
+    context = mp.get_context("spawn")
+    port = free_port()
+    processes = [context.Process(target=_leaving, args=(rank, port, str(tmp_path))) for rank in (0, 1)]
+    for process in processes:
+        process.start()
+    for process in processes:
+        process.join(timeout=120)
+    assert [p.exitcode for p in processes] == [0, 0]
+    for rank in (0, 1):
+        threads = (tmp_path / f"threads-{rank}").read_text().split()
+        assert not [name for name in threads if "gloo" in name], (rank, threads)
+
+
 def _nccl_rank(rank: int, world: int, port: int, folder: str) -> None:
     """One NCCL rank on GPU ``rank``: the SGD and AdamW token cases, weights saved (on the CPU)."""
     os.environ.update(MASTER_ADDR="127.0.0.1", MASTER_PORT=str(port))
