@@ -100,7 +100,7 @@ def join(config: TrainerConfig, ranks: Ranks) -> str:
     backend = backend_for(config)
     if backend == "nccl":
         torch.cuda.set_device(ranks.local_rank)
-    importlib.import_module("torch._dynamo")  # see below
+    importlib.import_module("torch._dynamo")  # before the group exists: see the docstring
     timeout = timedelta(seconds=config.distributed_timeout_s)
     waiting = max(timeout, JOIN_TIMEOUT)
     store, _, _ = next(dist.rendezvous("env://", ranks.rank, ranks.world, timeout=waiting))
