@@ -454,9 +454,10 @@ def run_demo(config: Config, console: Console | None = None, snapshots: Path | N
     run_id, workdir = new_run(config)
     config = demo_config(config, run_id, workdir, agent)
     demo = config.demo
-    control = " (the supervised control)" if demo.objective == "supervised" else ""
+    control = demo.objective == "supervised"
     console.rule(f"agentstream demo: {agent.name}{'' if agent.framework == 'openai' else ' on ' + agent.framework}"
-                 f"{control} ({'quick, ' if demo.quick else ''}{demo.budget} of RL)")
+                 f"{' (the supervised control)' if control else ''} ({'quick, ' if demo.quick else ''}{demo.budget} "
+                 f"of {'supervised steps' if control else 'RL'})")
     machine = calibrate()
     console.print(f"machine: {machine.describe()} (docs/demo.md's figures name theirs: a slower machine learns "
                   "slower in the same minutes)")
