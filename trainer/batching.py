@@ -9,10 +9,11 @@ delivers them). With ``count_skipped``, the transitions skipped for carrying no 
 of generated experience, however many of its groups were flat, as a plain generate-then-train
 loop steps once per round of generation, and a backlog of several rounds is cut where each round
 ends (not wherever ``batch_transitions`` informative transitions have gathered, which split
-groups across steps). Staleness is judged when a transition arrives and again when its batch is
-taken: ``current_version − policy_version > max_policy_lag`` drops it (and counts it). A
-demonstration never goes stale: the bound keeps importance ratios against old behaviour policies
-in check, and a demonstration has none (a warm start's scripted trajectories train at any version).
+groups across steps); the count never splits a group either (``group_id``), the token budget may.
+Staleness is judged when a transition arrives and again when its batch is taken:
+``current_version − policy_version > max_policy_lag`` drops it (and counts it). A demonstration
+never goes stale: the bound keeps importance ratios against old behaviour policies in check, and a
+demonstration has none (a warm start's scripted trajectories train at any version).
 A batch is then cut into micro-batches (``collate``), at most ``micro_batch_tokens`` padded tokens
 each where that is set, and its samples' loss masks and token weights go into the tensors.
 
@@ -69,6 +70,7 @@ class Sample:
     merged_calls: int = 1
     split_at_break: bool = False
     return_value: float | None = None  # None: the reward (a sample made in memory)
+    group_id: str | None = None  # the GRPO group its advantage was computed in; None: none
 
     @classmethod
     def from_record(cls, record: Mapping[str, Any], position: tuple[str, int, int] | None = None) -> Sample:
@@ -103,7 +105,7 @@ class Sample:
                                       f"({next(v for v in trained if not math.isfinite(v))!r})")
         return cls(tid, record["rollout_id"], int(record["policy_version"]), list(prompt), list(response),
                    list(logprobs), reward, advantage, position, mask, int(record.get("merged_calls", 1)),
-                   bool(record.get("split_at_break", False)), returned)
+                   bool(record.get("split_at_break", False)), returned, record.get("group_id"))
 
     @property
     def length(self) -> int:
@@ -332,15 +334,23 @@ class Batcher:
         return not sample.demonstration and current_version - sample.policy_version > self.max_policy_lag
 
     def _fits(self) -> int:
-        """How many queued samples, from the front, fit one batch (at least one, however long it is)."""
+        """How many queued samples, from the front, fit one batch (at least one, however long it is).
+
+        The count may run past ``batch_transitions`` to the end of a group: a group's advantages are
+        centred on its own mean, and a step that took its successes without its failures (or the
+        reverse) would push every sample of that step one way.
+        """
         longest = counted = 0
+        group: str | None = None
         for count, (_, sample, skipped) in enumerate(self._queue, start=1):
             longest = max(longest, sample.length)
             counted += 1 + (skipped if self.count_skipped else 0)
-            if count > 1 and self.batch_transitions and counted > self.batch_transitions:
+            in_group = sample.group_id is not None and sample.group_id == group
+            if count > 1 and self.batch_transitions and counted > self.batch_transitions and not in_group:
                 return count - 1
             if self.batch_tokens and count * longest > self.batch_tokens and count > 1:
                 return count - 1
+            group = sample.group_id
         return len(self._queue)
 
 

@@ -31,9 +31,9 @@ from tests.support.samples import CALL_1, CALL_2, MASK, PROMPT, TOOL, record
 
 
 def sample(tid: str, version: int = 0, prompt: int = 3, response: int = 2, advantage: float = 1.0,
-           position=None) -> Sample:
+           position=None, group: str | None = None) -> Sample:
     return Sample(tid, "r", version, list(range(10, 10 + prompt)), list(range(50, 50 + response)),
-                  [-0.5] * response, 1.0, advantage, position)
+                  [-0.5] * response, 1.0, advantage, position, group_id=group)
 
 
 def batcher(**overrides) -> Batcher:
@@ -148,6 +148,24 @@ def test_a_backlog_of_rounds_is_cut_where_each_round_ends_when_skipped_ones_coun
     b.offer(sample("d1"), 0, now=0)  # the last round's three flat ones count with it
     assert b.ready(now=0) and [s.transition_id for s in b.take(0).samples] == ["d1"]
     assert not b.ready(now=0)
+
+
+def test_the_count_never_splits_a_group_across_steps():
+    b = batcher(batch_transitions=4, count_skipped=True)
+    for name in ("flat1", "flat2"):  # a group cut short by its timeout: two flat ones, not a wave's four
+        b.offer(sample(name, advantage=0.0, group="f"), 0, now=0)
+    for name, advantage in (("g1", 0.8), ("g2", 0.8), ("g3", -0.8), ("g4", -0.8)):
+        b.offer(sample(name, advantage=advantage, group="g"), 0, now=0)
+    b.offer(sample("h1", group="h"), 0, now=0)
+    batch = b.take(0)
+    assert [s.transition_id for s in batch.samples] == ["g1", "g2", "g3", "g4"]  # the count ended at g2
+    assert sum(s.advantage for s in batch.samples) == pytest.approx(0.0)
+    assert [s.transition_id for s in b.take(0).samples] == ["h1"]
+
+
+def test_a_transition_record_names_its_group():
+    assert Sample.from_record(record(group_id="g-7")).group_id == "g-7"
+    assert Sample.from_record(record()).group_id is None
 
 
 def test_pending_positions_hold_back_commits():
