@@ -11,7 +11,9 @@ loop steps once per round of generation, and a backlog of several rounds is cut 
 ends (not wherever ``batch_transitions`` informative transitions have gathered, which split
 groups across steps); the count never splits a group either (``group_id``), the token budget may.
 Staleness is judged when a transition arrives and again when its batch is taken:
-``current_version − policy_version > max_policy_lag`` drops it (and counts it). A demonstration
+``current_version − policy_version > max_policy_lag`` drops it (and counts it), and the rest of its
+group with it: a rollout's calls can span a hot swap, so one group holds samples of two versions, and
+the fresh half alone would train without the mean its advantages were centred on. A demonstration
 never goes stale: the bound keeps importance ratios against old behaviour policies in check, and a
 demonstration has none (a warm start's scripted trajectories train at any version).
 A batch is then cut into micro-batches (``collate``), at most ``micro_batch_tokens`` padded tokens
@@ -139,7 +141,7 @@ class Sample:
 
 
 class SeenIds:
-    """The ids of the newest ``capacity`` transitions taken for training, oldest forgotten first."""
+    """The newest ``capacity`` ids, oldest forgotten first: of transitions taken for training, of stale groups."""
 
     def __init__(self, capacity: int, initial: Iterable[str] = ()) -> None:
         self.capacity = capacity
@@ -241,6 +243,7 @@ class Batcher:
         self.counts = Counts()
         self._queue: deque[tuple[float, Sample, int]] = deque()  # (arrived, sample, flat ones offered just before it)
         self._queued: set[str] = set()
+        self._stale_groups = SeenIds(seen.capacity)  # groups with a stale sample: the rest of each goes too
 
     @classmethod
     def for_trainer(cls, settings: TrainerConfig, seen: SeenIds) -> Batcher:
@@ -310,8 +313,10 @@ class Batcher:
         """The next batch (queue order), stale samples dropped; None when nothing fresh is queued."""
         samples: list[Sample] = []
         room = self.batch_transitions
-        for _ in range(self._fits()):
-            _, sample, skipped = self._queue.popleft()
+        taken = [self._queue.popleft() for _ in range(self._fits())]
+        for _, sample, _ in taken:  # a stale sample anywhere in the batch takes its group's earlier ones too
+            self._stale(sample, current_version)
+        for _, sample, skipped in taken:
             room -= 1 + (skipped if self.count_skipped else 0)
             self._queued.discard(sample.transition_id)
             if self._stale(sample, current_version):
@@ -331,7 +336,14 @@ class Batcher:
         return Batch(samples, current_version, counts)
 
     def _stale(self, sample: Sample, current_version: int) -> bool:
-        return not sample.demonstration and current_version - sample.policy_version > self.max_policy_lag
+        """Whether ``sample`` is past the lag bound or in a group that has a sample past it (and remember its group)."""
+        if sample.demonstration:
+            return False
+        if current_version - sample.policy_version > self.max_policy_lag:
+            if sample.group_id is not None:
+                self._stale_groups.add(sample.group_id)
+            return True
+        return sample.group_id is not None and sample.group_id in self._stale_groups
 
     def _fits(self) -> int:
         """How many queued samples, from the front, fit one batch (at least one, however long it is).

@@ -163,6 +163,27 @@ def test_the_count_never_splits_a_group_across_steps():
     assert [s.transition_id for s in b.take(0).samples] == ["h1"]
 
 
+def test_a_group_with_a_stale_sample_is_dropped_whole():
+    b = batcher(batch_transitions=8)
+    b.offer(sample("g-fresh", version=2, advantage=-0.6, group="g"), current_version=2, now=0)
+    b.offer(sample("h1", version=2, group="h"), current_version=2, now=0)
+    b.offer(sample("h2", version=2, advantage=-1.0, group="h"), current_version=2, now=0)
+    assert not b.offer(sample("g-old", version=1, advantage=1.7, group="g"), current_version=4, now=0)  # lag 3
+    assert not b.offer(sample("g-late", version=2, advantage=-0.6, group="g"), current_version=4, now=0)
+    batch = b.take(current_version=4)
+    assert [s.transition_id for s in batch.samples] == ["h1", "h2"]  # g's fresh ones went with its stale one
+    assert batch.counts.stale == 3
+
+
+def test_a_stale_sample_takes_its_groups_earlier_ones_in_the_same_batch():
+    b = batcher(batch_transitions=8)
+    for name, version in (("g1", 3), ("g2", 3), ("g3", 2)):  # a rollout's calls spanned a hot swap
+        b.offer(sample(name, version=version, group="g"), current_version=3, now=0)
+    b.offer(sample("u", version=3), current_version=3, now=0)  # no group: judged alone
+    batch = b.take(current_version=5)  # g3's lag is 3
+    assert [s.transition_id for s in batch.samples] == ["u"] and batch.counts.stale == 3
+
+
 def test_a_transition_record_names_its_group():
     assert Sample.from_record(record(group_id="g-7")).group_id == "g-7"
     assert Sample.from_record(record()).group_id is None
