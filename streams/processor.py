@@ -367,18 +367,17 @@ class SpanProcessor(Stage[SpanBatch]):
         transitions = Transitions()
         drafts, datums = transitions.drafts, transitions.datums
         for trajectory, credits, rule, samples in finished:
-            if credits is not None:
-                group = trajectory.group_id or None
+            if credits is not None:  # credited alone: no group the advantage was centred on (the rollout row has it)
                 if samples is None:
                     for credit in credits:
                         pending = draft_of(trajectory, rule, credit.call, credit.step_index)
                         drafts.append(pending)
-                        datums.append(pending.complete(credit.reward, credit.return_value, credit.advantage, group,
+                        datums.append(pending.complete(credit.reward, credit.return_value, credit.advantage, None,
                                                        created))
                     continue
                 for pending, credit in zip(samples.drafts, samples.credits, strict=True):  # each sample's first call's
                     drafts.append(pending)
-                    datums.append(pending.complete(credit.reward, credit.return_value, credit.advantage, group,
+                    datums.append(pending.complete(credit.reward, credit.return_value, credit.advantage, None,
                                                    created))
                 continue
             self.counters.group_results += 1

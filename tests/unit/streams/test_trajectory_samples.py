@@ -238,8 +238,18 @@ def test_a_grpo_group_at_trajectory_level_credits_the_merged_samples():
     samples = [decode(datum) for datum in sink.queue.get_nowait().transitions]
     assert [(s["rollout_id"], s["merged_calls"], s["split_at_break"], round(s["advantage"], 4)) for s in samples] == [
         ("r", 2, False, 1.0), ("r", 1, True, 1.0), ("r2", 2, False, -1.0), ("r2", 1, True, -1.0)]
+    assert {s["group_id"] for s in samples} == {"g"}  # the trainer keeps a group's samples in one step
     assert samples[0]["response_token_ids"] == [3, 4, 40, 41, 5] and samples[0]["loss_mask"] == [True, True, False,
                                                                                                   False, True]
+
+
+def test_a_rollout_credited_alone_names_no_group_in_its_transitions():
+    for level in ("trajectory", "transition"):
+        spans = processor(CreditRule(strategy="final", level=level))
+        finished: list = []
+        spans._decide(rollout([*three_calls(), reward()], group="session-7"), finished, 0.0)
+        datums = asyncio.run(spans._emit_transitions(finished))
+        assert datums and {decode(datum)["group_id"] for datum in datums} == {None}
 
 
 def test_a_call_whose_token_bytes_lie_about_their_count_makes_no_sample_and_is_logged(caplog):
