@@ -269,6 +269,7 @@ class Batcher:
                 self._skip(sample)
                 return False
             sample = supervised(sample)
+        self._mark_stale_groups((sample,), current_version)
         if self._stale(sample, current_version):
             self.counts.stale += 1
             return False
@@ -314,8 +315,7 @@ class Batcher:
         samples: list[Sample] = []
         room = self.batch_transitions
         taken = [self._queue.popleft() for _ in range(self._fits())]
-        for _, sample, _ in taken:  # a stale sample anywhere in the batch takes its group's earlier ones too
-            self._stale(sample, current_version)
+        self._mark_stale_groups((sample for _, sample, _ in taken), current_version)  # before any is judged
         for _, sample, skipped in taken:
             room -= 1 + (skipped if self.count_skipped else 0)
             self._queued.discard(sample.transition_id)
@@ -335,15 +335,21 @@ class Batcher:
         counts, self.counts = self.counts, Counts()
         return Batch(samples, current_version, counts)
 
+    def _past_bound(self, sample: Sample, current_version: int) -> bool:
+        return not sample.demonstration and current_version - sample.policy_version > self.max_policy_lag
+
+    def _mark_stale_groups(self, samples: Iterable[Sample], current_version: int) -> None:
+        """Remember the groups of the ``samples`` past the lag bound: the rest of each group is stale with them."""
+        for sample in samples:
+            if sample.group_id is not None and self._past_bound(sample, current_version):
+                self._stale_groups.add(sample.group_id)
+
     def _stale(self, sample: Sample, current_version: int) -> bool:
-        """Whether ``sample`` is past the lag bound or in a group that has a sample past it (and remember its group)."""
+        """Whether ``sample`` is past the lag bound or in a group with a sample past it (``_mark_stale_groups``)."""
         if sample.demonstration:
             return False
-        if current_version - sample.policy_version > self.max_policy_lag:
-            if sample.group_id is not None:
-                self._stale_groups.add(sample.group_id)
-            return True
-        return sample.group_id is not None and sample.group_id in self._stale_groups
+        return self._past_bound(sample, current_version) or (
+            sample.group_id is not None and sample.group_id in self._stale_groups)
 
     def _fits(self) -> int:
         """How many queued samples, from the front, fit one batch (at least one, however long it is).
