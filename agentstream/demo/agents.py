@@ -29,7 +29,8 @@ class DemoAgent:
     other agents (``agentstream demo --agents``).
     Train rollouts sample at ``temperature`` (the trainer's too); held-out success is measured at
     ``eval_temperature`` (0: greedy) with ``eval_samples`` rollouts per task. ``demonstrations`` is how
-    many its warm start sends (unless ``[demo] warm_start_demonstrations`` says). ``framework`` names what the
+    many its warm start sends (unless ``[demo] warm_start_demonstrations`` says), ``adapter_demonstrations`` how many
+    when it trains into an adapter beside other agents (:func:`as_adapter`; 0: as many). ``framework`` names what the
     agent is written on (:func:`on_framework`): its runners and its evaluations run that ``entry``.
     """
 
@@ -48,6 +49,7 @@ class DemoAgent:
     eval_samples: int = 1
     framework: str = "openai"
     demonstrations: int = 128
+    adapter_demonstrations: int = 0
     adapter_lr: float = 5e-4
 
     @property
@@ -84,12 +86,26 @@ AGENTS = {
                             temperature=0.5, eval_temperature=0.5, eval_samples=2,
                             # at 5e-4 (the arithmetic agent's), its adapter's RL fell from 80% to 60%: it learnt to
                             # answer without the tool; at 2e-4 it rose 20-28 points over its warm start
-                            adapter_lr=2e-4),
+                            adapter_lr=2e-4,
+                            # 128 make 4 full steps, which left its adapter at 0% (5-6 steps left it at 30-52%)
+                            adapter_demonstrations=192),
     "word-problems": DemoAgent("word-problems", "agentstream.examples.word_problems:solve", word_problems,
                                "trajectory", True,
                                "word problems with a calculator tool, half their kinds demonstrated",
                                micro_batch_tokens=2048, temperature=0.5, demonstrations=224),
 }
+
+
+def as_adapter(agent: DemoAgent) -> DemoAgent:
+    """The agent as it trains into a LoRA adapter (``agentstream demo --agents``): its warm start sends
+    ``adapter_demonstrations`` where it names a number.
+
+    An adapter at its learning rate moves less per step than the whole model at the one-agent demo's, so it
+    may need more of the warm start's steps (one per ``samples_per_step`` demonstrations).
+    """
+    if not agent.adapter_demonstrations:
+        return agent
+    return replace(agent, demonstrations=agent.adapter_demonstrations)
 
 
 def on_framework(agent: DemoAgent, framework: str) -> DemoAgent:

@@ -25,7 +25,7 @@ from pathlib import Path
 from rich.console import Console
 
 from agentstream.console import product_console
-from agentstream.demo.agents import AGENTS, DemoAgent
+from agentstream.demo.agents import AGENTS, DemoAgent, as_adapter
 from agentstream.demo.online import ALL_LINEAR
 from agentstream.demo.results import Evaluation
 from agentstream.demo.training import (
@@ -252,7 +252,7 @@ async def _rl(session: TrainingSession, config: Config, paced: list[tuple[Learne
 def run_several(config: Config, agents: list[str], console: Console | None = None) -> SeveralReport:
     """Train ``agents`` (names of :data:`AGENTS`) at once on one base model; returns (and writes) the report."""
     config.demo.check_warm_start_source(several=True)
-    chosen = [AGENTS[name] for name in agents]
+    chosen = [as_adapter(AGENTS[name]) for name in agents]
     console = console or product_console()
     started = time.monotonic()
     run_id, workdir = new_run(config)
