@@ -45,6 +45,7 @@ class DemoReport:
     warm_start_seconds: float | None = None  # on the machine that made it, when it was saved by an earlier run
     warm_start_from: str = ""  # the folder of a warm start saved by an earlier run, this run's start
     budget: str = ""  # RL's: seconds, or optimizer steps (demo.steps)
+    stalled: bool = False  # a budget in steps ended unspent: no new version for [demo] stall_limit_s
     evaluation_seconds: float = 0.0  # held-out evaluations during RL (off its clock)
     llm_calls_per_rollout: float | None = None  # train rollouts of the last policy versions
     heldout_llm_calls_per_rollout: float | None = None  # the last held-out evaluation's rollouts
@@ -110,6 +111,8 @@ def write_markdown(path: Path, report: DemoReport) -> None:
               f"{report.budget or 'its seconds'}; {report.evaluation_seconds:.0f} s of held-out evaluations during "
               f"it were off its clock, {report.seconds:.0f} s in all); {report.rollouts} train rollouts, "
               f"{report.spans} spans"),
+             *([f"- {phase} ended before its budget was spent: no new policy version for the demo's stall_limit_s"]
+               if report.stalled else []),
              f"- time to {report.target:.0%} held-out: {reached}",
              *([f"- machine: {report.machine['cpu_model']}, {report.machine['cores']} cores; calibration "
                 f"python_loop_s {report.machine['python_loop_s']}, numpy_matmul_s {report.machine['numpy_matmul_s']}"]

@@ -9,6 +9,7 @@ from __future__ import annotations
 
 from dataclasses import dataclass
 
+from agentstream.demo.clock import StallWatch
 from agentstream.examples import CALCULATOR_FRAMEWORKS
 from agentstream.infra.config import Checks, add_section
 
@@ -26,7 +27,8 @@ class DemoConfig:
     ``seconds`` is RL's budget (``quick_seconds`` when ``quick``, i.e. ``DEMO_QUICK=1``), unless
     ``steps`` > 0 sets it in optimizer steps (policy versions past where RL starts): every machine then
     trains as much, and a slower one takes longer to (a budget in seconds gave a machine three times
-    slower a third of the steps);
+    slower a third of the steps), and ends early where no new version comes for ``stall_limit_s`` of RL's clock
+    (every group flat: nothing to train), which the report says;
     held-out greedy accuracy is measured before, every ``eval_every_s`` and after, each evaluation
     off RL's clock (a slower machine's evaluations do not eat its training). ``concurrency``
     rollouts run at once (``prompts_per_wave`` GRPO groups of ``group_size``). ``target`` is the
@@ -77,6 +79,7 @@ class DemoConfig:
     seconds: float = 900.0
     quick_seconds: float = 240.0
     steps: int = 0
+    stall_limit_s: float = 900.0  # 4-10x the longest step the slow EPYC made (80-170 s, and a wave to sample)
     eval_every_s: float = 180.0
     group_size: int = 8
     prompts_per_wave: int = 4
@@ -127,6 +130,10 @@ class DemoConfig:
         """Whether RL has spent its budget, ``seconds`` on its clock and ``steps`` policy versions in."""
         return steps >= self.steps if self.steps else seconds >= self.training_seconds
 
+    def stall_watch(self) -> StallWatch:
+        """What ends a budget in steps that no version moves any more (a budget in seconds ends on its own)."""
+        return StallWatch(self.stall_limit_s if self.steps else None)
+
     def check_warm_start_source(self, several: bool = False) -> None:
         """Refuse warm-start settings the run would ignore: they are set apart (a file, then a flag), so checked here.
 
@@ -145,6 +152,7 @@ class DemoConfig:
         check.above("seconds", 0)
         check.above("quick_seconds", 0)
         check.at_least("steps", 0)
+        check.above("stall_limit_s", 0)
         check.above("eval_every_s", 0)
         check.at_least("group_size", 2)
         check.at_least("max_policy_lag", 0)

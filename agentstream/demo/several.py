@@ -26,13 +26,13 @@ from rich.console import Console
 
 from agentstream.console import product_console
 from agentstream.demo.agents import AGENTS, DemoAgent, as_adapter
+from agentstream.demo.clock import StallWatch, TrainingClock
 from agentstream.demo.online import ALL_LINEAR
 from agentstream.demo.results import Evaluation
 from agentstream.demo.training import (
     PACE_EVERY_S,
     SNAPSHOT_EVERY_S,
     Dashboard,
-    TrainingClock,
     demo_config,
     evaluate,
     fresh_database,
@@ -107,6 +107,7 @@ class Learner:
     heldout: list[dict]
     served: Callable[[], int]
     dashboard: Dashboard
+    stall: StallWatch
     numbers: dict = field(default_factory=dict)
 
     async def evaluate(self, session: TrainingSession, at: float) -> Evaluation:
@@ -130,6 +131,7 @@ class AgentResult:
     train_steps: int
     rollouts: int
     wrong_adapter_calls: int
+    stalled: bool  # its budget in steps ended unspent: no new version for [demo] stall_limit_s
     evaluations: list[Evaluation]
     reward_per_version: list[dict]
 
@@ -201,9 +203,9 @@ async def _rl(session: TrainingSession, config: Config, paced: list[tuple[Learne
     the held-out evaluations of all agents at once every ``eval_every_s`` (off the clock); returns the peak RSS
     of the model server.
 
-    An agent whose budget is spent gets no more waves and its trainer stops, as it would alone: with
-    ``--steps 5`` the arithmetic agent's trainer went on to 7 steps on the waves already out while the
-    calculator agent finished.
+    An agent whose budget is spent (or whose versions stall: :class:`StallWatch`) gets no more waves and its
+    trainer stops, as it would alone: with ``--steps 5`` the arithmetic agent's trainer went on to 7 steps on
+    the waves already out while the calculator agent finished.
     """
     demo = config.demo
     learners = [learner for learner, _ in paced]
@@ -212,9 +214,12 @@ async def _rl(session: TrainingSession, config: Config, paced: list[tuple[Learne
     last_snapshot = last_line = 0.0
     while True:
         held = [await asyncio.to_thread(learner.served) for learner in learners]
-        going = [not demo.spent(clock.elapsed(), now - start) for now, start in zip(held, starts, strict=True)]
+        going = [not demo.spent(clock.elapsed(), now - start) and not learner.stall.check(now, clock.elapsed())
+                 for learner, now, start in zip(learners, held, starts, strict=True)]
         for learner, open_ in zip(learners, going, strict=True):
             if not open_ and f"trainer-{learner.agent.name}" in session.children:
+                if learner.stall.stalled:
+                    console.print(f"[yellow]{learner.agent.name}: RL ended early: {learner.stall.describe()}[/yellow]")
                 await asyncio.to_thread(session.retire, f"trainer-{learner.agent.name}")
         if not any(going):
             break
@@ -284,7 +289,8 @@ def run_several(config: Config, agents: list[str], console: Console | None = Non
         for agent, model in zip(chosen, models, strict=True):
             train, heldout = agent.module.split(heldout=config.demo.heldout_tasks)
             learners.append(Learner(agent, model, train, heldout, partial(adapter_version, session.server_url, model),
-                                    Dashboard(client, console, config.demo.budget, agent, model)))
+                                    Dashboard(client, console, config.demo.budget, agent, model),
+                                    config.demo.stall_watch()))
         publisher = SpanPublisher(config, endpoints.bootstrap_servers, journal_dir=workdir / "journal").start()
         set_sink(publisher)
         try:
@@ -302,7 +308,7 @@ def run_several(config: Config, agents: list[str], console: Console | None = Non
                 learner.agent.name, learner.model, adapter_lr(config, learner.agent), evaluations[0].accuracy,
                 evaluations[1].accuracy if learner.agent.warm_start else None, evaluations[-1].accuracy,
                 numbers["version"], numbers["steps"], numbers["rollouts"],
-                wrong_adapter_calls(client, learner.agent, learner.model), evaluations,
+                wrong_adapter_calls(client, learner.agent, learner.model), learner.stall.stalled, evaluations,
                 learner.dashboard.reward_per_version()))
         report = SeveralReport(results, round(clock.elapsed(), 1), round(time.monotonic() - started, 1),
                                round(base_rss, 1), round(peak, 1), machine.as_dict())
@@ -314,7 +320,8 @@ def run_several(config: Config, agents: list[str], console: Console | None = Non
         warmed = f" -> {result.heldout_warm_start:.1%} warm" if result.heldout_warm_start is not None else ""
         console.print(f"{result.agent}: held-out {result.heldout_before:.1%}{warmed} -> {result.heldout_after:.1%} "
                       f"over {result.policy_versions} versions of {result.model}; {result.wrong_adapter_calls} calls "
-                      "answered by another agent's adapter")
+                      "answered by another agent's adapter"
+                      + ("; RL ended early, its versions stalled" if result.stalled else ""))
     console.print(f"model server: {report.server_rss_mb_base:.0f} MB before any adapter, "
                   f"{report.server_rss_mb_peak:.0f} MB at most; {report.training_seconds:.0f} s of RL, "
                   f"{report.seconds:.0f} s in all; wrote {REPORT_PATH}")

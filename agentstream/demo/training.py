@@ -38,6 +38,7 @@ from rich.table import Table
 from agentstream.console import product_console
 from agentstream.dashboard.server import start_beside
 from agentstream.demo.agents import AGENTS, DemoAgent, on_framework
+from agentstream.demo.clock import StallWatch, TrainingClock
 from agentstream.demo.results import DemoReport, Evaluation, Snapshot, write_markdown, write_plot
 from agentstream.demo.warm_start import FOLDER as WARM_START_FOLDER
 from agentstream.demo.warm_start import (
@@ -146,34 +147,6 @@ def server_version(server_url: str) -> int:
     """The policy version the model server holds now (every response carries it)."""
     with urllib.request.urlopen(server_url + "/health", timeout=10) as response:
         return int(response.headers[POLICY_VERSION_HEADER])
-
-
-class TrainingClock:
-    """RL's seconds: wall time since RL started, less the held-out evaluations run meanwhile.
-
-    Evaluations are kept off the clock so that on a slower machine they do not eat the training
-    budget: ``--seconds`` is what RL gets, whatever the machine.
-    """
-
-    def __init__(self) -> None:
-        self.started = time.monotonic()
-        self.paused = 0.0  # seconds held, evaluations included
-        self._held_since: float | None = None
-
-    def elapsed(self) -> float:
-        now = time.monotonic()
-        holding = now - self._held_since if self._held_since is not None else 0.0
-        return now - self.started - self.paused - holding
-
-    def hold(self) -> None:
-        """Stop the clock (an evaluation starts)."""
-        self._held_since = time.monotonic()
-
-    def release(self) -> None:
-        """Start it again where it stopped."""
-        if self._held_since is not None:
-            self.paused += time.monotonic() - self._held_since
-            self._held_since = None
 
 
 async def evaluate(agent: DemoAgent, tasks: list[dict], proxy_url: str, proxy_key: str | None,
@@ -325,9 +298,10 @@ def warm_start_settings(config: Config, agent: DemoAgent) -> WarmStartSettings:
 
 async def train_and_watch(session: TrainingSession, config: Config, endpoints, client, console: Console,
                           snapshots: Path | None, agent: DemoAgent = AGENTS["arithmetic"],
-                          warm: WarmStartPlan | None = None,
+                          warm: WarmStartPlan | None = None, stall: StallWatch | None = None,
                           ) -> tuple[list[Evaluation], list[Snapshot], TrainingClock, float | None]:
-    """Enqueue the train tasks, run RL until its time is up (or the target is reached), evaluating as it goes.
+    """Enqueue the train tasks, run RL until its time is up (or the target is reached, or ``stall`` says no
+    version comes any more), evaluating as it goes.
 
     An agent with a warm start (``warm``) trains on its demonstrations first, or starts from a saved
     warm start (installed in the trainer's store) once the server holds it, and is evaluated after it;
@@ -337,6 +311,7 @@ async def train_and_watch(session: TrainingSession, config: Config, endpoints, c
     warm start's seconds (None without one).
     """
     demo = config.demo
+    stall = stall or demo.stall_watch()
     saved = warm.saved if warm else None
     train, heldout = agent.module.split(heldout=demo.heldout_tasks)
     warm_seconds: float | None = None
@@ -396,6 +371,9 @@ async def train_and_watch(session: TrainingSession, config: Config, endpoints, c
                             console.print(dashboard.line(elapsed, numbers, per_version))
                             last_line = time.monotonic()
                     held = await asyncio.to_thread(served)
+                    if stall.check(held, clock.elapsed()):
+                        console.print(f"[yellow]RL ended early: {stall.describe()}[/yellow]")
+                        break
                     await queue.top_up(held, numbers.get("rollouts", 0), time.monotonic())
                     if pending is not None and pending.done():
                         clock.release()
@@ -487,8 +465,9 @@ def run_demo(config: Config, console: Console | None = None, snapshots: Path | N
         session.start(progress=console.print)
         if snapshots is not None:
             snapshots.mkdir(parents=True, exist_ok=True)
+        stall = demo.stall_watch()
         evaluations, taken, clock, warm_seconds = asyncio.run(
-            train_and_watch(session, config, endpoints, client, console, snapshots, agent, warm))
+            train_and_watch(session, config, endpoints, client, console, snapshots, agent, warm, stall))
         if config.tracking.mlflow_uri:  # into the trainer's run, beside its per-step metrics
             console.print(record_evaluations(config.tracking, config.trainer.checkpoint_dir,
                                              [(e.policy_version, e.accuracy) for e in evaluations]))
@@ -512,7 +491,8 @@ def run_demo(config: Config, console: Console | None = None, snapshots: Path | N
             train_tokens_per_s=round(tokens / step_seconds, 1) if step_seconds else None,
             heldout_before=evaluations[0].accuracy, heldout_after=evaluations[-1].accuracy,
             policy_versions=numbers["version"], seconds=round(time.monotonic() - started, 1),
-            training_seconds=round(clock.elapsed(), 1), budget=demo.budget, evaluation_seconds=round(clock.paused, 1),
+            training_seconds=round(clock.elapsed(), 1), budget=demo.budget, stalled=stall.stalled,
+            evaluation_seconds=round(clock.paused, 1),
             time_to_target_s=min(reached) if reached else None,
             target=demo.target, evaluations=evaluations, reward_per_version=per_version,
             rollouts=numbers["rollouts"], spans=numbers["spans"], train_steps=numbers["steps"], quick=demo.quick,

@@ -11,7 +11,8 @@ from click.testing import CliRunner
 from agentstream.cli import main
 from agentstream.demo import DemoConfig
 from agentstream.demo.agents import AGENTS, on_framework
-from agentstream.demo.training import TrainingClock, demo_config
+from agentstream.demo.clock import TrainingClock
+from agentstream.demo.training import demo_config
 from agentstream.examples import calculator_agent, calculator_langgraph
 from agentstream.infra.config import ConfigError, load_config
 from agentstream.trainer.batching import Batcher, Sample, SeenIds
@@ -99,6 +100,18 @@ def test_rls_budget_is_seconds_on_its_clock_or_else_steps_past_where_rl_started(
     assert (stepped.budget, stepped.spent(10_000.0, 23), stepped.spent(0.0, 24)) == ("24 optimizer steps", False, True)
     with pytest.raises(ConfigError, match="steps"):
         DemoConfig(steps=-1)
+
+
+def test_a_budget_in_steps_ends_when_no_new_version_comes_for_the_stall_limit_of_rls_clock():
+    watch = DemoConfig(steps=5, stall_limit_s=900.0).stall_watch()
+    assert not watch.check(4, 0.0) and not watch.check(4, 899.0)
+    assert not watch.check(5, 900.0) and not watch.check(5, 1799.0)  # a new version starts the wait again
+    assert watch.check(5, 1800.0) and watch.stalled and "for 900 s of RL (v5 since 900 s)" in watch.describe()
+    assert watch.check(6, 1801.0)  # once ended, RL stays ended
+    timed = DemoConfig(seconds=600.0, stall_limit_s=900.0).stall_watch()
+    assert not timed.check(0, 10_000.0) and not timed.stalled  # a budget in seconds ends on its own
+    with pytest.raises(ConfigError, match="stall_limit_s"):
+        DemoConfig(stall_limit_s=0.0)
 
 
 def test_the_demo_takes_a_budget_in_steps_or_in_seconds_not_both():
