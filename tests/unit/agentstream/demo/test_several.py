@@ -14,7 +14,7 @@ from click.testing import CliRunner
 
 from agentstream.cli import main
 from agentstream.demo import agents as demo_agents
-from agentstream.demo.agents import AGENTS, solve_named
+from agentstream.demo.agents import AGENTS, as_adapter, solve_named
 from agentstream.demo.online import ALL_LINEAR
 from agentstream.demo.several import adapter_version, model_of, several_config, trainer_config
 from agentstream.demo.training import demo_config, waves
@@ -49,6 +49,13 @@ def test_each_agent_has_its_own_trainer_adapter_and_checkpoints_at_its_own_batch
     assert (arithmetic.lr, calculator.lr) == (5e-4, 2e-4)  # each its own, where [demo] adapter_lr is 0
     one_rate = several_config(replace(config, demo=replace(config.demo, adapter_lr=3e-4)), "r", tmp_path, chosen)
     assert {trainer_config(one_rate, "r", tmp_path, agent).trainer.lr for agent in chosen} == {3e-4}
+
+
+def test_an_agent_trained_into_an_adapter_sends_its_adapter_demonstrations_else_its_own():
+    calculator = AGENTS["calculator"]
+    assert as_adapter(calculator).demonstrations == calculator.adapter_demonstrations != calculator.demonstrations
+    assert replace(as_adapter(calculator), demonstrations=calculator.demonstrations) == calculator  # nothing else
+    assert as_adapter(AGENTS["arithmetic"]) is AGENTS["arithmetic"]  # no number of its own: as many as alone
 
 
 def test_each_wave_names_its_agent_and_the_model_it_trains():
