@@ -298,7 +298,7 @@ def warm_start_settings(config: Config, agent: DemoAgent) -> WarmStartSettings:
 
 async def train_and_watch(session: TrainingSession, config: Config, endpoints, client, console: Console,
                           snapshots: Path | None, agent: DemoAgent = AGENTS["arithmetic"],
-                          warm: WarmStartPlan | None = None, stall: StallWatch | None = None,
+                          warm: WarmStartPlan | None = None, *, stall: StallWatch,
                           ) -> tuple[list[Evaluation], list[Snapshot], TrainingClock, float | None]:
     """Enqueue the train tasks, run RL until its time is up (or the target is reached, or ``stall`` says no
     version comes any more), evaluating as it goes.
@@ -311,7 +311,6 @@ async def train_and_watch(session: TrainingSession, config: Config, endpoints, c
     warm start's seconds (None without one).
     """
     demo = config.demo
-    stall = stall or demo.stall_watch()
     saved = warm.saved if warm else None
     train, heldout = agent.module.split(heldout=demo.heldout_tasks)
     warm_seconds: float | None = None
@@ -467,7 +466,7 @@ def run_demo(config: Config, console: Console | None = None, snapshots: Path | N
             snapshots.mkdir(parents=True, exist_ok=True)
         stall = demo.stall_watch()
         evaluations, taken, clock, warm_seconds = asyncio.run(
-            train_and_watch(session, config, endpoints, client, console, snapshots, agent, warm, stall))
+            train_and_watch(session, config, endpoints, client, console, snapshots, agent, warm, stall=stall))
         if config.tracking.mlflow_uri:  # into the trainer's run, beside its per-step metrics
             console.print(record_evaluations(config.tracking, config.trainer.checkpoint_dir,
                                              [(e.policy_version, e.accuracy) for e in evaluations]))
