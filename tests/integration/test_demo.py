@@ -3,6 +3,8 @@
 from __future__ import annotations
 
 import json
+import os
+import signal
 import subprocess
 import sys
 from pathlib import Path
@@ -13,6 +15,9 @@ from mlflow.tracking import MlflowClient
 from agentstream.demo.training import EXPLORE_COMMAND
 from tests.conftest import stack_environment
 from tests.support.wandb_offline import read_offline_run
+
+STOP_GRACE_S = 45.0
+"""How long a demo past its time has to stop its stack after SIGTERM (each test's own limit leaves room for it)."""
 
 
 def flat(out: str) -> str:
@@ -32,14 +37,40 @@ def processes_mentioning(text: str) -> list[int]:
     return found
 
 
+def run_demo(args: list[str], env: dict[str, str], cwd: Path, home: Path,
+             timeout_s: float) -> subprocess.CompletedProcess:
+    """``agentstream demo ARGS`` to its end; past ``timeout_s`` it is asked to stop (SIGTERM: it stops what it
+    started), and whatever of its stack outlives that is killed, so a slow run fails alone instead of leaving
+    a model server and a trainer to starve the tests after it (its children run in sessions of their own)."""
+    demo = subprocess.Popen([sys.executable, "-m", "agentstream", "demo", *args], env=env, cwd=cwd,
+                            stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True)
+    try:
+        out, err = demo.communicate(timeout=timeout_s)
+    except subprocess.TimeoutExpired:
+        demo.send_signal(signal.SIGTERM)
+        try:
+            out, err = demo.communicate(timeout=STOP_GRACE_S)
+        except subprocess.TimeoutExpired:
+            demo.kill()
+            out, err = demo.communicate()
+        left = processes_mentioning(str(home))
+        for pid in left:
+            try:
+                os.kill(pid, signal.SIGKILL)
+            except ProcessLookupError:
+                pass
+        pytest.fail(f"the demo ran past {timeout_s:.0f} s (stopped; {len(left)} of its processes killed after)\n"
+                    f"{out[-4000:]}{err[-4000:]}")
+    return subprocess.CompletedProcess(demo.args, demo.returncode, out, err)
+
+
 @pytest.mark.timeout(600)
 def test_the_demo_trains_evaluates_reports_and_stops_everything(tmp_path, monkeypatch):
     home = tmp_path / "home"
     env = {**stack_environment(home), "COLUMNS": "40"}  # a narrow terminal's width, with the output a pipe
     (tmp_path / "agentstream.toml").write_text('[demo]\neval_every_s = 25\n[tracking]\nmlflow_uri = "file:./mlruns"\n'
                                                'wandb_mode = "offline"\nwandb_dir = "wandb-runs"\n')
-    result = subprocess.run([sys.executable, "-m", "agentstream", "demo", "--seconds", "45"], env=env, cwd=tmp_path,
-                            capture_output=True, text=True, timeout=540)
+    result = run_demo(["--seconds", "45"], env, tmp_path, home, timeout_s=540)
     assert result.returncode == 0, result.stdout[-4000:] + result.stderr[-4000:]
     lines = result.stdout.splitlines()
     assert f"explore the run: {EXPLORE_COMMAND}" in lines, "the command to paste is printed whole, on one line"
@@ -99,9 +130,8 @@ def test_the_calculator_demo_on_the_agents_sdk_warm_starts_then_trains_multi_ste
     env = stack_environment(home)
     (tmp_path / "agentstream.toml").write_text("[demo]\neval_every_s = 600\nheldout_tasks = 8\n"
                                                "warm_start_demonstrations = 32\n")
-    result = subprocess.run([sys.executable, "-m", "agentstream", "demo", "--agent", "calculator", "--framework",
-                             "agents-sdk", "--seconds", "90"],
-                            env=env, cwd=tmp_path, capture_output=True, text=True, timeout=720)
+    result = run_demo(["--agent", "calculator", "--framework", "agents-sdk", "--seconds", "90"], env, tmp_path, home,
+                      timeout_s=720)
     assert result.returncode == 0, result.stdout[-4000:] + result.stderr[-4000:]
     out = flat(result.stdout)
     assert "calculator on agents-sdk" in out and "calculator_agents_sdk:solve" in out
@@ -132,8 +162,7 @@ def test_the_online_demo_serves_users_gates_a_candidate_reports_and_stops_everyt
     (tmp_path / "agentstream.toml").write_text(
         "[demo]\nonline_batch = 8\nonline_steps_per_checkpoint = 1\nonline_eval_tasks = 8\nonline_rate = 1.0\n"
         "online_feedback_max_delay_s = 10\n")
-    result = subprocess.run([sys.executable, "-m", "agentstream", "demo", "--online", "--seconds", "150"], env=env,
-                            cwd=tmp_path, capture_output=True, text=True, timeout=540)
+    result = run_demo(["--online", "--seconds", "150"], env, tmp_path, home, timeout_s=540)
     assert result.returncode == 0, result.stdout[-4000:] + result.stderr[-4000:]
     out = flat(result.stdout)
     assert "requests (0 failed), last minute" in out and "live success" in out
