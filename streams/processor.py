@@ -32,7 +32,7 @@ import hashlib
 import logging
 import time
 from collections.abc import Callable
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 from typing import Any, NamedTuple
 
 from agentstream.infra.config import Config, CreditRule
@@ -44,7 +44,7 @@ from agentstream.schemas.span_reader import MalformedSpan, SpanReader
 from agentstream.schemas.transition_writer import Draft, draft
 from agentstream.streams.clickhouse_io import RejectedData, Warehouse
 from agentstream.streams.credit import Credit, NonFiniteCredit, matching_rule, strategy_for
-from agentstream.streams.lifecycle import OpenRollout, RolloutTracker
+from agentstream.streams.lifecycle import TERMINAL, OpenRollout, RolloutTracker
 from agentstream.streams.records import RawRecord, sort_records
 from agentstream.streams.sink import ROLLOUT_COLUMNS, Completion, CompletionSink, RolloutRow
 from agentstream.streams.stage import Emitter, Holder, Stage, Transitions, now_us
@@ -110,6 +110,14 @@ class Awaiting:
         return self.row.attempt_id
 
 
+@dataclass
+class Recheck:
+    """What came for a waiting rollout since it was written: its new spans, and how it ended if its end came late."""
+
+    spans: list[SpanNode] = field(default_factory=list)
+    status: str = "SUCCEEDED"
+
+
 def utc(us: int) -> datetime.datetime:
     return datetime.datetime.fromtimestamp(us / 1e6, tz=datetime.UTC)
 
@@ -145,7 +153,7 @@ class SpanProcessor(Stage[SpanBatch]):
         # expired rollouts and when they closed: a reward after expiry does not revive them, for as long as
         # restore() would find them again (CLOSED_HORIZON expiries); then they are forgotten, so this stays bounded
         self.closed: dict[str, float] = {}
-        self.recheck: dict[str, list[SpanNode]] = {}  # awaiting rollouts that got new spans, and those spans
+        self.recheck: dict[str, Recheck] = {}  # awaiting rollouts that got new spans or their end meanwhile
         self.next_expiry_s = float("inf")  # no waiting rollout expires before this
         self.readers: dict[int, SpanReader[SpanNode]] = {}
         self.groups_topic = topic_name(config.topics, "streams.groups")
@@ -201,16 +209,24 @@ class SpanProcessor(Stage[SpanBatch]):
             rollout_id = record.key.decode("utf-8", "replace")  # type: ignore[union-attr]
             self.counters.spans_records += 1
             if rollout_id in self.awaiting:
-                self.recheck.setdefault(rollout_id, []).extend(payload)
+                self.recheck.setdefault(rollout_id, Recheck()).spans.extend(payload)
             elif rollout_id not in self.closed and self.tracker.on_spans(rollout_id, record, now, payload):
                 self.holder.hold(record)
 
     def _apply_event(self, record: RawRecord, event: RolloutEventRecord, now: float) -> None:
         self.counters.events += 1
-        if event["rollout_id"] in self.closed:
+        rollout_id, kind = event["rollout_id"], event["event"]
+        if rollout_id in self.closed:
             return
-        self.awaiting.pop(event["rollout_id"], None)  # a new attempt supersedes the wait
-        self.recheck.pop(event["rollout_id"], None)
+        if kind == "HEARTBEAT" and rollout_id not in self.tracker.open:
+            return  # it keeps an open rollout alive; alone it opens none (one may trail its rollout's end)
+        waiting = self.awaiting.get(rollout_id)
+        if waiting is not None and kind in TERMINAL and event["attempt_id"] == waiting.attempt_id:
+            # the end of the attempt that waits, later than the silence that closed it: look again, as it ended
+            self.recheck.setdefault(rollout_id, Recheck()).status = kind
+            return
+        self.awaiting.pop(rollout_id, None)  # a new attempt supersedes the wait
+        self.recheck.pop(rollout_id, None)
         if self.tracker.on_event(event, record, now):
             self.holder.hold(record)
 
@@ -286,9 +302,9 @@ class SpanProcessor(Stage[SpanBatch]):
             trajectory = assemble(rollout.rollout_id, spans, self._status_of(rollout), rollout.attempt_id,
                                   rollout.error)
             rows.append(self._decide(trajectory, finished, now))
-        for rollout_id, new_spans in rechecked.items():
+        for rollout_id, came in rechecked.items():
             waiting = self.awaiting.pop(rollout_id)
-            trajectory = assemble(rollout_id, union(stored.get(rollout_id, []), new_spans), "SUCCEEDED",
+            trajectory = assemble(rollout_id, union(stored.get(rollout_id, []), came.spans), came.status,
                                   waiting.attempt_id)
             rows.append(self._decide(trajectory, finished, now))
         for rollout_id in expired:
@@ -299,7 +315,7 @@ class SpanProcessor(Stage[SpanBatch]):
         datums = await self._emit_transitions(finished)
         await self.sink.put(Completion(rows, datums, [rollout.held for rollout in due]))
 
-    def _expired(self, now: float, rechecked: dict[str, list[SpanNode]]) -> list[str]:
+    def _expired(self, now: float, rechecked: dict[str, Recheck]) -> list[str]:
         """The waiting rollouts whose wait is over; the scan runs only once the earliest expiry has come."""
         if now < self.next_expiry_s:
             return []

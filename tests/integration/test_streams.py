@@ -492,3 +492,25 @@ def test_token_ids_in_sized_blocks_reach_clickhouse_and_transitions_as_written(s
     (record,) = read_all(stack.bootstrap_servers, f"s{tag}.transitions", 4)
     (transition,) = CODEC.decode(record.value)[1]["transitions"]
     assert (transition["prompt_token_ids"], transition["response_token_ids"]) == (prompt, response)
+
+
+def test_a_rollout_silent_past_the_idle_timeout_is_written_whole_once_its_spans_come(setup, stack):
+    """A model or tool slower than ``idle_timeout_s``: the rollout's spans come after it was given up on, as its
+    STARTED event's silence ran out and again after its first call. It must end SUCCEEDED with every call and its
+    reward, as a rollout that kept time does, not as the fragments the timeouts cut."""
+    env, tag, client, workers = setup
+    db, spans_topic = f"streams_{tag}", f"s{tag}.spans"
+    workers.append(Worker(env, env_path(env) / "worker.log").start())
+    started, batch, succeeded = rollout_records("slow", agent="math", llm_at=[0, 20_000], rewards=[(30_000, 1.0)])
+    spans = CODEC.decode(batch)[1]["spans"]
+    silences = [started, CODEC.encode_span_batch(spans[:1])]  # each followed by more than idle_timeout_s of nothing
+    for record in silences:
+        asyncio.run(produce(stack.bootstrap_servers, spans_topic, [(b"slow", record)]))
+        time.sleep(2.5)
+    asyncio.run(produce(stack.bootstrap_servers, spans_topic,
+                        [(b"slow", CODEC.encode_span_batch(spans[1:])), (b"slow", succeeded)]))
+    wait_for(lambda: query(client, f"SELECT status, span_count, llm_calls, final_reward FROM {db}.rollouts FINAL "
+                                   "WHERE rollout_id = 'slow' ORDER BY updated_at DESC LIMIT 1"), 30,
+             what="the whole rollout", equals=[("SUCCEEDED", 3, 2, 1.0)])
+    assert query(client, f"SELECT span_id, reward FROM {db}.transitions FINAL ORDER BY step_index") == [
+        ("slow-llm0", 1.0), ("slow-llm1", 1.0)]
