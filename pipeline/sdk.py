@@ -100,6 +100,9 @@ _default_sink: SpanSink | None = None
 _open_rollouts: dict[str, Rollout] = {}
 _open_lock = threading.Lock()
 
+HEARTBEAT_S = 5.0
+"""How often an open rollout scope says it is alive, well inside the stream processors' ``idle_timeout_s`` (30 s)."""
+
 
 def set_sink(sink: SpanSink | None) -> None:
     """Make ``sink`` the destination of every rollout that has none of its own."""
@@ -312,18 +315,26 @@ class rollout:
     keeps it out of training (it is still captured for analytics); None (the default) lets the
     matching credit rule's ``sample_rate`` decide. ``proxy_key`` is the key its LLM calls present to
     the proxy (:meth:`Rollout.llm_api_key`).
+
+    Entered on a running event loop, it publishes a HEARTBEAT event every ``heartbeat_s`` until it
+    finishes, so a model or tool call slower than the stream processors' ``idle_timeout_s`` does not
+    read as a dead rollout. A scope entered outside any event loop sends none: keep its silences
+    under ``[streams] idle_timeout_s``.
     """
 
     def __init__(self, agent_name: str | None = None, *, rollout_id: str | None = None, attempt_id: str | None = None,
                  task_id: str | None = None, group_id: str | None = None, sink: SpanSink | None = None,
                  proxy_url: str | None = None, worker_id: str | None = None, attempt: int = 1,
-                 train: bool | None = None, proxy_key: str | None = None) -> None:
+                 train: bool | None = None, proxy_key: str | None = None,
+                 heartbeat_s: float = HEARTBEAT_S) -> None:
         rollout_id = rollout_id or new_id()
         self.state = Rollout(rollout_id, attempt_id or f"{rollout_id}-{attempt}", agent_name, task_id, group_id, sink,
                              proxy_url, root_span_id=new_id(), attempt=attempt, train=train, proxy_key=proxy_key)
         self.worker_id = worker_id
+        self.heartbeat_s = heartbeat_s
         self._token: contextvars.Token | None = None
         self._start_us = 0
+        self._heartbeat: asyncio.Task | None = None
 
     def event(self, kind: str, error: str | None = None) -> None:
         owner = self.state
@@ -338,11 +349,23 @@ class rollout:
         with _open_lock:
             _open_rollouts[self.state.attempt_id] = self.state
         self.event("STARTED")
+        try:
+            self._heartbeat = asyncio.get_running_loop().create_task(self._beat())
+        except RuntimeError:  # no event loop in this thread: nothing to beat on
+            pass
         return self.state
+
+    async def _beat(self) -> None:
+        while True:
+            await asyncio.sleep(self.heartbeat_s)
+            self.event("HEARTBEAT")
 
     def finish(self, status: str, error: str | None = None) -> None:
         """Close the root span and publish the terminal event (SUCCEEDED, FAILED, TIMED_OUT, CANCELLED)."""
         owner = self.state
+        if self._heartbeat is not None:  # before the terminal event, so no heartbeat follows it
+            self._heartbeat.cancel()
+            self._heartbeat = None
         with _open_lock:
             _open_rollouts.pop(owner.attempt_id, None)
         owner._sink().publish(build_span(owner, owner.agent_name or "rollout", "AGENT", self._start_us, now_us(),

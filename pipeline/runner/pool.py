@@ -34,7 +34,7 @@ from agentstream.pipeline.proxy.access import proxy_client_key
 from agentstream.pipeline.runner.agl import adapt_agent
 from agentstream.pipeline.runner.errors import AgentLoadError
 from agentstream.pipeline.runner.tasks import enqueue
-from agentstream.pipeline.sdk import Rollout, SpanSink, emit_exception, emit_reward, new_id, rollout
+from agentstream.pipeline.sdk import HEARTBEAT_S, Rollout, SpanSink, emit_exception, emit_reward, new_id, rollout
 from agentstream.schemas import TASK, AvroCodec, CodecError
 from agentstream.schemas.records import TaskRecord
 
@@ -80,7 +80,7 @@ class RunnerOptions:
 
     concurrency: int = 4
     group_id: str = "agentstream-runners"
-    heartbeat_s: float = 5.0
+    heartbeat_s: float = HEARTBEAT_S
     retry_on_exception: bool = True
     retry_on_timeout: bool = True
     proxy_url: str | None = None
@@ -287,10 +287,10 @@ class Runner:
             attempt_id=f"{task['rollout_id']}-a{attempt}-{new_id()[:6]}", task_id=task["task_id"],
             group_id=task.get("group_id"), sink=self.sink, proxy_url=self.options.proxy_url,
             worker_id=self.options.worker_id, attempt=attempt, proxy_key=self.proxy_key,
+            heartbeat_s=self.options.heartbeat_s,
             train=False if (task.get("metadata") or {}).get("mode") == "val" else None,  # evaluation, never trained on
         )
-        state = scope.__enter__()
-        heartbeat = asyncio.create_task(self._heartbeat(scope))
+        state = scope.__enter__()  # on this loop: it beats until it finishes
         try:
             payload = json.loads(task["input"])
             result = await asyncio.wait_for(self._call(payload, state), timeout=task["timeout_s"])
@@ -309,8 +309,6 @@ class Runner:
             self.stats.failed += 1
             if self.options.retry_on_exception:
                 await self._retry(task)
-        finally:
-            heartbeat.cancel()
 
     async def _call(self, payload: Any, state: Rollout) -> Any:
         assert not isinstance(self.agent, str)  # loaded before the first task is read
@@ -321,8 +319,3 @@ class Runner:
             return
         await enqueue(self.config, self.bootstrap_servers, [{**task, "attempt": task["attempt"] + 1}], self.codec)
         self.stats.retried += 1
-
-    async def _heartbeat(self, scope: rollout) -> None:
-        while True:
-            await asyncio.sleep(self.options.heartbeat_s)
-            scope.event("HEARTBEAT")

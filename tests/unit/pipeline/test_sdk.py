@@ -41,3 +41,27 @@ def test_a_rollouts_key_is_its_api_key_and_stays_out_of_its_repr():
     state = sdk.Rollout("r", "r-1", proxy_url="http://127.0.0.1:1", proxy_key="k-secret")
     assert state.llm_api_key() == "k-secret" and "k-secret" not in repr(state)
     assert sdk.Rollout("r", "r-1").llm_api_key() == sdk.UNUSED_API_KEY
+
+
+def test_an_async_rollout_beats_while_open_and_never_after_its_end():
+    """A model call slower than the stream processors' idle timeout must not read as a dead rollout."""
+    import asyncio
+
+    sink = ListSink()
+
+    async def handler() -> None:
+        async with rollout("agent", sink=sink, heartbeat_s=0.02):
+            await asyncio.sleep(0.15)  # a slow call
+        await asyncio.sleep(0.1)  # a beat due now must not come after the end
+
+    asyncio.run(handler())
+    kinds = [event["event"] for event in sink.events]
+    assert kinds[0] == "STARTED" and kinds[-1] == "SUCCEEDED"
+    assert set(kinds[1:-1]) == {"HEARTBEAT"} and len(kinds) - 2 >= 3
+
+
+def test_a_rollout_entered_outside_an_event_loop_sends_no_heartbeat():
+    sink = ListSink()
+    with rollout("agent", sink=sink, heartbeat_s=0.01):
+        pass
+    assert [event["event"] for event in sink.events] == ["STARTED", "SUCCEEDED"]
