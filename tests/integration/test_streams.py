@@ -11,7 +11,7 @@ import pytest
 from aiokafka import AIOKafkaConsumer, TopicPartition
 
 from agentstream.infra.clickhouse import connect
-from agentstream.schemas import TASK, AvroCodec
+from agentstream.schemas import ROLLOUT_EVENT, TASK, AvroCodec
 from agentstream.schemas.container_file import container_file
 from agentstream.schemas.contracts import TRAIN_ATTRIBUTE
 from agentstream.schemas.span_writer import SpanBatchEncoder
@@ -514,3 +514,9 @@ def test_a_rollout_silent_past_the_idle_timeout_is_written_whole_once_its_spans_
              what="the whole rollout", equals=[("SUCCEEDED", 3, 2, 1.0)])
     assert query(client, f"SELECT span_id, reward FROM {db}.transitions FINAL ORDER BY step_index") == [
         ("slow-llm0", 1.0), ("slow-llm1", 1.0)]
+    trailing = CODEC.encode(ROLLOUT_EVENT, {"rollout_id": "slow", "attempt_id": "slow-1", "event": "HEARTBEAT",
+                                            "at_us": now_us(), "task_id": "task", "agent_name": "math"})
+    asyncio.run(produce(stack.bootstrap_servers, spans_topic, [(b"slow", trailing)]))  # sent as it ended
+    time.sleep(4.0)  # past idle_timeout_s and a store: a rollout it had opened would now be written TIMED_OUT
+    assert query(client, f"SELECT status FROM {db}.rollouts FINAL WHERE rollout_id = 'slow' "
+                         "ORDER BY updated_at DESC LIMIT 1") == [("SUCCEEDED",)]
