@@ -360,12 +360,16 @@ class rollout:
             await asyncio.sleep(self.heartbeat_s)
             self.event("HEARTBEAT")
 
+    def stop_heartbeat(self) -> None:
+        """Stop its heartbeats (``finish`` does); without an end event its silence then ends it."""
+        if self._heartbeat is not None:
+            self._heartbeat.cancel()
+            self._heartbeat = None
+
     def finish(self, status: str, error: str | None = None) -> None:
         """Close the root span and publish the terminal event (SUCCEEDED, FAILED, TIMED_OUT, CANCELLED)."""
         owner = self.state
-        if self._heartbeat is not None:  # before the terminal event, so no heartbeat follows it
-            self._heartbeat.cancel()
-            self._heartbeat = None
+        self.stop_heartbeat()  # before the terminal event, so no heartbeat follows it
         with _open_lock:
             _open_rollouts.pop(owner.attempt_id, None)
         owner._sink().publish(build_span(owner, owner.agent_name or "rollout", "AGENT", self._start_us, now_us(),

@@ -309,6 +309,9 @@ class Runner:
             self.stats.failed += 1
             if self.options.retry_on_exception:
                 await self._retry(task)
+        except asyncio.CancelledError:  # the runner stops: its task is delivered again, this attempt ends silent
+            scope.stop_heartbeat()
+            raise
 
     async def _call(self, payload: Any, state: Rollout) -> Any:
         assert not isinstance(self.agent, str)  # loaded before the first task is read

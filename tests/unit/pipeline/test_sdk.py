@@ -65,3 +65,23 @@ def test_a_rollout_entered_outside_an_event_loop_sends_no_heartbeat():
     with rollout("agent", sink=sink, heartbeat_s=0.01):
         pass
     assert [event["event"] for event in sink.events] == ["STARTED", "SUCCEEDED"]
+
+
+def test_a_stopped_heartbeat_sends_nothing_more_and_no_end():
+    """What a cancelled runner does with its attempt: the task runs again elsewhere, this one falls silent."""
+    import asyncio
+
+    sink = ListSink()
+
+    async def cancelled() -> None:
+        scope = rollout("agent", sink=sink, heartbeat_s=0.02)
+        scope.__enter__()
+        await asyncio.sleep(0.07)
+        scope.stop_heartbeat()
+        beats = len(sink.events)
+        await asyncio.sleep(0.1)
+        assert len(sink.events) == beats
+
+    asyncio.run(cancelled())
+    kinds = [event["event"] for event in sink.events]
+    assert kinds[0] == "STARTED" and set(kinds[1:]) == {"HEARTBEAT"} and len(kinds) >= 3
