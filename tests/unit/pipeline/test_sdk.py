@@ -2,6 +2,8 @@
 
 from __future__ import annotations
 
+import asyncio
+
 import pytest
 
 from agentstream.pipeline import sdk
@@ -45,8 +47,6 @@ def test_a_rollouts_key_is_its_api_key_and_stays_out_of_its_repr():
 
 def test_an_async_rollout_beats_while_open_and_never_after_its_end():
     """A model call slower than the stream processors' idle timeout must not read as a dead rollout."""
-    import asyncio
-
     sink = ListSink()
 
     async def handler() -> None:
@@ -69,8 +69,6 @@ def test_a_rollout_entered_outside_an_event_loop_sends_no_heartbeat():
 
 def test_a_stopped_heartbeat_sends_nothing_more_and_no_end():
     """What a cancelled runner does with its attempt: the task runs again elsewhere, this one falls silent."""
-    import asyncio
-
     sink = ListSink()
 
     async def cancelled() -> None:
