@@ -178,9 +178,13 @@ def copy_checkpoint(manifest: Manifest, source: CheckpointStore, target: Checkpo
     """
     folder = source.get(source.uri(checkpoint_name(manifest.model, manifest.version)))
     staging = target.staging()
-    for file in folder.iterdir():
-        if file.is_file() and file.name != MANIFEST:
-            shutil.copy2(file, staging / file.name)
+    try:
+        for file in folder.iterdir():
+            if file.is_file() and file.name != MANIFEST:
+                shutil.copy2(file, staging / file.name)
+    except BaseException:
+        shutil.rmtree(staging, ignore_errors=True)  # a full disk keeps no half copy (a model's size) behind
+        raise
     return write_checkpoint(target, staging, staging / manifest.weights_file, model=manifest.model,
                             version=manifest.version, step=manifest.step, format=manifest.format, offsets={},
                             trained_ids=[], metrics=manifest.metrics, sha256=manifest.sha256)

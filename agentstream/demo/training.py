@@ -43,6 +43,7 @@ from agentstream.demo.results import DemoReport, Evaluation, Snapshot, write_mar
 from agentstream.demo.warm_start import FOLDER as WARM_START_FOLDER
 from agentstream.demo.warm_start import (
     WarmStartMismatch,
+    WarmStartNotSaved,
     WarmStartPlan,
     WarmStartSettings,
     install_warm_start,
@@ -340,10 +341,13 @@ async def train_and_watch(session: TrainingSession, config: Config, endpoints, c
                           f"{agent.judged}, policy v{warmed.policy_version}); "
                           f"{'RL' if demo.objective == 'policy_gradient' else 'the supervised control'} from here")
             if to_save is not None:
-                kept = await asyncio.to_thread(warm.save, open_store(config.trainer.checkpoint_dir), to_save,
-                                               warm_seconds, before, warmed)
-                console.print(f"warm start saved in {kept}: start RL, or the control, from it again with "
-                              f"--warm-start-from {kept}")
+                try:
+                    kept = await asyncio.to_thread(warm.save, open_store(config.trainer.checkpoint_dir), to_save,
+                                                   warm_seconds, before, warmed)
+                    console.print(f"warm start saved in {kept}: start RL, or the control, from it again with "
+                                  f"--warm-start-from {kept}")
+                except WarmStartNotSaved as error:  # a copy for later runs: this run trains on without it
+                    console.print(f"[yellow]{error}; the demo goes on without it[/yellow]")
         wave_size = demo.group_size * demo.prompts_per_wave
         held = start = await asyncio.to_thread(served)
         queue = await PacedQueue(config, endpoints.bootstrap_servers,

@@ -48,6 +48,10 @@ class WarmStartNotServed(AgentstreamError, TimeoutError):
     """The server did not load the saved warm start the trainer started from."""
 
 
+class WarmStartNotSaved(AgentstreamError, OSError):
+    """The warm start could not be copied out (a full disk, most often); nothing of the copy is left behind."""
+
+
 @dataclass(frozen=True)
 class WarmStartSettings:
     """What a warm start depends on: a run starts from a saved one only where these are the same."""
@@ -117,12 +121,18 @@ def save_warm_start(folder: Path, checkpoints: CheckpointStore, record: WarmStar
     made it would have (started afresh, the first step moves every weight by the learning rate).
 
     A warm start saved earlier in ``folder`` is replaced; the record is written last, so a folder with one is
-    complete. Returns ``folder``.
+    complete. Returns ``folder``. Raises :class:`WarmStartNotSaved`, with ``folder`` removed, where the copy fails.
     """
     manifest = find_version(checkpoints, record.version)  # before the earlier one goes
     shutil.rmtree(folder, ignore_errors=True)
-    copy_checkpoint(manifest, checkpoints, FolderStore(folder))
-    (folder / RECORD).write_text(json.dumps(asdict(record), indent=2) + "\n")
+    try:
+        copy_checkpoint(manifest, checkpoints, FolderStore(folder))
+        (folder / RECORD).write_text(json.dumps(asdict(record), indent=2) + "\n")
+    except OSError as error:
+        shutil.rmtree(folder, ignore_errors=True)
+        free = shutil.disk_usage(folder.parent).free if folder.parent.exists() else 0
+        raise WarmStartNotSaved(f"the warm start was not saved in {folder}: {error.strerror or error} "
+                                f"({free / 1e9:.1f} GB free there)") from error
     return folder
 
 

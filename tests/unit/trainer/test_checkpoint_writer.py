@@ -8,6 +8,7 @@ from agentstream.trainer.checkpoint_writer import (
     CheckpointError,
     FolderStore,
     UnsupportedStore,
+    copy_checkpoint,
     find_version,
     keep_only_newest,
     manifests,
@@ -16,6 +17,7 @@ from agentstream.trainer.checkpoint_writer import (
     recent_trained_ids,
     write_checkpoint,
 )
+from tests.support.small_disk import SmallDisk
 
 
 def test_store_lists_prunes_and_remembers_trained_ids(tmp_path):
@@ -39,3 +41,22 @@ def test_store_lists_prunes_and_remembers_trained_ids(tmp_path):
     assert kept == ["checkpoint.json", "model.safetensors"]
     with pytest.raises(UnsupportedStore, match=r"storage\.googleapis\.com"):  # the way to GCS is named
         open_store("gs://bucket/checkpoints")
+
+
+def test_a_copy_the_disk_has_no_room_for_fails_and_leaves_no_staging_folder(tmp_path):
+    source = FolderStore(tmp_path / "run")
+    staging = source.staging()
+    (staging / "model.safetensors").write_bytes(b"w" * 64 * 1024)
+    manifest = write_checkpoint(source, staging, staging / "model.safetensors", model="m", version=3, step=6,
+                                format="full", offsets={}, trained_ids=[], metrics={})
+    disk = SmallDisk(tmp_path / "disk", 256 * 1024)
+    try:
+        target = FolderStore(disk.path / "copies")
+        disk.fill(leave_bytes=16 * 1024)
+        with pytest.raises(OSError, match="No space left on device"):
+            copy_checkpoint(manifest, source, target)
+        assert list(target.root.iterdir()) == []  # the half copy went with its staging folder
+        disk.free()
+        assert copy_checkpoint(manifest, source, target).version == 3
+    finally:
+        disk.unmount()

@@ -15,6 +15,7 @@ from agentstream.demo.training import warm_start_settings
 from agentstream.demo.warm_start import (
     RECORD,
     WarmStartMismatch,
+    WarmStartNotSaved,
     WarmStartPlan,
     WarmStartProgress,
     install_warm_start,
@@ -22,6 +23,7 @@ from agentstream.demo.warm_start import (
 )
 from agentstream.infra.config import load_config
 from agentstream.trainer.checkpoint_writer import CheckpointError, FolderStore, latest_manifest, write_checkpoint
+from tests.support.small_disk import SmallDisk
 
 MODEL = "HuggingFaceTB/SmolLM2-135M-Instruct"
 
@@ -119,6 +121,25 @@ def test_saving_again_replaces_the_saved_warm_start_and_a_save_that_cannot_be_ma
     assert load_warm_start(plan.save_to, plan.settings).version == 5  # the earlier one, whole
     plan.save(_run_store(tmp_path / "run-3", versions=(8,)), 8, 700.0, evaluation, evaluation)
     assert load_warm_start(plan.save_to, plan.settings).version == 8
+
+
+def test_a_warm_start_the_disk_has_no_room_for_is_a_named_error_and_leaves_no_half_copy(tmp_path):
+    """Seen in CI on 2026-12-05: a full disk stopped the demo with a traceback and left a 942 MB half copy behind."""
+    disk = SmallDisk(tmp_path / "disk", 256 * 1024)
+    try:
+        plan = WarmStartPlan(_plan(tmp_path).settings, {}, disk.path / "demo-output" / "warm-start")
+        evaluation = Evaluation(0, 0, 0, 0, 64)
+        run = _run_store(tmp_path / "run", versions=(8,))
+        disk.fill(leave_bytes=0)
+        with pytest.raises(WarmStartNotSaved, match=f"not saved in {plan.save_to}: No space left on device "
+                                                    r"\(0.0 GB free there\)"):
+            plan.save(run, 8, 700.0, evaluation, evaluation)
+        assert not plan.save_to.exists()
+        disk.free()
+        plan.save(run, 8, 700.0, evaluation, evaluation)  # with room, the same save is made
+        assert load_warm_start(plan.save_to, plan.settings).version == 8
+    finally:
+        disk.unmount()
 
 
 def test_the_demo_starts_from_a_saved_warm_start_only_for_one_agent_that_has_one(tmp_path, monkeypatch):
