@@ -88,8 +88,10 @@ def stack(stack_config: Config) -> Endpoints:
     running = Stack(stack_config)
     endpoints = running.up(timeout_s=60, progress=lambda line: None)
     yield endpoints
-    stop_worker_stacks()
-    running.down(progress=lambda line: None)
+    try:
+        stop_worker_stacks()
+    finally:  # the session's broker and ClickHouse stop even where a test's home went first
+        running.down(progress=lambda line: None)
 
 
 @pytest.fixture(scope="session")
