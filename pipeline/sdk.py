@@ -15,6 +15,8 @@ from __future__ import annotations
 import asyncio
 import contextvars
 import json
+import logging
+import os
 import threading
 import time
 import traceback
@@ -27,6 +29,8 @@ from urllib.parse import quote
 from agentstream.schemas.contracts import TRAIN_ATTRIBUTE, resolve_reward
 from agentstream.schemas.errors import AgentstreamError
 from agentstream.schemas.records import RolloutEventRecord, SpanRecord
+
+log = logging.getLogger(__name__)
 
 UNUSED_API_KEY = "unused"  # what an OpenAI client sends to a proxy that asks for no key
 
@@ -102,6 +106,56 @@ _open_lock = threading.Lock()
 
 HEARTBEAT_S = 5.0
 """How often an open rollout scope says it is alive, well inside the stream processors' ``idle_timeout_s`` (30 s)."""
+
+
+class _ThreadHeartbeats:
+    """The heartbeats of rollout scopes entered outside any event loop (a WSGI handler, a script): one daemon
+    thread beats for all of them, so a thousand open requests cost one thread, not a thousand."""
+
+    def __init__(self) -> None:
+        self._due: dict[int, tuple[float, rollout]] = {}  # by id(scope): when its next beat is due
+        self._changed = threading.Condition()
+        self._thread: threading.Thread | None = None
+
+    def forget(self) -> None:
+        """Start afresh in a forked child: its parent's thread, lock and scopes did not come along as they were."""
+        self._due, self._changed, self._thread = {}, threading.Condition(), None
+
+    def add(self, scope: rollout) -> None:
+        with self._changed:
+            self._due[id(scope)] = (time.monotonic() + scope.heartbeat_s, scope)
+            if self._thread is None:
+                self._thread = threading.Thread(target=self._run, name="agentstream-heartbeats", daemon=True)
+                self._thread.start()
+            self._changed.notify()
+
+    def remove(self, scope: rollout) -> None:
+        """Once this returns, no beat of ``scope`` is in flight or will come (beats are sent under the lock)."""
+        with self._changed:
+            self._due.pop(id(scope), None)
+
+    def _run(self) -> None:
+        with self._changed:
+            while True:
+                now = time.monotonic()
+                for key, (due, scope) in list(self._due.items()):
+                    if due <= now:
+                        self._beat(key, scope, now)
+                soonest = min((due for due, _ in self._due.values()), default=None)
+                self._changed.wait(None if soonest is None else max(0.0, soonest - time.monotonic()))
+
+    def _beat(self, key: int, scope: rollout, now: float) -> None:
+        try:
+            scope.event("HEARTBEAT")
+        except Exception as error:  # a closed or missing sink: that scope beats no more, the others go on
+            log.warning("rollout %s: heartbeat not sent, no more will be: %s", scope.state.attempt_id, error)
+            del self._due[key]
+            return
+        self._due[key] = (now + scope.heartbeat_s, scope)
+
+
+_thread_heartbeats = _ThreadHeartbeats()
+os.register_at_fork(after_in_child=_thread_heartbeats.forget)
 
 
 def set_sink(sink: SpanSink | None) -> None:
@@ -316,10 +370,10 @@ class rollout:
     matching credit rule's ``sample_rate`` decide. ``proxy_key`` is the key its LLM calls present to
     the proxy (:meth:`Rollout.llm_api_key`).
 
-    Entered on a running event loop, it publishes a HEARTBEAT event every ``heartbeat_s`` until it
-    finishes, so a model or tool call slower than the stream processors' ``idle_timeout_s`` does not
-    read as a dead rollout. A scope entered outside any event loop sends none: keep its silences
-    under ``[streams] idle_timeout_s``.
+    It publishes a HEARTBEAT event every ``heartbeat_s`` until it finishes, so a model or tool call
+    slower than the stream processors' ``idle_timeout_s`` does not read as a dead rollout: from a task
+    on the event loop it was entered on, or, entered outside any event loop, from one thread shared by
+    all such scopes. ``heartbeat_s`` 0 sends none.
     """
 
     def __init__(self, agent_name: str | None = None, *, rollout_id: str | None = None, attempt_id: str | None = None,
@@ -349,10 +403,11 @@ class rollout:
         with _open_lock:
             _open_rollouts[self.state.attempt_id] = self.state
         self.event("STARTED")
-        try:
-            self._heartbeat = asyncio.get_running_loop().create_task(self._beat())
-        except RuntimeError:  # no event loop in this thread: nothing to beat on
-            pass
+        if self.heartbeat_s > 0:
+            try:
+                self._heartbeat = asyncio.get_running_loop().create_task(self._beat())
+            except RuntimeError:  # no event loop in this thread
+                _thread_heartbeats.add(self)
         return self.state
 
     async def _beat(self) -> None:
@@ -360,26 +415,36 @@ class rollout:
             await asyncio.sleep(self.heartbeat_s)
             self.event("HEARTBEAT")
 
-    def stop_heartbeat(self) -> None:
-        """Stop its heartbeats (``finish`` does); without an end event its silence then ends it."""
-        if self._heartbeat is not None:
-            self._heartbeat.cancel()
-            self._heartbeat = None
+    def abandon(self) -> None:
+        """End the scope without an end event (a cancelled runner attempt, run again elsewhere): no more heartbeats,
+        no longer an open rollout of this process; its silence then ends it in the stream processors."""
+        self._stop_heartbeat()
+        self._close()
 
     def finish(self, status: str, error: str | None = None) -> None:
         """Close the root span and publish the terminal event (SUCCEEDED, FAILED, TIMED_OUT, CANCELLED)."""
         owner = self.state
-        self.stop_heartbeat()  # before the terminal event, so no heartbeat follows it
-        with _open_lock:
-            _open_rollouts.pop(owner.attempt_id, None)
+        self._stop_heartbeat()  # before the terminal event, so no heartbeat follows it
+        self._close()
         owner._sink().publish(build_span(owner, owner.agent_name or "rollout", "AGENT", self._start_us, now_us(),
                                          span_id=owner.root_span_id, status="OK" if status == "SUCCEEDED" else "ERROR",
                                          status_message=error))
         self.event(status, error)
+
+    def _stop_heartbeat(self) -> None:
+        if self._heartbeat is not None:
+            self._heartbeat.cancel()
+            self._heartbeat = None
+        else:
+            _thread_heartbeats.remove(self)
+
+    def _close(self) -> None:
+        with _open_lock:
+            _open_rollouts.pop(self.state.attempt_id, None)
         if self._token is not None:
             try:
                 _current_rollout.reset(self._token)
-            except ValueError:  # finished from another context (the runner's timeout path)
+            except ValueError:  # closed from another context (the runner's timeout path)
                 pass
             self._token = None
 

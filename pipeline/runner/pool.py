@@ -310,7 +310,7 @@ class Runner:
             if self.options.retry_on_exception:
                 await self._retry(task)
         except asyncio.CancelledError:  # the runner stops: its task is delivered again, this attempt ends silent
-            scope.stop_heartbeat()
+            scope.abandon()
             raise
 
     async def _call(self, payload: Any, state: Rollout) -> Any:

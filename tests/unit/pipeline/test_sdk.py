@@ -3,6 +3,9 @@
 from __future__ import annotations
 
 import asyncio
+import os
+import threading
+import time
 
 import pytest
 
@@ -60,26 +63,103 @@ def test_an_async_rollout_beats_while_open_and_never_after_its_end():
     assert set(kinds[1:-1]) == {"HEARTBEAT"} and len(kinds) - 2 >= 3
 
 
-def test_a_rollout_entered_outside_an_event_loop_sends_no_heartbeat():
+def test_rollouts_entered_outside_an_event_loop_beat_from_one_thread_each_on_its_own_and_never_after_its_end():
+    """A synchronous handler (a WSGI server's thread) waiting on a slow model call is alive too."""
+    sinks = [ListSink(), ListSink()]
+    threads_before = threading.active_count()
+
+    def handler(sink: ListSink, seconds: float) -> None:
+        with rollout("agent", sink=sink, heartbeat_s=0.02):
+            time.sleep(seconds)
+
+    handlers = [threading.Thread(target=handler, args=(sinks[0], 0.2)),
+                threading.Thread(target=handler, args=(sinks[1], 0.1))]
+    for thread in handlers:
+        thread.start()
+    for thread in handlers:
+        thread.join()
+    ended = [len(sink.events) for sink in sinks]
+    time.sleep(0.1)  # beats due now must not come after the ends
+    assert [len(sink.events) for sink in sinks] == ended
+    for sink, least in zip(sinks, (6, 3), strict=True):
+        kinds = [event["event"] for event in sink.events]
+        assert kinds[0] == "STARTED" and kinds[-1] == "SUCCEEDED"
+        assert set(kinds[1:-1]) == {"HEARTBEAT"} and len(kinds) - 2 >= least, kinds
+        assert len({event["attempt_id"] for event in sink.events}) == 1
+    assert threading.active_count() <= threads_before + 1  # the one heartbeat thread, whatever the scopes
+
+
+def test_a_scope_whose_sink_fails_stops_beating_and_the_others_beat_on():
+    class ClosedSink(ListSink):
+        def publish_event(self, event: dict) -> None:
+            if event["event"] == "HEARTBEAT":
+                raise RuntimeError("publisher closed")
+            super().publish_event(event)
+
+    closed, sink = ClosedSink(), ListSink()
+    with rollout("agent", sink=closed, heartbeat_s=0.02), rollout("agent", sink=sink, heartbeat_s=0.02):
+        time.sleep(0.15)
+    assert [event["event"] for event in closed.events] == ["STARTED", "SUCCEEDED"]
+    assert [event["event"] for event in sink.events].count("HEARTBEAT") >= 3
+
+
+def test_a_heartbeat_of_0_sends_none():
     sink = ListSink()
-    with rollout("agent", sink=sink, heartbeat_s=0.01):
-        pass
-    assert [event["event"] for event in sink.events] == ["STARTED", "SUCCEEDED"]
+
+    async def handler() -> None:
+        async with rollout("agent", sink=sink, heartbeat_s=0):
+            await asyncio.sleep(0.05)
+
+    asyncio.run(handler())
+    with rollout("agent", sink=sink, heartbeat_s=0):
+        time.sleep(0.05)
+    assert [event["event"] for event in sink.events] == ["STARTED", "SUCCEEDED"] * 2
 
 
-def test_a_stopped_heartbeat_sends_nothing_more_and_no_end():
-    """What a cancelled runner does with its attempt: the task runs again elsewhere, this one falls silent."""
+@pytest.mark.parametrize("on_a_loop", [True, False])
+def test_an_abandoned_scope_sends_nothing_more_no_end_and_is_no_longer_open(on_a_loop):
+    """What a cancelled runner does with its attempt: the task runs again elsewhere, this one falls silent. Left
+    open, it was the process's "only open rollout" that spans emitted outside any rollout went to."""
     sink = ListSink()
+    scope = rollout("agent", sink=sink, heartbeat_s=0.02)
+    beats_at_abandon = []
 
-    async def cancelled() -> None:
-        scope = rollout("agent", sink=sink, heartbeat_s=0.02)
+    def abandon() -> None:
+        scope.abandon()
+        assert sdk.current_rollout() is None
+        beats_at_abandon.append(len(sink.events))
+
+    async def on_loop() -> None:
         scope.__enter__()
         await asyncio.sleep(0.07)
-        scope.stop_heartbeat()
-        beats = len(sink.events)
+        abandon()
         await asyncio.sleep(0.1)
-        assert len(sink.events) == beats
 
-    asyncio.run(cancelled())
+    if on_a_loop:
+        asyncio.run(on_loop())
+    else:
+        scope.__enter__()
+        time.sleep(0.07)
+        abandon()
+        time.sleep(0.1)
+    assert len(sink.events) == beats_at_abandon[0]
     kinds = [event["event"] for event in sink.events]
     assert kinds[0] == "STARTED" and set(kinds[1:]) == {"HEARTBEAT"} and len(kinds) >= 3
+
+
+def test_a_forked_worker_beats_from_its_own_thread():
+    """A pre-forking server (gunicorn) forks workers from a process whose heartbeat thread does not follow them."""
+    with rollout("agent", sink=ListSink(), heartbeat_s=0.02):
+        pass  # the parent's heartbeat thread is running
+    read, write = os.pipe()
+    child = os.fork()
+    if child == 0:
+        sink = ListSink()
+        with rollout("agent", sink=sink, heartbeat_s=0.02):
+            time.sleep(0.1)
+        os.write(write, str([event["event"] for event in sink.events].count("HEARTBEAT")).encode())
+        os._exit(0)
+    os.close(write)
+    beats = os.read(read, 16)
+    os.waitpid(child, 0)
+    assert int(beats) >= 2
