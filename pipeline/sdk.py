@@ -112,13 +112,15 @@ class _ThreadHeartbeats:
     """The heartbeats of rollout scopes entered outside any event loop (a WSGI handler, a script): one daemon
     thread beats for all of them, so a thousand open requests cost one thread, not a thousand."""
 
+    _due: dict[int, tuple[float, rollout]]  # by id(scope): when its next beat is due
+    _changed: threading.Condition
+    _thread: threading.Thread | None
+
     def __init__(self) -> None:
-        self._due: dict[int, tuple[float, rollout]] = {}  # by id(scope): when its next beat is due
-        self._changed = threading.Condition()
-        self._thread: threading.Thread | None = None
+        self.forget()
 
     def forget(self) -> None:
-        """Start afresh in a forked child: its parent's thread, lock and scopes did not come along as they were."""
+        """Start afresh (in a forked child: its parent's thread, lock and scopes did not come along as they were)."""
         self._due, self._changed, self._thread = {}, threading.Condition(), None
 
     def add(self, scope: rollout) -> None:
