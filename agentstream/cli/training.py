@@ -15,7 +15,7 @@ from agentstream.stack.control import Stack
 
 @click.command()
 @click.option("--quick", is_flag=True, default=None, help="The quick mode (same as DEMO_QUICK=1).")
-@click.option("--seconds", type=float, default=None,
+@click.option("--seconds", type=click.FloatRange(min=0, min_open=True), default=None,
               help="Seconds of RL (default: demo.seconds, 900; the warm start and held-out evaluations are "
               "off this clock), or of live traffic with --online "
               "(demo.online_seconds, 1020).")
@@ -85,11 +85,11 @@ def demo(ctx: click.Context, quick: bool | None, seconds: float | None, steps: i
             raise click.UsageError("--steps is the training demo's budget instead of --seconds; the online demo "
                                    "runs for seconds")
         config = replace(config, demo=replace(config.demo, steps=steps))
-    if online and seconds:
+    if online and seconds is not None:
         config = replace(config, demo=replace(config.demo, online_seconds=seconds))
     elif quick is not None or seconds is not None:
         demo_config = replace(config.demo, quick=bool(quick) or config.demo.quick)
-        if seconds:
+        if seconds is not None:
             demo_config = replace(demo_config, seconds=seconds, quick_seconds=seconds)
         config = replace(config, demo=demo_config)
     signal.signal(signal.SIGTERM, _interrupt)  # stop like Ctrl-C: everything the demo started goes down

@@ -134,15 +134,19 @@ class DemoConfig:
         """What ends a budget in steps that no version moves any more (a budget in seconds ends on its own)."""
         return StallWatch(self.stall_limit_s if self.steps else None)
 
-    def check_warm_start_source(self, several: bool = False) -> None:
-        """Refuse warm-start settings the run would ignore: they are set apart (a file, then a flag), so checked here.
+    def refuse_ignored_settings(self, several: bool = False) -> None:
+        """Refuse settings the run would ignore: they come apart (a file, then a flag), so are checked together here.
 
         ``warm_start_momentum = false`` acts only on a saved warm start (``warm_start_from``): a run that makes its
-        own warm start carries the momentum on in the same optimizer. Several agents make their own warm starts.
+        own warm start carries the momentum on in the same optimizer. Several agents make their own warm starts,
+        and train by RL: the supervised control is measured for one agent.
         """
         check = Checks("demo", self)
         check.must("warm_start_from", not (several and self.warm_start_from),
                    "be empty for several agents at once (each makes its own warm start)")
+        check.must("objective", not several or self.objective == "policy_gradient",
+                   "be policy_gradient for several agents at once (run the supervised control for one agent: "
+                   "--agent word-problems --objective supervised)")
         check.must("warm_start_momentum", self.warm_start_momentum or bool(self.warm_start_from),
                    "stay true unless the run starts from a saved warm start (warm_start_from, --warm-start-from): "
                    "a run that makes its own carries the momentum on in the same optimizer")
@@ -151,6 +155,7 @@ class DemoConfig:
         check = Checks("demo", self)
         check.above("seconds", 0)
         check.above("quick_seconds", 0)
+        check.above("online_seconds", 0)
         check.at_least("steps", 0)
         check.above("stall_limit_s", 0)
         check.above("eval_every_s", 0)

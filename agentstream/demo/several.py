@@ -256,7 +256,7 @@ async def _rl(session: TrainingSession, config: Config, paced: list[tuple[Learne
 
 def run_several(config: Config, agents: list[str], console: Console | None = None) -> SeveralReport:
     """Train ``agents`` (names of :data:`AGENTS`) at once on one base model; returns (and writes) the report."""
-    config.demo.check_warm_start_source(several=True)
+    config.demo.refuse_ignored_settings(several=True)
     chosen = [as_adapter(AGENTS[name]) for name in agents]
     console = console or product_console()
     started = time.monotonic()

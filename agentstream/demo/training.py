@@ -428,7 +428,7 @@ def run_demo(config: Config, console: Console | None = None, snapshots: Path | N
 
     ``snapshots``: a folder for the served weights over time.
     """
-    config.demo.check_warm_start_source()
+    config.demo.refuse_ignored_settings()
     agent = on_framework(AGENTS[agent] if isinstance(agent, str) else agent, framework)
     console = console or product_console()
     started = time.monotonic()

@@ -126,11 +126,26 @@ def test_an_agents_served_version_is_its_own_newest_adapter_not_another_agents()
         server.server_close()
 
 
-def test_the_demo_refuses_an_unknown_or_repeated_agent_and_agents_with_another_mode():
+def test_the_demo_refuses_an_unknown_or_repeated_agent_agents_with_another_mode_and_no_seconds():
     for args, problem in [(["--agents", "arithmetic,chess"], "chess: name agents among"),
                           (["--agents", ","], "no agent: name agents among"),
                           (["--agents", "arithmetic,arithmetic"], "each agent once"),
                           (["--agents", "arithmetic,calculator", "--online"], "leave out --agent"),
-                          (["--agents", "arithmetic", "--agent", "calculator"], "leave out --agent")]:
+                          (["--agents", "arithmetic", "--agent", "calculator"], "leave out --agent"),
+                          (["--agents", "arithmetic", "--seconds", "0"], "0.0 is not in the range x>0"),
+                          (["--agent", "calculator", "--seconds", "-5"], "-5.0 is not in the range x>0"),
+                          (["--online", "--seconds", "0"], "0.0 is not in the range x>0")]:
         result = CliRunner().invoke(main, ["demo", *args])
         assert result.exit_code == 2 and problem in result.output, (args, result.output)
+
+
+def test_several_agents_refuse_the_supervised_control_from_the_flag_or_the_file(tmp_path, monkeypatch):
+    """Several agents train by RL; the control was ignored and the run called RL before this refusal."""
+    monkeypatch.setenv("AGENTSTREAM_HOME", str(tmp_path / "home"))  # the run's folder; no stack starts
+    settings = tmp_path / "settings.toml"
+    settings.write_text('[demo]\nobjective = "supervised"\n')
+    for args in (["demo", "--agents", "arithmetic,calculator", "--objective", "supervised"],
+                 ["--config", str(settings), "demo", "--agents", "calculator"]):
+        result = CliRunner().invoke(main, args)
+        assert result.exit_code == 1, result.output
+        assert "demo.objective must be policy_gradient for several agents at once" in result.output
