@@ -156,6 +156,8 @@ class SpanProcessor(Stage[SpanBatch]):
         self.recheck: dict[str, Recheck] = {}  # awaiting rollouts that got new spans or their end meanwhile
         self.next_expiry_s = float("inf")  # no waiting rollout expires before this
         self.readers: dict[int, SpanReader[SpanNode]] = {}
+        # per batch applied and not inserted yet (ingest_interval_s), its spans by rollout: a read-back adds them
+        self.unstored: dict[int, dict[str, list[SpanNode]]] = {}
         self.groups_topic = topic_name(config.topics, "streams.groups")
         self.dlq_topic = topic_name(config.topics, "dlq")
 
@@ -201,17 +203,21 @@ class SpanProcessor(Stage[SpanBatch]):
         so no commit passes a span that is not in ClickHouse.
         """
         now = self.clock()
+        unstored: dict[str, list[SpanNode]] = {}
         for record, payload in batch.in_order:
             if isinstance(payload, dict):
                 self._apply_event(record, payload, now)
                 continue
             # sort_records dead-letters a span record without a key, so it is bytes here (no per-span check)
             rollout_id = record.key.decode("utf-8", "replace")  # type: ignore[union-attr]
+            unstored.setdefault(rollout_id, []).extend(payload)
             self.counters.spans_records += 1
             if rollout_id in self.awaiting:
                 self.recheck.setdefault(rollout_id, Recheck()).spans.extend(payload)
             elif rollout_id not in self.closed and self.tracker.on_spans(rollout_id, record, now, payload):
                 self.holder.hold(record)
+        if unstored:
+            self.unstored[id(batch)] = unstored
 
     def _apply_event(self, record: RawRecord, event: RolloutEventRecord, now: float) -> None:
         self.counters.events += 1
@@ -240,6 +246,8 @@ class SpanProcessor(Stage[SpanBatch]):
             for schema_id, read in batch.spans.items():
                 spans.setdefault(schema_id, []).extend(read)
         await self._ingest_spans(spans, schemas, dead)
+        for batch in batches:
+            self.unstored.pop(id(batch), None)
         for record, error in dead:
             await self._dead_letter(record, error)
         if dead:
@@ -292,7 +300,8 @@ class SpanProcessor(Stage[SpanBatch]):
         if not (due or rechecked or expired):
             return
         stored_ids = [rollout.rollout_id for rollout in due if not rollout.seen_from_start] + list(rechecked)
-        stored = await read_stored_spans(self.reads, self.database, stored_ids) if stored_ids else {}
+        stored = self._with_unstored(await read_stored_spans(self.reads, self.database, stored_ids)
+                                     if stored_ids else {}, stored_ids)
         self.counters.rollouts_read_back += len(stored_ids)
         rows: list[RolloutRow] = []
         finished: list[Finished] = []
@@ -314,6 +323,19 @@ class SpanProcessor(Stage[SpanBatch]):
             rows.append(self._expired_row(waiting.row))
         datums = await self._emit_transitions(finished)
         await self.sink.put(Completion(rows, datums, [rollout.held for rollout in due]))
+
+    def _with_unstored(self, stored: dict[str, list[SpanNode]], rollout_ids: list[str]) -> dict[str, list[SpanNode]]:
+        """Spans read back from ClickHouse, and those of these rollouts applied but not inserted yet.
+
+        A rollout is read back when it was cut (a silence, a late end event); its spans of the last
+        ``ingest_interval_s`` may still wait for their insert, and without them a late end event
+        rewrote a whole rollout as the fragment ClickHouse held.
+        """
+        for by_rollout in self.unstored.values():
+            for rollout_id in rollout_ids:
+                if rollout_id in by_rollout:
+                    stored[rollout_id] = union(stored.get(rollout_id, []), by_rollout[rollout_id])
+        return stored
 
     def _expired(self, now: float, rechecked: dict[str, Recheck]) -> list[str]:
         """The waiting rollouts whose wait is over; the scan runs only once the earliest expiry has come."""

@@ -524,3 +524,35 @@ def test_a_rollout_silent_past_the_idle_timeout_is_written_whole_once_its_spans_
     time.sleep(4.0)  # past idle_timeout_s and a store: a rollout it had opened would now be written TIMED_OUT
     assert query(client, f"SELECT status FROM {db}.rollouts FINAL WHERE rollout_id = 'slow' "
                          "ORDER BY updated_at DESC LIMIT 1") == [("SUCCEEDED",)]
+
+
+def test_an_end_event_after_the_spans_that_completed_its_rollout_rewrites_it_with_spans_not_inserted_yet(setup, stack):
+    """A waiting rollout's last spans come in one batch, its end event in the next: the spans rewrite it whole, then
+    the end event reads it back from ClickHouse, which holds those spans only after ``ingest_interval_s``. It was
+    rewritten from what ClickHouse held (one call, no reward: AWAITING_REWARD, later EXPIRED): CI saw it twice."""
+    env, tag, client, workers = setup
+    db, spans_topic = f"streams_{tag}", f"s{tag}.spans"
+    config_path = env_path(env) / "agentstream.toml"
+    config_path.write_text(config_path.read_text().replace("reward_expiry_s = 4", "reward_expiry_s = 60\n"
+                                                            "ingest_interval_s = 6"))  # spans wait 6 s for ClickHouse
+    workers.append(Worker(env, env_path(env) / "worker.log").start())
+    batch, succeeded = rollout_records("late", agent="math", llm_at=[0, 20_000], rewards=[(30_000, 1.0)],
+                                       started=False)
+    spans = CODEC.decode(batch)[1]["spans"]
+
+    def latest(since_us: int = 0):
+        return query(client, f"SELECT status, span_count, llm_calls, final_reward FROM {db}.rollouts FINAL "
+                             f"WHERE rollout_id = 'late' AND toUnixTimestamp64Micro(updated_at) > {since_us} "
+                             "ORDER BY updated_at DESC LIMIT 1")
+
+    asyncio.run(produce(stack.bootstrap_servers, spans_topic, [(b"late", CODEC.encode_span_batch(spans[:1]))]))
+    wait_for(latest, 20, what="the first call, silent past the idle timeout, waiting for its reward",
+             equals=[("AWAITING_REWARD", 1, 1, None)])
+    asyncio.run(produce(stack.bootstrap_servers, spans_topic, [(b"late", CODEC.encode_span_batch(spans[1:]))]))
+    wait_for(latest, 20, what="the rollout rechecked with its reward", equals=[("SUCCEEDED", 3, 2, 1.0)])
+    ended_us = now_us()
+    asyncio.run(produce(stack.bootstrap_servers, spans_topic, [(b"late", succeeded)]))
+    wait_for(lambda: latest(ended_us), 20, what="the rollout rewritten at its end event",
+             equals=[("SUCCEEDED", 3, 2, 1.0)])
+    assert query(client, f"SELECT span_id, reward FROM {db}.transitions FINAL ORDER BY step_index") == [
+        ("late-llm0", 1.0), ("late-llm1", 1.0)]
