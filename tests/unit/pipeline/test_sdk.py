@@ -178,7 +178,7 @@ def test_a_forked_worker_beats_from_its_own_thread():
     child = os.fork()
     if child == 0:
         sink = ListSink()
-        with rollout("agent", sink=sink, heartbeat_s=0.02):
+        with rollout("agent", sink=sink, heartbeat_s=0.02):  # no wait_for_beats: an assert here would skip _exit
             deadline = time.monotonic() + PATIENCE_S
             while beats(sink) < 2 and time.monotonic() < deadline:
                 time.sleep(0.01)
